@@ -1,0 +1,103 @@
+"""Run one generation and gather everything it measured into the bench JSON contract.
+
+The CLI, benchmarks and tests consume this; the keys are documented in the README.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import asdict
+from importlib import metadata
+
+import engine
+from engine.cancel import CancelToken
+from engine.events import Finished, GenerationEvent, Prefilled, TokenGenerated
+from engine.loading import LoadedModel
+from engine.request import GenerationRequest
+
+_PACKAGES = ("torch", "transformers", "accelerate", "bitsandbytes", "gguf", "safetensors",
+             "huggingface_hub", "tokenizers", "numpy", "psutil")
+
+
+def versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {"inference_workbench": engine.__version__,
+                                    "python": sys.version.split()[0], "platform": platform.platform()}
+    for name in _PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def run(loaded: LoadedModel, request: GenerationRequest, cancel: CancelToken | None = None,
+        on_event: Callable[[GenerationEvent], None] | None = None) -> dict:
+    """Generate, passing each event to ``on_event``; return the bench report."""
+    prefilled: Prefilled | None = None
+    tokens: list[TokenGenerated] = []
+    finished: Finished | None = None
+    for event in loaded.generate(request, cancel):
+        if on_event is not None:
+            on_event(event)
+        if isinstance(event, TokenGenerated):
+            tokens.append(event)
+        elif isinstance(event, Prefilled):
+            prefilled = event
+        elif isinstance(event, Finished):
+            finished = event
+    assert finished is not None, "the stream always ends with Finished"
+    return report(loaded, request, prefilled, tokens, finished)
+
+
+def report(loaded: LoadedModel, request: GenerationRequest, prefilled: Prefilled | None,
+           tokens: list[TokenGenerated], finished: Finished) -> dict:
+    info = loaded.info
+    finished_fields = {k: v for k, v in asdict(finished).items() if k not in ("token_ids", "text")}
+    return {
+        "model": info.name,
+        "model_ref": info.path if info.source != "default" else "default",
+        "source": info.source,
+        "original_format": info.original_format,
+        "precision": info.precision,
+        "device": info.device,
+        "device_name": info.device_name,
+        "parameters": info.parameters,
+        "weights_bytes": info.weights_bytes,
+        "load_s": info.load_s,
+        "prompt_tokens": finished.prompt_tokens,
+        "token_ids": list(finished.token_ids),
+        "text": finished.text,
+        "finish_reason": finished.reason,
+        "stop_string": finished.stop_string,
+        "ttft_s": finished.ttft_s,
+        "prefill_s": prefilled.prefill_s if prefilled else None,
+        "prefill_tokens_per_s": prefilled.prefill_tokens_per_s if prefilled else None,
+        "decode_s": finished.decode_s,
+        "decode_tokens_per_s": finished.decode_tokens_per_s,
+        "total_s": finished.total_s,
+        "per_token_latency_s": [t.latency_s for t in tokens],
+        "elapsed_s_series": [t.elapsed_s for t in tokens],
+        "logprobs": [t.logprob for t in tokens],
+        "kv_cache_bytes": finished.kv_cache_bytes,
+        "kv_cache_bytes_predicted": finished.kv_cache_bytes_predicted,
+        "kv_cache_bytes_series": [t.kv_cache_bytes for t in tokens],
+        "kv_cache_bytes_predicted_series": [t.kv_cache_bytes_predicted for t in tokens],
+        "kv_bytes_per_token": info.kv_bytes_per_token,
+        "rss_bytes_series": [t.memory.rss_bytes for t in tokens],
+        "device_allocated_bytes_series": [t.memory.device_allocated_bytes for t in tokens],
+        "peak_memory_bytes": finished.peak_memory_bytes,
+        "peak_rss_bytes": finished.peak_rss_bytes,
+        "request": {
+            "mode": request.mode,
+            "system_prompt": request.system_prompt,
+            "max_new_tokens": request.max_new_tokens,
+            "stop": list(request.stop),
+            "ignore_eos": request.ignore_eos,
+            "sampling": asdict(request.sampling),
+        },
+        "loaded": asdict(info),
+        "finished": finished_fields,
+        "versions": versions(),
+    }

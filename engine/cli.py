@@ -1,0 +1,210 @@
+"""``inference-workbench`` on the command line: ``bench`` and ``models``.
+
+Errors end the program with one line on stderr and a non-zero exit code; ``--debug``
+shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from engine.errors import EngineError, InvalidRequestError
+from engine.units import format_bytes, format_count, format_rate, format_seconds
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from engine.precision import PRECISIONS
+
+    parser = _Parser(prog="inference-workbench",
+                     description="See what happens behind an LLM API call, measured live.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    bench = sub.add_parser("bench", help="load a model, generate once, print what it cost")
+    bench.add_argument("--model", default="default",
+                       help="'default', a folder, a .gguf file or a hub id (default: %(default)s)")
+    bench.add_argument("--precision", default="fp32", choices=list(PRECISIONS))
+    bench.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    source = bench.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="the prompt; '-' reads standard input")
+    source.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
+    bench.add_argument("--system", help="system prompt (chat mode)")
+    bench.add_argument("--raw", action="store_true", help="continue the text as is, no chat template")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--greedy", action="store_true", help="always pick the most likely token (the default)")
+    bench.add_argument("--temperature", type=float, default=None, help="> 0 samples")
+    bench.add_argument("--top-k", type=int, default=0)
+    bench.add_argument("--top-p", type=float, default=1.0)
+    bench.add_argument("--min-p", type=float, default=0.0)
+    bench.add_argument("--repetition-penalty", type=float, default=1.0)
+    bench.add_argument("--seed", type=int, default=None)
+    bench.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    bench.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
+    bench.add_argument("--json", type=Path, help="write the full report here")
+    bench.add_argument("--quiet", action="store_true", help="don't stream the answer")
+    bench.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub")
+    bench.add_argument("--trust-remote-code", action="store_true",
+                       help="run Python code shipped with a hub model (only if you trust it)")
+    bench.add_argument("--allow-pickle", action="store_true",
+                       help="read pickle .bin checkpoints, which can run code (only if you trust them)")
+
+    sub.add_parser("models", help="list the default model and models in the Hugging Face cache")
+    return parser
+
+
+def _read_prompt(args) -> str:
+    if args.prompt_file is not None:
+        try:
+            return args.prompt_file.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise InvalidRequestError(f"Can't read the prompt file: {exc}") from exc
+    if args.prompt == "-" or (args.prompt is None and not sys.stdin.isatty()):
+        return sys.stdin.read()
+    if args.prompt is None:
+        raise InvalidRequestError("No prompt: pass --prompt TEXT, --prompt-file FILE, or pipe it in.")
+    return args.prompt
+
+
+class _LoadPrinter:
+    """Prints loading stages to stderr, one line per stage."""
+
+    def __init__(self) -> None:
+        self._stage = None
+
+    def __call__(self, event) -> None:
+        if event.stage != self._stage:
+            self._stage = event.stage
+            print(f"  {event.stage:<9} {event.message}", file=sys.stderr, flush=True)
+
+
+def _bench(args) -> int:
+    from engine import bench
+    from engine.cancel import CancelToken
+    from engine.events import TokenGenerated
+    from engine.loading import LoadRequest, load_model
+    from engine.request import GenerationRequest
+    from engine.sampling import SamplingParams
+
+    if args.greedy and args.temperature not in (None, 0):
+        raise InvalidRequestError("--greedy and --temperature > 0 contradict each other.")
+    sampling = SamplingParams(temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p,
+                              min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+    request = GenerationRequest(
+        prompt=_read_prompt(args), mode="raw" if args.raw else "chat", system_prompt=args.system,
+        sampling=sampling, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    ).validated()
+
+    print(f"Loading {args.model} ({args.precision}) …", file=sys.stderr, flush=True)
+    loaded = load_model(
+        LoadRequest(model=args.model, precision=args.precision, device=args.device,
+                    trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle,
+                    offline=True if args.offline else None),
+        progress=_LoadPrinter(),
+    )
+    loaded.encode(request)  # refuse an over-long prompt before printing anything else
+
+    def on_event(event) -> None:
+        if not args.quiet and isinstance(event, TokenGenerated):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+
+    cancel = CancelToken()
+    try:
+        result = bench.run(loaded, request, cancel, on_event)
+    except KeyboardInterrupt:
+        cancel.cancel()
+        raise
+    if not args.quiet:
+        print()
+    print(summary(result))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2, ensure_ascii=False), encoding="utf-8")
+        print(f"report   {args.json}")
+    return 0
+
+
+def summary(r: dict) -> str:
+    """A short human summary of a bench report."""
+    lat = sorted(r["per_token_latency_s"][1:])
+
+    def pct(q: float) -> float | None:
+        return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else None
+
+    kv, kv_pred = r["kv_cache_bytes"], r["kv_cache_bytes_predicted"]
+    if kv_pred:
+        delta = f" (Δ {100 * (kv - kv_pred) / kv_pred:+.2f}%)"
+    else:
+        delta = ""
+    lines = [
+        "",
+        f"model    {r['model']} [{r['original_format']}] as {r['precision']} · "
+        f"{format_count(r['parameters'])} params · weights {format_bytes(r['weights_bytes'])} · "
+        f"loaded in {format_seconds(r['load_s'])}",
+        f"device   {r['device']} · {r['device_name']}",
+        f"prompt   {r['prompt_tokens']} tokens · prefill {format_seconds(r['prefill_s'])} "
+        f"({format_rate(r['prefill_tokens_per_s'])}) · TTFT {format_seconds(r['ttft_s'])}",
+        f"decode   {len(r['token_ids'])} tokens · {format_rate(r['decode_tokens_per_s'])} · per token "
+        f"p50 {format_seconds(pct(0.5))} · p95 {format_seconds(pct(0.95))}",
+        f"KV cache {format_bytes(kv)} measured · {format_bytes(kv_pred)} predicted{delta}",
+        f"memory   peak {format_bytes(r['peak_memory_bytes'])}"
+        + (" (process RSS)" if r["device"] == "cpu" else " (device)"),
+        f"finish   {r['finish_reason']}" + (f" ({r['stop_string']!r})" if r["stop_string"] else ""),
+    ]
+    return "\n".join(lines)
+
+
+def _models(args) -> int:
+    from engine.sources import list_models
+
+    for entry in list_models():
+        size = format_bytes(entry.size_bytes) if entry.size_bytes else ""
+        state = "ready" if entry.ready else "not downloaded yet"
+        print(f"{entry.ref:<40} {entry.source:<8} {size:>10}  {state}  {entry.path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        if args.command == "bench":
+            return _bench(args)
+        return _models(args)
+    except KeyboardInterrupt:
+        print("\ncancelled", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except EngineError as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as exc:  # a bug of ours: still one line, unless --debug
+        if args.debug:
+            raise
+        print(f"error: unexpected {type(exc).__name__}: {exc} (run with --debug for details)", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Incremental detokenization: a text piece per token whose concatenation is ``decode(ids)``.
+
+Decoding one token alone goes wrong in three ways, each handled here:
+
+- byte-level BPE splits a multi-byte character over several tokens; until its last byte
+  arrives the text ends in U+FFFD, so that tail is held back;
+- SentencePiece-style tokenizers drop a word's leading space when it starts the decoded
+  text, so each step decodes a window that starts one step back and emits only what the
+  new tokens added;
+- byte-fallback tokens (``<0xE6>``) are decoded as a run, and a run that turns out invalid
+  becomes U+FFFD as a whole, so text is held while the newest token is such a byte.
+"""
+
+from __future__ import annotations
+
+import re
+
+_REPLACEMENT = "\ufffd"
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""  # everything emitted so far
+        self._prefix = 0  # the window starts here: one step before the unread tokens
+        self._read = 0  # tokens before this have all their text emitted
+        self._partial = 0  # characters of the unread tokens' text emitted already
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids)
+
+    def _is_byte_token(self, token_id: int) -> bool:
+        return bool(_BYTE_TOKEN.fullmatch(self._tokenizer.convert_ids_to_tokens(token_id) or ""))
+
+    def add(self, token_id: int) -> str:
+        """Append a token; return the new text it completes (maybe ``""``)."""
+        self.ids.append(int(token_id))
+        if self._is_byte_token(token_id):
+            return ""
+        window = self._decode(self.ids[self._prefix:])
+        before = self._decode(self.ids[self._prefix:self._read])
+        if window.startswith(before):
+            new = window[len(before):]
+        else:  # decoding the window changed earlier text: measure against the whole text
+            new = self._decode(self.ids)[len(self.text) - self._partial:]
+        stable = new.rstrip(_REPLACEMENT)
+        piece = stable[self._partial:]
+        if len(stable) == len(new):  # nothing incomplete left: move the window on
+            self._prefix, self._read, self._partial = self._read, len(self.ids), 0
+        else:
+            self._partial = max(self._partial, len(stable))
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        """Whatever is still held back (an unfinished character decodes as U+FFFD)."""
+        full = self._decode(self.ids)
+        piece = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text += piece
+        self._prefix = self._read = len(self.ids)
+        self._partial = 0
+        return piece
+
+    @property
+    def pending(self) -> bool:
+        """Some tokens' text is still held back."""
+        return self._read < len(self.ids)

@@ -1,0 +1,151 @@
+"""GGUF files: check them, and convert them once into a safetensors folder.
+
+transformers reads GGUF (through the ``gguf`` package) by de-quantizing every tensor,
+which takes seconds; the converted copy then loads in a fraction of that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import CorruptModelError, EngineError, ModelNotFoundError, NotAModelError
+from engine.paths import cache_dir
+from engine.progress import ProgressReporter, reporting
+
+PROVENANCE = "workbench-source.json"
+
+
+@dataclass(frozen=True)
+class GGUFSummary:
+    architecture: str
+    name: str
+    file_type: str
+    """e.g. ``Q4_1``."""
+    tensor_types: dict[str, int]
+
+
+def summarize_gguf(path: Path) -> GGUFSummary:
+    """Read a GGUF's header and tensor table; raise a typed error if it is not a whole GGUF file."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelNotFoundError(f"No such file: {path}")
+    if not path.is_file():
+        raise NotAModelError(f"{path} is not a file.")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise CorruptModelError(f"{path.name} is not a GGUF file (it does not start with 'GGUF').")
+    try:
+        from gguf import GGUFReader, LlamaFileType
+
+        reader = GGUFReader(str(path))
+        arch = reader.fields["general.architecture"].contents()
+        name_field = reader.fields.get("general.name")
+        ftype_field = reader.fields.get("general.file_type")
+        counts = Counter(t.tensor_type.name for t in reader.tensors)
+    except Exception as exc:  # the reader raises ValueError/IndexError/KeyError on damage
+        raise CorruptModelError(
+            f"{path.name} is truncated or corrupt and can't be read as GGUF ({type(exc).__name__}: {exc})."
+        ) from exc
+    if not counts:
+        raise CorruptModelError(f"{path.name} holds no tensors.")
+    file_type = counts.most_common(1)[0][0]
+    if ftype_field is not None:
+        try:
+            file_type = LlamaFileType(int(ftype_field.contents())).name.removeprefix("MOSTLY_")
+        except ValueError:
+            pass
+    return GGUFSummary(
+        architecture=str(arch),
+        name=str(name_field.contents()) if name_field is not None else path.stem,
+        file_type=file_type,
+        tensor_types=dict(counts),
+    )
+
+
+def converted_dir_for(gguf_path: Path) -> Path:
+    """Cache folder for a GGUF's converted copy, keyed by its path, size and mtime."""
+    stat = gguf_path.stat()
+    key = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_dir() / "converted" / f"{gguf_path.stem}-{digest}"
+
+
+def is_converted(folder: Path) -> bool:
+    return (folder / PROVENANCE).is_file() and (folder / "config.json").is_file()
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, reporter: ProgressReporter,
+                 extra_provenance: dict | None = None) -> Path:
+    """De-quantize ``gguf_path`` with transformers and save it as fp32 safetensors in ``out_dir``.
+
+    Written to a temporary sibling and renamed, so an interrupted conversion leaves nothing half-done.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    summary = summarize_gguf(gguf_path)
+    reporter.report("convert", 0, 0, f"Reading {gguf_path.name} ({summary.file_type})")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with reporting(reporter):
+            reporter.report("tokenizer", 0, 0, "Converting the GGUF tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+            )
+            reporter.report("save", 0, 0, "Saving a safetensors copy for fast loads")
+            # The GGUF "quantizer" only marks where the weights came from; they are plain
+            # float tensors now, and transformers refuses to save while it is attached.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        provenance = {
+            "format": "GGUF",
+            "file": gguf_path.name,
+            "file_type": summary.file_type,
+            "name": summary.name,
+            "architecture": summary.architecture,
+            "tensor_types": summary.tensor_types,
+            **(extra_provenance or {}),
+        }
+        (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2), encoding="utf-8")
+        reporter.check()
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, EngineError):
+            raise
+        raise CorruptModelError(f"transformers could not read {gguf_path.name}: {exc}") from exc
+    return out_dir
+
+
+def ensure_converted(gguf_path: Path, reporter: ProgressReporter) -> Path:
+    """The converted folder for ``gguf_path``, converting it the first time."""
+    gguf_path = Path(gguf_path)
+    if not gguf_path.exists():
+        raise ModelNotFoundError(f"No such file: {gguf_path}")
+    folder = converted_dir_for(gguf_path)
+    if is_converted(folder):
+        return folder
+    return convert_gguf(gguf_path, folder, reporter)
+
+
+def read_provenance(folder: Path) -> dict | None:
+    try:
+        return json.loads((Path(folder) / PROVENANCE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None

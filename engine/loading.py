@@ -1,0 +1,253 @@
+"""Load a model in a chosen precision on a chosen device, and report what it costs.
+
+Everything that can be refused (unknown precision, missing device, a precision the
+device can't run) is refused before any weight is read.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from engine import sources
+from engine.cancel import CancelToken
+from engine.devices import device_name, resolve_device
+from engine.errors import (
+    CorruptModelError,
+    EngineError,
+    NotAModelError,
+    OutOfMemoryError,
+    PromptTooLongError,
+    UnsafeCheckpointError,
+)
+from engine.events import GenerationEvent, Loaded, LoadProgress
+from engine.kv import KVLayout, kv_layout
+from engine.precision import Precision, dtype_bytes, get_precision
+from engine.progress import ProgressReporter, reporting
+from engine.request import GenerationRequest, encode_prompt
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    model: str = "default"
+    """``default``, a folder, a ``.gguf`` file or a hub id."""
+    precision: str = "fp32"
+    device: str = "auto"
+    trust_remote_code: bool = False
+    """Run Python code shipped with a hub model. Off unless the user opts in."""
+    allow_pickle: bool = False
+    """Read pickle (``.bin``) checkpoints, which can run code. Off unless the user opts in."""
+    offline: bool | None = None
+    """Never contact the hub; ``None`` follows ``HF_HUB_OFFLINE``."""
+
+
+class LoadedModel:
+    """A model and tokenizer in memory, with the facts about them."""
+
+    def __init__(self, model, tokenizer, info: Loaded, device, precision: Precision,
+                 layout: KVLayout | None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.info = info
+        self.device = device
+        self.precision = precision
+        self.kv_layout = layout
+        self.kv_element_bytes = dtype_bytes(info.compute_dtype)
+        self.supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.eos_ids = _eos_ids(model, tokenizer)
+
+    def encode(self, request: GenerationRequest) -> list[int]:
+        """The prompt's token ids; raises if the prompt is empty or longer than the context."""
+        request = request.validated()
+        ids = encode_prompt(self.tokenizer, request)
+        limit = self.info.context_length
+        if limit is not None and len(ids) >= limit:
+            raise PromptTooLongError(
+                f"The prompt is {len(ids)} tokens but {self.info.name} reads at most {limit} "
+                "(its context window), and needs room to answer: shorten it."
+            )
+        return ids
+
+    def generate(self, request: GenerationRequest, cancel: CancelToken | None = None) -> Iterator[GenerationEvent]:
+        """Validate and tokenize now (errors raise here), then stream the events."""
+        from engine.generate import stream
+
+        request = request.validated()
+        ids = self.encode(request)
+        return stream(self, request, ids, cancel or CancelToken())
+
+    def predicted_kv_bytes(self, tokens: int, batch: int = 1) -> int | None:
+        if self.kv_layout is None:
+            return None
+        return self.kv_layout.bytes_for(tokens, self.kv_element_bytes, batch)
+
+    def close(self) -> None:
+        """Drop the weights and give device memory back."""
+        import torch
+
+        self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        elif self.device.type == "mps":
+            torch.mps.empty_cache()
+
+
+def load_model(request: LoadRequest, progress: Callable[[LoadProgress], None] | None = None,
+               cancel: CancelToken | None = None) -> LoadedModel:
+    """Resolve, fetch or convert if needed, then load; ``progress`` gets :class:`LoadProgress`."""
+    start = time.perf_counter()
+    reporter = ProgressReporter(progress, cancel)
+    precision = get_precision(request.precision)
+    device = resolve_device(request.device)
+    precision.check_device(device.type)
+    resolved = sources.resolve(request.model, reporter, allow_pickle=request.allow_pickle,
+                               offline=request.offline)
+    reporter.report("config", 0, 0, f"Reading {resolved.name}'s config")
+    config = _load_config(resolved, request.trust_remote_code)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        reporter.report("tokenizer", 0, 0, "Loading the tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(str(resolved.folder), trust_remote_code=request.trust_remote_code)
+        reporter.check()
+        with reporting(reporter):
+            model = AutoModelForCausalLM.from_pretrained(
+                str(resolved.folder), config=config, device_map=str(device),
+                use_safetensors=resolved.use_safetensors, trust_remote_code=request.trust_remote_code,
+                **precision.load_kwargs(device.type),
+            )
+        model.eval()
+        reporter.report("warmup", 0, 1, "Warming up (one short forward pass)")
+        _warm_up(model, device)
+    except EngineError:
+        raise
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        raise OutOfMemoryError(
+            f"Not enough memory on {device} to load {resolved.name} in {precision.name}. "
+            "Try a smaller precision (nf4, int8) or another device."
+        ) from exc
+    except RuntimeError as exc:
+        if "memory" in str(exc).lower() and "alloc" in str(exc).lower():
+            raise OutOfMemoryError(f"Not enough memory on {device} to load {resolved.name}: {exc}") from exc
+        raise CorruptModelError(f"Could not load {resolved.name}: {exc}") from exc
+    except (OSError, ValueError, KeyError) as exc:
+        raise CorruptModelError(f"Could not load {resolved.name}: {exc}") from exc
+    reporter.report("ready", 1, 1, "Ready")
+    layout = kv_layout(model.config)
+    info = _describe(model, tokenizer, resolved, precision, device, layout, time.perf_counter() - start)
+    return LoadedModel(model, tokenizer, info, device, precision, layout)
+
+
+def _warm_up(model, device) -> None:
+    """Run a 2-token prefill and a decode step once, so the first real request doesn't pay
+    for lazy initialisation (kernel selection, allocator growth) inside its TTFT."""
+    import torch
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+        model(input_ids=ids, cache=cache, use_cache=True)
+        model(input_ids=ids[:, :1], cache=cache, use_cache=True)
+
+
+def _load_config(resolved: sources.ResolvedModel, trust_remote_code: bool):
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        config = AutoConfig.from_pretrained(str(resolved.folder), trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        text = str(exc)
+        if "trust_remote_code" in text:
+            raise UnsafeCheckpointError(
+                f"{resolved.name} ships its own Python code. Loading it runs that code: opt in with "
+                "trust_remote_code (CLI: --trust-remote-code) only if you trust its author."
+            ) from exc
+        raise NotAModelError(f"{resolved.name}: transformers does not know this model ({text}).") from exc
+    except OSError as exc:
+        raise CorruptModelError(f"{resolved.name}: its config can't be read ({exc}).") from exc
+    if getattr(config, "auto_map", None) and config.model_type not in CONFIG_MAPPING and not trust_remote_code:
+        raise UnsafeCheckpointError(
+            f"{resolved.name} needs its own Python code (trust_remote_code), which is off."
+        )
+    return config
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def count_parameters(model) -> int:
+    """Parameters as trained: a 4-bit packed weight counts its original shape."""
+    total = 0
+    for param in model.parameters():
+        state = getattr(param, "quant_state", None)
+        if state is not None and getattr(state, "shape", None) is not None:
+            n = 1
+            for dim in state.shape:
+                n *= int(dim)
+            total += n
+        else:
+            total += param.numel()
+    return total
+
+
+def weights_bytes(model) -> int:
+    """Bytes the weights occupy in memory: every distinct storage behind the state dict
+    (parameters, persistent buffers, quantization scales) and the other buffers."""
+    import torch
+
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    tensors = list(model.state_dict().values()) + [b for b in model.buffers()]
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def _describe(model, tokenizer, resolved: sources.ResolvedModel, precision: Precision, device,
+              layout: KVLayout | None, load_s: float) -> Loaded:
+    config = model.config
+    text = config.get_text_config(decoder=True)
+    compute = precision.compute_dtype(device.type)
+    heads = int(text.num_attention_heads)
+    return Loaded(
+        name=resolved.name,
+        source=resolved.source,
+        path=str(resolved.folder),
+        precision=precision.name,
+        device=str(device),
+        device_name=device_name(device),
+        architecture=(config.architectures or [type(model).__name__])[0],
+        model_type=config.model_type,
+        parameters=count_parameters(model),
+        weights_bytes=weights_bytes(model),
+        load_s=load_s,
+        context_length=getattr(text, "max_position_embeddings", None),
+        num_layers=int(text.num_hidden_layers),
+        num_kv_heads=layout.kv_heads if layout else int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=layout.head_dim if layout else int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+        vocab_size=int(text.vocab_size),
+        compute_dtype=compute,
+        kv_bytes_per_token=layout.bytes_per_token(dtype_bytes(compute)) if layout else None,
+        original_format=resolved.original_format,
+        has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+    )

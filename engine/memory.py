@@ -1,0 +1,116 @@
+"""Memory probes: process RSS everywhere, allocator figures on CUDA and MPS, NVML when present.
+
+A backend this machine lacks is reported as absent (``None``), never as zero.
+"""
+
+from __future__ import annotations
+
+from engine.events import MemorySample
+
+
+class _Nvml:
+    """NVML through nvidia-ml-py, if installed and a driver answers."""
+
+    def __init__(self) -> None:
+        self._handles: dict[int, object] = {}
+        self._lib = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._lib = pynvml
+        except Exception:  # no package, no driver, no GPU: NVML is absent
+            self._lib = None
+
+    def used_total(self, index: int) -> tuple[int | None, int | None]:
+        if self._lib is None:
+            return None, None
+        try:
+            handle = self._handles.get(index)
+            if handle is None:
+                handle = self._handles[index] = self._lib.nvmlDeviceGetHandleByIndex(index)
+            info = self._lib.nvmlDeviceGetMemoryInfo(handle)
+            return int(info.used), int(info.total)
+        except Exception:
+            return None, None
+
+
+_nvml: _Nvml | None = None
+
+
+class MemoryProbe:
+    """Samples memory for one device; ``reset_peak`` starts a new peak window."""
+
+    def __init__(self, device: "torch.device") -> None:  # noqa: F821
+        import psutil
+
+        self.device = device
+        self._process = psutil.Process()
+        self._peak_rss = 0
+        if device.type == "cuda":
+            global _nvml
+            if _nvml is None:
+                _nvml = _Nvml()
+
+    def rss(self) -> int | None:
+        try:
+            return int(self._process.memory_info().rss)
+        except Exception:
+            return None
+
+    def reset_peak(self) -> None:
+        import torch
+
+        self._peak_rss = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    @property
+    def peak_rss(self) -> int | None:
+        return self._peak_rss or None
+
+    def sample(self) -> MemorySample:
+        import torch
+
+        rss = self.rss()
+        if rss is not None and rss > self._peak_rss:
+            self._peak_rss = rss
+        kind = self.device.type
+        if kind == "cuda":
+            used, total = _nvml.used_total(self.device.index or 0) if _nvml else (None, None)
+            if total is None:
+                total = torch.cuda.get_device_properties(self.device).total_memory
+            return MemorySample(
+                rss_bytes=rss,
+                device=str(self.device),
+                device_allocated_bytes=int(torch.cuda.memory_allocated(self.device)),
+                device_reserved_bytes=int(torch.cuda.memory_reserved(self.device)),
+                device_peak_bytes=int(torch.cuda.max_memory_allocated(self.device)),
+                device_used_bytes=used,
+                device_total_bytes=int(total),
+            )
+        if kind == "mps":
+            return MemorySample(
+                rss_bytes=rss,
+                device="mps",
+                device_allocated_bytes=int(torch.mps.current_allocated_memory()),
+                device_reserved_bytes=int(torch.mps.driver_allocated_memory()),
+                device_total_bytes=_mps_recommended_max(),
+            )
+        return MemorySample(rss_bytes=rss, device=str(self.device))
+
+    def peak_device(self) -> int | None:
+        import torch
+
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return None
+
+
+def _mps_recommended_max() -> int | None:
+    import torch
+
+    try:
+        return int(torch.mps.recommended_max_memory())
+    except Exception:
+        return None

@@ -1,0 +1,120 @@
+"""Precisions: one handler per scheme, each knowing which devices can run it and how to load it.
+
+Importable without torch (the UI lists the names); torch and bitsandbytes are imported
+only when a handler builds its loading arguments.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+
+from engine.errors import UnsupportedPrecisionError
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    label: str
+    bits: float
+    """Nominal bits per weight of the linear layers."""
+
+    def check_device(self, device_type: str) -> None:
+        """Raise :class:`UnsupportedPrecisionError` if ``device_type`` can't run this precision."""
+
+    def compute_dtype(self, device_type: str) -> str:
+        """The dtype activations (and so the KV cache) use, as a torch dtype name."""
+        raise NotImplementedError
+
+    def load_kwargs(self, device_type: str) -> dict:
+        """Keyword arguments for ``from_pretrained``."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class FloatPrecision(Precision):
+    dtype: str = "float32"
+
+    def check_device(self, device_type: str) -> None:
+        import torch
+
+        if self.dtype == "bfloat16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise UnsupportedPrecisionError(
+                f"{torch.cuda.get_device_name()} has no bf16 support: use fp16 or fp32."
+            )
+
+    def compute_dtype(self, device_type: str) -> str:
+        return self.dtype
+
+    def load_kwargs(self, device_type: str) -> dict:
+        import torch
+
+        return {"dtype": getattr(torch, self.dtype)}
+
+
+@dataclass(frozen=True)
+class BitsAndBytesPrecision(Precision):
+    """bitsandbytes LLM.int8 (``int8``) or 4-bit NF4/FP4 with bf16 compute."""
+
+    scheme: str = "int8"
+
+    def check_device(self, device_type: str) -> None:
+        if device_type not in ("cpu", "cuda"):
+            raise UnsupportedPrecisionError(
+                f"{self.name} (bitsandbytes) runs on CPU and CUDA, not on {device_type}: "
+                "choose fp32, bf16 or fp16 there."
+            )
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise UnsupportedPrecisionError(
+                f"{self.name} needs the bitsandbytes package: pip install bitsandbytes"
+            )
+
+    def compute_dtype(self, device_type: str) -> str:
+        # LLM.int8 casts activations to fp16 (it warns on every call otherwise);
+        # the 4-bit schemes compute in bf16.
+        return "float16" if self.scheme == "int8" else "bfloat16"
+
+    def load_kwargs(self, device_type: str) -> dict:
+        import torch
+        from transformers import BitsAndBytesConfig
+
+        # bitsandbytes logs a line per matmul on CPU and a hint about an optional
+        # kernels package it can't fetch offline; neither is actionable here.
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+        compute = getattr(torch, self.compute_dtype(device_type))
+        if self.scheme == "int8":
+            quant = BitsAndBytesConfig(load_in_8bit=True)
+        else:
+            quant = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type=self.scheme,
+                bnb_4bit_compute_dtype=compute,
+            )
+        return {"dtype": compute, "quantization_config": quant}
+
+
+PRECISIONS: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        FloatPrecision("fp32", "fp32 (full precision)", 32, dtype="float32"),
+        FloatPrecision("bf16", "bf16 (bfloat16)", 16, dtype="bfloat16"),
+        FloatPrecision("fp16", "fp16 (float16)", 16, dtype="float16"),
+        BitsAndBytesPrecision("int8", "int8 (bitsandbytes LLM.int8)", 8, scheme="int8"),
+        BitsAndBytesPrecision("nf4", "nf4 (bitsandbytes 4-bit NormalFloat)", 4, scheme="nf4"),
+        BitsAndBytesPrecision("fp4", "fp4 (bitsandbytes 4-bit float)", 4, scheme="fp4"),
+    )
+}
+
+
+def get_precision(name: str) -> Precision:
+    try:
+        return PRECISIONS[name.strip().lower()]
+    except KeyError:
+        raise UnsupportedPrecisionError(
+            f"Unknown precision {name!r}: choose one of {', '.join(PRECISIONS)}."
+        ) from None
+
+
+def dtype_bytes(dtype_name: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}[dtype_name]

@@ -1,0 +1,73 @@
+"""What a caller asks for: the prompt (chat or raw), sampling and limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine.errors import InvalidRequestError
+from engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str
+    mode: Literal["chat", "raw"] = "chat"
+    """``chat`` wraps the prompt in the model's chat template; ``raw`` continues the text as is."""
+    system_prompt: str | None = None
+    """``None`` keeps the template's own default system prompt, if it has one."""
+    history: tuple[ChatMessage, ...] = ()
+    """Earlier turns, oldest first (chat mode)."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    """Stop once the answer contains one of these strings (it stays in the answer)."""
+    ignore_eos: bool = False
+    """Keep going past end-of-sequence tokens (benchmarks that need exactly N tokens)."""
+    top_alternatives: int = 5
+    """How many most-likely tokens to report beside each generated one."""
+
+    def validated(self) -> "GenerationRequest":
+        if not isinstance(self.prompt, str) or not self.prompt.strip():
+            raise InvalidRequestError("The prompt is empty: type something for the model to answer.")
+        if self.mode not in ("chat", "raw"):
+            raise InvalidRequestError(f"mode must be 'chat' or 'raw', not {self.mode!r}.")
+        try:
+            max_new = int(self.max_new_tokens)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"max_new_tokens must be a whole number, not {self.max_new_tokens!r}.") from None
+        if isinstance(self.max_new_tokens, bool) or max_new != self.max_new_tokens or max_new <= 0:
+            raise InvalidRequestError(f"max_new_tokens must be a whole number > 0, not {self.max_new_tokens!r}.")
+        if not isinstance(self.top_alternatives, int) or not 0 <= self.top_alternatives <= 20:
+            raise InvalidRequestError("top_alternatives must be between 0 and 20.")
+        stops = tuple(s for s in self.stop if s)
+        return GenerationRequest(
+            prompt=self.prompt, mode=self.mode, system_prompt=self.system_prompt,
+            history=tuple(self.history), sampling=self.sampling.validated(), max_new_tokens=max_new,
+            stop=stops, ignore_eos=bool(self.ignore_eos), top_alternatives=self.top_alternatives,
+        )
+
+    def messages(self) -> list[dict[str, str]]:
+        out: list[dict[str, str]] = []
+        if self.system_prompt is not None:
+            out.append({"role": "system", "content": self.system_prompt})
+        out += [{"role": m.role, "content": m.content} for m in self.history]
+        out.append({"role": "user", "content": self.prompt})
+        return out
+
+
+def encode_prompt(tokenizer, request: GenerationRequest) -> list[int]:
+    """Token ids of the prompt: the chat template with a generation prompt, or the raw text."""
+    if request.mode == "raw":
+        return list(tokenizer(request.prompt)["input_ids"])
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("This model has no chat template: use raw mode to continue text instead.")
+    encoded = tokenizer.apply_chat_template(request.messages(), add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)
+    return list(encoded["input_ids"])

@@ -1,0 +1,118 @@
+"""The sampler: a pure function of the logits, the tokens so far and a seeded generator.
+
+Order as in transformers' logits processors: repetition penalty, temperature, top-k,
+top-p, min-p; then argmax (greedy) or a draw.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    """0 means greedy: always the most likely token."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps all."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability adds up to p."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p × the most likely one."""
+    repetition_penalty: float = 1.0
+    """>1 makes tokens already in the prompt or answer less likely."""
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validated(self) -> "SamplingParams":
+        """These parameters as proper numbers, or :class:`InvalidRequestError`."""
+        def number(name: str, kind: type, ok: Callable[[float], bool], rule: str):
+            value = getattr(self, name)
+            if isinstance(value, bool) or value is None and name != "seed":
+                raise InvalidRequestError(f"{name} must be a number, not {value!r}.")
+            try:
+                converted = kind(value)
+            except (TypeError, ValueError):
+                raise InvalidRequestError(f"{name} must be a number, not {value!r}.") from None
+            if kind is int and converted != float(value):
+                raise InvalidRequestError(f"{name} must be a whole number, not {value!r}.")
+            if isinstance(converted, float) and not math.isfinite(converted) or not ok(converted):
+                raise InvalidRequestError(f"{name} must be {rule}, not {value!r}.")
+            return converted
+
+        return SamplingParams(
+            temperature=number("temperature", float, lambda v: v >= 0, ">= 0"),
+            top_k=number("top_k", int, lambda v: v >= 0, ">= 0"),
+            top_p=number("top_p", float, lambda v: 0 < v <= 1, "in (0, 1]"),
+            min_p=number("min_p", float, lambda v: 0 <= v < 1, "in [0, 1)"),
+            repetition_penalty=number("repetition_penalty", float, lambda v: v > 0, "> 0"),
+            seed=None if self.seed is None else number("seed", int, lambda v: v >= 0, ">= 0"),
+        )
+
+
+Sampler = Callable[["torch.Tensor", "torch.Tensor"], int]  # noqa: F821
+
+
+def make_sampler(params: SamplingParams, device: "torch.device | str" = "cpu") -> Sampler:  # noqa: F821
+    """``sampler(logits[vocab], seen_ids[n]) -> token id``."""
+    import torch
+
+    params = params.validated()
+    generator = None
+    if not params.greedy:
+        generator = torch.Generator(device=device)
+        if params.seed is not None:
+            generator.manual_seed(params.seed)
+        else:
+            generator.seed()
+
+    def sample(logits: torch.Tensor, seen: torch.Tensor) -> int:
+        scores = logits.float()
+        if params.repetition_penalty != 1.0 and seen.numel():
+            scores = apply_repetition_penalty(scores, seen, params.repetition_penalty)
+        if params.greedy:
+            return int(torch.argmax(scores))
+        scores = filter_scores(scores / params.temperature, params.top_k, params.top_p, params.min_p)
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    return sample
+
+
+def apply_repetition_penalty(scores: "torch.Tensor", seen: "torch.Tensor", penalty: float) -> "torch.Tensor":  # noqa: F821
+    """Divide positive scores of seen tokens by ``penalty``, multiply negative ones (CTRL paper)."""
+    import torch
+
+    scores = scores.clone()
+    picked = scores.gather(0, seen)
+    scores.scatter_(0, seen, torch.where(picked < 0, picked * penalty, picked / penalty))
+    return scores
+
+
+def filter_scores(scores: "torch.Tensor", top_k: int, top_p: float, min_p: float) -> "torch.Tensor":  # noqa: F821
+    """Set the scores of filtered-out tokens to -inf; always keeps the most likely token."""
+    import torch
+
+    neg_inf = torch.finfo(scores.dtype).min
+    if top_k and top_k < scores.numel():
+        kth = torch.topk(scores, top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, neg_inf)
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
+        # drop a token when the tokens before it already reach top_p
+        drop_sorted = (cumulative - torch.softmax(sorted_scores, dim=-1)) >= top_p
+        drop_sorted[0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        scores = scores.masked_fill(drop, neg_inf)
+    if min_p > 0.0:
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < min_p * probs.max(), neg_inf)
+    return scores

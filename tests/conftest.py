@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2")
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer():
+    from tests.tiny import byte_level_tokenizer
+
+    return byte_level_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def sp_tokenizer():
+    from tests.tiny import sentencepiece_tokenizer
+
+    return sentencepiece_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, byte_tokenizer) -> dict[str, Path]:
+    """One random-weight model folder per architecture (llama, qwen2, gpt2, mistral, gemma2)."""
+    from tests.tiny import build_model_folder
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {arch: build_model_folder(root / arch, arch, byte_tokenizer) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> Path:
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def loaded_llama(tiny_llama):
+    from engine.loading import LoadRequest, load_model
+
+    return load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"))
+
+
+@pytest.fixture(scope="session")
+def default_model_folder() -> Path:
+    """The real default model, fetched and converted once into the user cache."""
+    from engine import default_model
+
+    return default_model.ensure()
+
+
+@pytest.fixture(scope="session")
+def default_fp32(default_model_folder):
+    from engine.loading import LoadRequest, load_model
+
+    return load_model(LoadRequest("default", "fp32", "cpu"))
+
+
+@pytest.fixture
+def isolated_cache(tmp_path, monkeypatch) -> Path:
+    """A private workbench cache folder (GGUF conversions etc. land here)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("INFERENCE_WORKBENCH_CACHE", str(cache))
+    return cache

@@ -1,0 +1,174 @@
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine.cancel import CancelToken
+from engine.errors import (
+    CancelledError,
+    CorruptModelError,
+    DeviceUnavailableError,
+    ModelNotFoundError,
+    NotAModelError,
+    UnsafeCheckpointError,
+    UnsupportedPrecisionError,
+)
+from engine.events import TokenGenerated
+from engine.loading import LoadRequest, load_model
+from engine.precision import PRECISIONS, get_precision
+from engine.request import GenerationRequest
+
+
+def unique_param_bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_every_precision_loads_and_generates_on_cpu(tiny_llama, precision):
+    loaded = load_model(LoadRequest(str(tiny_llama), precision, "cpu"))
+    info = loaded.info
+    assert info.precision == precision and info.device == "cpu"
+    assert info.load_s > 0
+    tokens = [e for e in loaded.generate(GenerationRequest("fox", mode="raw", max_new_tokens=4, ignore_eos=True))
+              if isinstance(e, TokenGenerated)]
+    assert len(tokens) == 4
+
+
+def test_weights_bytes_and_parameters(tiny_llama):
+    fp32 = load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"))
+    bf16 = load_model(LoadRequest(str(tiny_llama), "bf16", "cpu"))
+    nf4 = load_model(LoadRequest(str(tiny_llama), "nf4", "cpu"))
+    int8 = load_model(LoadRequest(str(tiny_llama), "int8", "cpu"))
+    params = sum(p.numel() for p in fp32.model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in fp32.model.buffers())
+    assert fp32.info.parameters == params == bf16.info.parameters == nf4.info.parameters == int8.info.parameters
+    assert fp32.info.weights_bytes == 4 * params + buffers
+    assert bf16.info.weights_bytes == 2 * params + buffers
+    # quantized: fewer bytes, and more than the bare packed weights (scales are counted)
+    assert nf4.info.weights_bytes < int8.info.weights_bytes < bf16.info.weights_bytes
+    assert nf4.info.weights_bytes > unique_param_bytes(nf4.model)
+
+
+def test_load_facts(tiny_models):
+    info = load_model(LoadRequest(str(tiny_models["qwen2"]), "bf16", "cpu")).info
+    assert (info.model_type, info.architecture) == ("qwen2", "Qwen2ForCausalLM")
+    assert (info.num_layers, info.num_kv_heads, info.head_dim, info.context_length) == (3, 2, 16, 256)
+    assert info.compute_dtype == "bfloat16"
+    assert info.kv_bytes_per_token == 2 * 3 * 2 * 16 * 2
+    assert info.source == "folder" and info.original_format == "safetensors"
+    assert "thread" in info.device_name
+
+
+def test_progress_is_reported_and_ends_ready(tiny_llama):
+    events = []
+    load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"), progress=events.append)
+    stages = [e.stage for e in events]
+    assert stages[0] == "resolve" and stages[-1] == "ready"
+    weights = [e for e in events if e.stage == "weights"]
+    assert weights and weights[-1].done == weights[-1].total > 0
+    assert [e.done for e in weights] == sorted(e.done for e in weights)
+
+
+def test_cancel_during_weights_then_load_again(tiny_llama):
+    cancel = CancelToken()
+
+    def progress(event):
+        if event.stage == "weights" and event.done >= 1:
+            cancel.cancel()
+
+    with pytest.raises(CancelledError):
+        load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"), progress=progress, cancel=cancel)
+    again = load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"))
+    assert again.info.parameters > 0
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="No such"):
+        load_model(LoadRequest(str(tmp_path / "nope"), "fp32", "cpu"))
+    with pytest.raises(ModelNotFoundError):
+        load_model(LoadRequest("./relative/missing.gguf", "fp32", "cpu"))
+
+
+def test_folder_without_model(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(NotAModelError, match="holds no model"):
+        load_model(LoadRequest(str(tmp_path), "fp32", "cpu"))
+
+
+def test_folder_with_config_but_no_weights(tmp_path, tiny_llama):
+    shutil.copy(tiny_llama / "config.json", tmp_path / "config.json")
+    with pytest.raises(NotAModelError, match="no weights"):
+        load_model(LoadRequest(str(tmp_path), "fp32", "cpu"))
+
+
+def test_corrupt_config(tmp_path, tiny_llama):
+    folder = shutil.copytree(tiny_llama, tmp_path / "m")
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(CorruptModelError, match="config.json"):
+        load_model(LoadRequest(str(folder), "fp32", "cpu"))
+
+
+def test_unknown_architecture(tmp_path, tiny_llama):
+    folder = shutil.copytree(tiny_llama, tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "no-such-architecture"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotAModelError, match="does not know"):
+        load_model(LoadRequest(str(folder), "fp32", "cpu"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_safetensors(tmp_path, tiny_llama, damage):
+    folder = shutil.copytree(tiny_llama, tmp_path / "m")
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x00garbage" * 100)
+    with pytest.raises(CorruptModelError, match="model.safetensors"):
+        load_model(LoadRequest(str(folder), "fp32", "cpu"))
+
+
+def test_pickle_checkpoint_needs_opt_in(tmp_path, tiny_llama):
+    from safetensors.torch import load_file
+
+    folder = shutil.copytree(tiny_llama, tmp_path / "pickled")
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    assert not list(folder.glob("*.safetensors")) and list(folder.glob("*.bin"))
+    with pytest.raises(UnsafeCheckpointError, match="allow_pickle"):
+        load_model(LoadRequest(str(folder), "fp32", "cpu"))
+    loaded = load_model(LoadRequest(str(folder), "fp32", "cpu", allow_pickle=True))
+    assert loaded.info.original_format == "pickle"
+
+
+def test_unknown_precision_is_refused():
+    with pytest.raises(UnsupportedPrecisionError, match="int3"):
+        get_precision("int3")
+
+
+def test_bitsandbytes_on_mps_is_refused_by_the_support_table():
+    for name in ("int8", "nf4", "fp4"):
+        with pytest.raises(UnsupportedPrecisionError, match="mps"):
+            PRECISIONS[name].check_device("mps")
+    PRECISIONS["fp16"].check_device("mps")  # no error
+
+
+def test_refusals_come_before_any_weight_is_read(tmp_path, tiny_llama):
+    """The weights here are garbage: a refusal that read them would raise CorruptModelError."""
+    folder = shutil.copytree(tiny_llama, tmp_path / "m")
+    (folder / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(UnsupportedPrecisionError):
+        load_model(LoadRequest(str(folder), "int3", "cpu"))
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceUnavailableError, match="CUDA"):
+            load_model(LoadRequest(str(folder), "fp32", "cuda"))
+    with pytest.raises(DeviceUnavailableError, match="Unknown device"):
+        load_model(LoadRequest(str(folder), "fp32", "tpu9"))
+
+
+def test_auto_device_on_this_machine():
+    from engine.devices import resolve_device
+
+    expected = "cuda" if torch.cuda.is_available() else (
+        "mps" if torch.backends.mps.is_available() else "cpu")
+    assert resolve_device("auto").type == expected

@@ -1,0 +1,96 @@
+import math
+
+import pytest
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.sampling import SamplingParams, apply_repetition_penalty, filter_scores, make_sampler
+
+NO_HISTORY = torch.empty(0, dtype=torch.long)
+
+
+def test_greedy_picks_argmax():
+    logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
+    assert make_sampler(SamplingParams())(logits, NO_HISTORY) == 1
+
+
+def test_top_k_one_is_greedy_even_when_sampling():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(1))
+    sample = make_sampler(SamplingParams(temperature=1.5, top_k=1, seed=3))
+    assert {sample(logits, NO_HISTORY) for _ in range(20)} == {int(logits.argmax())}
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens():
+    logits = torch.zeros(1000)  # uniform: every draw is up to the generator
+
+    def draws(seed):
+        sample = make_sampler(SamplingParams(temperature=1.0, seed=seed))
+        return [sample(logits, NO_HISTORY) for _ in range(30)]
+
+    assert draws(7) == draws(7)
+    assert draws(7) != draws(8)
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    scores = filter_scores(probs.log(), top_k=0, top_p=0.8, min_p=0.0)
+    kept = torch.isfinite(scores) & (scores > torch.finfo(scores.dtype).min)
+    assert kept.tolist() == [True, True, False, False]
+
+
+def test_top_p_always_keeps_the_best_token():
+    scores = filter_scores(torch.tensor([2.0, 1.0, 0.0]), top_k=0, top_p=0.01, min_p=0.0)
+    assert scores[0] == 2.0 and scores[1] < -1e30 and scores[2] < -1e30
+
+
+def test_min_p_drops_tokens_below_fraction_of_best():
+    probs = torch.tensor([0.6, 0.25, 0.1, 0.05])
+    scores = filter_scores(probs.log(), top_k=0, top_p=1.0, min_p=0.2)  # threshold 0.12
+    assert (scores > -1e30).tolist() == [True, True, False, False]
+
+
+def test_top_k_keeps_k():
+    scores = filter_scores(torch.tensor([1.0, 5.0, 3.0, 4.0]), top_k=2, top_p=1.0, min_p=0.0)
+    assert (scores > -1e30).tolist() == [False, True, False, True]
+
+
+def test_sampling_never_picks_filtered_tokens():
+    logits = torch.tensor([5.0, 4.9, -3.0, -3.0, -3.0])
+    sample = make_sampler(SamplingParams(temperature=2.0, top_k=2, seed=0))
+    assert {sample(logits, NO_HISTORY) for _ in range(200)} == {0, 1}
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative():
+    scores = torch.tensor([2.0, -2.0, 1.0])
+    out = apply_repetition_penalty(scores, torch.tensor([0, 1, 1]), 2.0)
+    assert out.tolist() == [1.0, -4.0, 1.0]
+    assert scores.tolist() == [2.0, -2.0, 1.0], "the input must not change"
+
+
+def test_repetition_penalty_can_change_the_greedy_choice():
+    logits = torch.tensor([2.0, 1.5])
+    sample = make_sampler(SamplingParams(repetition_penalty=2.0))
+    assert sample(logits, NO_HISTORY) == 0
+    assert sample(logits, torch.tensor([0])) == 1
+
+
+def test_sampled_frequencies_follow_probabilities():
+    probs = torch.tensor([0.7, 0.2, 0.1])
+    sample = make_sampler(SamplingParams(temperature=1.0, seed=11))
+    counts = torch.bincount(torch.tensor([sample(probs.log(), NO_HISTORY) for _ in range(3000)]), minlength=3)
+    assert torch.allclose(counts / 3000, probs, atol=0.03)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("temperature", "abc"), ("temperature", math.nan), ("top_k", 2.5),
+    ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.0), ("repetition_penalty", 0),
+    ("seed", -3), ("seed", "x"), ("temperature", None),
+])
+def test_bad_parameters_are_refused_with_a_message(field, value):
+    with pytest.raises(InvalidRequestError, match=field):
+        SamplingParams(**{field: value}).validated()
+
+
+def test_numeric_strings_are_accepted():
+    params = SamplingParams(temperature="0.7", top_k="40", seed="3").validated()
+    assert (params.temperature, params.top_k, params.seed) == (0.7, 40, 3)

@@ -1,0 +1,104 @@
+"""Tiny tokenizers and random-weight models, built from configs in seconds, no downloads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Memory bandwidth limits how fast a model can generate tokens.",
+    "A key-value cache stores attention keys and values for every token.",
+    "Café, naïve, résumé, façade, Ångström, jalapeño — accents everywhere.",
+    "日本語のテキストと中文文本 mixed with English words.",
+    "Emoji: 😀 🚀 🧠 👍🏽 and flags 🇫🇷 in a sentence.",
+    "Quantization stores weights in fewer bits: int8, nf4, fp4.",
+    "   leading spaces, trailing spaces   and\nnew lines\n\n",
+] * 4
+
+
+def byte_level_tokenizer():
+    """A GPT-2 style byte-level BPE tokenizer (like SmolLM2's, Qwen's, Llama-3's)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+        unk_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def sentencepiece_tokenizer():
+    """A Llama-2 style tokenizer: '▁' for spaces, byte fallback for unknown characters."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    words = {w for line in CORPUS for w in line.split()}
+    pieces += ["▁"] + sorted({"▁" + w for w in words} | set("".join(words)))
+    vocab = [(p, 0.0 if i < 259 else -float(len(p) < 3) - 1.0 / (1 + len(p))) for i, p in enumerate(pieces)]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", clean_up_tokenization_spaces=False)
+
+
+def tiny_config(arch: str, vocab_size: int, **overrides):
+    """A small config of one architecture; ``overrides`` change any field."""
+    from transformers import Gemma2Config, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=0.3, bos_token_id=0, eos_token_id=2, pad_token_id=0,
+                  tie_word_embeddings=False)
+    if arch == "llama":
+        config = LlamaConfig(**common)
+    elif arch == "qwen2":
+        config = Qwen2Config(**{**common, "num_hidden_layers": 3})
+    elif arch == "mistral":
+        config = MistralConfig(**{**common, "sliding_window": 12})
+    elif arch == "gemma2":
+        config = Gemma2Config(**{**common, "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 10,
+                                 "query_pre_attn_scalar": 16})
+    elif arch == "gpt2":
+        config = GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                            initializer_range=0.3, bos_token_id=0, eos_token_id=2)
+    else:
+        raise ValueError(arch)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def build_model_folder(folder: Path, arch: str, tokenizer, seed: int = 0, **overrides) -> Path:
+    """Save a random-weight model of ``arch`` with ``tokenizer`` as a Hugging Face folder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, len(tokenizer), **overrides)
+    config.eos_token_id = tokenizer.eos_token_id
+    config.bos_token_id = tokenizer.bos_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
