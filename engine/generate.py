@@ -27,6 +27,20 @@ PREFILL_CHUNK = 512
 """Long prompts go through in chunks of this many tokens, so cancel works during prefill."""
 
 
+def top_scores(scores: "torch.Tensor", k: int) -> tuple[list[int], list[float]]:  # noqa: F821
+    """The k largest scores, best first. numpy's argpartition on the CPU (about half of torch.topk's time)."""
+    import numpy as np
+    import torch
+
+    if scores.device.type == "cpu":
+        values = scores.numpy()
+        ids = np.argpartition(values, -k)[-k:]
+        ids = ids[np.argsort(-values[ids], kind="stable")]
+        return ids.tolist(), values[ids].tolist()
+    values, ids = torch.topk(scores, k)
+    return ids.tolist(), values.tolist()
+
+
 def stream(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int],
            cancel: CancelToken) -> Iterator[GenerationEvent]:
     import torch
@@ -52,6 +66,7 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int
     special = frozenset(tokenizer.all_special_ids)
     keep = {"logits_to_keep": 1} if loaded.supports_logits_to_keep else {}
     sampler = make_sampler(request.sampling, device)
+    plain_greedy = request.sampling.greedy and request.sampling.repetition_penalty == 1.0
     detok = IncrementalDetokenizer(tokenizer)
     probe = MemoryProbe(device)
     n_prompt = len(prompt_ids)
@@ -102,14 +117,18 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int
     t_prev = start
     t_first = ttft = None
     while True:
-        token = sampler(logits, seen[:n_seen])
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        chosen = float(logprobs[token])
+        scores = logits.float()
         alternatives: tuple[Alternative, ...] = ()
         if top_k:
-            values, ids = torch.topk(logprobs, top_k)
-            alternatives = tuple(Alternative(i, tokenizer.decode([i]), v)
-                                 for i, v in zip(ids.tolist(), values.tolist()))
+            ids, values = top_scores(scores, top_k)
+        if plain_greedy and top_k and (top_k == 1 or values[0] > values[1]):
+            token = ids[0]  # the argmax, found by top_scores already (no tie to break)
+        else:
+            token = sampler(scores, seen[:n_seen])
+        log_total = float(torch.logsumexp(scores, dim=-1))
+        chosen = float(scores[token]) - log_total
+        if top_k:
+            alternatives = tuple(Alternative(i, loaded.token_text(i), v - log_total) for i, v in zip(ids, values))
         tokens.append(token)
         seen[n_seen] = token
         n_seen += 1

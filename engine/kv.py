@@ -80,6 +80,6 @@ def cache_bytes(cache) -> int:
     total = 0
     for layer in getattr(cache, "layers", ()):
         for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if tensor is not None and tensor.numel():
-                total += tensor.numel() * tensor.element_size()
+            if tensor is not None:
+                total += tensor.nbytes
     return total

