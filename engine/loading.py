@@ -106,9 +106,18 @@ class LoadedModel:
 
 def load_model(request: LoadRequest, progress: Callable[[LoadProgress], None] | None = None,
                cancel: CancelToken | None = None) -> LoadedModel:
-    """Resolve, fetch or convert if needed, then load; ``progress`` gets :class:`LoadProgress`."""
-    start = time.perf_counter()
+    """Resolve, fetch or convert if needed, then load; ``progress`` gets :class:`LoadProgress`.
+
+    ``Loaded.load_s`` counts from here, after the one-time import of torch and transformers'
+    loading machinery (seconds in a fresh process, which no model load should be charged).
+    """
     reporter = ProgressReporter(progress, cancel)
+    reporter.report("imports", 0, 0, "Importing torch and transformers")
+    import torch  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    from transformers import modeling_utils  # noqa: F401  (lazy: the heavy part of the import)
+
+    start = time.perf_counter()
     precision = get_precision(request.precision)
     device = resolve_device(request.device)
     precision.check_device(device.type)
