@@ -8,7 +8,10 @@ Decoding one token alone goes wrong in three ways, each handled here:
   text, so each step decodes a window that starts one step back and emits only what the
   new tokens added;
 - byte-fallback tokens (``<0xE6>``) are decoded as a run, and a run that turns out invalid
-  becomes U+FFFD as a whole, so text is held while the newest token is such a byte.
+  becomes U+FFFD as a whole, so text is held while the newest token is such a byte;
+- tokenizers that "clean up tokenization spaces" delete a space before punctuation
+  (``"one ."`` → ``"one."``) once the punctuation arrives, so for them a trailing space is
+  held until the next token shows whether it stays.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class IncrementalDetokenizer:
         self._prefix = 0  # the window starts here: one step before the unread tokens
         self._read = 0  # tokens before this have all their text emitted
         self._partial = 0  # characters of the unread tokens' text emitted already
+        self._hold_spaces = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids)
@@ -46,6 +50,8 @@ class IncrementalDetokenizer:
         else:  # decoding the window changed earlier text: measure against the whole text
             new = self._decode(self.ids)[len(self.text) - self._partial:]
         stable = new.rstrip(_REPLACEMENT)
+        if self._hold_spaces:
+            stable = stable.rstrip(" ")
         piece = stable[self._partial:]
         if len(stable) == len(new):  # nothing incomplete left: move the window on
             self._prefix, self._read, self._partial = self._read, len(self.ids), 0

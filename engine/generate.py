@@ -3,6 +3,10 @@
 Our own loop rather than ``model.generate()`` with a streamer, so every token comes with
 what it cost (latency, KV bytes measured and predicted, memory) and a cancel flag is
 checked between tokens. Greedy output equals ``model.generate(do_sample=False)``.
+
+Timing: ``latency_s`` is the engine's own time for a token, from when the consumer hands
+control back to when the token is ready, so a slow consumer (a terminal, a GUI) never
+makes the model look slow. ``elapsed_s`` and ``total_s`` are wall clock.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from engine.cancel import CancelToken
 from engine.detokenize import IncrementalDetokenizer
-from engine.errors import OutOfMemoryError
+from engine.errors import EngineError, OutOfMemoryError
 from engine.events import Alternative, Finished, GenerationEvent, Prefilled, TokenGenerated
 from engine.kv import cache_bytes
 from engine.memory import MemoryProbe
@@ -21,13 +25,15 @@ from engine.request import GenerationRequest
 from engine.sampling import make_sampler
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.loading import LoadedModel
 
 PREFILL_CHUNK = 512
 """Long prompts go through in chunks of this many tokens, so cancel works during prefill."""
 
 
-def top_scores(scores: "torch.Tensor", k: int) -> tuple[list[int], list[float]]:  # noqa: F821
+def top_scores(scores: "torch.Tensor", k: int) -> tuple[list[int], list[float]]:
     """The k largest scores, best first. numpy's argpartition on the CPU (about half of torch.topk's time)."""
     import numpy as np
     import torch
@@ -41,18 +47,55 @@ def top_scores(scores: "torch.Tensor", k: int) -> tuple[list[int], list[float]]:
     return ids.tolist(), values.tolist()
 
 
-def stream(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int],
-           cancel: CancelToken) -> Iterator[GenerationEvent]:
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA raises torch.OutOfMemoryError; the CPU and MPS raise RuntimeErrors that say so."""
     import torch
 
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+def stream(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int],
+           cancel: CancelToken) -> Iterator[GenerationEvent]:
     try:
-        with torch.inference_mode():
-            yield from _run(loaded, request, prompt_ids, cancel)
-    except (torch.OutOfMemoryError, MemoryError) as exc:
-        raise OutOfMemoryError(
-            f"Out of memory on {loaded.device} while generating: shorten the prompt or answer, "
-            "or pick a smaller precision."
-        ) from exc
+        yield from _run(loaded, request, prompt_ids, cancel)
+    except EngineError:
+        raise
+    except Exception as exc:
+        if is_out_of_memory(exc):
+            raise OutOfMemoryError(
+                f"Out of memory on {loaded.device} while generating: shorten the prompt or answer, "
+                "or pick a smaller precision."
+            ) from exc
+        raise EngineError(f"Generation failed: {type(exc).__name__}: {exc}") from exc
+
+
+class _Tokens:
+    """Prompt and answer ids in one tensor (for the repetition penalty and the next input),
+    grown by doubling so ``max_new_tokens`` can be large without a large allocation."""
+
+    def __init__(self, prompt_ids: list[int], room: int, device) -> None:
+        import torch
+
+        self._data = torch.empty(len(prompt_ids) + max(1, room), dtype=torch.long, device=device)
+        self._data[: len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
+        self.count = len(prompt_ids)
+
+    def append(self, token: int) -> None:
+        import torch
+
+        if self.count == self._data.numel():
+            self._data = torch.cat([self._data, torch.empty_like(self._data)])
+        self._data[self.count] = token
+        self.count += 1
+
+    def all(self) -> "torch.Tensor":
+        return self._data[: self.count]
+
+    def last(self) -> "torch.Tensor":
+        return self._data[self.count - 1: self.count].unsqueeze(0)
 
 
 def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int],
@@ -72,22 +115,19 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int
     n_prompt = len(prompt_ids)
     top_k = request.top_alternatives
     longest_stop = max((len(s) for s in request.stop), default=0)
+    room = request.max_new_tokens if context is None else min(request.max_new_tokens, context - n_prompt)
+    seen = _Tokens(prompt_ids, min(room, 4096), device)
+    predicted = loaded.predicted_kv_bytes
+    tokens: list[int] = []
+    latencies: list[float] = []
 
-    # Tokens seen so far (prompt + answer) for the repetition penalty, preallocated.
-    seen = torch.empty(n_prompt + request.max_new_tokens, dtype=torch.long, device=device)
-    seen[:n_prompt] = torch.tensor(prompt_ids, dtype=torch.long)
-    n_seen = n_prompt
-
-    def predicted(tokens_in_cache: int) -> int | None:
-        return loaded.predicted_kv_bytes(tokens_in_cache)
-
-    def finished(reason, tokens, ttft, t_first, t_last, kv, kv_pred, stop_string=None) -> Finished:
-        decode_s = (t_last - t_first) if t_first is not None else 0.0
+    def finished(reason, kv, kv_pred, stop_string=None) -> Finished:
+        decode_s = sum(latencies[1:])
         n = len(tokens)
         peak_device = probe.peak_device()
         return Finished(
-            reason=reason, tokens=n, prompt_tokens=n_prompt, ttft_s=ttft, decode_s=decode_s,
-            decode_tokens_per_s=(n - 1) / decode_s if n >= 2 and decode_s > 0 else None,
+            reason=reason, tokens=n, prompt_tokens=n_prompt, ttft_s=latencies[0] if latencies else None,
+            decode_s=decode_s, decode_tokens_per_s=(n - 1) / decode_s if n >= 2 and decode_s > 0 else None,
             total_s=time.perf_counter() - start,
             peak_memory_bytes=peak_device if peak_device is not None else probe.peak_rss,
             peak_rss_bytes=probe.peak_rss, kv_cache_bytes=kv, kv_cache_bytes_predicted=kv_pred,
@@ -98,40 +138,40 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int
     probe.sample()
     start = time.perf_counter()
     cache = DynamicCache(config=model.config)
-    input_ids = seen[:n_prompt].unsqueeze(0)
-    out = None
+    prompt = seen.all().unsqueeze(0)
     for chunk_start in range(0, n_prompt, PREFILL_CHUNK):
         if cancel.cancelled:
-            yield finished("cancelled", [], None, None, None, cache_bytes(cache), predicted(chunk_start))
+            yield finished("cancelled", cache_bytes(cache), predicted(chunk_start))
             return
-        out = model(input_ids=input_ids[:, chunk_start:chunk_start + PREFILL_CHUNK], cache=cache,
-                    use_cache=True, **keep)
-    logits = out.logits[0, -1]
+        with torch.inference_mode():
+            out = model(input_ids=prompt[:, chunk_start:chunk_start + PREFILL_CHUNK], cache=cache,
+                        use_cache=True, **keep)
     prefill_s = time.perf_counter() - start
-    kv = cache_bytes(cache)
     yield Prefilled(prompt_tokens=n_prompt, prefill_s=prefill_s,
                     prefill_tokens_per_s=n_prompt / prefill_s if prefill_s > 0 else 0.0,
-                    kv_cache_bytes=kv, kv_cache_bytes_predicted=predicted(n_prompt), memory=probe.sample())
+                    kv_cache_bytes=cache_bytes(cache), kv_cache_bytes_predicted=predicted(n_prompt),
+                    memory=probe.sample())
 
-    tokens: list[int] = []
-    t_prev = start
-    t_first = ttft = None
+    step_start = time.perf_counter()
     while True:
-        scores = logits.float()
-        alternatives: tuple[Alternative, ...] = ()
-        if top_k:
-            ids, values = top_scores(scores, top_k)
-        if plain_greedy and top_k and (top_k == 1 or values[0] > values[1]):
-            token = ids[0]  # the argmax, found by top_scores already (no tie to break)
-        else:
-            token = sampler(scores, seen[:n_seen])
-        log_total = float(torch.logsumexp(scores, dim=-1))
-        chosen = float(scores[token]) - log_total
-        if top_k:
-            alternatives = tuple(Alternative(i, loaded.token_text(i), v - log_total) for i, v in zip(ids, values))
+        # inference mode only around tensor work: it is per thread, and must not stay on
+        # in the consumer's code between tokens
+        with torch.inference_mode():
+            if tokens:
+                out = model(input_ids=seen.last(), cache=cache, use_cache=True, **keep)
+            scores = out.logits[0, -1].float()
+            if top_k:
+                ids, values = top_scores(scores, top_k)
+            if plain_greedy and top_k >= 2 and values[0] > values[1]:
+                token = ids[0]  # the argmax, already found by top_scores (no tie to break)
+            else:
+                token = sampler(scores, seen.all())
+            log_total = float(torch.logsumexp(scores, dim=-1))
+            chosen = float(scores[token]) - log_total
+        alternatives = (tuple(Alternative(i, loaded.token_text(i), v - log_total) for i, v in zip(ids, values))
+                        if top_k else ())
         tokens.append(token)
-        seen[n_seen] = token
-        n_seen += 1
+        seen.append(token)
         piece = detok.add(token)
 
         reason, stop_string = None, None
@@ -151,22 +191,21 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int
         if reason is not None:
             piece += detok.flush()
 
-        now = time.perf_counter()
-        if t_first is None:
-            t_first, ttft = now, now - start
         in_cache = n_prompt + len(tokens) - 1  # the newest token is not in the cache yet
         kv = cache_bytes(cache)
+        memory = probe.sample()
+        now = time.perf_counter()
+        latency = now - step_start + (prefill_s if not latencies else 0.0)
+        latencies.append(latency)
         yield TokenGenerated(
             index=len(tokens) - 1, token_id=token, text=piece, logprob=chosen,
-            top_alternatives=alternatives, latency_s=now - t_prev, elapsed_s=now - start,
-            kv_cache_bytes=kv, kv_cache_bytes_predicted=predicted(in_cache), memory=probe.sample(),
+            top_alternatives=alternatives, latency_s=latency, elapsed_s=now - start,
+            kv_cache_bytes=kv, kv_cache_bytes_predicted=predicted(in_cache), memory=memory,
             special=token in special,
         )
-        t_prev = now
+        step_start = time.perf_counter()
         if reason is None and cancel.cancelled and not detok.pending:
             reason = "cancelled"  # set while the consumer handled the token: stop before another step
         if reason is not None:
-            yield finished(reason, tokens, ttft, t_first, now, kv, predicted(in_cache), stop_string)
+            yield finished(reason, kv, predicted(in_cache), stop_string)
             return
-        out = model(input_ids=seen[n_seen - 1:n_seen].unsqueeze(0), cache=cache, use_cache=True, **keep)
-        logits = out.logits[0, -1]

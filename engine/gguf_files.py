@@ -94,8 +94,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, reporter: ProgressReporter,
     summary = summarize_gguf(gguf_path)
     reporter.report("convert", 0, 0, f"Reading {gguf_path.name} ({summary.file_type})")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # left by a killed conversion
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
         with reporting(reporter):
             reporter.report("tokenizer", 0, 0, "Converting the GGUF tokenizer")
@@ -125,11 +126,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, reporter: ProgressReporter,
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
+    except EngineError:
+        raise
     except Exception as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, EngineError):
-            raise
         raise CorruptModelError(f"transformers could not read {gguf_path.name}: {exc}") from exc
+    finally:  # also on KeyboardInterrupt: never leave half a conversion behind
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

@@ -46,10 +46,16 @@ def kv_layout(config) -> KVLayout | None:
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     if getattr(text, "kv_lora_rank", None) or getattr(text, "kv_sharing_modes", None):
         return None
-    layers = int(text.num_hidden_layers)
-    heads = int(text.num_attention_heads)
+    layers = getattr(text, "num_hidden_layers", None)
+    heads = getattr(text, "num_attention_heads", None)
+    hidden = getattr(text, "hidden_size", None)
+    if not layers or not heads:  # state-space models (Mamba…) have no attention heads
+        return None
+    layers, heads = int(layers), int(heads)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if hidden else None)
+    if not head_dim:
+        return None
     types = getattr(text, "layer_types", None)
     window = getattr(text, "sliding_window", None)
     chunk = getattr(text, "attention_chunk_size", None)

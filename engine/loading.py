@@ -83,6 +83,8 @@ class LoadedModel:
         """Validate and tokenize now (errors raise here), then stream the events."""
         from engine.generate import stream
 
+        if self.model is None:
+            raise EngineError("This model was unloaded: load it again to generate.")
         request = request.validated()
         ids = self.encode(request)
         return stream(self, request, ids, cancel or CancelToken())
@@ -125,9 +127,7 @@ def load_model(request: LoadRequest, progress: Callable[[LoadProgress], None] | 
                                offline=request.offline)
     reporter.report("config", 0, 0, f"Reading {resolved.name}'s config")
     config = _load_config(resolved, request.trust_remote_code)
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    model = None
     try:
         reporter.report("tokenizer", 0, 0, "Loading the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(str(resolved.folder), trust_remote_code=request.trust_remote_code)
@@ -141,23 +141,45 @@ def load_model(request: LoadRequest, progress: Callable[[LoadProgress], None] | 
         model.eval()
         reporter.report("warmup", 0, 1, "Warming up (one short forward pass)")
         _warm_up(model, device)
-    except EngineError:
-        raise
-    except (torch.OutOfMemoryError, MemoryError) as exc:
-        raise OutOfMemoryError(
-            f"Not enough memory on {device} to load {resolved.name} in {precision.name}. "
-            "Try a smaller precision (nf4, int8) or another device."
-        ) from exc
-    except RuntimeError as exc:
-        if "memory" in str(exc).lower() and "alloc" in str(exc).lower():
-            raise OutOfMemoryError(f"Not enough memory on {device} to load {resolved.name}: {exc}") from exc
-        raise CorruptModelError(f"Could not load {resolved.name}: {exc}") from exc
-    except (OSError, ValueError, KeyError) as exc:
-        raise CorruptModelError(f"Could not load {resolved.name}: {exc}") from exc
+        layout = kv_layout(model.config)
+        info = _describe(model, tokenizer, resolved, precision, device, layout, time.perf_counter() - start)
+    except BaseException as exc:
+        model = None
+        error = _typed_load_error(exc, resolved.name, precision.name, device)
+        _release(exc, device)
+        if error is exc:
+            raise
+        raise error from exc
     reporter.report("ready", 1, 1, "Ready")
-    layout = kv_layout(model.config)
-    info = _describe(model, tokenizer, resolved, precision, device, layout, time.perf_counter() - start)
     return LoadedModel(model, tokenizer, info, device, precision, layout)
+
+
+def _typed_load_error(exc: BaseException, name: str, precision: str, device) -> BaseException:
+    """The engine error a failed load becomes (``exc`` itself when it already is one)."""
+    from engine.generate import is_out_of_memory
+
+    if isinstance(exc, (EngineError, KeyboardInterrupt, SystemExit)):
+        return exc
+    if is_out_of_memory(exc):
+        return OutOfMemoryError(
+            f"Not enough memory on {device} to load {name} in {precision}. "
+            "Try a smaller precision (nf4, int8) or another device."
+        )
+    if isinstance(exc, (RuntimeError, OSError, ValueError, KeyError, TypeError, AttributeError)):
+        return CorruptModelError(f"Could not load {name}: {type(exc).__name__}: {exc}")
+    return EngineError(f"Could not load {name}: {type(exc).__name__}: {exc}")
+
+
+def _release(exc: BaseException, device) -> None:
+    """Let go of a half-loaded model: the traceback's frames hold it (and its device memory)."""
+    import traceback
+
+    import torch
+
+    traceback.clear_frames(exc.__traceback__)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _warm_up(model, device) -> None:

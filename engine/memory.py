@@ -31,11 +31,26 @@ class _Nvml:
         try:
             handle = self._handles.get(index)
             if handle is None:
-                handle = self._handles[index] = self._lib.nvmlDeviceGetHandleByIndex(index)
+                handle = self._handles[index] = self._handle_for(index)
             info = self._lib.nvmlDeviceGetMemoryInfo(handle)
             return int(info.used), int(info.total)
         except Exception:
             return None, None
+
+    def _handle_for(self, index: int):
+        """NVML numbers GPUs by PCI order, CUDA by speed and CUDA_VISIBLE_DEVICES: match by bus id."""
+        import torch
+
+        props = torch.cuda.get_device_properties(index)
+        bus = getattr(props, "pci_bus_id", None)
+        if bus is not None:
+            domain = getattr(props, "pci_domain_id", 0)
+            device = getattr(props, "pci_device_id", 0)
+            try:
+                return self._lib.nvmlDeviceGetHandleByPciBusId(f"{domain:08x}:{bus:02x}:{device:02x}.0".encode())
+            except Exception:
+                pass
+        return self._lib.nvmlDeviceGetHandleByIndex(index)
 
 
 _nvml: _Nvml | None = None
@@ -46,10 +61,16 @@ class _StatmRss:
     against psutil's ~10 µs (which opens the file each time), so sampling every token is free."""
 
     def __init__(self) -> None:
-        self._fd = os.open("/proc/self/statm", os.O_RDONLY)
         self._page = os.sysconf("SC_PAGE_SIZE")
+        self._open()
+
+    def _open(self) -> None:
+        self._pid = os.getpid()
+        self._fd = os.open("/proc/self/statm", os.O_RDONLY)  # "self" is resolved at open time
 
     def __call__(self) -> int:
+        if os.getpid() != self._pid:  # a forked child must read its own file
+            self._open()
         return int(os.pread(self._fd, 128, 0).split()[1]) * self._page
 
 

@@ -8,6 +8,8 @@ from typing import Literal
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
 
+MAX_NEW_TOKENS = 10_000_000
+
 
 @dataclass(frozen=True)
 class ChatMessage:
@@ -42,11 +44,15 @@ class GenerationRequest:
             max_new = int(self.max_new_tokens)
         except (TypeError, ValueError):
             raise InvalidRequestError(f"max_new_tokens must be a whole number, not {self.max_new_tokens!r}.") from None
-        if isinstance(self.max_new_tokens, bool) or max_new != self.max_new_tokens or max_new <= 0:
-            raise InvalidRequestError(f"max_new_tokens must be a whole number > 0, not {self.max_new_tokens!r}.")
+        if isinstance(self.max_new_tokens, bool) or max_new != self.max_new_tokens or not 0 < max_new <= MAX_NEW_TOKENS:
+            raise InvalidRequestError(
+                f"max_new_tokens must be a whole number from 1 to {MAX_NEW_TOKENS:,}, not {self.max_new_tokens!r}.")
         if not isinstance(self.top_alternatives, int) or not 0 <= self.top_alternatives <= 20:
             raise InvalidRequestError("top_alternatives must be between 0 and 20.")
-        stops = tuple(s for s in self.stop if s)
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(s, str) for s in stops):
+            raise InvalidRequestError(f"stop strings must be text, not {self.stop!r}.")
+        stops = tuple(s for s in stops if s)
         return GenerationRequest(
             prompt=self.prompt, mode=self.mode, system_prompt=self.system_prompt,
             history=tuple(self.history), sampling=self.sampling.validated(), max_new_tokens=max_new,

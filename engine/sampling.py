@@ -48,7 +48,9 @@ class SamplingParams:
             return converted
 
         return SamplingParams(
-            temperature=number("temperature", float, lambda v: v >= 0, ">= 0"),
+            # below 0.01 the scores overflow to inf; use 0 (greedy) for "always the most likely"
+            temperature=number("temperature", float, lambda v: v == 0 or 0.01 <= v <= 100,
+                               "0 (greedy) or between 0.01 and 100"),
             top_k=number("top_k", int, lambda v: v >= 0, ">= 0"),
             top_p=number("top_p", float, lambda v: 0 < v <= 1, "in (0, 1]"),
             min_p=number("min_p", float, lambda v: 0 <= v < 1, "in [0, 1)"),

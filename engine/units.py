@@ -33,3 +33,14 @@ def format_count(n: int) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return str(n)
+
+
+def binary_unit(largest: float) -> tuple[float, str]:
+    """``(divisor, unit)`` to show values up to ``largest`` bytes in B/KiB/MiB/GiB/TiB."""
+    divisor, unit = 1.0, "B"
+    for next_unit in ("KiB", "MiB", "GiB", "TiB"):
+        if largest < divisor * 1024:
+            break
+        divisor *= 1024
+        unit = next_unit
+    return divisor, unit

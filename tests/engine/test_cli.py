@@ -88,6 +88,14 @@ def test_debug_shows_the_traceback():
     assert result.returncode != 0 and "Traceback" in result.stderr
 
 
-def test_models_lists_the_default(capsys, isolated_cache):
+def test_models_lists_the_default_and_the_hub_cache(capsys, isolated_cache, tmp_path, tiny_llama, monkeypatch):
+    import huggingface_hub.constants as hub_constants
+
+    from tests.engine.test_sources import make_hub_cache
+
+    make_hub_cache(tmp_path / "hub", "tiny/llama", tiny_llama)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     assert main(["models"]) == 0
-    assert capsys.readouterr().out.startswith("default")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("default") and "not downloaded yet" in lines[0]
+    assert lines[1].startswith("tiny/llama") and "ready" in lines[1] and "snapshots" in lines[1]

@@ -124,3 +124,21 @@ def test_cancel_during_download_leaves_nothing(isolated_cache):
     with pytest.raises(CancelledError):
         default_model.ensure(ProgressReporter(progress, cancel))
     assert not default_model.gguf_path().exists() and not default_model.is_ready()
+
+
+def test_an_interrupted_conversion_leaves_nothing_behind(default_gguf, isolated_cache, tmp_path, monkeypatch):
+    from transformers import PreTrainedModel
+
+    from engine.gguf_files import converted_dir_for
+
+    gguf = shutil.copy(default_gguf, tmp_path / "interrupted.gguf")
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        load_model(LoadRequest(str(gguf), "fp32", "cpu"))
+    folder = converted_dir_for(gguf)
+    assert not folder.exists()
+    assert list(folder.parent.glob(".*tmp-*")) == []

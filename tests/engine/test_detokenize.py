@@ -57,3 +57,26 @@ def test_leading_space_of_a_word_is_kept(sp_tokenizer):
     pieces = pieces_for(sp_tokenizer, ids)
     assert "".join(pieces) == "one two three"
     assert any(p.startswith(" ") for p in pieces[1:])
+
+
+@pytest.fixture
+def cleanup_tokenizer(sp_tokenizer):
+    """A tokenizer whose decode deletes the space before punctuation ("one ." -> "one.")."""
+    import copy
+
+    tokenizer = copy.deepcopy(sp_tokenizer)
+    tokenizer.clean_up_tokenization_spaces = True
+    return tokenizer
+
+
+def test_cleanup_of_spaces_before_punctuation(cleanup_tokenizer):
+    ids = cleanup_tokenizer("one . two , three !")["input_ids"]
+    assert cleanup_tokenizer.decode(ids) == "one. two, three!"
+    assert "".join(pieces_for(cleanup_tokenizer, ids)) == "one. two, three!"
+
+
+def test_random_ids_with_space_cleanup(cleanup_tokenizer):
+    rng = random.Random(99)
+    for _ in range(300):
+        ids = [rng.randrange(len(cleanup_tokenizer)) for _ in range(rng.randrange(1, 25))]
+        assert "".join(pieces_for(cleanup_tokenizer, ids)) == cleanup_tokenizer.decode(ids), ids

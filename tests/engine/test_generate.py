@@ -225,3 +225,74 @@ def test_long_prompt_prefills_in_chunks_and_matches_one_pass(loaded_llama, monke
     monkeypatch.setattr(gen, "PREFILL_CHUNK", 7)
     chunked = [t.token_id for t in tokens_of(loaded_llama.generate(request))]
     assert chunked == whole
+
+
+def test_a_plain_string_stop_is_one_stop_string():
+    assert GenerationRequest("hi", stop="END").validated().stop == ("END",)
+    with pytest.raises(InvalidRequestError, match="stop"):
+        GenerationRequest("hi", stop=(1, 2)).validated()
+
+
+def test_huge_max_new_tokens(loaded_llama):
+    with pytest.raises(InvalidRequestError, match="max_new_tokens"):
+        loaded_llama.generate(GenerationRequest("hi", mode="raw", max_new_tokens=10**12))
+    cancel = CancelToken()
+    events = []
+    for event in loaded_llama.generate(GenerationRequest("hi", mode="raw", max_new_tokens=5_000_000,
+                                                         ignore_eos=True), cancel):
+        events.append(event)
+        if isinstance(event, TokenGenerated) and event.index == 2:
+            cancel.cancel()
+    assert events[-1].reason == "cancelled"
+
+
+def test_ties_break_to_the_first_index_like_generate(tmp_path, tiny_llama):
+    """Duplicate the unembedding row of the greedy token into a lower id: every step where it
+    wins is an exact tie, and argmax (like generate) must pick the lower id."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    plain = load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"))
+    request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=8)
+    first = tokens_of(plain.generate(request))[0].token_id
+    lower = next(i for i in range(first) if i not in plain.eos_ids)
+    folder = shutil.copytree(tiny_llama, tmp_path / "tied")
+    weights = load_file(folder / "model.safetensors")
+    weights["lm_head.weight"][lower] = weights["lm_head.weight"][first]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    loaded = load_model(LoadRequest(str(folder), "fp32", "cpu"))
+    expected = hf_greedy(loaded, request, 8)
+    assert expected[0] == lower
+    for k in (0, 1, 2, 5):
+        ours = [t.token_id for t in tokens_of(loaded.generate(GenerationRequest(
+            PROMPT, mode="raw", max_new_tokens=8, top_alternatives=k)))]
+        assert ours == expected, k
+
+
+def test_streams_can_interleave_on_one_thread_and_leave_no_inference_mode(loaded_llama):
+    a = loaded_llama.generate(GenerationRequest("fox", mode="raw", max_new_tokens=6, ignore_eos=True))
+    b = loaded_llama.generate(GenerationRequest("dog", mode="raw", max_new_tokens=6, ignore_eos=True))
+    done = {"a": [], "b": []}
+    for _ in range(8):
+        for name, gen in (("a", a), ("b", b)):
+            event = next(gen, None)
+            assert not torch.is_inference_mode_enabled()
+            if event is not None:
+                done[name].append(event)
+    assert done["a"][-1].reason == done["b"][-1].reason == "length"
+    alone = list(loaded_llama.generate(GenerationRequest("fox", mode="raw", max_new_tokens=6, ignore_eos=True)))
+    assert done["a"][-1].token_ids == alone[-1].token_ids
+
+
+def test_a_slow_consumer_does_not_slow_the_measured_tokens(loaded_llama):
+    import time
+
+    events = []
+    for event in loaded_llama.generate(GenerationRequest("fox", mode="raw", max_new_tokens=6, ignore_eos=True)):
+        events.append(event)
+        time.sleep(0.05)
+    tokens = tokens_of(events)
+    assert max(t.latency_s for t in tokens[1:]) < 0.05  # a tiny model's step is a few ms
+    assert tokens[-1].elapsed_s - tokens[0].elapsed_s >= 5 * 0.05  # wall clock does include it
+    assert events[-1].decode_s == pytest.approx(sum(t.latency_s for t in tokens[1:]))

@@ -40,9 +40,10 @@ def test_hybrid_gemma2_alternates_sliding_and_full():
 
 
 def test_unknown_layouts_are_not_guessed():
-    from transformers import DeepseekV3Config
+    from transformers import DeepseekV3Config, MambaConfig
 
-    assert kv_layout(DeepseekV3Config(num_hidden_layers=2)) is None
+    assert kv_layout(DeepseekV3Config(num_hidden_layers=2)) is None  # compressed latent attention
+    assert kv_layout(MambaConfig()) is None  # no attention at all
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -63,7 +64,8 @@ def test_measured_kv_bytes_match_prediction_every_token(tiny_models, arch, preci
     assert len(tokens) == 40
     for event in tokens:
         assert event.kv_cache_bytes > 0
-        assert abs(event.kv_cache_bytes - event.kv_cache_bytes_predicted) <= 0.01 * event.kv_cache_bytes
+        # the issue asks for 1%; the prediction models the cache exactly, so hold it to that
+        assert event.kv_cache_bytes == event.kv_cache_bytes_predicted
     grew = [b.kv_cache_bytes - a.kv_cache_bytes for a, b in zip(tokens, tokens[1:])]
     if arch in ("llama", "qwen2", "gpt2"):  # full attention: exactly one token's worth per step
         assert set(grew) == {loaded.info.kv_bytes_per_token}

@@ -166,9 +166,10 @@ def test_refusals_come_before_any_weight_is_read(tmp_path, tiny_llama):
         load_model(LoadRequest(str(folder), "fp32", "tpu9"))
 
 
-def test_auto_device_on_this_machine():
-    from engine.devices import resolve_device
+def test_generate_after_close_is_refused(tiny_llama):
+    from engine.errors import EngineError
 
-    expected = "cuda" if torch.cuda.is_available() else (
-        "mps" if torch.backends.mps.is_available() else "cpu")
-    assert resolve_device("auto").type == expected
+    loaded = load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"))
+    loaded.close()
+    with pytest.raises(EngineError, match="unloaded"):
+        loaded.generate(GenerationRequest("fox", mode="raw"))

@@ -84,7 +84,7 @@ def test_sampled_frequencies_follow_probabilities():
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.1), ("temperature", "abc"), ("temperature", math.nan), ("top_k", 2.5),
     ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.0), ("repetition_penalty", 0),
-    ("seed", -3), ("seed", "x"), ("temperature", None),
+    ("seed", -3), ("seed", "x"), ("temperature", None), ("temperature", 1e-40), ("temperature", 1000),
 ])
 def test_bad_parameters_are_refused_with_a_message(field, value):
     with pytest.raises(InvalidRequestError, match=field):

@@ -1,0 +1,46 @@
+"""Keep the GUI thread's share of the CPU small while the model generates.
+
+On a 2-core machine the GUI thread runs on a core that the model's matrix multiplies
+also want; every millisecond it paints is taken from them, and more: a descheduled
+OpenMP thread stalls its partner at the next barrier. So redraws are paced by what they
+cost: a redraw that took ``c`` seconds of GUI-thread CPU (its Python work and the painting
+Qt does right after) is followed by at least ``c / budget`` seconds without one. A cheap
+redraw still happens at every tick of the 20 Hz timer, an expensive one (a big window, a
+slow machine) less often.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class FrameBudget:
+    def __init__(self, budget: float = 0.02, clock=time.perf_counter, cpu_clock=time.thread_time) -> None:
+        self.budget = budget
+        self._clock, self._cpu_clock = clock, cpu_clock
+        self._next = 0.0
+        self._started: float | None = None
+        self.last_cost = 0.0
+        self.skipped = 0
+
+    def due(self) -> bool:
+        """Whether a redraw may start now (call from the GUI thread, once per tick)."""
+        if self._started is None and self._clock() >= self._next:
+            return True
+        self.skipped += 1
+        return False
+
+    def begin(self) -> None:
+        self._started = self._cpu_clock()
+
+    def end(self) -> None:
+        """Call once the redraw has been painted (e.g. from a zero-delay timer after it)."""
+        if self._started is None:
+            return
+        self.last_cost = self._cpu_clock() - self._started
+        self._started = None
+        self._next = self._clock() + self.last_cost / self.budget
+
+    def reset(self) -> None:
+        self._next = 0.0
+        self._started = None

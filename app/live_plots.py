@@ -1,0 +1,240 @@
+"""Four live plots: tokens/sec, per-token latency, KV-cache bytes, memory.
+
+They redraw from a :class:`RunBuffer` when a timer asks (about 20 times a second), never
+per token, and cheaply, because on a 2-core machine every millisecond the GUI thread
+spends is taken from the model's matrix multiplies:
+
+- axis ranges grow in steps (x to the next multiple of a round number, y by half again)
+  instead of auto-ranging every frame, so axes re-layout a few times per run, not per frame;
+- labels change only when their unit does; no grid; the legend is part of the caption
+  below the plot (a QLabel that doesn't repaint with the data), not an item in the scene;
+- only the changed rectangle of the scene is repainted;
+- downsampling and clip-to-view are set on each PlotItem (where pyqtgraph honours them),
+  pens are 1 px and antialiasing is off.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QGraphicsView, QLabel, QVBoxLayout, QWidget
+
+from app.run_buffer import RunBuffer
+from engine.units import binary_unit
+
+pg.setConfigOptions(antialias=False, foreground="k", background=None)
+
+_COLOURS = {"main": "#2d7dd2", "second": "#f39c12", "third": "#27ae60", "fourth": "#8e44ad", "muted": "#7f8c8d"}
+ROLLING_WINDOW = 16
+
+
+def _pen(colour: str, style=Qt.SolidLine):
+    return pg.mkPen(_COLOURS[colour], width=1, style=style)
+
+
+def _step_up(value: float) -> float:
+    """The next 'round' limit at or above value: 1, 2, 5 × 10^k."""
+    if value <= 0 or not math.isfinite(value):
+        return 1.0
+    power = 10 ** math.floor(math.log10(value))
+    for step in (1, 2, 5, 10):
+        if value <= step * power:
+            return step * power
+    return 10 * power
+
+
+_STYLE_GLYPH = {Qt.SolidLine: "━━", Qt.DashLine: "╍╍", Qt.DotLine: "┅┅"}
+
+
+class PlotPanel(QWidget):
+    """A plot with a caption: a legend line, then one sentence saying what it shows."""
+
+    def __init__(self, title: str, caption: str, left: str, bottom: str) -> None:
+        super().__init__()
+        self.plot = pg.PlotWidget()
+        self.plot.setObjectName(title)
+        self.plot.setViewportUpdateMode(QGraphicsView.BoundingRectViewportUpdate)
+        self.item = self.plot.getPlotItem()
+        self.item.setDownsampling(auto=True, mode="peak")
+        self.item.setClipToView(True)
+        self.item.setLabel("bottom", bottom)
+        self.item.setMenuEnabled(False)
+        self.item.disableAutoRange()
+        self.item.setXRange(0, 1, padding=0)
+        self.item.setYRange(0, 1, padding=0)
+        self._labels: dict[str, str] = {}
+        self._legend: list[str] = []
+        self._sentence = caption
+        self.set_label("left", left)
+        self._x_limit = self._y_limit = 0.0
+        self._unit = ""
+        self.caption = QLabel(caption)
+        self.caption.setWordWrap(True)
+        self.caption.setTextFormat(Qt.RichText)
+        self.caption.setObjectName("plotCaption")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(2, 2, 2, 2)
+        layout.addWidget(self.plot, 1)
+        layout.addWidget(self.caption)
+
+    def curve(self, name: str, colour: str, style=Qt.SolidLine, **kwargs):
+        self.add_legend(name, colour, _STYLE_GLYPH.get(style, "━━"))
+        return self.plot.plot([], [], pen=_pen(colour, style), **kwargs)
+
+    def add_legend(self, name: str, colour: str, glyph: str) -> None:
+        self._legend.append(f"<span style='color:{_COLOURS[colour]}'>{glyph}</span>&nbsp;{name}")
+        self.caption.setText(" &nbsp; ".join(self._legend) + "<br>" + self._sentence)
+
+    def set_label(self, axis: str, text: str) -> None:
+        if self._labels.get(axis) != text:  # a label change re-lays-out the whole plot
+            self._labels[axis] = text
+            self.item.setLabel(axis, text)
+
+    def fit(self, x_max: float, y_max: float, unit: str = "", x_min: float = 0.0) -> None:
+        """Grow the view to hold x_max and y_max, in round steps; never shrink within a run
+        (unless the unit of y changed)."""
+        if unit != self._unit:
+            self._unit = unit
+            self._y_limit = 0.0
+        x_limit = _step_up(max(x_max, 8.0))
+        y_limit = _step_up(y_max * 1.1) if y_max > 0 else 1.0
+        if x_limit != self._x_limit:
+            self._x_limit = x_limit
+            self.item.setXRange(x_min, x_limit, padding=0)
+        if y_limit > self._y_limit:
+            self._y_limit = y_limit
+            self.item.setYRange(0, y_limit, padding=0)
+
+    def reset_view(self) -> None:
+        self._x_limit = self._y_limit = 0.0
+        self._unit = ""
+
+
+class LivePlots:
+    """Owns the four plot panels and redraws them from a RunBuffer."""
+
+    def __init__(self) -> None:
+        self.speed = PlotPanel(
+            "speed", f"Speed of each token (1 ÷ its latency) and the mean of the last {ROLLING_WINDOW}. "
+            "The first token waits for the whole prompt: its time is the TTFT.",
+            "tokens / s", "token")
+        self.latency = PlotPanel(
+            "latency", "Time each decode step took: one forward pass through the whole model per "
+            "token. Spikes are the machine doing something else.", "latency (ms)", "token")
+        self.kv = PlotPanel(
+            "kv", "KV-cache bytes held after each token: measured from the cache tensors (dots) "
+            "and predicted from the config: 2 × layers × KV heads × head dim × bytes (line).",
+            "KV cache", "token")
+        self.memory = PlotPanel(
+            "memory", "Memory while generating: process RSS (and device memory on a GPU) against "
+            "the bytes of the weights.", "memory", "time since request (s)")
+        self.panels = {"speed": self.speed, "latency": self.latency, "kv": self.kv, "memory": self.memory}
+        self._speed_now = self.speed.curve("each token", "muted")
+        self._speed_mean = self.speed.curve(f"mean of last {ROLLING_WINDOW}", "main")
+        self._latency = self.latency.curve("latency", "main")
+        self._kv_predicted = self.kv.curve("predicted", "second", Qt.DashLine)
+        # measured: dots over the predicted line (at most ~48 of them, so drawing stays cheap)
+        self._kv_measured = self.kv.plot.plot([], [], pen=None, symbol="o", symbolSize=5,
+                                              symbolBrush=_COLOURS["main"], symbolPen=None)
+        self.kv.add_legend("measured", "main", "●")
+        self._rss = self.memory.curve("process RSS", "main")
+        # device curves join the plot (and its legend) only once a GPU reports them
+        self._device_specs = {
+            "device_allocated": ("device allocated", "third", Qt.SolidLine),
+            "device_reserved": ("device reserved", "fourth", Qt.SolidLine),
+            "device_peak": ("device peak", "second", Qt.DotLine),
+        }
+        self._device: dict[str, object] = {}
+        self._weights = pg.InfiniteLine(angle=0, pen=_pen("muted", Qt.DashLine))
+        self._weights.setVisible(False)
+        self.memory.plot.addItem(self._weights)
+        self.memory.add_legend("weights", "muted", "╍╍")
+        self._drawn: dict[str, int] = {}  # plot name -> buffer version it shows
+        self._titles: dict[PlotPanel, str | None] = {}
+        self.redraws = 0
+
+    def refresh(self, buffer: RunBuffer, only: str | None = None) -> bool:
+        """Redraw from the buffer: every plot, or ``only`` one of them (the window cycles through
+        them while generating, so one tick pays for one plot). Returns whether anything changed."""
+        names = [only] if only else list(self.panels)
+        if all(self._drawn.get(name) == buffer.version for name in names):
+            return False
+        if buffer.count == 0:
+            for panel in self.panels.values():
+                panel.reset_view()
+        for name in names:
+            if self._drawn.get(name) != buffer.version:
+                self._drawn[name] = buffer.version
+                getattr(self, f"_draw_{name}")(buffer)
+        self.redraws += 1
+        return True
+
+    def _draw_speed(self, buffer: RunBuffer) -> None:
+        """Speed per decode step; the first token's "speed" is 1/TTFT, shown in the title instead."""
+        x, n = buffer.index(), buffer.count
+        speed_now = buffer.tokens_per_s()[1:]
+        self._speed_now.setData(x[1:], speed_now, skipFiniteCheck=True)
+        self._speed_mean.setData(x[1:], buffer.rolling_tokens_per_s(ROLLING_WINDOW)[1:], skipFiniteCheck=True)
+        self._set_title(self.speed, buffer)
+        self.speed.fit(n, float(np.nanmax(speed_now)) if n > 1 else 0.0)
+
+    def _draw_latency(self, buffer: RunBuffer) -> None:
+        """Latency of each decode step; the first token's (the TTFT) is in the title."""
+        x, n = buffer.index(), buffer.count
+        latency_ms = buffer.column("latency_s")[1:] * 1000
+        self._latency.setData(x[1:], latency_ms, skipFiniteCheck=True)
+        self._set_title(self.latency, buffer)
+        self.latency.fit(n, float(np.nanmax(latency_ms)) if n > 1 else 0.0)
+
+    def _set_title(self, panel: PlotPanel, buffer: RunBuffer) -> None:
+        title = f"time to first token: {buffer.column('latency_s')[0] * 1000:.0f} ms" if buffer.count else None
+        if self._titles.get(panel) != title:  # a title change re-lays-out the plot
+            self._titles[panel] = title
+            panel.plot.setTitle(title, size="9pt")
+
+    def _draw_kv(self, buffer: RunBuffer) -> None:
+        """KV-cache bytes in binary units: the predicted line, and measured dots over it."""
+        x, n = buffer.index(), buffer.count
+        kv = buffer.column("kv_bytes")
+        largest = float(np.nanmax(kv)) if n else 0.0
+        divisor, unit = binary_unit(largest)
+        self.kv.set_label("left", f"KV cache ({unit})")
+        every = max(1, -(-n // 48))
+        picked = np.arange(n - 1, -1, -every)[::-1]  # always include the newest token
+        self._kv_measured.setData(x[picked], kv[picked] / divisor, skipFiniteCheck=True)
+        self._kv_predicted.setData(x, buffer.column("kv_predicted") / divisor, connect="finite")
+        self.kv.fit(n, largest / divisor, unit)
+
+    def _draw_memory(self, buffer: RunBuffer) -> None:
+        """Memory over time: RSS, device memory where there is a GPU, the weights as a baseline."""
+        n = buffer.count
+        elapsed = buffer.column("elapsed_s")
+        rss = buffer.column("rss")
+        present = [k for k in self._device_specs if buffer.has(k)]
+        largest = max([float(np.nanmax(rss)) if buffer.has("rss") else 0.0, float(buffer.weights_bytes or 0)]
+                      + [float(np.nanmax(buffer.column(k))) for k in present])
+        divisor, unit = binary_unit(largest)
+        self.memory.set_label("left", f"memory ({unit})")
+        self._rss.setData(elapsed, rss / divisor, connect="finite")
+        for key in present:
+            if key not in self._device:
+                self._device[key] = self.memory.curve(*self._device_specs[key])
+        for key, curve in self._device.items():
+            curve.setData(elapsed, buffer.column(key) / divisor, connect="finite")
+        if buffer.weights_bytes:
+            self._weights.setValue(buffer.weights_bytes / divisor)
+            self._weights.setVisible(True)
+        self.memory.fit(float(elapsed[-1]) if n else 0.0, largest / divisor, unit)
+
+    def point_counts(self) -> dict[str, int]:
+        """Points each curve holds (tests check one per token)."""
+        def count(curve) -> int:
+            xs, _ = curve.getOriginalDataset()
+            return 0 if xs is None else len(xs)
+
+        return {"speed": count(self._speed_mean), "latency": count(self._latency),
+                "kv_predicted": count(self._kv_predicted), "kv_measured_dots": count(self._kv_measured),
+                "memory": count(self._rss)}

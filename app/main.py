@@ -1,0 +1,112 @@
+"""``inference-workbench``: the window, or a command-line subcommand (bench, models).
+
+The window appears before torch is imported: torch and transformers load in the worker
+thread, after the first paint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+CLI_COMMANDS = ("bench", "models")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from engine.precision import PRECISIONS
+
+    parser = argparse.ArgumentParser(
+        prog="inference-workbench",
+        description="Open the Inference Workbench window.",
+        epilog="Command-line tools: inference-workbench bench --help, inference-workbench models",
+    )
+    parser.add_argument("--model", help="load this model at start ('default', a folder, a .gguf file or a hub id)")
+    parser.add_argument("--precision", choices=list(PRECISIONS), help="precision for --model")
+    parser.add_argument("--device", help="device for --model: auto, cpu, cuda, cuda:N, mps")
+    parser.add_argument("--no-autoload", action="store_true", help="don't load a model at start")
+    return parser
+
+
+def settings():
+    """The user's settings (QSettings.defaultFormat(), so tests and scripts can redirect them)."""
+    from PySide6.QtCore import QSettings
+
+    return QSettings(QSettings.defaultFormat(), QSettings.UserScope, "InferenceWorkbench", "inference-workbench")
+
+
+def create_app(argv: list[str]):
+    from PySide6.QtGui import QIcon
+    from PySide6.QtWidgets import QApplication
+
+    from app.resources import icon_path, stylesheet
+
+    app = QApplication.instance() or QApplication([sys.argv[0], *argv])
+    app.setApplicationName("Inference Workbench")
+    app.setOrganizationName("InferenceWorkbench")
+    app.setDesktopFileName("inference-workbench")
+    app.setStyle("Fusion")
+    icon = QIcon(str(icon_path()))
+    for size in (16, 32, 48, 64, 128, 256):
+        icon.addFile(str(icon_path(size)))
+    app.setWindowIcon(icon)
+    app.setStyleSheet(stylesheet())
+    return app
+
+
+# Debian/Ubuntu packages Qt's xcb platform plugin needs beyond a bare X server
+XCB_PACKAGES = ("libxcb-cursor0", "libxcb-icccm4", "libxcb-keysyms1", "libxcb-image0", "libxcb-render-util0",
+                "libxkbcommon-x11-0", "libxcb-xinerama0", "libxcb-randr0", "libxcb-shape0", "libxcb-xkb1")
+
+
+def display_problem() -> str | None:
+    """Why the window can't open here, in one sentence, or None. Qt itself would abort."""
+    import ctypes.util
+    import os
+
+    if not sys.platform.startswith("linux") or os.environ.get("QT_QPA_PLATFORM"):
+        return None
+    if not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
+        return ("no display found (DISPLAY is not set): run it on a desktop or under xvfb-run, "
+                "or use the command line: inference-workbench bench --help")
+    if os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
+        missing = [lib for lib in ("xcb-cursor", "xcb-icccm", "xcb-keysyms", "xkbcommon-x11")
+                   if ctypes.util.find_library(lib) is None]
+        if missing:
+            return (f"Qt's X11 plugin needs libraries this system lacks ({', '.join(missing)}); on Debian/Ubuntu: "
+                    f"sudo apt install {' '.join(XCB_PACKAGES)}")
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and (argv[0] in CLI_COMMANDS or argv[0] == "--debug"):
+        from engine.cli import main as cli_main
+
+        return cli_main(argv)
+    args = build_parser().parse_args(argv)
+    problem = display_problem()
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
+    app = create_app(argv)
+
+    from PySide6.QtCore import QTimer
+
+    from app.main_window import MainWindow
+
+    window = MainWindow(settings())
+    if args.model:
+        window.model_panel.set_source(args.model)
+    if args.precision:
+        window.model_panel._select(window.model_panel.precision, args.precision)
+    if args.device:
+        window.model_panel.set_devices([args.device])
+        window.model_panel._select(window.model_panel.device, args.device)
+    window.show()
+    app.aboutToQuit.connect(lambda: window.session.shutdown(0))
+    QTimer.singleShot(0, lambda: window.start(autoload=not args.no_autoload))
+    return app.exec()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

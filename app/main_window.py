@@ -1,0 +1,412 @@
+"""The main window: model and generation panels, the conversation, four live plots, a status bar."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Slot
+from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QKeySequence, QShortcut
+from PySide6.QtWidgets import (
+    QDockWidget,
+    QFileDialog,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QSplitter,
+    QWidget,
+)
+
+from app.frame_budget import FrameBudget
+from app.generation_panel import GenerationPanel
+from app.live_plots import LivePlots
+from app.model_panel import ModelPanel
+from app.output_view import OutputView
+from app.prompt_box import PromptBox
+from app.run_buffer import RunBuffer
+from app.transcript import Transcript
+from app.worker import ModelSession
+from engine.events import Finished, Loaded, LoadProgress, Prefilled, TokenGenerated
+from engine.units import format_bytes, format_rate, format_seconds
+
+log = logging.getLogger(__name__)
+
+REFRESH_MS = 50  # the plots and the text redraw at 20 Hz, never per token
+SHUTDOWN_MS = 2000
+DEFAULT_BUDGET = 0.02
+PACES = (  # share of a CPU core the GUI thread may spend redrawing while the model generates
+    (0.25, "Smooth (up to 20 redraws/s; slows generation on few cores)"),
+    (DEFAULT_BUDGET, "Balanced (2% of a core)"),
+    (0.005, "Fastest generation (0.5% of a core)"),
+)
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, settings: QSettings, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("mainWindow")
+        self.setWindowTitle("Inference Workbench")
+        self.settings = settings
+        self.transcript = Transcript()
+        self.buffer = RunBuffer()
+        self.loaded: Loaded | None = None
+        self.loading = False
+        self.generating = False
+        self._error_box: QMessageBox | None = None
+
+        self.session = ModelSession("main", self)
+        self.output = OutputView(self.transcript)
+        self.prompt = PromptBox()
+        self.model_panel = ModelPanel()
+        self.generation_panel = GenerationPanel()
+        self.plots = LivePlots()
+
+        splitter = QSplitter(Qt.Vertical)
+        splitter.addWidget(self.output)
+        splitter.addWidget(self.prompt)
+        splitter.setStretchFactor(0, 1)
+        self.setCentralWidget(splitter)
+        self._docks: dict[str, QDockWidget] = {}
+        self._add_dock("model", "Model", self.model_panel, Qt.LeftDockWidgetArea)
+        self._add_dock("generation", "Generation", self.generation_panel, Qt.LeftDockWidgetArea)
+        titles = {"speed": "Tokens / second", "latency": "Per-token latency", "kv": "KV cache", "memory": "Memory"}
+        for key, panel in self.plots.panels.items():
+            self._add_dock(key, titles[key], panel, Qt.RightDockWidgetArea)
+        self.splitDockWidget(self._docks["speed"], self._docks["kv"], Qt.Horizontal)
+        self.splitDockWidget(self._docks["speed"], self._docks["latency"], Qt.Vertical)
+        self.splitDockWidget(self._docks["kv"], self._docks["memory"], Qt.Vertical)
+        self._default_state = self.saveState()
+        self.timer = QTimer(self)
+        self.timer.setInterval(REFRESH_MS)
+        self.budget = FrameBudget(DEFAULT_BUDGET)
+        self._plot_turn = 0
+        self._build_status_bar()
+        self._build_menus()
+        self.timer.timeout.connect(self._on_refresh)
+
+        worker = self.session
+        worker.devices_found.connect(self._on_devices_found)
+        worker.models_found.connect(self._on_models_found)
+        worker.load_progressed.connect(self._on_load_progressed)
+        worker.loaded.connect(self._on_loaded)
+        worker.load_failed.connect(self._on_load_failed)
+        worker.unloaded.connect(self._on_unloaded)
+        worker.generation_started.connect(self._on_generation_started)
+        worker.prefilled.connect(self._on_prefilled)
+        worker.token_generated.connect(self._on_token_generated)
+        worker.generation_finished.connect(self._on_generation_finished)
+        worker.generation_failed.connect(self._on_generation_failed)
+        self.model_panel.load_clicked.connect(self.load)
+        self.model_panel.unload_clicked.connect(self.unload)
+        self.model_panel.cancel_clicked.connect(self.session.cancel_load)
+        self.prompt.generate_clicked.connect(self.generate)
+        self.prompt.stop_clicked.connect(self.stop)
+        self.prompt.clear_clicked.connect(self.clear_conversation)
+        self.prompt.copy_clicked.connect(self.copy_answer)
+        self.prompt.save_clicked.connect(self.save_transcript)
+        QShortcut(QKeySequence(Qt.Key_Escape), self, activated=self.stop)
+        QShortcut(QKeySequence("Ctrl+Return"), self, activated=self.prompt._submit)
+
+        self._restore_settings()
+        self._update_state()
+
+    # -- construction ----------------------------------------------------------------
+    def _add_dock(self, key: str, title: str, widget: QWidget, area) -> None:
+        dock = QDockWidget(title, self)
+        dock.setObjectName(f"dock_{key}")
+        dock.setWidget(widget)
+        self.addDockWidget(area, dock)
+        self._docks[key] = dock
+
+    def _build_status_bar(self) -> None:
+        self.status: dict[str, QLabel] = {}
+        widths = {"device": "device: cuda:0", "ttft": "TTFT 1000.0 ms", "speed": "decode 1000.0 tok/s",
+                  "tokens": "100000 tokens", "kv": "KV 1000.0 MiB", "peak": "peak 1000.0 MiB"}
+        for key in ("device", "ttft", "speed", "tokens", "kv", "peak"):
+            label = QLabel("")
+            label.setObjectName(f"status_{key}")
+            # a fixed width: a label that changes size re-lays-out (and repaints) the window
+            label.setMinimumWidth(label.fontMetrics().horizontalAdvance(widths[key]) + 12)
+            self.statusBar().addPermanentWidget(label)
+            self.status[key] = label
+        self._update_status()
+
+    def _build_menus(self) -> None:
+        file_menu = self.menuBar().addMenu("&File")
+        save = QAction("&Save transcript…", self, shortcut=QKeySequence.Save, triggered=self.save_transcript)
+        file_menu.addAction(save)
+        file_menu.addSeparator()
+        file_menu.addAction(QAction("&Quit", self, shortcut=QKeySequence.Quit, triggered=self.close))
+        view = self.menuBar().addMenu("&View")
+        self.show_tokens_action = QAction("Show &tokens", self, checkable=True, shortcut="Ctrl+T")
+        self.show_tokens_action.toggled.connect(self.output.set_show_tokens)
+        view.addAction(self.show_tokens_action)
+        view.addSeparator()
+        for dock in self._docks.values():
+            view.addAction(dock.toggleViewAction())
+        view.addSeparator()
+        view.addAction(QAction("&Reset layout", self, triggered=lambda: self.restoreState(self._default_state)))
+        view.addSeparator()
+        pace = view.addMenu("Redraw while &generating")
+        self.pace_actions: dict[float, QAction] = {}
+        group = QActionGroup(self)
+        for budget, label in PACES:
+            action = QAction(label, self, checkable=True)
+            action.triggered.connect(lambda checked, b=budget: self.set_redraw_budget(b))
+            group.addAction(action)
+            pace.addAction(action)
+            self.pace_actions[budget] = action
+
+    def _default_sizes(self) -> None:
+        """First start: plots get most of the width, the conversation the middle."""
+        width = self.width()
+        self.resizeDocks([self._docks["model"], self._docks["speed"], self._docks["kv"]],
+                         [int(width * 0.26), int(width * 0.24), int(width * 0.24)], Qt.Horizontal)
+
+    def set_redraw_budget(self, budget: float) -> None:
+        self.budget.budget = budget
+        for value, action in self.pace_actions.items():
+            action.setChecked(value == budget)
+
+    # -- settings --------------------------------------------------------------------
+    def _restore_settings(self) -> None:
+        s = self.settings
+        geometry = s.value("window/geometry")
+        if isinstance(geometry, QByteArray):
+            self.restoreGeometry(geometry)
+        else:
+            self.resize(1600, 960)
+        state = s.value("window/state")
+        if isinstance(state, QByteArray):
+            self.restoreState(state)
+        else:
+            QTimer.singleShot(0, self._default_sizes)
+        self.model_panel.restore(s)
+        self.generation_panel.restore(s)
+        self.show_tokens_action.setChecked(s.value("view/show_tokens", False, type=bool))
+        budget = s.value("view/redraw_budget", DEFAULT_BUDGET, type=float)
+        self.set_redraw_budget(budget if budget in self.pace_actions else DEFAULT_BUDGET)
+
+    def save_settings(self) -> None:
+        s = self.settings
+        s.setValue("window/geometry", self.saveGeometry())
+        s.setValue("window/state", self.saveState())
+        s.setValue("view/show_tokens", self.show_tokens_action.isChecked())
+        s.setValue("view/redraw_budget", self.budget.budget)
+        self.model_panel.save(s)
+        self.generation_panel.save(s)
+        s.sync()
+
+    # -- commands --------------------------------------------------------------------
+    def start(self, autoload: bool = True) -> None:
+        """After the window is shown: find devices and cached models, then load the model."""
+        self.session.probe_requested.emit()
+        if autoload:
+            self.load(self.model_panel.request())
+
+    @Slot(object)
+    def load(self, request) -> None:
+        if self.loading or self.generating:
+            return
+        self.loading = True
+        self.prompt.show_message("")
+        self._update_state()
+        self.session.load(request)
+
+    @Slot()
+    def unload(self) -> None:
+        if not self.loading and not self.generating:
+            self.session.unload()
+
+    @Slot(str)
+    def generate(self, text: str) -> None:
+        if self.loaded is None or self.loading or self.generating:
+            return
+        if not text.strip():
+            self.prompt.show_message("The prompt is empty: type something for the model to answer.", "error")
+            return
+        request = self.generation_panel.request_for(text, self.transcript.history())
+        if request.mode == "raw":
+            self.transcript.clear()
+        self.transcript.mode = request.mode
+        self.transcript.system_prompt = request.system_prompt
+        self.transcript.add_user(text)
+        self.transcript.start_answer()
+        self.buffer.reset(self.loaded.weights_bytes)
+        self.generating = True
+        self.prompt.show_message("")
+        self.prompt.editor.clear()
+        self._update_state()
+        self.budget.reset()
+        self.timer.start()
+        self.session.generate(request)
+
+    @Slot()
+    def stop(self) -> None:
+        if self.generating:
+            self.session.stop()
+
+    @Slot()
+    def clear_conversation(self) -> None:
+        if self.generating:
+            return
+        self.transcript.clear()
+        self.buffer.reset(self.loaded.weights_bytes if self.loaded else None)
+        self.output.rerender()
+        self._final_refresh()
+
+    @Slot()
+    def copy_answer(self) -> None:
+        QGuiApplication.clipboard().setText(self.transcript.last_answer())
+
+    @Slot()
+    def save_transcript(self, path: str | None = None) -> Path | None:
+        if path is None:
+            path, _ = QFileDialog.getSaveFileName(self, "Save transcript", "transcript.md",
+                                                  "Markdown (*.md);;JSON with every token (*.json)")
+            if not path:
+                return None
+        target = Path(path)
+        text = self.transcript.to_json() if target.suffix.lower() == ".json" else self.transcript.to_markdown()
+        try:
+            target.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            self.prompt.show_message(f"Could not save the transcript: {exc}", "error")
+            return None
+        self.statusBar().showMessage(f"Saved {target}", 5000)
+        return target
+
+    # -- worker events (queued into this thread) -----------------------------------------
+    @Slot(object)
+    def _on_devices_found(self, devices: list) -> None:
+        self.model_panel.set_devices(devices)
+
+    @Slot(object)
+    def _on_models_found(self, entries: list) -> None:
+        self.model_panel.set_entries(entries)
+
+    @Slot(object)
+    def _on_load_progressed(self, event: LoadProgress) -> None:
+        self.model_panel.show_progress(event)
+
+    @Slot(object)
+    def _on_loaded(self, info: Loaded) -> None:
+        self.loading = False
+        self.loaded = info
+        self.transcript.model = info
+        self.model_panel.show_loaded(info)
+        self._update_state()
+        self._update_status()
+        self.statusBar().showMessage(f"Loaded {info.name} ({info.precision}) in {format_seconds(info.load_s)}", 5000)
+
+    @Slot(object)
+    def _on_load_failed(self, exc: Exception) -> None:
+        self.loading = False
+        self.loaded = None
+        self.model_panel.show_unloaded()
+        self._update_state()
+        if type(exc).__name__ == "CancelledError":
+            self.prompt.show_message("Loading was cancelled.", "info")
+            return
+        message = str(exc) or type(exc).__name__
+        self.prompt.show_message(f"Could not load the model: {message}", "error")
+        box = QMessageBox(QMessageBox.Warning, "Could not load the model", message, QMessageBox.Ok, self)
+        box.setObjectName("loadErrorBox")
+        box.open()  # window-modal, not blocking: the app keeps running
+        self._error_box = box
+
+    @Slot()
+    def _on_unloaded(self) -> None:
+        self.loaded = None
+        self.model_panel.show_unloaded()
+        self._update_state()
+        self._update_status()
+
+    @Slot()
+    def _on_generation_started(self) -> None:
+        self.statusBar().showMessage("Generating…")
+
+    @Slot(object)
+    def _on_prefilled(self, event: Prefilled) -> None:
+        self.buffer.prefilled = event
+
+    @Slot(object)
+    def _on_token_generated(self, event: TokenGenerated) -> None:
+        self.transcript.add_token(event)
+        self.buffer.add(event)
+
+    @Slot(object)
+    def _on_generation_finished(self, event: Finished) -> None:
+        self.transcript.finish(event)
+        self.buffer.finished = event
+        self.buffer.version += 1
+        self._end_generation()
+        rate = format_rate(event.decode_tokens_per_s)
+        self.statusBar().showMessage(f"Done: {event.tokens} tokens, {rate}, stopped: {event.reason}", 8000)
+
+    @Slot(object)
+    def _on_generation_failed(self, exc: Exception) -> None:
+        message = str(exc) or type(exc).__name__
+        self.transcript.fail(message)
+        self._end_generation()
+        self.prompt.show_message(message, "error")
+
+    def _end_generation(self) -> None:
+        self.generating = False
+        self.timer.stop()
+        self._final_refresh()
+        self._update_state()
+
+    # -- redraw on a timer -------------------------------------------------------------
+    @Slot()
+    def _on_refresh(self) -> None:
+        """Timer tick, as often as the frame budget allows: the text, the status bar and one plot
+        (the next in turn, so a tick pays for a quarter of the plots)."""
+        if self.budget.due():
+            self.budget.begin()
+            self.output.sync()
+            self._plot_turn = (self._plot_turn + 1) % len(self.plots.panels)
+            self.plots.refresh(self.buffer, only=list(self.plots.panels)[self._plot_turn])
+            self._update_status()
+            QTimer.singleShot(0, self.budget.end)  # runs after the paint events this redraw posted
+
+    def _final_refresh(self) -> None:
+        self.output.sync()
+        self.plots.refresh(self.buffer)
+        self._update_status()
+
+    def _update_state(self) -> None:
+        self.model_panel.set_loading(self.loading, loaded=self.loaded is not None)
+        self.prompt.set_state(can_generate=self.loaded is not None and not self.loading, generating=self.generating)
+
+    def _update_status(self) -> None:
+        info, buffer = self.loaded, self.buffer
+        finished = buffer.finished
+        ttft = buffer.column("latency_s")[0] if buffer.count else None
+        kv = buffer.column("kv_bytes")[-1] if buffer.count else None
+        peak = finished.peak_memory_bytes if finished else (
+            float(max(buffer.column("rss"))) if buffer.has("rss") else None)
+        values = {
+            "device": f"device: {info.device}" if info else "no model",
+            "ttft": f"TTFT {format_seconds(ttft)}",
+            "speed": f"decode {format_rate(buffer.decode_tokens_per_s())}",
+            "tokens": f"{buffer.count} tokens",
+            "kv": f"KV {format_bytes(kv)}",
+            "peak": f"peak {format_bytes(peak)}",
+        }
+        for key, text in values.items():
+            self.status[key].setText(text)
+
+    # -- shutdown ------------------------------------------------------------------------
+    def closeEvent(self, event) -> None:
+        self.save_settings()
+        self.timer.stop()
+        if not self.session.shutdown(SHUTDOWN_MS):
+            # The worker is inside a step that can't be interrupted (e.g. converting a GGUF
+            # tokenizer). Leave now rather than hang or abort on a running QThread.
+            log.warning("engine thread still busy after %d ms; exiting", SHUTDOWN_MS)
+            self.hard_exit(0)
+        super().closeEvent(event)
+
+    hard_exit = staticmethod(os._exit)  # tests replace it

@@ -1,0 +1,211 @@
+"""Pick a model, a precision and a device; load it with progress and Cancel; see its facts."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QSettings, Signal
+from PySide6.QtWidgets import (
+    QComboBox,
+    QFileDialog,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QProgressBar,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from engine.events import Loaded, LoadProgress
+from engine.loading import LoadRequest
+from engine.precision import PRECISIONS
+from engine.units import format_bytes, format_count, format_seconds
+
+_FACTS = ("Model", "Format", "Precision", "Device", "Hardware", "Weights", "Load time", "Architecture", "Parameters",
+          "Context", "Layers · KV heads · head dim", "KV per token")
+
+
+def _compact(combo: QComboBox) -> None:
+    """Let a combo box be narrower than its longest entry (the popup still shows it whole)."""
+    combo.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
+    combo.setMinimumContentsLength(10)
+
+
+class ModelPanel(QWidget):
+    load_clicked = Signal(object)  # LoadRequest
+    unload_clicked = Signal()
+    cancel_clicked = Signal()
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.source = QComboBox()
+        self.source.setObjectName("modelSource")
+        self.source.setEditable(True)
+        self.source.setInsertPolicy(QComboBox.NoInsert)
+        self.source.setToolTip("'default', a folder, a .gguf file or a hub id (org/name)")
+        self.source.addItem("SmolLM2-135M-Instruct (Q4_1 GGUF, default)", "default")
+        browse_folder = QPushButton("Folder…")
+        browse_folder.clicked.connect(self._browse_folder)
+        browse_gguf = QPushButton("GGUF…")
+        browse_gguf.clicked.connect(self._browse_gguf)
+        self.precision = QComboBox()
+        self.precision.setObjectName("precision")
+        for name, precision in PRECISIONS.items():
+            self.precision.addItem(precision.label, name)
+        self.device = QComboBox()
+        self.device.setObjectName("device")
+        self.device.addItem("auto (cuda > mps > cpu)", "auto")
+        self.device.addItem("cpu", "cpu")
+        self.load_button = QPushButton("Load")
+        self.load_button.setObjectName("loadButton")
+        self.load_button.clicked.connect(lambda: self.load_clicked.emit(self.request()))
+        self.unload_button = QPushButton("Unload")
+        self.unload_button.clicked.connect(self.unload_clicked)
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.setObjectName("cancelLoadButton")
+        self.cancel_button.clicked.connect(self.cancel_clicked)
+        self.progress = QProgressBar()
+        self.progress.setObjectName("loadProgress")
+        self.progress.setTextVisible(True)
+        self.stage = QLabel("")
+        self.stage.setWordWrap(True)
+
+        source_row = QHBoxLayout()
+        source_row.addWidget(self.source, 1)
+        source_row.addWidget(browse_folder)
+        source_row.addWidget(browse_gguf)
+        form = QFormLayout()
+        form.addRow("Model", source_row)
+        form.addRow("Precision", self.precision)
+        form.addRow("Device", self.device)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.load_button)
+        buttons.addWidget(self.unload_button)
+        buttons.addWidget(self.cancel_button)
+        facts_box = QGroupBox("Loaded model")
+        facts = QFormLayout(facts_box)
+        self.facts: dict[str, QLabel] = {}
+        for name in _FACTS:
+            label = QLabel("—")
+            label.setObjectName("factValue")
+            label.setWordWrap(True)
+            self.facts[name] = label
+            facts.addRow(name, label)
+        for combo in (self.source, self.precision, self.device):
+            _compact(combo)
+        layout = QVBoxLayout(self)
+        layout.addLayout(form)
+        layout.addLayout(buttons)
+        layout.addWidget(self.progress)
+        layout.addWidget(self.stage)
+        layout.addWidget(facts_box)
+        layout.addStretch(1)
+        self.set_loading(False, loaded=False)
+
+    # -- choices ---------------------------------------------------------------------
+    def request(self) -> LoadRequest:
+        index = self.source.currentIndex()
+        text = self.source.currentText().strip()
+        data = self.source.itemData(index) if index >= 0 and self.source.itemText(index) == text else None
+        return LoadRequest(model=data or text, precision=self.precision.currentData(),
+                           device=self.device.currentData() or "auto")
+
+    def set_source(self, ref: str) -> None:
+        index = self.source.findData(ref)
+        if index < 0:
+            self.source.addItem(ref, ref)
+            index = self.source.count() - 1
+        self.source.setCurrentIndex(index)
+        self.source.lineEdit().setCursorPosition(0)  # show the start of a long name
+
+    def set_entries(self, entries) -> None:
+        current = self.request().model
+        for entry in entries:
+            if self.source.findData(entry.ref) < 0:
+                self.source.addItem(entry.name, entry.ref)
+        self.set_source(current)
+
+    def set_devices(self, devices: list[str]) -> None:
+        current = self.device.currentData()
+        for device in devices:
+            if self.device.findData(device) < 0:
+                self.device.addItem(device, device)
+        self._select(self.device, current)
+
+    @staticmethod
+    def _select(combo: QComboBox, data) -> None:
+        index = combo.findData(data)
+        if index >= 0:
+            combo.setCurrentIndex(index)
+
+    def _browse_folder(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Open a Hugging Face model folder")
+        if folder:
+            self.set_source(folder)
+
+    def _browse_gguf(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF model", filter="GGUF models (*.gguf)")
+        if path:
+            self.set_source(path)
+
+    # -- state -----------------------------------------------------------------------
+    def set_loading(self, loading: bool, loaded: bool) -> None:
+        self.load_button.setEnabled(not loading)
+        self.unload_button.setEnabled(loaded and not loading)
+        self.cancel_button.setVisible(loading)
+        self.progress.setVisible(loading)
+        for widget in (self.source, self.precision, self.device):
+            widget.setEnabled(not loading)
+        if loading:
+            self.progress.setRange(0, 0)
+            self.stage.setText("Starting…")
+
+    def show_progress(self, event: LoadProgress) -> None:
+        if event.total:
+            self.progress.setRange(0, 1000)
+            self.progress.setValue(int(1000 * event.done / event.total))
+            if event.stage in ("download", "extract", "verify"):
+                self.progress.setFormat(f"{format_bytes(event.done)} / {format_bytes(event.total)}")
+            else:
+                self.progress.setFormat(f"{event.done} / {event.total}")
+        else:
+            self.progress.setRange(0, 0)
+        self.stage.setText(f"{event.stage}: {event.message}" if event.message else event.stage)
+
+    def show_loaded(self, info: Loaded) -> None:
+        self.stage.setText("")
+        values = {
+            "Model": info.name,
+            "Format": info.original_format,
+            "Precision": f"{info.precision} (compute {info.compute_dtype})",
+            "Device": info.device,
+            "Hardware": info.device_name,
+            "Weights": format_bytes(info.weights_bytes),
+            "Load time": format_seconds(info.load_s),
+            "Architecture": f"{info.architecture} ({info.model_type})",
+            "Parameters": f"{format_count(info.parameters)} ({info.parameters:,})",
+            "Context": f"{info.context_length:,} tokens" if info.context_length else "unknown",
+            "Layers · KV heads · head dim": f"{info.num_layers} · {info.num_kv_heads} · {info.head_dim}",
+            "KV per token": format_bytes(info.kv_bytes_per_token),
+        }
+        for name, value in values.items():
+            self.facts[name].setText(value)
+
+    def show_unloaded(self) -> None:
+        for label in self.facts.values():
+            label.setText("—")
+
+    # -- settings --------------------------------------------------------------------
+    def save(self, settings: QSettings) -> None:
+        settings.setValue("model/source", self.request().model)
+        settings.setValue("model/precision", self.precision.currentData())
+        settings.setValue("model/device", self.device.currentData())
+
+    def restore(self, settings: QSettings) -> None:
+        source = settings.value("model/source", "default", type=str)
+        self.set_source(source)
+        self._select(self.precision, settings.value("model/precision", "fp32", type=str))
+        device = settings.value("model/device", "auto", type=str)
+        if self.device.findData(device) < 0:
+            self.device.addItem(device, device)
+        self._select(self.device, device)

@@ -1,0 +1,98 @@
+"""Per-token measurements of the current generation, kept in growing numpy arrays.
+
+The worker's signals append here (cheap); the plots and the status bar read from here
+on a timer. No Qt in this file.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.events import Finished, Prefilled, TokenGenerated
+
+_FIELDS = ("latency_s", "elapsed_s", "kv_bytes", "kv_predicted", "rss", "device_allocated",
+           "device_reserved", "device_peak")
+
+
+class RunBuffer:
+    """Columns of floats, one row per generated token (NaN where a value is absent)."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._capacity = capacity
+        self._columns = {name: np.full(capacity, np.nan) for name in _FIELDS}
+        self.count = 0
+        self.prefilled: Prefilled | None = None
+        self.finished: Finished | None = None
+        self.weights_bytes: int | None = None
+        self.version = 0  # bumps on every change, so a timer can skip idle redraws
+
+    def reset(self, weights_bytes: int | None = None) -> None:
+        for column in self._columns.values():
+            column[: self.count] = np.nan
+        self.count = 0
+        self.prefilled = self.finished = None
+        self.weights_bytes = weights_bytes
+        self.version += 1
+
+    def _grow(self) -> None:
+        self._capacity *= 2
+        for name, column in self._columns.items():
+            grown = np.full(self._capacity, np.nan)
+            grown[: self.count] = column[: self.count]
+            self._columns[name] = grown
+
+    def add(self, event: TokenGenerated) -> None:
+        if self.count == self._capacity:
+            self._grow()
+        i = self.count
+        c = self._columns
+        memory = event.memory
+        c["latency_s"][i] = event.latency_s
+        c["elapsed_s"][i] = event.elapsed_s
+        c["kv_bytes"][i] = event.kv_cache_bytes
+        c["kv_predicted"][i] = np.nan if event.kv_cache_bytes_predicted is None else event.kv_cache_bytes_predicted
+        c["rss"][i] = np.nan if memory.rss_bytes is None else memory.rss_bytes
+        c["device_allocated"][i] = np.nan if memory.device_allocated_bytes is None else memory.device_allocated_bytes
+        c["device_reserved"][i] = np.nan if memory.device_reserved_bytes is None else memory.device_reserved_bytes
+        c["device_peak"][i] = np.nan if memory.device_peak_bytes is None else memory.device_peak_bytes
+        self.count += 1
+        self.version += 1
+
+    def column(self, name: str) -> np.ndarray:
+        return self._columns[name][: self.count]
+
+    def has(self, name: str) -> bool:
+        """Whether any token carried this measurement (device columns are empty on the CPU)."""
+        return self.count > 0 and not np.all(np.isnan(self.column(name)))
+
+    def index(self) -> np.ndarray:
+        return np.arange(self.count, dtype=float)
+
+    def tokens_per_s(self) -> np.ndarray:
+        """Instantaneous speed of each token: 1 / its latency (the first one's is the TTFT)."""
+        return 1.0 / self.column("latency_s")
+
+    def rolling_tokens_per_s(self, window: int = 16) -> np.ndarray:
+        """Tokens per second over the last ``window`` decode steps (the TTFT left out)."""
+        latency = self.column("latency_s").copy()
+        if latency.size:
+            latency[0] = np.nan
+        out = np.full(latency.size, np.nan)
+        steps = np.nan_to_num(latency[1:])
+        if steps.size:
+            total = np.cumsum(steps)
+            counts = np.arange(1, steps.size + 1)
+            start = np.maximum(counts - window, 0)
+            summed = total - np.concatenate(([0.0], total))[start]
+            out[1:] = (counts - start) / summed
+        return out
+
+    def decode_tokens_per_s(self) -> float | None:
+        """Live decode speed: the finished figure when there is one, else (n − 1) / Σ step latencies,
+        the way the engine computes it at the end."""
+        if self.finished is not None:
+            return self.finished.decode_tokens_per_s
+        if self.count < 2:
+            return None
+        span = float(np.sum(self.column("latency_s")[1:]))
+        return (self.count - 1) / span if span > 0 else None

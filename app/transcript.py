@@ -1,0 +1,131 @@
+"""The conversation as data: turns, the tokens of each answer, and their export.
+
+No Qt here: the output view renders a Transcript, the save action exports one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+
+from engine.events import Finished, Loaded, TokenGenerated
+from engine.request import ChatMessage
+
+
+@dataclass
+class Turn:
+    role: str  # "system", "user" or "assistant"
+    text: str = ""
+    tokens: list[TokenGenerated] = field(default_factory=list)
+    finished: Finished | None = None
+    error: str | None = None
+
+    def answer_text(self) -> str:
+        """The answer without special tokens (end-of-turn markers and the like)."""
+        if self.role != "assistant":
+            return self.text
+        return "".join(t.text for t in self.tokens if not t.special)
+
+
+class Transcript:
+    def __init__(self) -> None:
+        self.turns: list[Turn] = []
+        self.model: Loaded | None = None
+        self.mode = "chat"
+        self.system_prompt: str | None = None
+
+    def clear(self) -> None:
+        self.turns.clear()
+
+    def add_user(self, text: str) -> Turn:
+        turn = Turn("user", text)
+        self.turns.append(turn)
+        return turn
+
+    def start_answer(self) -> Turn:
+        turn = Turn("assistant")
+        self.turns.append(turn)
+        return turn
+
+    @property
+    def current(self) -> Turn | None:
+        return self.turns[-1] if self.turns and self.turns[-1].role == "assistant" else None
+
+    def add_token(self, event: TokenGenerated) -> None:
+        turn = self.current
+        if turn is not None:
+            turn.tokens.append(event)
+            turn.text += event.text
+
+    def finish(self, event: Finished) -> None:
+        if self.current is not None:
+            self.current.finished = event
+
+    def fail(self, message: str) -> None:
+        if self.current is not None:
+            self.current.error = message
+
+    def history(self) -> tuple[ChatMessage, ...]:
+        """Earlier complete exchanges, for the next chat request."""
+        messages = []
+        for turn in self.turns:
+            if turn.role == "user":
+                messages.append(ChatMessage("user", turn.text))
+            elif turn.role == "assistant" and turn.tokens:
+                messages.append(ChatMessage("assistant", turn.answer_text()))
+        # a trailing user turn without an answer is the one being asked now
+        if messages and messages[-1].role == "user":
+            messages.pop()
+        return tuple(messages)
+
+    def last_answer(self) -> str:
+        for turn in reversed(self.turns):
+            if turn.role == "assistant":
+                return turn.answer_text()
+        return ""
+
+    def to_markdown(self) -> str:
+        lines = ["# Inference Workbench transcript", ""]
+        if self.model is not None:
+            m = self.model
+            lines += [f"- model: {m.name} ({m.original_format}) as {m.precision} on {m.device_name}",
+                      f"- mode: {self.mode}", ""]
+        if self.system_prompt:
+            lines += ["**System:** " + self.system_prompt, ""]
+        for turn in self.turns:
+            if turn.role == "user":
+                lines += ["**You:**", "", turn.text, ""]
+            elif turn.role == "assistant":
+                lines += ["**Model:**", "", turn.answer_text(), ""]
+                if turn.finished is not None:
+                    f = turn.finished
+                    rate = f"{f.decode_tokens_per_s:.1f} tok/s" if f.decode_tokens_per_s else "n/a"
+                    ttft = f"{f.ttft_s * 1000:.0f} ms" if f.ttft_s is not None else "n/a"
+                    lines += [f"_{f.tokens} tokens · TTFT {ttft} · {rate} · stopped: {f.reason}_", ""]
+                if turn.error:
+                    lines += [f"_error: {turn.error}_", ""]
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        def turn_data(turn: Turn) -> dict:
+            data: dict = {"role": turn.role, "text": turn.answer_text()}
+            if turn.role == "assistant":
+                data["tokens"] = [
+                    {"id": t.token_id, "text": t.text, "logprob": t.logprob, "latency_s": t.latency_s,
+                     "kv_cache_bytes": t.kv_cache_bytes, "special": t.special,
+                     "top_alternatives": [[a.token_id, a.text, a.logprob] for a in t.top_alternatives]}
+                    for t in turn.tokens
+                ]
+                data["finished"] = None if turn.finished is None else {
+                    k: v for k, v in asdict(turn.finished).items() if k not in ("token_ids", "text")}
+                data["error"] = turn.error
+            return data
+
+        return json.dumps({
+            "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "model": None if self.model is None else asdict(self.model),
+            "mode": self.mode,
+            "system_prompt": self.system_prompt,
+            "turns": [turn_data(t) for t in self.turns],
+        }, indent=2, ensure_ascii=False)

@@ -1,0 +1,157 @@
+"""The engine in its own thread: one long-lived worker object per model slot.
+
+The worker is created without a parent and moved to a QThread (a parented object can't
+be moved). The GUI asks through ``*_requested`` signals, which Qt queues into the
+worker's thread; results come back as signals, queued into the GUI thread. Stopping is
+a :class:`CancelToken` the GUI sets directly: it must not wait in a queue behind the
+generation it is meant to stop.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QObject, QThread, Signal, Slot
+
+from engine.cancel import CancelToken
+from engine.errors import EngineError
+from engine.events import Finished, Prefilled, TokenGenerated
+
+
+class EngineWorker(QObject):
+    devices_found = Signal(object)  # list[str]
+    models_found = Signal(object)  # list[ModelEntry]
+    load_progressed = Signal(object)  # LoadProgress
+    loaded = Signal(object)  # Loaded
+    load_failed = Signal(object)  # Exception
+    unloaded = Signal()
+    generation_started = Signal()
+    prefilled = Signal(object)  # Prefilled
+    token_generated = Signal(object)  # TokenGenerated
+    generation_finished = Signal(object)  # Finished
+    generation_failed = Signal(object)  # Exception
+
+    def __init__(self) -> None:
+        super().__init__()  # no parent: moveToThread needs a parentless object
+        self._model = None
+
+    @Slot()
+    def probe(self) -> None:
+        """Find devices and cached models here, so the GUI thread never imports torch."""
+        from engine.devices import available_devices
+        from engine.sources import list_models
+
+        self.devices_found.emit(available_devices())
+        try:
+            self.models_found.emit(list_models())
+        except Exception:  # a damaged HF cache must not stop the app; the default still works
+            self.models_found.emit([])
+
+    @Slot(object, object)
+    def load(self, request, cancel: CancelToken) -> None:
+        from engine.loading import load_model
+
+        self._drop_model()
+        try:
+            model = load_model(request, progress=self.load_progressed.emit, cancel=cancel)
+        except Exception as exc:  # errors cross the thread as data
+            self.load_failed.emit(exc)
+            return
+        self._model = model
+        self.loaded.emit(model.info)
+
+    @Slot()
+    def unload(self) -> None:
+        self._drop_model()
+        self.unloaded.emit()
+
+    def _drop_model(self) -> None:
+        if self._model is not None:
+            model, self._model = self._model, None
+            model.close()
+
+    @Slot(object, object)
+    def generate(self, request, cancel: CancelToken) -> None:
+        if self._model is None:
+            self.generation_failed.emit(EngineError("No model is loaded: load one first."))
+            return
+        self.generation_started.emit()
+        try:
+            for event in self._model.generate(request, cancel):
+                if isinstance(event, TokenGenerated):
+                    self.token_generated.emit(event)
+                elif isinstance(event, Prefilled):
+                    self.prefilled.emit(event)
+                elif isinstance(event, Finished):
+                    self.generation_finished.emit(event)
+        except Exception as exc:
+            self.generation_failed.emit(exc)
+
+
+class ModelSession(QObject):
+    """The GUI's handle on one worker thread: load, generate, stop, unload, shut down.
+
+    It lives in the GUI thread and re-emits the worker's signals as its own, so whatever
+    connects to a session (widgets, tests) runs in the GUI thread, even a plain function.
+    """
+
+    load_requested = Signal(object, object)
+    generate_requested = Signal(object, object)
+    unload_requested = Signal()
+    probe_requested = Signal()
+
+    devices_found = Signal(object)
+    models_found = Signal(object)
+    load_progressed = Signal(object)
+    loaded = Signal(object)
+    load_failed = Signal(object)
+    unloaded = Signal()
+    generation_started = Signal()
+    prefilled = Signal(object)
+    token_generated = Signal(object)
+    generation_finished = Signal(object)
+    generation_failed = Signal(object)
+
+    def __init__(self, name: str = "engine", parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.thread = QThread()
+        self.thread.setObjectName(f"{name}-worker")
+        self.worker = EngineWorker()
+        self.worker.moveToThread(self.thread)
+        self.load_requested.connect(self.worker.load)
+        self.generate_requested.connect(self.worker.generate)
+        self.unload_requested.connect(self.worker.unload)
+        self.probe_requested.connect(self.worker.probe)
+        for name in ("devices_found", "models_found", "load_progressed", "loaded", "load_failed", "unloaded",
+                     "generation_started", "prefilled", "token_generated", "generation_finished",
+                     "generation_failed"):
+            # signal to signal, across threads: queued into this (the GUI) thread
+            getattr(self.worker, name).connect(getattr(self, name))
+        self.thread.finished.connect(self.worker.deleteLater)
+        self._load_cancel: CancelToken | None = None
+        self._generation_cancel: CancelToken | None = None
+        self.thread.start()
+
+    def load(self, request) -> None:
+        self._load_cancel = CancelToken()
+        self.load_requested.emit(request, self._load_cancel)
+
+    def cancel_load(self) -> None:
+        if self._load_cancel is not None:
+            self._load_cancel.cancel()
+
+    def generate(self, request) -> None:
+        self._generation_cancel = CancelToken()
+        self.generate_requested.emit(request, self._generation_cancel)
+
+    def stop(self) -> None:
+        if self._generation_cancel is not None:
+            self._generation_cancel.cancel()
+
+    def unload(self) -> None:
+        self.unload_requested.emit()
+
+    def shutdown(self, timeout_ms: int = 2000) -> bool:
+        """Cancel whatever runs, end the thread; ``False`` if it did not end in time."""
+        self.cancel_load()
+        self.stop()
+        self.thread.quit()
+        return self.thread.wait(timeout_ms)

@@ -1,0 +1,269 @@
+import json
+import subprocess
+import sys
+
+import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QGuiApplication, QTextCursor
+from PySide6.QtWidgets import QMessageBox
+
+from engine.events import TokenGenerated
+from tests.app.conftest import generate, load
+
+
+def visible(text: str) -> str:
+    """Text without what a document shows differently (controls, whitespace, U+FFFD): random
+    tiny models emit plenty of those."""
+    import unicodedata
+
+    return "".join(c for c in text if not c.isspace() and c != "\ufffd"
+                   and unicodedata.category(c) not in ("Cc", "Cf", "Cs", "Co", "Zl", "Zp"))
+
+
+def test_load_shows_the_facts(qtbot, window, tiny_llama):
+    info = load(qtbot, window, tiny_llama)
+    facts = window.model_panel.facts
+    assert facts["Parameters"].text().endswith(f"({info.parameters:,})")
+    assert facts["Architecture"].text() == "LlamaForCausalLM (llama)"
+    assert "tokens" in facts["Context"].text() and facts["Precision"].text().startswith("fp32")
+    assert window.prompt.generate_button.isEnabled()
+    assert window.status["device"].text() == "device: cpu"
+
+
+def test_text_grows_token_by_token_and_plots_hold_a_point_per_token(qtbot, window, slow_tiny):
+    load(qtbot, window, slow_tiny)
+    window.set_redraw_budget(0.25)  # "smooth": redraw on most ticks, so the growth is visible
+    lengths, tokens_seen = [], []
+    window.session.token_generated.connect(lambda e: tokens_seen.append(e.index))
+    window.timer.timeout.connect(lambda: lengths.append(len(window.output.toPlainText())))
+    finished = generate(qtbot, window, "The quick brown fox", max_tokens=200)
+    assert finished.tokens == 200 and tokens_seen == list(range(200))
+    # the text appeared in several steps, never shrinking, while tokens arrived
+    steps = sorted(set(lengths))
+    assert lengths == sorted(lengths) and len(steps) >= 3, lengths
+    answer = window.transcript.turns[-1]
+    assert len(answer.tokens) == 200
+    assert visible(answer.answer_text()) in visible(window.output.toPlainText())
+    counts = window.plots.point_counts()
+    # every token is a point; speed and latency plot the 199 decode steps, the TTFT is their title;
+    # measured KV shows as dots over the predicted line, at most ~48, the newest token included
+    assert counts == {"speed": 199, "latency": 199, "kv_predicted": 200, "kv_measured_dots": 40, "memory": 200}
+    dots_x, _ = window.plots._kv_measured.getOriginalDataset()
+    assert dots_x[-1] == 199
+    assert window.plots.speed.plot.getPlotItem().titleLabel.text.startswith("time to first token")
+    # redraws came from the timer, far fewer than one per token
+    assert window.plots.redraws < 200
+    assert window.status["tokens"].text() == "200 tokens"
+    assert "tok/s" in window.status["speed"].text()
+
+
+def test_stop_mid_generation(qtbot, window, slow_tiny):
+    load(qtbot, window, slow_tiny)
+    generate(qtbot, window, "fox", max_tokens=100_000, wait=False)
+    qtbot.waitUntil(lambda: window.buffer.count >= 5, timeout=60_000)
+    with qtbot.waitSignal(window.session.generation_finished, timeout=30_000) as blocker:
+        qtbot.keyClick(window.prompt.editor, Qt.Key_Escape)
+    finished = blocker.args[0]
+    assert finished.reason == "cancelled" and 5 <= finished.tokens < 100_000
+    qtbot.waitUntil(lambda: window.prompt.generate_button.isEnabled())
+    assert not window.prompt.stop_button.isEnabled()
+    # and the app keeps working
+    assert generate(qtbot, window, "again", max_tokens=3).tokens == 3
+
+
+def test_bad_path_shows_an_error_and_the_app_stays_usable(qtbot, window, tmp_path, tiny_llama):
+    window.model_panel.set_source(str(tmp_path / "no-such-model"))
+    with qtbot.waitSignal(window.session.load_failed, timeout=60_000):
+        window.model_panel.load_button.click()
+    qtbot.waitUntil(lambda: window.findChild(QMessageBox, "loadErrorBox") is not None)
+    box = window.findChild(QMessageBox, "loadErrorBox")
+    assert "No such" in box.text() and "no-such-model" in box.text()
+    assert "No such" in window.prompt.message.text()
+    assert not window.prompt.generate_button.isEnabled()
+    box.accept()
+    load(qtbot, window, tiny_llama)
+    assert generate(qtbot, window, "fox", max_tokens=4).tokens == 4
+
+
+def hold_worker_at_weights(window):
+    """Make the worker thread wait at the first 'weights' progress step until the load is
+    cancelled (by Cancel or by closing), so the test acts while the load is surely running.
+    Runs in the worker thread and touches nothing but thread-safe flags."""
+    import threading
+
+    reached = threading.Event()
+
+    def on_progress(event):
+        if event.stage == "weights" and not reached.is_set():
+            reached.set()
+            token = window.session._load_cancel
+            for _ in range(1000):
+                if token.cancelled:
+                    return
+                threading.Event().wait(0.01)
+
+    window.session.worker.load_progressed.connect(on_progress, Qt.DirectConnection)
+    return reached
+
+
+def test_cancel_load(qtbot, window, slow_tiny):
+    reached = hold_worker_at_weights(window)
+    window.model_panel.set_source(str(slow_tiny))
+    window.model_panel.load_button.click()
+    qtbot.waitUntil(reached.is_set, timeout=60_000)
+    assert window.model_panel.cancel_button.isVisible() and not window.model_panel.load_button.isEnabled()
+    with qtbot.waitSignal(window.session.load_failed, timeout=60_000):
+        window.model_panel.cancel_button.click()
+    qtbot.waitUntil(lambda: not window.loading)
+    assert "cancelled" in window.prompt.message.text()
+    assert window.findChild(QMessageBox, "loadErrorBox") is None
+    assert window.model_panel.load_button.isEnabled() and window.loaded is None
+
+
+def test_generation_error_shows_in_the_message_area(qtbot, window, tiny_llama):
+    load(qtbot, window, tiny_llama)
+    window.generation_panel.mode.setCurrentIndex(window.generation_panel.mode.findData("raw"))
+    window.prompt.editor.setPlainText("fox " * 400)  # longer than the 256-token context
+    with qtbot.waitSignal(window.session.generation_failed, timeout=60_000):
+        window.prompt.generate_button.click()
+    qtbot.waitUntil(lambda: not window.generating)
+    assert "context window" in window.prompt.message.text()
+    assert generate(qtbot, window, "fox", max_tokens=2).tokens == 2
+
+
+def test_chat_history_and_clear(qtbot, window, tiny_llama):
+    load(qtbot, window, tiny_llama)
+    generate(qtbot, window, "first question", max_tokens=3)
+    first_answer = window.transcript.last_answer()
+    sent = []
+    window.session.generate_requested.connect(lambda request, cancel: sent.append(request))
+    generate(qtbot, window, "second question", max_tokens=3)
+    history = sent[0].history
+    assert [(m.role, m.content) for m in history] == [("user", "first question"), ("assistant", first_answer)]
+    assert window.output.toPlainText().count("You") == 2
+    window.prompt.clear_button.click()
+    assert window.transcript.turns == [] and window.output.toPlainText() == ""
+
+
+def test_show_tokens_chips_and_hover(qtbot, window, tiny_llama):
+    load(qtbot, window, tiny_llama)
+    generate(qtbot, window, "fox", max_tokens=6)
+    window.show_tokens_action.setChecked(True)
+    doc = window.output.document()
+    backgrounds = set()
+    cursor = QTextCursor(doc)
+    for position in range(1, doc.characterCount()):
+        cursor.setPosition(position)
+        fmt = cursor.charFormat()
+        if fmt.background().style() != Qt.NoBrush:
+            backgrounds.add(fmt.background().color().name())
+    assert len(backgrounds) == 2  # alternating shades
+    # hover: find a position inside the answer and ask what token is there
+    answer = window.transcript.turns[-1]
+    found = None
+    for position in range(doc.characterCount() - 1, 0, -1):
+        rect = window.output.cursorRect(_cursor_at(doc, position))
+        found = window.output.token_at(rect.center())
+        if found is not None:
+            break
+    assert found is not None and found[0] == len(window.transcript.turns) - 1
+    tip = window.output.tooltip_for(*found)
+    token = answer.tokens[found[1]]
+    assert f"id {token.token_id}" in tip and f"{token.logprob:.3f}" in tip and "top 5" in tip
+    assert "latency" in tip
+
+
+def _cursor_at(doc, position):
+    cursor = QTextCursor(doc)
+    cursor.setPosition(position)
+    return cursor
+
+
+def test_copy_and_save_transcript(qtbot, window, tiny_llama, tmp_path):
+    load(qtbot, window, tiny_llama)
+    generate(qtbot, window, "fox", max_tokens=5)
+    window.prompt.copy_button.click()
+    assert QGuiApplication.clipboard().text() == window.transcript.last_answer()
+    markdown = window.save_transcript(str(tmp_path / "t.md"))
+    assert "**You:**" in markdown.read_text() and "5 tokens" in markdown.read_text()
+    data = json.loads(window.save_transcript(str(tmp_path / "t.json")).read_text())
+    tokens = data["turns"][-1]["tokens"]
+    assert len(tokens) == 5 and all(len(t["top_alternatives"]) == 5 for t in tokens)
+    assert data["model"]["name"] == window.loaded.name
+
+
+def test_settings_persist(qtbot, app_factory, settings):
+    first = app_factory()
+    first.pace_actions[0.005].trigger()
+    first.model_panel._select(first.model_panel.precision, "bf16")
+    first.generation_panel.max_tokens.setValue(77)
+    first.generation_panel.greedy.setChecked(False)
+    first.generation_panel.temperature.setValue(1.25)
+    first.show_tokens_action.setChecked(True)
+    first.close()
+    second = app_factory()
+    assert second.model_panel.precision.currentData() == "bf16"
+    assert second.generation_panel.max_tokens.value() == 77
+    assert not second.generation_panel.greedy.isChecked()
+    assert second.generation_panel.temperature.value() == pytest.approx(1.25)
+    assert second.show_tokens_action.isChecked()
+    assert second.budget.budget == 0.005 and second.pace_actions[0.005].isChecked()
+
+
+def test_close_during_generation_stops_the_worker(qtbot, app_factory, slow_tiny):
+    window = app_factory()
+    load(qtbot, window, slow_tiny)
+    generate(qtbot, window, "fox", max_tokens=100_000, wait=False)
+    qtbot.waitUntil(lambda: window.buffer.count >= 3, timeout=60_000)
+    window.close()
+    assert window.session.thread.isFinished()
+
+
+def test_close_during_load_stops_the_worker(qtbot, app_factory, slow_tiny):
+    window = app_factory()
+    reached = hold_worker_at_weights(window)
+    window.model_panel.set_source(str(slow_tiny))
+    window.model_panel.load_button.click()
+    qtbot.waitUntil(reached.is_set, timeout=60_000)
+    window.close()
+    assert window.session.thread.isFinished()
+
+
+def test_the_window_appears_without_importing_torch(tmp_path):
+    code = (
+        "import os, sys\n"
+        "os.environ['QT_QPA_PLATFORM'] = 'offscreen'\n"
+        "from PySide6.QtCore import QSettings\n"
+        f"QSettings.setPath(QSettings.IniFormat, QSettings.UserScope, {str(tmp_path)!r})\n"
+        "QSettings.setDefaultFormat(QSettings.IniFormat)\n"
+        "from app.main import create_app, settings\n"
+        "from app.main_window import MainWindow\n"
+        "app = create_app([])\n"
+        "w = MainWindow(settings()); w.show(); app.processEvents()\n"
+        "print('torch' in sys.modules, 'transformers' in sys.modules)\n"
+        "w.session.shutdown(5000)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-2:] == ["False", "False"]
+
+
+def test_no_display_is_a_clear_message(monkeypatch):
+    from app.main import display_problem
+
+    monkeypatch.delenv("QT_QPA_PLATFORM", raising=False)
+    monkeypatch.delenv("DISPLAY", raising=False)
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+    if sys.platform.startswith("linux"):
+        assert "no display" in display_problem()
+    monkeypatch.setenv("QT_QPA_PLATFORM", "offscreen")
+    assert display_problem() is None
+
+
+def test_subcommands_run_the_cli_without_qt(isolated_cache):
+    code = ("import sys\nfrom app.main import main\nrc = main(['models'])\n"
+            "print(rc, any(m.startswith('PySide6') for m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-2:] == ["0", "False"]
+    assert result.stdout.startswith("default")
