@@ -20,12 +20,13 @@ import math
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
+from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import QGraphicsView, QLabel, QVBoxLayout, QWidget
 
 from app.run_buffer import RunBuffer
 from engine.units import binary_unit
 
-pg.setConfigOptions(antialias=False, foreground="k", background=None)
+pg.setConfigOptions(antialias=False, background=None)
 
 _COLOURS = {"main": "#2d7dd2", "second": "#f39c12", "third": "#27ae60", "fourth": "#8e44ad", "muted": "#7f8c8d"}
 ROLLING_WINDOW = 16
@@ -56,6 +57,12 @@ class PlotPanel(QWidget):
         super().__init__()
         self.plot = pg.PlotWidget()
         self.plot.setObjectName(title)
+        # axes and text in the palette's text colour, so a dark desktop theme works too
+        ink = self.palette().color(QPalette.WindowText)
+        for axis in ("left", "bottom"):
+            self.plot.getAxis(axis).setPen(ink)
+            self.plot.getAxis(axis).setTextPen(ink)
+        self.plot.getPlotItem().titleLabel.setAttr("color", ink.name())
         self.plot.setViewportUpdateMode(QGraphicsView.BoundingRectViewportUpdate)
         self.item = self.plot.getPlotItem()
         self.item.setDownsampling(auto=True, mode="peak")
