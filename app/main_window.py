@@ -94,7 +94,7 @@ class MainWindow(QMainWindow):
         worker.unloaded.connect(self._on_unloaded)
         worker.generation_started.connect(self._on_generation_started)
         worker.prefilled.connect(self._on_prefilled)
-        worker.token_generated.connect(self._on_token_generated)
+        worker.tokens_generated.connect(self._on_tokens_generated)
         worker.generation_finished.connect(self._on_generation_finished)
         worker.generation_failed.connect(self._on_generation_failed)
         self.model_panel.load_clicked.connect(self.load)
@@ -332,9 +332,10 @@ class MainWindow(QMainWindow):
         self.buffer.prefilled = event
 
     @Slot(object)
-    def _on_token_generated(self, event: TokenGenerated) -> None:
-        self.transcript.add_token(event)
-        self.buffer.add(event)
+    def _on_tokens_generated(self, events: tuple[TokenGenerated, ...]) -> None:
+        for event in events:
+            self.transcript.add_token(event)
+        self.buffer.extend(events)
 
     @Slot(object)
     def _on_generation_finished(self, event: Finished) -> None:

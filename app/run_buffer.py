@@ -41,22 +41,31 @@ class RunBuffer:
             grown[: self.count] = column[: self.count]
             self._columns[name] = grown
 
-    def add(self, event: TokenGenerated) -> None:
-        if self.count == self._capacity:
+    def extend(self, events) -> None:
+        """Append a batch of tokens, one column at a time."""
+        events = list(events)
+        if not events:
+            return
+        while self.count + len(events) > self._capacity:
             self._grow()
-        i = self.count
-        c = self._columns
-        memory = event.memory
-        c["latency_s"][i] = event.latency_s
-        c["elapsed_s"][i] = event.elapsed_s
-        c["kv_bytes"][i] = event.kv_cache_bytes
-        c["kv_predicted"][i] = np.nan if event.kv_cache_bytes_predicted is None else event.kv_cache_bytes_predicted
-        c["rss"][i] = np.nan if memory.rss_bytes is None else memory.rss_bytes
-        c["device_allocated"][i] = np.nan if memory.device_allocated_bytes is None else memory.device_allocated_bytes
-        c["device_reserved"][i] = np.nan if memory.device_reserved_bytes is None else memory.device_reserved_bytes
-        c["device_peak"][i] = np.nan if memory.device_peak_bytes is None else memory.device_peak_bytes
-        self.count += 1
+        rows = slice(self.count, self.count + len(events))
+
+        def fill(name, values):
+            self._columns[name][rows] = [np.nan if v is None else v for v in values]
+
+        fill("latency_s", [e.latency_s for e in events])
+        fill("elapsed_s", [e.elapsed_s for e in events])
+        fill("kv_bytes", [e.kv_cache_bytes for e in events])
+        fill("kv_predicted", [e.kv_cache_bytes_predicted for e in events])
+        fill("rss", [e.memory.rss_bytes for e in events])
+        fill("device_allocated", [e.memory.device_allocated_bytes for e in events])
+        fill("device_reserved", [e.memory.device_reserved_bytes for e in events])
+        fill("device_peak", [e.memory.device_peak_bytes for e in events])
+        self.count += len(events)
         self.version += 1
+
+    def add(self, event: TokenGenerated) -> None:
+        self.extend((event,))
 
     def column(self, name: str) -> np.ndarray:
         return self._columns[name][: self.count]

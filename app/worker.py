@@ -9,11 +9,18 @@ generation it is meant to stop.
 
 from __future__ import annotations
 
+import time
+
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.cancel import CancelToken
 from engine.errors import EngineError
 from engine.events import Finished, Prefilled, TokenGenerated
+
+
+BATCH_S = 0.02
+"""Tokens cross to the GUI thread in batches at most this often (a fast model makes hundreds
+a second; the GUI thread would wake for each, and on few cores that slows the model)."""
 
 
 class EngineWorker(QObject):
@@ -25,7 +32,7 @@ class EngineWorker(QObject):
     unloaded = Signal()
     generation_started = Signal()
     prefilled = Signal(object)  # Prefilled
-    token_generated = Signal(object)  # TokenGenerated
+    tokens_generated = Signal(object)  # tuple[TokenGenerated, ...], in order
     generation_finished = Signal(object)  # Finished
     generation_failed = Signal(object)  # Exception
 
@@ -74,15 +81,27 @@ class EngineWorker(QObject):
             self.generation_failed.emit(EngineError("No model is loaded: load one first."))
             return
         self.generation_started.emit()
+        batch: list[TokenGenerated] = []
+        sent = time.perf_counter()
         try:
             for event in self._model.generate(request, cancel):
                 if isinstance(event, TokenGenerated):
-                    self.token_generated.emit(event)
+                    batch.append(event)
+                    now = time.perf_counter()
+                    if now - sent >= BATCH_S:
+                        self.tokens_generated.emit(tuple(batch))
+                        batch.clear()
+                        sent = now
                 elif isinstance(event, Prefilled):
                     self.prefilled.emit(event)
                 elif isinstance(event, Finished):
+                    if batch:
+                        self.tokens_generated.emit(tuple(batch))
+                        batch.clear()
                     self.generation_finished.emit(event)
         except Exception as exc:
+            if batch:
+                self.tokens_generated.emit(tuple(batch))
             self.generation_failed.emit(exc)
 
 
@@ -106,7 +125,7 @@ class ModelSession(QObject):
     unloaded = Signal()
     generation_started = Signal()
     prefilled = Signal(object)
-    token_generated = Signal(object)
+    tokens_generated = Signal(object)
     generation_finished = Signal(object)
     generation_failed = Signal(object)
 
@@ -121,7 +140,7 @@ class ModelSession(QObject):
         self.unload_requested.connect(self.worker.unload)
         self.probe_requested.connect(self.worker.probe)
         for name in ("devices_found", "models_found", "load_progressed", "loaded", "load_failed", "unloaded",
-                     "generation_started", "prefilled", "token_generated", "generation_finished",
+                     "generation_started", "prefilled", "tokens_generated", "generation_finished",
                      "generation_failed"):
             # signal to signal, across threads: queued into this (the GUI) thread
             getattr(self.worker, name).connect(getattr(self, name))

@@ -9,9 +9,12 @@ alike), each making exactly N tokens (EOS ignored). Two figures per side:
 - wall: (N − 1) / (time for N tokens − time for 1 token), each a whole call.
 
 The ratio is engine ÷ generate tok/s: ≥ 1.0 means our per-token bookkeeping (logprobs,
-top-5 alternatives, KV bytes, memory, incremental text) costs nothing measurable.
+top-5 alternatives, KV bytes, memory, incremental text) costs nothing measurable. A third
+figure, "bare", is a loop of forward passes and argmax with no bookkeeping at all: the floor
+both are measured against. Many short interleaved rounds keep slow drifts of a shared
+machine from landing on one side.
 
-    python benchmarks/engine_vs_transformers.py --precisions fp32,bf16 --tokens 128 --rounds 5
+    python benchmarks/engine_vs_transformers.py --precisions fp32,bf16 --tokens 64 --rounds 12
 """
 
 from __future__ import annotations
@@ -65,19 +68,35 @@ def theirs(loaded, config, ids, n: int) -> tuple[float, list[float]]:
     return elapsed, [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
 
 
+def bare(loaded, ids, n: int) -> list[float]:
+    """Forward passes and argmax only: what decoding costs with no bookkeeping."""
+    from transformers import DynamicCache
+
+    model, steps = loaded.model, []
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        for _ in range(n - 1):
+            start = time.perf_counter()
+            token = out.logits[0, -1].float().argmax()
+            out = model(input_ids=token.view(1, 1), cache=cache, use_cache=True, logits_to_keep=1)
+            steps.append(time.perf_counter() - start)
+    return steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
     parser.add_argument("--precisions", default="fp32,bf16")
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--json", help="write the measurements here")
     args = parser.parse_args()
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; model {args.model}; "
           f"{args.tokens} tokens × {args.rounds} interleaved rounds")
-    print(f"{'':>5}  {'engine':>8} {'generate':>9} {'ratio':>6}   {'engine':>8} {'generate':>9} {'ratio':>6}")
-    print(f"{'':>5}  {'per-token median, tok/s':^25}   {'wall, tok/s (median)':^25}")
+    print(f"{'':>5}  {'bare':>6} {'engine':>8} {'generate':>9} {'ratio':>6}   {'engine':>8} {'generate':>9} {'ratio':>6}")
+    print(f"{'':>5}  {'per-token median, tok/s':^32}   {'wall, tok/s (median)':^25}")
     results = {}
     n = args.tokens
     for precision in args.precisions.split(","):
@@ -86,9 +105,10 @@ def main() -> None:
         config = copy.deepcopy(loaded.model.generation_config)
         config.do_sample, config.eos_token_id = False, None  # exactly N tokens, like ignore_eos
         ours(loaded, 4), theirs(loaded, config, ids, 4)  # warm both paths
-        steps = {"engine": [], "generate": []}
+        steps = {"engine": [], "generate": [], "bare": []}
         wall = {"engine": [], "generate": []}
         for _ in range(args.rounds):
+            steps["bare"] += bare(loaded, ids, n)
             for name, run in (("engine", lambda k: ours(loaded, k)),
                               ("generate", lambda k: theirs(loaded, config, ids, k))):
                 full, step_times = run(n)
@@ -102,7 +122,8 @@ def main() -> None:
             "wall_tok_s_rounds": wall, "wall_ratio": wall_rate["engine"] / wall_rate["generate"],
         }
         r = results[precision]
-        print(f"{precision:>5}  {step_rate['engine']:8.1f} {step_rate['generate']:9.1f} {r['per_token_ratio']:6.3f}"
+        print(f"{precision:>5}  {step_rate['bare']:6.1f} {step_rate['engine']:8.1f} {step_rate['generate']:9.1f} "
+              f"{r['per_token_ratio']:6.3f}"
               f"   {wall_rate['engine']:8.1f} {wall_rate['generate']:9.1f} {r['wall_ratio']:6.3f}")
         loaded.close()
     if args.json:

@@ -2,9 +2,10 @@
 
 Interleaved: A runs ``inference-workbench bench`` in a subprocess (the window's process sits
 idle meanwhile), B makes the window generate (worker thread, queued signals, the 20 Hz
-redraw of text and plots). Both make exactly N tokens of the same greedy answer. Two
-figures: the median per-token decode latency over all rounds (robust to the bursts of
-noise a shared 2-core machine has), and the median of each run's decode tok/s.
+redraw of text and plots). Both make exactly N tokens of the same greedy answer. Three
+figures: the median per-token decode latency over all rounds (robust to bursts of noise),
+the medians of each run's decode tok/s, and the median of paired ratios (each window run
+against the CLI run just before it: robust to the slow drifts of a shared machine).
 
     python benchmarks/window_vs_cli.py --precisions fp32,bf16 --tokens 128 --rounds 4
 """
@@ -98,10 +99,12 @@ def main() -> None:
             b_steps += steps
         step_ratio = statistics.median(a_steps) / statistics.median(b_steps)
         ratio = statistics.median(b) / statistics.median(a)
+        paired = statistics.median(y / x for x, y in zip(a, b))
         print(f"{precision:>5}: per-token median {1 / statistics.median(a_steps):5.1f} (CLI) vs "
               f"{1 / statistics.median(b_steps):5.1f} (window) tok/s -> window/CLI {step_ratio:.3f}")
         print(f"{'':>5}  runs: CLI {' '.join(f'{x:5.1f}' for x in a)} | window {' '.join(f'{x:5.1f}' for x in b)}"
               f" -> medians {statistics.median(a):5.1f} vs {statistics.median(b):5.1f}, window/CLI {ratio:.3f}")
+        print(f"{'':>5}  paired: median of (window run ÷ the CLI run just before it) = {paired:.3f}")
         print(f"{'':>5}  GUI thread while generating: {100 * statistics.median(gui_cpu):.1f}% of a core, "
               f"{statistics.median(frame_rate):.1f} redraws/s (one plot each, the text and status every time)")
     window.close()

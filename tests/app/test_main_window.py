@@ -34,10 +34,13 @@ def test_text_grows_token_by_token_and_plots_hold_a_point_per_token(qtbot, windo
     load(qtbot, window, slow_tiny)
     window.set_redraw_budget(0.25)  # "smooth": redraw on most ticks, so the growth is visible
     lengths, tokens_seen = [], []
-    window.session.token_generated.connect(lambda e: tokens_seen.append(e.index))
+    batches = []
+    window.session.tokens_generated.connect(lambda events: batches.append(len(events)))
+    window.session.tokens_generated.connect(lambda events: tokens_seen.extend(e.index for e in events))
     window.timer.timeout.connect(lambda: lengths.append(len(window.output.toPlainText())))
     finished = generate(qtbot, window, "The quick brown fox", max_tokens=200)
     assert finished.tokens == 200 and tokens_seen == list(range(200))
+    assert len(batches) < 200  # tokens cross threads in batches, not one signal each
     # the text appeared in several steps, never shrinking, while tokens arrived
     steps = sorted(set(lengths))
     assert lengths == sorted(lengths) and len(steps) >= 3, lengths
