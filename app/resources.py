@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-
-def resource_dir() -> Path:
-    bundled = getattr(sys, "_MEIPASS", None)  # PyInstaller unpacks data files here
-    if bundled:
-        return Path(bundled) / "resources"
-    return Path(__file__).resolve().parent.parent / "resources"
+from engine.paths import resource_dir
 
 
 def icon_path(size: int | None = None) -> Path:

@@ -27,6 +27,27 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
 
 
+def _add_request_args(parser: argparse.ArgumentParser) -> None:
+    """Prompt, mode, length and sampling: what bench and compare share."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="the prompt; '-' reads standard input")
+    source.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
+    parser.add_argument("--system", help="system prompt (chat mode)")
+    parser.add_argument("--raw", action="store_true", help="continue the text as is, no chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--greedy", action="store_true", help="always pick the most likely token (the default)")
+    parser.add_argument("--temperature", type=float, default=None, help="> 0 samples")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
+    parser.add_argument("--json", type=Path, help="write the full report here")
+    parser.add_argument("--quiet", action="store_true", help="don't stream the answer")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from engine.precision import PRECISIONS
 
@@ -40,28 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="'default', a folder, a .gguf file or a hub id (default: %(default)s)")
     bench.add_argument("--precision", default="fp32", choices=list(PRECISIONS))
     bench.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    source = bench.add_mutually_exclusive_group()
-    source.add_argument("--prompt", help="the prompt; '-' reads standard input")
-    source.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
-    bench.add_argument("--system", help="system prompt (chat mode)")
-    bench.add_argument("--raw", action="store_true", help="continue the text as is, no chat template")
-    bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--greedy", action="store_true", help="always pick the most likely token (the default)")
-    bench.add_argument("--temperature", type=float, default=None, help="> 0 samples")
-    bench.add_argument("--top-k", type=int, default=0)
-    bench.add_argument("--top-p", type=float, default=1.0)
-    bench.add_argument("--min-p", type=float, default=0.0)
-    bench.add_argument("--repetition-penalty", type=float, default=1.0)
-    bench.add_argument("--seed", type=int, default=None)
-    bench.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    bench.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
-    bench.add_argument("--json", type=Path, help="write the full report here")
-    bench.add_argument("--quiet", action="store_true", help="don't stream the answer")
+    _add_request_args(bench)
     bench.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub")
     bench.add_argument("--trust-remote-code", action="store_true",
                        help="run Python code shipped with a hub model (only if you trust it)")
     bench.add_argument("--allow-pickle", action="store_true",
                        help="read pickle .bin checkpoints, which can run code (only if you trust them)")
+
+    compare = sub.add_parser("compare", help="one prompt through 2-4 models or precisions, and where they differ")
+    compare.add_argument("--lane", action="append", required=True, metavar="MODEL:PRECISION[:DEVICE]",
+                         help="a lane, e.g. default:fp32 (repeat 1-4 times; lane 1 is the reference)")
+    compare.add_argument("--schedule", choices=["fair", "concurrent"], default="fair",
+                         help="fair: one lane after another (clean timings); concurrent: all at once")
+    _add_request_args(compare)
+    compare.add_argument("--csv", type=Path, help="write the summary table here")
 
     sub.add_parser("models", help="list the default model and models in the Hugging Face cache")
     return parser
@@ -92,11 +105,7 @@ class _LoadPrinter:
             print(f"  {event.stage:<9} {event.message}", file=sys.stderr, flush=True)
 
 
-def _bench(args) -> int:
-    from engine import bench
-    from engine.cancel import CancelToken
-    from engine.events import TokenGenerated
-    from engine.loading import LoadRequest, load_model
+def _request(args):
     from engine.request import GenerationRequest
     from engine.sampling import SamplingParams
 
@@ -104,11 +113,26 @@ def _bench(args) -> int:
         raise InvalidRequestError("--greedy and --temperature > 0 contradict each other.")
     sampling = SamplingParams(temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
-    request = GenerationRequest(
+    return GenerationRequest(
         prompt=_read_prompt(args), mode="raw" if args.raw else "chat", system_prompt=args.system,
         sampling=sampling, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     ).validated()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
+    print(f"report   {path}")
+
+
+def _bench(args) -> int:
+    from engine import bench
+    from engine.cancel import CancelToken
+    from engine.events import TokenGenerated
+    from engine.loading import LoadRequest, load_model
+
+    request = _request(args)
 
     print(f"Loading {args.model} ({args.precision}) …", file=sys.stderr, flush=True)
     loaded = load_model(
@@ -134,10 +158,62 @@ def _bench(args) -> int:
         print()
     print(summary(result))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2, ensure_ascii=False), encoding="utf-8")
-        print(f"report   {args.json}")
+        _write_json(args.json, result)
     return 0
+
+
+def _compare(args) -> int:
+    from engine import compare
+    from engine.events import TokenGenerated
+
+    if not 1 <= len(args.lane) <= 4:
+        raise InvalidRequestError("Give 1 to 4 --lane options.")
+    specs = [compare.parse_lane(text) for text in args.lane]
+    request = _request(args)
+    printer = _LoadPrinter()
+    current = [-1]
+
+    def on_event(index: int, event) -> None:
+        if index != current[0] and args.schedule == "fair":
+            current[0] = index
+            print(f"\n[lane {index + 1}: {specs[index].label}]", file=sys.stderr, flush=True)
+        if hasattr(event, "stage"):
+            printer(event)
+        elif isinstance(event, TokenGenerated) and not args.quiet and args.schedule == "fair":
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+
+    runs = compare.run_comparison(specs, request, args.schedule, on_event)
+    result = compare.report(runs, request, args.schedule)
+    print("\n" + compare_table(result["summary"]))
+    if args.json is not None:
+        _write_json(args.json, result)
+    if args.csv is not None:
+        compare.write_csv(args.csv, result["summary"])
+        print(f"table    {args.csv}")
+    return 0
+
+
+def compare_table(rows: list[dict]) -> str:
+    """The summary as aligned text columns."""
+    def pct(value):
+        return "—" if value is None else f"{100 * value:.1f}%"
+
+    header = ("lane", "load", "weights", "peak", "TTFT", "tok/s", "p50", "p95", "tokens", "KV", "agree",
+              "diverge@", "|Δlogp|", "stop")
+    lines = [header]
+    for r in rows:
+        lines.append((
+            f"{r['lane']} {r['label']}", format_seconds(r["load_s"]), format_bytes(r["weights_bytes"]),
+            format_bytes(r["peak_memory_bytes"]), format_seconds(r["ttft_s"]), format_rate(r["decode_tokens_per_s"], ""),
+            format_seconds(r["latency_p50_s"]), format_seconds(r["latency_p95_s"]), str(r["tokens"]),
+            format_bytes(r["kv_cache_bytes"]), pct(r["token_agreement"]),
+            "—" if r["first_divergence"] is None else str(r["first_divergence"]),
+            "—" if r["mean_abs_logprob_delta"] is None else f"{r['mean_abs_logprob_delta']:.4f}",
+            str(r["finish_reason"]),
+        ))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
 
 
 def summary(r: dict) -> str:
@@ -190,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "bench":
             return _bench(args)
+        if args.command == "compare":
+            return _compare(args)
         return _models(args)
     except KeyboardInterrupt:
         print("\ncancelled", file=sys.stderr)

@@ -243,22 +243,43 @@ def count_parameters(model) -> int:
 
 
 def weights_bytes(model) -> int:
-    """Bytes the weights occupy in memory: every distinct storage behind the state dict
-    (parameters, persistent buffers, quantization scales) and the other buffers."""
+    """Bytes the weights occupy in memory: every distinct storage behind the parameters, the
+    buffers and the quantization state bitsandbytes keeps beside its weights (4-bit absmax and
+    code books, int8 row scales).
+
+    Not ``model.state_dict()``: for bitsandbytes 4-bit on the CPU that repacks the weights in
+    place and leaves a model that generates garbage.
+    """
     import torch
 
     seen: set[tuple[str, int]] = set()
     total = 0
-    tensors = list(model.state_dict().values()) + [b for b in model.buffers()]
-    for tensor in tensors:
+
+    def add(tensor) -> None:
+        nonlocal total
         if not isinstance(tensor, torch.Tensor):
-            continue
+            return
         storage = tensor.untyped_storage()
         key = (str(tensor.device), storage.data_ptr())
-        if key in seen:
-            continue
-        seen.add(key)
-        total += storage.nbytes()
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+
+    for param in model.parameters():
+        add(param)
+        add(getattr(param, "SCB", None))  # int8 row scales
+        state = getattr(param, "quant_state", None)
+        while state is not None:  # 4-bit: absmax, code book, and a nested state for double quantization
+            for name in ("absmax", "code", "offset"):
+                add(getattr(state, name, None))
+            state = getattr(state, "state2", None)
+    for module in model.modules():  # LLM.int8 moves its row scales into module.state after a forward
+        state = getattr(module, "state", None)
+        if state is not None and type(state).__module__.startswith("bitsandbytes"):
+            for value in vars(state).values():
+                add(value)
+    for buffer in model.buffers():
+        add(buffer)
     return total
 
 

@@ -16,3 +16,14 @@ def cache_dir() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir(APP_NAME, appauthor=False))
+
+
+def resource_dir() -> Path:
+    """The repository's ``resources/`` folder (icons, styles, shipped model configs), or its
+    copy inside a PyInstaller bundle."""
+    import sys
+
+    bundled = getattr(sys, "_MEIPASS", None)
+    if bundled:
+        return Path(bundled) / "resources"
+    return Path(__file__).resolve().parent.parent / "resources"

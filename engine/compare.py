@@ -1,0 +1,280 @@
+"""Compare: one prompt through 2–4 lanes (model × precision × device × sampling), and where
+their answers differ.
+
+Against lane 1, each lane gets:
+
+- ``token_agreement``: the share of positions where its token equals lane 1's, over the longer
+  of the two answers;
+- ``first_divergence``: the first position where they differ (None when identical);
+- ``mean_abs_logprob_delta``: lane 1's answer scored by this lane's model (teacher forcing:
+  one forward pass over prompt + answer), compared token by token with lane 1's own model
+  scoring it the same way. 0 for an identical lane; it grows as a precision bends the model.
+
+Token metrics need the lanes to share a tokenizer (same prompt ids); otherwise they are None.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from engine.bench import report as bench_report
+from engine.bench import versions
+from engine.cancel import CancelToken
+from engine.errors import InvalidRequestError
+from engine.events import Finished, GenerationEvent, Prefilled, TokenGenerated
+from engine.request import GenerationRequest
+from engine.sampling import SamplingParams
+
+SCHEDULES = ("fair", "concurrent")
+
+
+@dataclass(frozen=True)
+class LaneSpec:
+    model: str = "default"
+    precision: str = "fp32"
+    device: str = "auto"
+    sampling: SamplingParams | None = None
+    """None: the comparison's sampling."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} · {self.precision}" + (f" · {self.device}" if self.device != "auto" else "")
+
+
+def parse_lane(text: str) -> LaneSpec:
+    """``MODEL:PRECISION[:DEVICE]``; the model part may itself contain ':' (a Windows path)."""
+    parts = text.rsplit(":", 2)
+    from engine.precision import PRECISIONS
+
+    if len(parts) >= 2 and parts[-1] in PRECISIONS:
+        return LaneSpec(model=":".join(parts[:-1]), precision=parts[-1])
+    if len(parts) == 3 and parts[1] in PRECISIONS:
+        return LaneSpec(model=parts[0], precision=parts[1], device=parts[2])
+    raise InvalidRequestError(f"A lane is MODEL:PRECISION[:DEVICE], e.g. default:nf4; got {text!r}.")
+
+
+def agreement(reference: Sequence[int], other: Sequence[int]) -> tuple[float, int | None]:
+    """``(share of equal positions, first differing position or None)``."""
+    longest = max(len(reference), len(other))
+    if longest == 0:
+        return 1.0, None
+    same = sum(a == b for a, b in zip(reference, other))
+    first = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), None)
+    if first is None and len(reference) != len(other):
+        first = min(len(reference), len(other))
+    return same / longest, first
+
+
+def teacher_forced_logprobs(loaded, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> list[float]:
+    """log p(token_i | prompt, tokens_<i) under ``loaded``'s model, in one forward pass."""
+    import torch
+
+    if not token_ids:
+        return []
+    ids = torch.tensor([list(prompt_ids) + list(token_ids)], device=loaded.device)
+    with torch.inference_mode():
+        logits = loaded.model(input_ids=ids).logits[0]
+    start = len(prompt_ids) - 1
+    scores = torch.log_softmax(logits[start:start + len(token_ids)].float(), dim=-1)
+    picked = scores.gather(1, torch.tensor(list(token_ids), device=scores.device).unsqueeze(1))
+    return picked.squeeze(1).tolist()
+
+
+@dataclass
+class LaneRun:
+    """One lane's run: what it was, everything it emitted, and what it scored."""
+
+    spec: LaneSpec
+    loaded: dict | None = None
+    events: list = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    reference_scores: list[float] | None = None
+    """Lane 1's answer scored by this lane's model."""
+    error: str | None = None
+
+    @property
+    def finished(self) -> Finished | None:
+        return next((e for e in reversed(self.events) if isinstance(e, Finished)), None)
+
+    @property
+    def tokens(self) -> list[TokenGenerated]:
+        return [e for e in self.events if isinstance(e, TokenGenerated)]
+
+
+def lane_metrics(reference: LaneRun, lane: LaneRun) -> dict:
+    """The comparison keys of one lane against lane 1 (None where they can't apply)."""
+    ref_done, done = reference.finished, lane.finished
+    if ref_done is None or done is None or reference.prompt_ids != lane.prompt_ids:
+        return {"token_agreement": None, "first_divergence": None, "mean_abs_logprob_delta": None}
+    share, first = agreement(ref_done.token_ids, done.token_ids)
+    delta = None
+    if reference.reference_scores is not None and lane.reference_scores is not None and reference.reference_scores:
+        pairs = list(zip(reference.reference_scores, lane.reference_scores))
+        delta = sum(abs(a - b) for a, b in pairs) / len(pairs)
+    return {"token_agreement": share, "first_divergence": first, "mean_abs_logprob_delta": delta}
+
+
+def latency_stats(tokens: Sequence[TokenGenerated]) -> dict:
+    """Mean, p50 and p95 of the decode steps (the first token's latency is the TTFT)."""
+    steps = sorted(t.latency_s for t in tokens[1:])
+    if not steps:
+        return {"latency_mean_s": None, "latency_p50_s": None, "latency_p95_s": None}
+
+    def pct(q: float) -> float:
+        return steps[min(len(steps) - 1, int(q * len(steps)))]
+
+    return {"latency_mean_s": sum(steps) / len(steps), "latency_p50_s": pct(0.5), "latency_p95_s": pct(0.95)}
+
+
+def summary_rows(runs: Sequence[LaneRun]) -> list[dict]:
+    """One row per lane: what the summary table and the CSV show."""
+    rows = []
+    for index, lane in enumerate(runs):
+        done, info = lane.finished, lane.loaded or {}
+        row = {
+            "lane": index + 1, "label": lane.spec.label, "load_s": info.get("load_s"),
+            "weights_bytes": info.get("weights_bytes"),
+            "peak_memory_bytes": done.peak_memory_bytes if done else None,
+            "ttft_s": done.ttft_s if done else None,
+            "decode_tokens_per_s": done.decode_tokens_per_s if done else None,
+            **latency_stats(lane.tokens),
+            "tokens": done.tokens if done else None,
+            "kv_cache_bytes": done.kv_cache_bytes if done else None,
+            "finish_reason": done.reason if done else (f"error: {lane.error}" if lane.error else None),
+            **lane_metrics(runs[0], lane),
+        }
+        rows.append(row)
+    return rows
+
+
+class _Stub:
+    """What :func:`engine.bench.report` reads of a loaded model, from a saved Loaded dict."""
+
+    def __init__(self, loaded: dict) -> None:
+        from engine.events import Loaded
+
+        self.info = Loaded(**loaded)
+
+
+def lane_report(lane: LaneRun, request: GenerationRequest, reference: LaneRun) -> dict:
+    """The bench JSON keys of one lane, plus the comparison keys."""
+    prefilled = next((e for e in lane.events if isinstance(e, Prefilled)), None)
+    data = {"lane": lane.spec.label, "spec": {**asdict(lane.spec), "sampling": None if lane.spec.sampling is None
+                                              else asdict(lane.spec.sampling)}}
+    if lane.loaded is not None and lane.finished is not None:
+        data.update(bench_report(_Stub(lane.loaded), request, prefilled, lane.tokens, lane.finished))
+        data.pop("versions", None)
+    data.update(latency_stats(lane.tokens))
+    data.update(lane_metrics(reference, lane))
+    data["error"] = lane.error
+    return data
+
+
+def report(runs: Sequence[LaneRun], request: GenerationRequest, schedule: str) -> dict:
+    return {
+        "prompt": request.prompt,
+        "schedule": schedule,
+        "request": {"mode": request.mode, "system_prompt": request.system_prompt,
+                    "max_new_tokens": request.max_new_tokens, "ignore_eos": request.ignore_eos,
+                    "sampling": asdict(request.sampling)},
+        "lanes": [lane_report(lane, request, runs[0]) for lane in runs],
+        "summary": summary_rows(runs),
+        "versions": versions(),
+    }
+
+
+def run_comparison(specs: Sequence[LaneSpec], request: GenerationRequest, schedule: str = "fair",
+                   on_event: Callable[[int, object], None] | None = None,
+                   cancel: CancelToken | None = None) -> list[LaneRun]:
+    """Load each lane, generate the same request on each, score lane 1's answer with each model.
+
+    ``fair``: lanes run one after another, each model unloaded before the next loads, so their
+    timings don't disturb each other. ``concurrent``: all loaded, all generating at once, each
+    in its own thread, to show contention.
+    """
+    from engine.loading import LoadRequest, load_model
+
+    if not 1 <= len(specs) <= 4:
+        raise InvalidRequestError("A comparison has 1 to 4 lanes.")
+    if schedule not in SCHEDULES:
+        raise InvalidRequestError(f"schedule must be one of {SCHEDULES}, not {schedule!r}.")
+    request = request.validated()
+    cancel = cancel or CancelToken()
+    runs = [LaneRun(spec) for spec in specs]
+    emit = on_event or (lambda index, event: None)
+
+    def lane_request(spec: LaneSpec) -> GenerationRequest:
+        from dataclasses import replace
+
+        return replace(request, sampling=spec.sampling) if spec.sampling is not None else request
+
+    def load(index: int):
+        spec = runs[index].spec
+        loaded = load_model(LoadRequest(spec.model, spec.precision, spec.device),
+                            progress=lambda event: emit(index, event), cancel=cancel)
+        runs[index].loaded = asdict(loaded.info)
+        emit(index, loaded.info)
+        return loaded
+
+    def generate(index: int, loaded) -> None:
+        run = runs[index]
+        wanted = lane_request(run.spec)
+        run.prompt_ids = loaded.encode(wanted)
+        for event in loaded.generate(wanted, cancel):
+            run.events.append(event)
+            emit(index, event)
+
+    def score(index: int, loaded) -> None:
+        reference = runs[0]
+        if reference.finished is not None and runs[index].prompt_ids == reference.prompt_ids:
+            runs[index].reference_scores = teacher_forced_logprobs(
+                loaded, reference.prompt_ids, reference.finished.token_ids)
+
+    if schedule == "fair":
+        for index in range(len(runs)):
+            loaded = load(index)
+            try:
+                generate(index, loaded)
+                score(index, loaded)
+            finally:
+                loaded.close()
+        return runs
+
+    models = [load(index) for index in range(len(runs))]
+    errors: list[BaseException] = []
+
+    def worker(index: int) -> None:
+        try:
+            generate(index, models[index])
+        except BaseException as exc:  # reported after the join, in the caller's thread
+            errors.append(exc)
+            cancel.cancel()
+
+    threads = [threading.Thread(target=worker, args=(i,), name=f"lane-{i + 1}") for i in range(len(runs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        if errors:
+            raise errors[0]
+        for index, loaded in enumerate(models):
+            score(index, loaded)
+    finally:
+        for loaded in models:
+            loaded.close()
+    return runs
+
+
+def write_csv(path, rows: Sequence[dict]) -> None:
+    import csv
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)

@@ -1,0 +1,175 @@
+"""Predict a model's memory from its config and a precision, without reading any weight.
+
+Parameters are counted exactly by building the model on the meta device (accelerate's
+``init_empty_weights``): no memory, any architecture transformers knows. Bytes per
+precision follow what the loaders actually store:
+
+- fp32 / bf16 / fp16: every parameter at 4 / 2 / 2 bytes;
+- int8 (bitsandbytes LLM.int8): linear weights at 1 byte plus one fp32 scale per output row;
+  everything else (embeddings, norms, the output head) in fp16;
+- nf4 / fp4 (bitsandbytes 4-bit): linear weights at ½ byte plus one absmax per block of 64
+  (fp32 on a GPU; on the CPU bitsandbytes repacks it to bf16 at the first forward pass) and a
+  16-entry fp32 code book per layer; everything else in bf16.
+
+bitsandbytes leaves the output head (``lm_head``) unquantized, so it counts as "other".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from engine.kv import kv_layout
+from engine.paths import resource_dir
+from engine.precision import get_precision
+
+BNB_BLOCK = 64
+"""bitsandbytes' 4-bit block size (its default; we don't change it)."""
+
+_SKIPPED_BY_BNB = ("lm_head",)
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    total: int
+    linear: int
+    """In the linear layers bitsandbytes quantizes."""
+    linear_rows: int
+    """Their output rows (int8 keeps one scale per row)."""
+    linear_layers: int
+
+    @property
+    def other(self) -> int:
+        return self.total - self.linear
+
+
+def count_parameters(config) -> ParameterCount:
+    """Exact counts from the model built on the meta device (tied weights counted once)."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    model.tie_weights()  # on the meta device transformers leaves tying to the weight loader
+    linear = rows = layers = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.split(".")[-1] not in _SKIPPED_BY_BNB:
+            linear += module.weight.numel()
+            rows += module.out_features
+            layers += 1
+    total = sum(p.numel() for p in model.parameters())
+    return ParameterCount(total=total, linear=linear, linear_rows=rows, linear_layers=layers)
+
+
+def weights_bytes(count: ParameterCount, precision: str, device_type: str = "cpu") -> int:
+    """Bytes the weights take once loaded in ``precision`` (see the module docstring)."""
+    name = get_precision(precision).name
+    if name == "fp32":
+        return 4 * count.total
+    if name in ("bf16", "fp16"):
+        return 2 * count.total
+    if name == "int8":
+        return count.linear + 4 * count.linear_rows + 2 * count.other
+    # nf4 / fp4
+    blocks = -(-count.linear // BNB_BLOCK)
+    absmax = 2 if device_type == "cpu" else 4
+    return count.linear // 2 + absmax * blocks + 16 * 4 * count.linear_layers + 2 * count.other
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    weights_bytes: int
+    kv_bytes_per_token: int | None
+    context_tokens: int
+    kv_bytes: int
+    """The KV cache for ``context_tokens`` tokens."""
+    total_bytes: int
+    available_bytes: int | None
+    """Free memory on the device now (RAM on the CPU); None if unknown."""
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.available_bytes is None else self.total_bytes <= self.available_bytes
+
+
+def config_for(ref: str):
+    """The config of a model reference, from disk only (never downloads); None if not on disk.
+
+    ``default`` uses the config shipped in ``resources/configs`` until the model is fetched.
+    """
+    from transformers import AutoConfig
+
+    from engine import default_model, sources
+
+    try:
+        kind, value = sources.classify(ref)
+    except Exception:
+        return None
+    folder: Path | None = None
+    if kind == "default":
+        folder = default_model.model_dir() if default_model.is_ready() else None
+        if folder is None:
+            return AutoConfig.for_model(**_shipped("SmolLM2-135M-Instruct"))
+    elif kind == "folder":
+        folder = Path(value)
+    elif kind == "gguf":
+        from engine.gguf_files import converted_dir_for, is_converted
+
+        converted = converted_dir_for(Path(value))
+        folder = converted if is_converted(converted) else None
+    elif kind == "hub":
+        from huggingface_hub import try_to_load_from_cache
+
+        repo_id, _, revision = value.partition("@")
+        cached = try_to_load_from_cache(repo_id, "config.json", revision=revision or None)
+        folder = Path(cached).parent if isinstance(cached, str) else None
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except Exception:
+        return None
+
+
+@lru_cache(maxsize=None)
+def _shipped(name: str) -> dict:
+    data = json.loads((resource_dir() / "configs" / f"{name}.json").read_text(encoding="utf-8"))
+    return {k: v for k, v in data.items() if not k.startswith("_") and k != "transformers_version"}
+
+
+def available_bytes(device: str) -> int | None:
+    """Free memory for a new model: RAM available on the CPU (and MPS), free memory on a GPU."""
+    import psutil
+
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        free, _ = torch.cuda.mem_get_info(torch.device(device if ":" in device else "cuda:0"))
+        return int(free)
+    return int(psutil.virtual_memory().available)
+
+
+def predict(config, precision: str, device: str = "cpu", context_tokens: int = 2048) -> MemoryPrediction:
+    """Weights + KV cache for ``context_tokens`` tokens, against free memory on ``device``."""
+    from engine.devices import resolve_device
+    from engine.precision import dtype_bytes
+
+    count = count_parameters(config)
+    weights = weights_bytes(count, precision, device.split(":")[0])
+    layout = kv_layout(config)
+    element = dtype_bytes(get_precision(precision).compute_dtype(device.split(":")[0]))
+    per_token = layout.bytes_per_token(element) if layout else None
+    kv = layout.bytes_for(context_tokens, element) if layout else 0
+    try:
+        resolved = str(resolve_device(device))
+    except Exception:
+        resolved = None
+    return MemoryPrediction(
+        weights_bytes=weights, kv_bytes_per_token=per_token, context_tokens=context_tokens, kv_bytes=kv,
+        total_bytes=weights + kv, available_bytes=available_bytes(resolved) if resolved else None,
+    )

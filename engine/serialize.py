@@ -1,0 +1,29 @@
+"""Events to and from plain JSON-able dicts, so a run can be saved and shown again exactly."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+
+from engine.events import Alternative, Finished, Loaded, LoadProgress, MemorySample, Prefilled, TokenGenerated
+
+_TYPES = {cls.__name__: cls for cls in (Loaded, LoadProgress, Prefilled, TokenGenerated, Finished)}
+
+
+def event_to_dict(event) -> dict:
+    data = asdict(event)
+    data["type"] = type(event).__name__
+    return data
+
+
+def event_from_dict(data: dict):
+    data = dict(data)
+    cls = _TYPES[data.pop("type")]
+    known = {f.name for f in fields(cls)}
+    values = {k: v for k, v in data.items() if k in known}
+    if "memory" in values:
+        values["memory"] = MemorySample(**values["memory"])
+    if "top_alternatives" in values:
+        values["top_alternatives"] = tuple(Alternative(**a) for a in values["top_alternatives"])
+    if "token_ids" in values:
+        values["token_ids"] = tuple(values["token_ids"])
+    return cls(**values)

@@ -1,0 +1,52 @@
+import pytest
+
+from engine.estimate import config_for, count_parameters, predict, weights_bytes
+from engine.loading import LoadRequest, load_model
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "nf4"])
+def test_predicted_weights_match_what_loads(tiny_llama, precision):
+    loaded = load_model(LoadRequest(str(tiny_llama), precision, "cpu"))
+    count = count_parameters(loaded.model.config)
+    assert count.total == loaded.info.parameters
+    buffers = sum(b.numel() * b.element_size() for b in loaded.model.buffers())
+    predicted = weights_bytes(count, precision) + buffers
+    if precision == "int8":  # LLM.int8 also keeps the indices of outlier columns it met
+        assert loaded.info.weights_bytes == pytest.approx(predicted, rel=1e-3)
+    else:
+        assert loaded.info.weights_bytes == predicted
+
+
+def test_tied_embeddings_count_once(tiny_llama):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_llama)
+    untied = count_parameters(config).total
+    config.tie_word_embeddings = True
+    assert untied - count_parameters(config).total == config.vocab_size * config.hidden_size
+
+
+def test_config_sources(tiny_llama, tmp_path, isolated_cache):
+    assert config_for(str(tiny_llama)).model_type == "llama"
+    assert config_for("default").num_hidden_layers == 30  # the shipped config until it is fetched
+    assert config_for(str(tmp_path / "missing")) is None
+    assert config_for("nobody/not-cached") is None
+
+
+def test_prediction_against_free_memory(tiny_llama):
+    config = config_for(str(tiny_llama))
+    prediction = predict(config, "bf16", "cpu", context_tokens=100)
+    assert prediction.kv_bytes == 100 * prediction.kv_bytes_per_token
+    assert prediction.total_bytes == prediction.weights_bytes + prediction.kv_bytes
+    assert prediction.available_bytes > 0 and prediction.fits is True
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "nf4"])
+def test_default_model_prediction_is_exact_but_buffers(default_model_folder, precision):
+    loaded = load_model(LoadRequest("default", precision, "cpu"))
+    predicted = weights_bytes(count_parameters(loaded.model.config), precision)
+    # off by the rotary inv_freq buffer (32 floats), and for int8 its outlier indices
+    assert loaded.info.weights_bytes == pytest.approx(predicted, rel=1e-4)
+    if precision != "int8":
+        assert loaded.info.weights_bytes - predicted == 128 * 2
