@@ -92,7 +92,9 @@ class PlotPanel(QWidget):
         return self.plot.plot([], [], pen=_pen(colour, style), **kwargs)
 
     def add_legend(self, name: str, colour: str, glyph: str) -> None:
-        self._legend.append(f"<span style='color:{_COLOURS[colour]}'>{glyph}</span>&nbsp;{name}")
+        """``colour``: one of ours by name, or any '#rrggbb'."""
+        colour = colour if colour.startswith("#") else _COLOURS[colour]
+        self._legend.append(f"<span style='color:{colour}'>{glyph}</span>&nbsp;{name}")
         self.caption.setText(" &nbsp; ".join(self._legend) + "<br>" + self._sentence)
 
     def set_label(self, axis: str, text: str) -> None:

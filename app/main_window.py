@@ -54,6 +54,7 @@ class MainWindow(QMainWindow):
         self.loading = False
         self.generating = False
         self._error_box: QMessageBox | None = None
+        self.compare = None
 
         self.session = ModelSession("main", self)
         self.output = OutputView(self.transcript)
@@ -139,6 +140,9 @@ class MainWindow(QMainWindow):
         file_menu.addSeparator()
         file_menu.addAction(QAction("&Quit", self, shortcut=QKeySequence.Quit, triggered=self.close))
         view = self.menuBar().addMenu("&View")
+        view.addAction(QAction("&Compare models and precisions…", self, shortcut="Ctrl+K",
+                               triggered=self.open_compare))
+        view.addSeparator()
         self.show_tokens_action = QAction("Show &tokens", self, checkable=True, shortcut="Ctrl+T")
         self.show_tokens_action.toggled.connect(self.output.set_show_tokens)
         view.addAction(self.show_tokens_action)
@@ -163,6 +167,20 @@ class MainWindow(QMainWindow):
         width = self.width()
         self.resizeDocks([self._docks["model"], self._docks["speed"], self._docks["kv"]],
                          [int(width * 0.26), int(width * 0.24), int(width * 0.24)], Qt.Horizontal)
+
+    def open_compare(self):
+        """The Compare window, its lane 1 set to the model chosen here."""
+        from app.compare_view import CompareWindow
+        from engine.compare import LaneSpec
+
+        if self.compare is None:
+            self.compare = CompareWindow()
+            request = self.model_panel.request()
+            self.compare.lanes[0].configure(LaneSpec(request.model, request.precision, request.device))
+            self.compare.lanes[1].configure(LaneSpec(request.model, "nf4", request.device))
+        self.compare.show()
+        self.compare.raise_()
+        return self.compare
 
     def set_redraw_budget(self, budget: float) -> None:
         self.budget.budget = budget
@@ -403,6 +421,8 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event) -> None:
         self.save_settings()
         self.timer.stop()
+        if self.compare is not None:
+            self.compare.close()
         if not self.session.shutdown(SHUTDOWN_MS):
             # The worker is inside a step that can't be interrupted (e.g. converting a GGUF
             # tokenizer). Leave now rather than hang or abort on a running QThread.

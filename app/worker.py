@@ -35,6 +35,8 @@ class EngineWorker(QObject):
     tokens_generated = Signal(object)  # tuple[TokenGenerated, ...], in order
     generation_finished = Signal(object)  # Finished
     generation_failed = Signal(object)  # Exception
+    predicted = Signal(object, object)  # LoadRequest, MemoryPrediction | None
+    scored = Signal(object, object)  # prompt ids, teacher-forced logprobs | None
 
     def __init__(self) -> None:
         super().__init__()  # no parent: moveToThread needs a parentless object
@@ -64,6 +66,32 @@ class EngineWorker(QObject):
             return
         self._model = model
         self.loaded.emit(model.info)
+
+    @Slot(object)
+    def predict(self, request) -> None:
+        """Memory this load would need (from the config on disk), before loading anything."""
+        from engine.estimate import config_for, predict
+
+        try:
+            config = config_for(request.model)
+            prediction = None if config is None else predict(config, request.precision, request.device)
+        except Exception:  # a prediction is advice: never let it block a load
+            prediction = None
+        self.predicted.emit(request, prediction)
+
+    @Slot(object, object)
+    def score(self, request, token_ids) -> None:
+        """Teacher-force ``token_ids`` after ``request``'s prompt with this model."""
+        from engine.compare import teacher_forced_logprobs
+
+        if self._model is None:
+            self.scored.emit([], None)
+            return
+        try:
+            prompt_ids = self._model.encode(request)
+            self.scored.emit(prompt_ids, teacher_forced_logprobs(self._model, prompt_ids, list(token_ids)))
+        except Exception:
+            self.scored.emit([], None)
 
     @Slot()
     def unload(self) -> None:
@@ -116,6 +144,8 @@ class ModelSession(QObject):
     generate_requested = Signal(object, object)
     unload_requested = Signal()
     probe_requested = Signal()
+    predict_requested = Signal(object)
+    score_requested = Signal(object, object)
 
     devices_found = Signal(object)
     models_found = Signal(object)
@@ -128,6 +158,8 @@ class ModelSession(QObject):
     tokens_generated = Signal(object)
     generation_finished = Signal(object)
     generation_failed = Signal(object)
+    predicted = Signal(object, object)
+    scored = Signal(object, object)
 
     def __init__(self, name: str = "engine", parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -139,9 +171,11 @@ class ModelSession(QObject):
         self.generate_requested.connect(self.worker.generate)
         self.unload_requested.connect(self.worker.unload)
         self.probe_requested.connect(self.worker.probe)
+        self.predict_requested.connect(self.worker.predict)
+        self.score_requested.connect(self.worker.score)
         for name in ("devices_found", "models_found", "load_progressed", "loaded", "load_failed", "unloaded",
                      "generation_started", "prefilled", "tokens_generated", "generation_finished",
-                     "generation_failed"):
+                     "generation_failed", "predicted", "scored"):
             # signal to signal, across threads: queued into this (the GUI) thread
             getattr(self.worker, name).connect(getattr(self, name))
         self.thread.finished.connect(self.worker.deleteLater)

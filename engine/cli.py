@@ -184,7 +184,7 @@ def _compare(args) -> int:
             sys.stdout.flush()
 
     runs = compare.run_comparison(specs, request, args.schedule, on_event)
-    result = compare.report(runs, request, args.schedule)
+    result = compare.to_record(runs, request, args.schedule)  # the report, plus every event: reopens in the app
     print("\n" + compare_table(result["summary"]))
     if args.json is not None:
         _write_json(args.json, result)

@@ -172,13 +172,57 @@ def lane_report(lane: LaneRun, request: GenerationRequest, reference: LaneRun) -
     return data
 
 
+def request_to_dict(request: GenerationRequest) -> dict:
+    return {"prompt": request.prompt, "mode": request.mode, "system_prompt": request.system_prompt,
+            "max_new_tokens": request.max_new_tokens, "ignore_eos": request.ignore_eos, "stop": list(request.stop),
+            "sampling": asdict(request.sampling)}
+
+
+def request_from_dict(data: dict) -> GenerationRequest:
+    return GenerationRequest(prompt=data["prompt"], mode=data["mode"], system_prompt=data["system_prompt"],
+                             max_new_tokens=data["max_new_tokens"], ignore_eos=data["ignore_eos"],
+                             stop=tuple(data.get("stop", ())), sampling=SamplingParams(**data["sampling"]))
+
+
+FORMAT = "inference-workbench/compare"
+
+
+def to_record(runs: Sequence[LaneRun], request: GenerationRequest, schedule: str) -> dict:
+    """Everything needed to show the run again without any model: the report (the headless
+    JSON contract) plus every event of every lane."""
+    from engine.serialize import event_to_dict
+
+    data = report(runs, request, schedule)
+    data["format"] = FORMAT
+    data["format_version"] = 1
+    data["runs"] = [{
+        "spec": {**asdict(run.spec), "sampling": None if run.spec.sampling is None else asdict(run.spec.sampling)},
+        "loaded": run.loaded, "events": [event_to_dict(e) for e in run.events], "prompt_ids": list(run.prompt_ids),
+        "reference_scores": run.reference_scores, "error": run.error,
+    } for run in runs]
+    return data
+
+
+def from_record(data: dict) -> tuple[list[LaneRun], GenerationRequest, str]:
+    from engine.serialize import event_from_dict
+
+    if data.get("format") != FORMAT:
+        raise InvalidRequestError("This file is not a saved comparison of Inference Workbench.")
+    runs = []
+    for item in data["runs"]:
+        spec = dict(item["spec"])
+        spec["sampling"] = None if spec.get("sampling") is None else SamplingParams(**spec["sampling"])
+        runs.append(LaneRun(spec=LaneSpec(**spec), loaded=item["loaded"],
+                            events=[event_from_dict(e) for e in item["events"]], prompt_ids=list(item["prompt_ids"]),
+                            reference_scores=item["reference_scores"], error=item["error"]))
+    return runs, request_from_dict(data["request"]), data["schedule"]
+
+
 def report(runs: Sequence[LaneRun], request: GenerationRequest, schedule: str) -> dict:
     return {
         "prompt": request.prompt,
         "schedule": schedule,
-        "request": {"mode": request.mode, "system_prompt": request.system_prompt,
-                    "max_new_tokens": request.max_new_tokens, "ignore_eos": request.ignore_eos,
-                    "sampling": asdict(request.sampling)},
+        "request": request_to_dict(request),
         "lanes": [lane_report(lane, request, runs[0]) for lane in runs],
         "summary": summary_rows(runs),
         "versions": versions(),

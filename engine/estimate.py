@@ -51,9 +51,11 @@ def count_parameters(config) -> ParameterCount:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    with init_empty_weights():
+    from engine.serial import exclusive
+
+    with exclusive(), init_empty_weights():  # init_empty_weights patches torch for the whole process
         model = AutoModelForCausalLM.from_config(config)
-    model.tie_weights()  # on the meta device transformers leaves tying to the weight loader
+        model.tie_weights()  # on the meta device transformers leaves tying to the weight loader
     linear = rows = layers = 0
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.split(".")[-1] not in _SKIPPED_BY_BNB:

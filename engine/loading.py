@@ -28,6 +28,7 @@ from engine.kv import KVLayout, kv_layout
 from engine.precision import Precision, dtype_bytes, get_precision
 from engine.progress import ProgressReporter, reporting
 from engine.request import GenerationRequest, encode_prompt
+from engine.serial import exclusive
 
 
 @dataclass(frozen=True)
@@ -116,13 +117,23 @@ def load_model(request: LoadRequest, progress: Callable[[LoadProgress], None] | 
     reporter = ProgressReporter(progress, cancel)
     reporter.report("imports", 0, 0, "Importing torch and transformers")
     import torch  # noqa: F401
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
-    from transformers import modeling_utils  # noqa: F401  (lazy: the heavy part of the import)
+    from transformers import AutoModelForCausalLM, modeling_utils  # noqa: F401  (lazy: the heavy part)
 
-    start = time.perf_counter()
     precision = get_precision(request.precision)
     device = resolve_device(request.device)
     precision.check_device(device.type)
+
+    def waiting() -> None:
+        reporter.report("queued", 0, 0, "Waiting for another model to finish loading")
+
+    with exclusive(reporter.cancel, waiting):
+        return _load(request, reporter, precision, device)
+
+
+def _load(request: LoadRequest, reporter: ProgressReporter, precision: Precision, device) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
     resolved = sources.resolve(request.model, reporter, allow_pickle=request.allow_pickle,
                                offline=request.offline)
     reporter.report("config", 0, 0, f"Reading {resolved.name}'s config")

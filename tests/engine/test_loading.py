@@ -173,3 +173,28 @@ def test_generate_after_close_is_refused(tiny_llama):
     loaded.close()
     with pytest.raises(EngineError, match="unloaded"):
         loaded.generate(GenerationRequest("fox", mode="raw"))
+
+
+def test_loads_in_several_threads_at_once_are_all_correct(tiny_models):
+    """transformers' loader changes process-wide state; the engine serializes loads."""
+    import threading
+
+    requests = [LoadRequest(str(tiny_models[arch]), precision, "cpu")
+                for arch, precision in (("llama", "fp32"), ("qwen2", "int8"), ("gemma2", "nf4"), ("gpt2", "bf16"))]
+    expected = [load_model(r).info.weights_bytes for r in requests]
+    results, stages = [None] * len(requests), []
+
+    def load(i):
+        results[i] = load_model(requests[i], progress=lambda e: stages.append(e.stage))
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.info.weights_bytes for r in results] == expected
+    for loaded in results:
+        tokens = [e for e in loaded.generate(GenerationRequest("fox", mode="raw", max_new_tokens=3, ignore_eos=True))
+                  if isinstance(e, TokenGenerated)]
+        assert len(tokens) == 3
+    assert "queued" in stages

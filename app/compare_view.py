@@ -1,0 +1,483 @@
+"""Compare: one prompt through 2–4 lanes side by side, overlaid plots, and a summary of where
+they differ. Runs can be exported (JSON with every event, CSV, a PNG per plot) and reopened
+read-only without loading any model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from PySide6.QtCore import Qt, QTimer, Signal, Slot
+from PySide6.QtWidgets import (
+    QComboBox,
+    QDockWidget,
+    QFileDialog,
+    QHBoxLayout,
+    QLabel,
+    QMainWindow,
+    QPlainTextEdit,
+    QPushButton,
+    QSpinBox,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.frame_budget import FrameBudget
+from app.lane_widget import LaneWidget
+from app.live_plots import ROLLING_WINDOW, PlotPanel
+from engine import compare
+from engine.compare import LaneSpec
+from engine.errors import EngineError
+from engine.request import GenerationRequest
+from engine.sampling import SamplingParams
+from engine.units import binary_unit, format_bytes, format_rate, format_seconds
+
+LADDER = ("fp32", "bf16", "int8", "nf4")
+COLUMNS = (
+    ("lane", "Lane"), ("label", "Configuration"), ("load_s", "Load"), ("weights_bytes", "Weights"),
+    ("peak_memory_bytes", "Peak memory"), ("ttft_s", "TTFT"), ("decode_tokens_per_s", "Decode tok/s"),
+    ("latency_mean_s", "Latency mean"), ("latency_p50_s", "p50"), ("latency_p95_s", "p95"), ("tokens", "Tokens"),
+    ("kv_cache_bytes", "KV cache"), ("token_agreement", "Agreement"), ("first_divergence", "First divergence"),
+    ("mean_abs_logprob_delta", "Mean |Δ logprob|"), ("finish_reason", "Stop"),
+)
+
+
+def cell_text(key: str, value) -> str:
+    if value is None:
+        return "—"
+    if key in ("load_s", "ttft_s", "latency_mean_s", "latency_p50_s", "latency_p95_s"):
+        return format_seconds(value)
+    if key in ("weights_bytes", "peak_memory_bytes", "kv_cache_bytes"):
+        return format_bytes(value)
+    if key == "decode_tokens_per_s":
+        return format_rate(value, "")
+    if key == "token_agreement":
+        return f"{100 * value:.1f}%"
+    if key == "mean_abs_logprob_delta":
+        return f"{value:.4f}"
+    return str(value)
+
+
+class ComparePlots:
+    """The four plots with one curve per lane, in the lane's colour."""
+
+    def __init__(self) -> None:
+        self.speed = PlotPanel("compare-speed", f"Decode speed of each lane (mean of the last {ROLLING_WINDOW} tokens).",
+                               "tokens / s", "token")
+        self.latency = PlotPanel("compare-latency", "Time of each decode step, per lane.", "latency (ms)", "token")
+        self.kv = PlotPanel("compare-kv", "KV-cache bytes held after each token, per lane (measured).",
+                            "KV cache", "token")
+        self.memory = PlotPanel("compare-memory", "Process RSS while each lane generated (in concurrent mode "
+                                "they share one process).", "memory", "time since request (s)")
+        self.panels = {"speed": self.speed, "latency": self.latency, "kv": self.kv, "memory": self.memory}
+        self._curves: dict[tuple[str, int], object] = {}
+
+    def _curve(self, name: str, lane: LaneWidget):
+        key = (name, lane.index)
+        if key not in self._curves:
+            panel = self.panels[name]
+            panel.add_legend(f"lane {lane.index + 1}", lane.colour, "━━")
+            self._curves[key] = panel.plot.plot([], [], pen=_pen_for(lane.colour))
+        return self._curves[key]
+
+    def refresh(self, lanes: list[LaneWidget]) -> None:
+        for panel in self.panels.values():
+            panel.reset_view()
+        top = {"speed": 0.0, "latency": 0.0, "kv": 0.0, "memory": 0.0}
+        longest, longest_time = 0, 0.0
+        kv_unit = binary_unit(max((float(np.nanmax(l.buffer.column("kv_bytes"))) for l in lanes if l.buffer.count),
+                                  default=0.0))
+        mem_unit = binary_unit(max((float(np.nanmax(l.buffer.column("rss"))) for l in lanes if l.buffer.has("rss")),
+                                   default=0.0))
+        for lane in lanes:
+            buffer = lane.buffer
+            x = buffer.index()
+            n = buffer.count
+            if n < 1:
+                for name in self.panels:
+                    self._curve(name, lane).setData([], [])
+                continue
+            rolling = buffer.rolling_tokens_per_s(ROLLING_WINDOW)[1:]
+            latency = buffer.column("latency_s")[1:] * 1000
+            kv = buffer.column("kv_bytes") / kv_unit[0]
+            rss = buffer.column("rss") / mem_unit[0]
+            elapsed = buffer.column("elapsed_s")
+            self._curve("speed", lane).setData(x[1:], rolling, connect="finite")
+            self._curve("latency", lane).setData(x[1:], latency, skipFiniteCheck=True)
+            self._curve("kv", lane).setData(x, kv, skipFiniteCheck=True)
+            self._curve("memory", lane).setData(elapsed, rss, connect="finite")
+            if n > 1:
+                top["speed"] = max(top["speed"], float(np.nanmax(rolling)))
+                top["latency"] = max(top["latency"], float(np.nanmax(latency)))
+            top["kv"] = max(top["kv"], float(np.nanmax(kv)))
+            top["memory"] = max(top["memory"], float(np.nanmax(rss)) if buffer.has("rss") else 0.0)
+            longest, longest_time = max(longest, n), max(longest_time, float(elapsed[-1]))
+        self.kv.set_label("left", f"KV cache ({kv_unit[1]})")
+        self.memory.set_label("left", f"memory ({mem_unit[1]})")
+        for name in ("speed", "latency", "kv"):
+            self.panels[name].fit(longest, top[name], kv_unit[1] if name == "kv" else "")
+        self.memory.fit(longest_time, top["memory"], mem_unit[1])
+
+    def point_counts(self, lane: LaneWidget) -> dict[str, int]:
+        counts = {}
+        for name in self.panels:
+            xs, _ = self._curve(name, lane).getOriginalDataset()
+            counts[name] = 0 if xs is None else len(xs)
+        return counts
+
+
+def _pen_for(colour: str):
+    import pyqtgraph as pg
+
+    return pg.mkPen(colour, width=1)
+
+
+class CompareWindow(QMainWindow):
+    """The Compare view (View → Compare… in the main window)."""
+
+    run_finished = Signal()
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("compareWindow")
+        self.setWindowTitle("Inference Workbench — Compare")
+        self.lanes: list[LaneWidget] = []
+        self.running = False
+        self.read_only = False
+        self.request: GenerationRequest | None = None
+        self.schedule = "fair"
+        self._queue: list[LaneWidget] = []
+        self._scores_pending: set[int] = set()
+        self.summary: list[dict] = []
+
+        self.prompt = QPlainTextEdit()
+        self.prompt.setObjectName("comparePrompt")
+        self.prompt.setPlaceholderText("One prompt for every lane…")
+        self.prompt.setMaximumHeight(70)
+        self.mode = QComboBox()
+        self.mode.addItem("chat", "chat")
+        self.mode.addItem("raw", "raw")
+        self.max_tokens = QSpinBox()
+        self.max_tokens.setRange(1, 100_000)
+        self.max_tokens.setValue(64)
+        self.seed = QSpinBox()
+        self.seed.setRange(0, 2_147_483_647)
+        self.seed.setValue(0)
+        self.seed.setToolTip("The same seed for every lane that samples")
+        self.schedule_box = QComboBox()
+        self.schedule_box.setObjectName("schedule")
+        self.schedule_box.addItem("fair (one lane after another)", "fair")
+        self.schedule_box.addItem("concurrent (all at once: contention)", "concurrent")
+        self.run_button = QPushButton("Run")
+        self.run_button.setObjectName("runButton")
+        self.run_button.clicked.connect(self.run)
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.clicked.connect(self.stop)
+        self.ladder_button = QPushButton("Quantization ladder")
+        self.ladder_button.setToolTip("Lane 1's model at fp32, bf16, int8 and nf4")
+        self.ladder_button.clicked.connect(self.ladder)
+        self.add_button = QPushButton("+ lane")
+        self.add_button.clicked.connect(lambda: self.add_lane())
+        self.remove_button = QPushButton("− lane")
+        self.remove_button.clicked.connect(self.remove_lane)
+        self.export_button = QPushButton("Export…")
+        self.export_button.clicked.connect(lambda: self.export())
+        self.open_button = QPushButton("Open run…")
+        self.open_button.clicked.connect(lambda: self.open_run())
+        self.message = QLabel("")
+        self.message.setWordWrap(True)
+        self.message.setObjectName("compareMessage")
+
+        controls = QHBoxLayout()
+        for label, widget in (("mode", self.mode), ("max tokens", self.max_tokens), ("seed", self.seed),
+                              ("schedule", self.schedule_box)):
+            controls.addWidget(QLabel(label))
+            controls.addWidget(widget)
+        controls.addStretch(1)
+        for button in (self.run_button, self.stop_button, self.ladder_button, self.add_button, self.remove_button,
+                       self.export_button, self.open_button):
+            controls.addWidget(button)
+        self.lane_row = QHBoxLayout()
+        top = QWidget()
+        layout = QVBoxLayout(top)
+        layout.addWidget(self.prompt)
+        layout.addLayout(controls)
+        layout.addWidget(self.message)
+        layout.addLayout(self.lane_row, 1)
+        self.setCentralWidget(top)
+
+        self.plots = ComparePlots()
+        plot_strip = QWidget()
+        strip = QHBoxLayout(plot_strip)
+        for panel in self.plots.panels.values():
+            strip.addWidget(panel)
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setObjectName("summaryTable")
+        self.table.setHorizontalHeaderLabels([title for _, title in COLUMNS])
+        self.table.verticalHeader().hide()
+        self.table.setEditTriggers(QTableWidget.NoEditTriggers)
+        docks = []
+        for title, widget in (("Plots", plot_strip), ("Summary", self.table)):
+            dock = QDockWidget(title, self)
+            dock.setObjectName(f"compare_dock_{title.lower()}")
+            dock.setWidget(widget)
+            self.addDockWidget(Qt.BottomDockWidgetArea, dock)
+            docks.append(dock)
+        self.splitDockWidget(docks[0], docks[1], Qt.Vertical)
+
+        self.timer = QTimer(self)
+        self.timer.setInterval(50)
+        self.timer.timeout.connect(self._on_tick)
+        self.budget = FrameBudget(0.02)
+        for _ in range(2):
+            self.add_lane()
+        self.resize(1500, 950)
+        self._update_state()
+
+    # -- lanes -------------------------------------------------------------------------
+    def add_lane(self, spec: LaneSpec | None = None) -> LaneWidget | None:
+        if len(self.lanes) >= 4 or self.running or self.read_only:
+            return None
+        lane = LaneWidget(len(self.lanes), self)
+        if spec is not None:
+            lane.configure(spec)
+        elif self.lanes:
+            lane.configure(self.lanes[0].spec())
+        lane.finished.connect(self._on_lane_finished)
+        lane.session.scored.connect(lambda ids, scores, lane=lane: self._on_scored(lane, ids, scores))
+        lane.state_changed.connect(self._update_state)
+        self.lanes.append(lane)
+        self.lane_row.addWidget(lane, 1)
+        self._update_state()
+        return lane
+
+    def remove_lane(self) -> None:
+        if len(self.lanes) <= 2 or self.running or self.read_only:
+            return
+        lane = self.lanes.pop()
+        lane.shutdown()
+        lane.setParent(None)
+        lane.deleteLater()
+        self._update_state()
+
+    def ladder(self) -> None:
+        """Fill four lanes with lane 1's model at fp32, bf16, int8 and nf4."""
+        if self.running or self.read_only:
+            return
+        base = self.lanes[0].spec()
+        while len(self.lanes) < len(LADDER):
+            self.add_lane()
+        for lane, precision in zip(self.lanes, LADDER):
+            lane.configure(LaneSpec(base.model, precision, base.device, base.sampling))
+
+    # -- running -----------------------------------------------------------------------
+    def _request(self) -> GenerationRequest:
+        return GenerationRequest(prompt=self.prompt.toPlainText(), mode=self.mode.currentData(),
+                                 max_new_tokens=self.max_tokens.value(),
+                                 sampling=SamplingParams(seed=self.seed.value())).validated()
+
+    def run(self) -> None:
+        if self.running or self.read_only:
+            return
+        try:
+            request = self._request()
+        except EngineError as exc:
+            self.show_message(str(exc), error=True)
+            return
+        missing = [lane for lane in self.lanes if lane.loaded is None]
+        if missing:
+            for lane in missing:
+                lane.load()
+            self.show_message("Load every lane first: loading the missing ones (press Run again when they are ready).")
+            return
+        self.request = request
+        self.schedule = self.schedule_box.currentData()
+        self.summary = []
+        self.table.setRowCount(0)
+        self.running = True
+        self.show_message("")
+        self.budget.reset()
+        self.timer.start()
+        if self.schedule == "fair":
+            self._queue = list(self.lanes[1:])
+            self.lanes[0].start(request)
+        else:
+            self._queue = []
+            for lane in self.lanes:
+                lane.start(request)
+        self._update_state()
+
+    def stop(self) -> None:
+        self._queue = []
+        for lane in self.lanes:
+            if lane.generating:
+                lane.stop()
+
+    @Slot(object)
+    def _on_lane_finished(self, lane: LaneWidget) -> None:
+        if not self.running:
+            return
+        if self._queue:
+            self._queue.pop(0).start(self.request)
+            return
+        if any(l.generating for l in self.lanes):
+            return
+        self._score()
+
+    def _score(self) -> None:
+        """Every lane's model scores lane 1's answer (teacher forcing); the summary follows."""
+        reference = self.lanes[0].run.finished
+        if reference is None:
+            self._finish_run()
+            return
+        self._scores_pending = {lane.index for lane in self.lanes if lane.loaded is not None}
+        for lane in self.lanes:
+            if lane.loaded is not None:
+                lane.session.score_requested.emit(self.request, list(reference.token_ids))
+        if not self._scores_pending:
+            self._finish_run()
+
+    def _on_scored(self, lane: LaneWidget, prompt_ids, scores) -> None:
+        lane.run.prompt_ids = list(prompt_ids)
+        lane.run.reference_scores = scores
+        self._scores_pending.discard(lane.index)
+        if not self._scores_pending and self.running:
+            self._finish_run()
+
+    def _finish_run(self) -> None:
+        self.running = False
+        self.timer.stop()
+        self._redraw()
+        self._show_summary()
+        self._update_state()
+        self.run_finished.emit()
+
+    def _show_summary(self) -> None:
+        runs = [lane.run for lane in self.lanes]
+        self.summary = compare.summary_rows(runs)
+        self.table.setRowCount(len(self.summary))
+        for row, values in enumerate(self.summary):
+            for column, (key, _) in enumerate(COLUMNS):
+                item = QTableWidgetItem(cell_text(key, values[key]))
+                if key == "label":
+                    item.setForeground(_colour(self.lanes[row].colour))
+                self.table.setItem(row, column, item)
+        self.table.resizeColumnsToContents()
+        reference = runs[0].finished
+        for lane, values in zip(self.lanes, self.summary):
+            same_tokens = values["token_agreement"] is not None
+            lane.show_divergence(list(reference.token_ids) if reference is not None and same_tokens else None)
+
+    # -- redraw ------------------------------------------------------------------------
+    @Slot()
+    def _on_tick(self) -> None:
+        if self.budget.due():
+            self.budget.begin()
+            self._redraw()
+            QTimer.singleShot(0, self.budget.end)
+
+    def _redraw(self) -> None:
+        for lane in self.lanes:
+            lane.sync()
+        self.plots.refresh(self.lanes)
+
+    # -- export and reopen ---------------------------------------------------------------
+    def record(self) -> dict:
+        if self.request is None:
+            raise EngineError("Nothing to export yet: run a comparison first.")
+        return compare.to_record([lane.run for lane in self.lanes], self.request, self.schedule)
+
+    def export(self, path: str | Path | None = None) -> list[Path]:
+        """``NAME.json`` (settings and every event), ``NAME.csv`` (the summary), ``NAME-PLOT.png``."""
+        if path is None:
+            chosen, _ = QFileDialog.getSaveFileName(self, "Export comparison", "comparison.json", "JSON (*.json)")
+            if not chosen:
+                return []
+            path = chosen
+        target = Path(path).with_suffix(".json")
+        try:
+            data = self.record()
+            target.write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
+            compare.write_csv(target.with_suffix(".csv"), data["summary"])
+            written = [target, target.with_suffix(".csv")]
+            for name, panel in self.plots.panels.items():
+                png = target.with_name(f"{target.stem}-{name}.png")
+                panel.grab().save(str(png))
+                written.append(png)
+        except (OSError, EngineError) as exc:
+            self.show_message(f"Could not export: {exc}", error=True)
+            return []
+        self.show_message(f"Exported {len(written)} files next to {target}.")
+        return written
+
+    def open_run(self, path: str | Path | None = None) -> bool:
+        """Show a saved comparison exactly as it was, read-only, without loading any model."""
+        if path is None:
+            chosen, _ = QFileDialog.getOpenFileName(self, "Open a saved comparison", filter="JSON (*.json)")
+            if not chosen:
+                return False
+            path = chosen
+        try:
+            runs, request, schedule = compare.from_record(json.loads(Path(path).read_text(encoding="utf-8")))
+        except (OSError, ValueError, KeyError, TypeError, EngineError) as exc:
+            self.show_message(f"Could not open {path}: {exc}", error=True)
+            return False
+        if self.running:
+            return False
+        while len(self.lanes) < len(runs):
+            self.add_lane()
+        while len(self.lanes) > len(runs):
+            lane = self.lanes.pop()
+            lane.shutdown()
+            lane.setParent(None)
+        self.read_only = True
+        self.request, self.schedule = request, schedule
+        self.prompt.setPlainText(request.prompt)
+        self.mode.setCurrentIndex(self.mode.findData(request.mode))
+        self.max_tokens.setValue(request.max_new_tokens)
+        self.seed.setValue(request.sampling.seed or 0)
+        self.schedule_box.setCurrentIndex(self.schedule_box.findData(schedule))
+        for lane, run in zip(self.lanes, runs):
+            lane.show_saved(run)
+        self._redraw()
+        self._show_summary()
+        self.setWindowTitle(f"Inference Workbench — Compare — {Path(path).name} (saved run, read-only)")
+        self.show_message(f"Showing the saved run {path} (read-only: no model is loaded).")
+        self._update_state()
+        return True
+
+    # -- state -------------------------------------------------------------------------
+    def show_message(self, text: str, error: bool = False) -> None:
+        self.message.setText(text)
+        self.message.setStyleSheet("color: #c0392b;" if error else "")
+
+    def _update_state(self) -> None:
+        idle = not self.running and not self.read_only
+        busy_lanes = any(lane.loading or lane.generating for lane in self.lanes)
+        self.run_button.setEnabled(idle and not busy_lanes)
+        self.stop_button.setEnabled(self.running)
+        for widget in (self.ladder_button, self.add_button, self.remove_button, self.prompt, self.mode,
+                       self.max_tokens, self.seed, self.schedule_box):
+            widget.setEnabled(idle)
+        self.add_button.setEnabled(idle and len(self.lanes) < 4)
+        self.remove_button.setEnabled(idle and len(self.lanes) > 2)
+        self.export_button.setEnabled(not self.running and self.request is not None)
+        self.open_button.setEnabled(not self.running)
+
+    def shutdown(self) -> bool:
+        self.timer.stop()
+        return all([lane.shutdown() for lane in self.lanes])
+
+    def closeEvent(self, event) -> None:
+        self.stop()
+        self.shutdown()
+        super().closeEvent(event)
+
+
+def _colour(name: str):
+    from PySide6.QtGui import QBrush, QColor
+
+    return QBrush(QColor(name))

@@ -1,0 +1,323 @@
+"""One lane of a comparison: a full configuration (model × precision × device × sampling),
+its own worker thread, its live answer and metrics."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from PySide6.QtCore import Qt, Signal, Slot
+from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.model_panel import _compact
+from app.run_buffer import RunBuffer
+from app.worker import ModelSession
+from engine.compare import LaneRun, LaneSpec
+from engine.events import Finished, Loaded, Prefilled, TokenGenerated
+from engine.loading import LoadRequest
+from engine.precision import PRECISIONS
+from engine.request import GenerationRequest
+from engine.sampling import SamplingParams
+from engine.units import format_bytes, format_rate, format_seconds
+
+LANE_COLOURS = ("#2d7dd2", "#e67e22", "#27ae60", "#8e44ad")
+DIFFERENT = QColor(231, 76, 60, 90)  # a token unlike lane 1's at the same position
+AFTER = QColor(241, 196, 15, 45)  # after the first divergence the answers are on different paths
+
+
+class LaneWidget(QFrame):
+    finished = Signal(object)  # the lane, when its generation ended (well or not)
+    state_changed = Signal()
+
+    def __init__(self, index: int, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setFrameShape(QFrame.StyledPanel)
+        self.setObjectName(f"lane{index + 1}")
+        self.index = index
+        self.colour = LANE_COLOURS[index % len(LANE_COLOURS)]
+        self.session = ModelSession(f"lane{index + 1}", self)
+        self.buffer = RunBuffer()
+        self.run = LaneRun(LaneSpec())
+        self.loaded: Loaded | None = None
+        self.loading = self.generating = False
+        self.read_only = False
+        self._rendered = 0  # tokens already in the output view
+
+        title = QLabel(f"<b style='color:{self.colour}'>■ Lane {index + 1}</b>" + (" (reference)" if index == 0 else ""))
+        self.source = QComboBox()
+        self.source.setEditable(True)
+        self.source.setObjectName("laneSource")
+        self.source.addItem("default (SmolLM2-135M-Instruct)", "default")
+        self.precision = QComboBox()
+        for name in PRECISIONS:
+            self.precision.addItem(name, name)
+        self.device = QComboBox()
+        for device in ("auto", "cpu"):
+            self.device.addItem(device, device)
+        for combo in (self.source, self.precision, self.device):
+            _compact(combo)
+        self.greedy = QCheckBox("greedy")
+        self.greedy.setChecked(True)
+        self.temperature = QDoubleSpinBox()
+        self.temperature.setRange(0.01, 5.0)
+        self.temperature.setSingleStep(0.05)
+        self.temperature.setValue(0.7)
+        self.greedy.toggled.connect(lambda on: self.temperature.setEnabled(not on))
+        self.temperature.setEnabled(False)
+        self.load_button = QPushButton("Load")
+        self.load_button.clicked.connect(lambda: self.load())
+        self.unload_button = QPushButton("Unload")
+        self.unload_button.clicked.connect(self.unload)
+        self.status = QLabel("not loaded")
+        self.status.setWordWrap(True)
+        self.status.setObjectName("laneStatus")
+        self.insist_button = QPushButton("Load anyway")
+        self.insist_button.setObjectName("insistButton")
+        self.insist_button.clicked.connect(lambda: self.load(insist=True))
+        self.insist_button.hide()
+        self.output = QPlainTextEdit()
+        self.output.setReadOnly(True)
+        self.output.setObjectName("laneOutput")
+        self.metrics = QLabel("")
+        self.metrics.setObjectName("laneMetrics")
+
+        form = QFormLayout()
+        form.addRow("Model", self.source)
+        form.addRow("Precision", self.precision)
+        form.addRow("Device", self.device)
+        sampling = QHBoxLayout()
+        sampling.addWidget(self.greedy)
+        sampling.addWidget(QLabel("temperature"))
+        sampling.addWidget(self.temperature)
+        form.addRow("Sampling", sampling)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.load_button)
+        buttons.addWidget(self.unload_button)
+        buttons.addWidget(self.insist_button)
+        layout = QVBoxLayout(self)
+        layout.addWidget(title)
+        layout.addLayout(form)
+        layout.addLayout(buttons)
+        layout.addWidget(self.status)
+        layout.addWidget(self.output, 1)
+        layout.addWidget(self.metrics)
+
+        s = self.session
+        s.predicted.connect(self._on_predicted)
+        s.load_progressed.connect(lambda e: self.status.setText(f"{e.stage}: {e.message}"))
+        s.loaded.connect(self._on_loaded)
+        s.load_failed.connect(self._on_load_failed)
+        s.unloaded.connect(self._on_unloaded)
+        s.prefilled.connect(self._on_prefilled)
+        s.tokens_generated.connect(self._on_tokens)
+        s.generation_finished.connect(self._on_finished)
+        s.generation_failed.connect(self._on_failed)
+        self._update_state()
+
+    # -- configuration ---------------------------------------------------------------
+    def spec(self) -> LaneSpec:
+        index, text = self.source.currentIndex(), self.source.currentText().strip()
+        model = self.source.itemData(index) if index >= 0 and self.source.itemText(index) == text else text
+        sampling = None if self.greedy.isChecked() else SamplingParams(temperature=self.temperature.value())
+        return LaneSpec(model=model or "default", precision=self.precision.currentData(),
+                        device=self.device.currentData(), sampling=sampling)
+
+    def configure(self, spec: LaneSpec) -> None:
+        index = self.source.findData(spec.model)
+        if index < 0:
+            self.source.addItem(spec.model, spec.model)
+            index = self.source.count() - 1
+        self.source.setCurrentIndex(index)
+        self.precision.setCurrentIndex(self.precision.findData(spec.precision))
+        if self.device.findData(spec.device) < 0:
+            self.device.addItem(spec.device, spec.device)
+        self.device.setCurrentIndex(self.device.findData(spec.device))
+        self.greedy.setChecked(spec.sampling is None or spec.sampling.greedy)
+        if spec.sampling is not None and not spec.sampling.greedy:
+            self.temperature.setValue(spec.sampling.temperature)
+
+    # -- loading, with the memory guard ------------------------------------------------
+    def load(self, insist: bool = False) -> None:
+        if self.loading or self.generating or self.read_only:
+            return
+        spec = self.spec()
+        request = LoadRequest(spec.model, spec.precision, spec.device)
+        self.loading = True
+        self.insist_button.hide()
+        self._update_state()
+        if insist:
+            self._start_load(request)
+        else:
+            self.status.setText("Predicting memory…")
+            self.session.predict_requested.emit(request)
+
+    def _start_load(self, request: LoadRequest) -> None:
+        self.status.setText("Loading…")
+        self.session.load(request)
+
+    @Slot(object, object)
+    def _on_predicted(self, request, prediction) -> None:
+        if prediction is not None and prediction.fits is False:
+            self.loading = False
+            self.status.setText(
+                f"Needs about {format_bytes(prediction.total_bytes)} (weights {format_bytes(prediction.weights_bytes)}"
+                f" + KV for {prediction.context_tokens} tokens) but {format_bytes(prediction.available_bytes)} "
+                "is free: loading could swap or fail.")
+            self.insist_button.show()
+            self._update_state()
+            return
+        self._start_load(request)
+
+    @Slot(object)
+    def _on_loaded(self, info: Loaded) -> None:
+        self.loading = False
+        self.loaded = info
+        self.status.setText(f"{info.name} · {info.precision} on {info.device} · weights "
+                            f"{format_bytes(info.weights_bytes)} · loaded in {format_seconds(info.load_s)}")
+        self._update_state()
+
+    @Slot(object)
+    def _on_load_failed(self, exc) -> None:
+        self.loading = False
+        self.loaded = None
+        self.status.setText(f"Could not load: {exc}")
+        self._update_state()
+
+    def unload(self) -> None:
+        if not self.loading and not self.generating and self.loaded is not None:
+            self.session.unload()
+
+    @Slot()
+    def _on_unloaded(self) -> None:
+        self.loaded = None
+        self.status.setText("unloaded")
+        self._update_state()
+
+    # -- generating --------------------------------------------------------------------
+    def start(self, request: GenerationRequest) -> None:
+        spec = self.spec()
+        if spec.sampling is not None:
+            request = replace(request, sampling=replace(spec.sampling, seed=request.sampling.seed))
+        self.run = LaneRun(spec, loaded=_asdict(self.loaded))
+        self.buffer.reset(self.loaded.weights_bytes if self.loaded else None)
+        self.output.clear()
+        self.metrics.setText("")
+        self._rendered = 0
+        self.generating = True
+        self._update_state()
+        self.session.generate(request)
+
+    def stop(self) -> None:
+        self.session.stop()
+
+    @Slot(object)
+    def _on_prefilled(self, event: Prefilled) -> None:
+        self.run.events.append(event)
+        self.buffer.prefilled = event
+
+    @Slot(object)
+    def _on_tokens(self, events) -> None:
+        self.run.events.extend(events)
+        self.buffer.extend(events)
+
+    @Slot(object)
+    def _on_finished(self, event: Finished) -> None:
+        self.run.events.append(event)
+        self.buffer.finished = event
+        self.buffer.version += 1
+        self._end()
+
+    @Slot(object)
+    def _on_failed(self, exc) -> None:
+        self.run.error = str(exc) or type(exc).__name__
+        self.status.setText(f"Failed: {self.run.error}")
+        self._end()
+
+    def _end(self) -> None:
+        self.generating = False
+        self.sync()
+        self._update_state()
+        self.finished.emit(self)
+
+    def sync(self) -> None:
+        """Append the text that arrived since the last call, and refresh the metrics line."""
+        tokens = self.run.tokens
+        rendered = self._rendered
+        if len(tokens) > rendered:
+            cursor = QTextCursor(self.output.document())
+            cursor.movePosition(QTextCursor.End)
+            cursor.insertText("".join(t.text for t in tokens[rendered:] if not t.special))
+            self._rendered = len(tokens)
+            self.output.verticalScrollBar().setValue(self.output.verticalScrollBar().maximum())
+        done = self.run.finished
+        ttft = tokens[0].latency_s if tokens else None
+        rate = done.decode_tokens_per_s if done else self.buffer.decode_tokens_per_s()
+        self.metrics.setText(f"TTFT {format_seconds(ttft)} · {format_rate(rate)} · {len(tokens)} tokens"
+                             + (f" · stopped: {done.reason}" if done else ""))
+
+    def show_divergence(self, reference: list[int] | None) -> None:
+        """Re-render the answer, tinting tokens unlike lane 1's and everything after the first difference."""
+        self.output.clear()
+        cursor = QTextCursor(self.output.document())
+        first = None
+        for i, token in enumerate(self.run.tokens):
+            if token.special:
+                continue
+            fmt = QTextCharFormat()
+            if reference is not None:
+                differs = i >= len(reference) or reference[i] != token.token_id
+                if differs and first is None:
+                    first = i
+                if differs:
+                    fmt.setBackground(DIFFERENT)
+                elif first is not None:
+                    fmt.setBackground(AFTER)
+            cursor.insertText(token.text, fmt)
+        self._rendered = len(self.run.tokens)
+
+    def _update_state(self) -> None:
+        busy = self.loading or self.generating or self.read_only
+        for widget in (self.source, self.precision, self.device, self.greedy, self.load_button):
+            widget.setEnabled(not busy)
+        self.temperature.setEnabled(not busy and not self.greedy.isChecked())
+        self.unload_button.setEnabled(not busy and self.loaded is not None)
+        self.state_changed.emit()
+
+    # -- a saved run -------------------------------------------------------------------
+    def show_saved(self, run: LaneRun) -> None:
+        """Show a lane of a saved comparison, read-only, with no model behind it."""
+        self.read_only = True
+        self.configure(run.spec)
+        self.run = run
+        info = run.loaded or {}
+        self.loaded = None
+        self.buffer.reset(info.get("weights_bytes"))
+        self.buffer.extend(run.tokens)
+        self.buffer.finished = run.finished
+        self.status.setText(f"saved run · {info.get('name', run.spec.model)} · {run.spec.precision} on "
+                            f"{info.get('device', run.spec.device)}" + (f" · error: {run.error}" if run.error else ""))
+        self.output.clear()
+        self._rendered = 0
+        self.sync()
+        self._update_state()
+
+    def shutdown(self) -> bool:
+        return self.session.shutdown()
+
+
+def _asdict(info: Loaded | None) -> dict | None:
+    from dataclasses import asdict
+
+    return None if info is None else asdict(info)

@@ -1,0 +1,138 @@
+import json
+
+import pytest
+from PySide6.QtCore import QTimer
+
+from app.compare_view import COLUMNS, CompareWindow
+from engine.compare import LaneSpec
+
+
+@pytest.fixture
+def compare(qtbot, _no_dangling_threads_or_timers):
+    from app.main import create_app
+
+    create_app([])
+    window = CompareWindow()
+    qtbot.addWidget(window)
+    window.show()
+    yield window
+    window.close()
+
+
+def configure(compare, specs):
+    while len(compare.lanes) < len(specs):
+        compare.add_lane()
+    for lane, spec in zip(compare.lanes, specs):
+        lane.configure(spec)
+
+
+def load_all(qtbot, compare):
+    for lane in compare.lanes:
+        lane.load()
+    qtbot.waitUntil(lambda: all(lane.loaded is not None for lane in compare.lanes), timeout=120_000)
+
+
+def run(qtbot, compare, prompt="The quick brown fox", tokens=10, schedule="fair"):
+    compare.prompt.setPlainText(prompt)
+    compare.mode.setCurrentIndex(compare.mode.findData("raw"))
+    compare.max_tokens.setValue(tokens)
+    compare.schedule_box.setCurrentIndex(compare.schedule_box.findData(schedule))
+    with qtbot.waitSignal(compare.run_finished, timeout=120_000):
+        compare.run_button.click()
+
+
+def table_text(compare):
+    return [[compare.table.item(r, c).text() for c in range(compare.table.columnCount())]
+            for r in range(compare.table.rowCount())]
+
+
+@pytest.mark.parametrize("schedule", ["fair", "concurrent"])
+def test_identical_lanes_agree_completely(qtbot, compare, tiny_llama, schedule):
+    configure(compare, [LaneSpec(str(tiny_llama), "fp32", "cpu")] * 3)
+    load_all(qtbot, compare)
+    run(qtbot, compare, schedule=schedule)
+    assert [row["token_agreement"] for row in compare.summary] == [1.0, 1.0, 1.0]
+    assert [row["first_divergence"] for row in compare.summary] == [None, None, None]
+    assert [row["mean_abs_logprob_delta"] for row in compare.summary] == [0.0, 0.0, 0.0]
+    agreement = [title for _, title in COLUMNS].index("Agreement")
+    assert [row[agreement] for row in table_text(compare)] == ["100.0%"] * 3
+    for lane in compare.lanes:
+        assert lane.run.finished.tokens == 10
+        assert compare.plots.point_counts(lane)["kv"] == 10
+        assert lane.output.toPlainText() == compare.lanes[0].output.toPlainText()
+
+
+def test_divergent_lane_is_highlighted(qtbot, compare, tiny_llama):
+    configure(compare, [LaneSpec(str(tiny_llama), "fp32", "cpu"), LaneSpec(str(tiny_llama), "nf4", "cpu")])
+    load_all(qtbot, compare)
+    run(qtbot, compare, tokens=16)
+    row = compare.summary[1]
+    assert row["mean_abs_logprob_delta"] > 0
+    if row["first_divergence"] is not None:
+        from PySide6.QtGui import QTextCursor
+
+        doc = compare.lanes[1].output.document()
+        cursor = QTextCursor(doc)
+        cursor.setPosition(doc.characterCount() - 1)
+        assert cursor.charFormat().background().color().alpha() > 0
+
+
+def test_export_and_reopen_shows_the_run_exactly(qtbot, compare, tiny_llama, tmp_path):
+    configure(compare, [LaneSpec(str(tiny_llama), "fp32", "cpu"), LaneSpec(str(tiny_llama), "bf16", "cpu")])
+    load_all(qtbot, compare)
+    run(qtbot, compare)
+    written = compare.export(tmp_path / "run.json")
+    assert sorted(p.name for p in written) == ["run-kv.png", "run-latency.png", "run-memory.png", "run-speed.png",
+                                               "run.csv", "run.json"]
+    original = json.loads((tmp_path / "run.json").read_text())
+    shown = (table_text(compare), [lane.output.toPlainText() for lane in compare.lanes])
+
+    again = CompareWindow()
+    qtbot.addWidget(again)
+    try:
+        assert again.open_run(tmp_path / "run.json")
+        assert all(lane.loaded is None for lane in again.lanes)  # no model behind a saved run
+        assert (table_text(again), [lane.output.toPlainText() for lane in again.lanes]) == shown
+        assert json.loads(json.dumps(again.record())) == original  # saving it again gives the same file
+        assert not again.run_button.isEnabled()
+        assert [again.plots.point_counts(lane) for lane in again.lanes] == \
+               [compare.plots.point_counts(lane) for lane in compare.lanes]
+    finally:
+        again.close()
+
+
+def test_open_run_rejects_other_files(qtbot, compare, tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"hello": 1}')
+    assert not compare.open_run(bad)
+    assert "not a saved comparison" in compare.message.text()
+    assert compare.run_button.isEnabled()
+
+
+def test_quantization_ladder(compare, tiny_llama):
+    compare.lanes[0].configure(LaneSpec(str(tiny_llama), "bf16", "cpu"))
+    compare.ladder()
+    assert [lane.spec().precision for lane in compare.lanes] == ["fp32", "bf16", "int8", "nf4"]
+    assert {lane.spec().model for lane in compare.lanes} == {str(tiny_llama)}
+
+
+def test_memory_guard_asks_before_loading(qtbot, compare, tiny_llama, monkeypatch):
+    import engine.estimate
+
+    monkeypatch.setattr(engine.estimate, "available_bytes", lambda device: 1024)
+    lane = compare.lanes[0]
+    lane.configure(LaneSpec(str(tiny_llama), "fp32", "cpu"))
+    lane.load()
+    qtbot.waitUntil(lambda: lane.insist_button.isVisible(), timeout=60_000)
+    assert "is free" in lane.status.text() and lane.loaded is None
+    lane.insist_button.click()
+    qtbot.waitUntil(lambda: lane.loaded is not None, timeout=60_000)
+    lane.unload()
+    qtbot.waitUntil(lambda: lane.loaded is None, timeout=60_000)
+
+
+def test_main_window_opens_compare_with_its_model(qtbot, window, tiny_llama):
+    window.model_panel.set_source(str(tiny_llama))
+    compare = window.open_compare()
+    assert compare.lanes[0].spec().model == str(tiny_llama)
+    assert compare.isVisible()
