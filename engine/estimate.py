@@ -53,8 +53,9 @@ def count_parameters(config) -> ParameterCount:
 
     from engine.serial import exclusive
 
-    with exclusive(), init_empty_weights():  # init_empty_weights patches torch for the whole process
-        model = AutoModelForCausalLM.from_config(config)
+    with exclusive():  # init_empty_weights patches torch for the whole process
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config)
         model.tie_weights()  # on the meta device transformers leaves tying to the weight loader
     linear = rows = layers = 0
     for name, module in model.named_modules():
