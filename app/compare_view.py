@@ -38,7 +38,7 @@ from engine.units import binary_unit, format_bytes, format_rate, format_seconds
 LADDER = ("fp32", "bf16", "int8", "nf4")
 COLUMNS = (
     ("lane", "Lane"), ("label", "Configuration"), ("load_s", "Load"), ("weights_bytes", "Weights"),
-    ("peak_memory_bytes", "Peak memory"), ("ttft_s", "TTFT"), ("decode_tokens_per_s", "Decode tok/s"),
+    ("peak_memory_bytes", "Peak memory (process)"), ("ttft_s", "TTFT"), ("decode_tokens_per_s", "Decode tok/s"),
     ("latency_mean_s", "Latency mean"), ("latency_p50_s", "p50"), ("latency_p95_s", "p95"), ("tokens", "Tokens"),
     ("kv_cache_bytes", "KV cache"), ("token_agreement", "Agreement"), ("first_divergence", "First divergence"),
     ("mean_abs_logprob_delta", "Mean |Δ logprob|"), ("finish_reason", "Stop"),

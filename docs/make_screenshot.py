@@ -1,6 +1,7 @@
 """Render the window after a real generation on the default model to docs/screenshot.png.
 
     python docs/make_screenshot.py [--out docs/screenshot.png] [--show-tokens]
+    python docs/make_screenshot.py --compare [--out docs/compare.png]   # the quantization ladder
 
 Runs offscreen (no display needed) on a virtual 1920×1080 screen, with its own settings
 file so your saved layout doesn't leak in.
@@ -24,7 +25,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "screenshot.png")
     parser.add_argument("--show-tokens", action="store_true", help="render the answer as token chips")
     parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--compare", action="store_true",
+                        help="the Compare window after a quantization ladder (fp32/bf16/int8/nf4) run")
     args = parser.parse_args()
+    if args.compare and args.out == ROOT / "docs" / "screenshot.png":
+        args.out = ROOT / "docs" / "compare.png"
 
     scratch = Path(tempfile.mkdtemp(prefix="iw-shot-"))
     if "QT_QPA_PLATFORM" not in os.environ:
@@ -43,6 +48,8 @@ def main() -> int:
     from app.main_window import MainWindow
 
     app = create_app([])
+    if args.compare:
+        return compare_shot(app, args)
     window = MainWindow(settings())
     window.resize(1600, 960)
     window.show()
@@ -73,6 +80,49 @@ def main() -> int:
     window.session.load_failed.connect(on_failed)
     window.session.generation_failed.connect(on_failed)
     QTimer.singleShot(0, window.start)
+    app.exec()
+    if "error" in outcome:
+        print(f"error: {outcome['error']}", file=sys.stderr)
+        return 1
+    print(f"saved {outcome['saved']}")
+    return 0
+
+
+def compare_shot(app, args) -> int:
+    from PySide6.QtCore import QTimer
+
+    from app.compare_view import CompareWindow
+    from engine.compare import LaneSpec
+
+    window = CompareWindow()
+    window.resize(1800, 1050)
+    window.show()
+    window.lanes[0].configure(LaneSpec("default", "fp32", "cpu"))
+    window.ladder()
+    window.prompt.setPlainText("In two sentences: why do language models need so much memory?")
+    window.max_tokens.setValue(48)
+    outcome = {}
+
+    def start_when_loaded() -> None:
+        if any(lane.loading for lane in window.lanes):
+            QTimer.singleShot(200, start_when_loaded)
+        elif any(lane.loaded is None for lane in window.lanes):
+            outcome["error"] = "a lane did not load"
+            app.quit()
+        else:
+            window.run()
+
+    def finish() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        window.grab().save(str(args.out))
+        outcome["saved"] = str(args.out)
+        window.close()
+        app.quit()
+
+    window.run_finished.connect(lambda: QTimer.singleShot(300, finish))
+    for lane in window.lanes:
+        lane.load()
+    QTimer.singleShot(500, start_when_loaded)
     app.exec()
     if "error" in outcome:
         print(f"error: {outcome['error']}", file=sys.stderr)
