@@ -348,6 +348,11 @@ class CompareWindow(QMainWindow):
             self._finish_run()
 
     def _finish_run(self) -> None:
+        from app.main_window import remember
+
+        for lane in self.lanes:
+            if lane.run.finished is not None:
+                remember(lane.loaded, lane.run.finished, "compare")
         self.running = False
         self.timer.stop()
         self._redraw()

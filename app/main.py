@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-CLI_COMMANDS = ("bench", "compare", "models")
+CLI_COMMANDS = ("bench", "compare", "estimate", "hardware", "models")
 
 
 def build_parser() -> argparse.ArgumentParser:

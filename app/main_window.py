@@ -32,6 +32,18 @@ from engine.units import format_bytes, format_rate, format_seconds
 
 log = logging.getLogger(__name__)
 
+
+def remember(info: Loaded | None, finished: Finished, kind: str) -> None:
+    """Add a finished run to the history (for the cost explorer); never let that fail a run."""
+    from engine import history
+
+    if info is None or finished.tokens == 0:
+        return
+    try:
+        history.save(history.record_from(info, finished, kind))
+    except OSError as exc:
+        log.warning("could not save the run to the history: %s", exc)
+
 REFRESH_MS = 50  # the plots and the text redraw at 20 Hz, never per token
 SHUTDOWN_MS = 2000
 DEFAULT_BUDGET = 0.02
@@ -55,6 +67,7 @@ class MainWindow(QMainWindow):
         self.generating = False
         self._error_box: QMessageBox | None = None
         self.compare = None
+        self.costs = None
 
         self.session = ModelSession("main", self)
         self.output = OutputView(self.transcript)
@@ -142,6 +155,7 @@ class MainWindow(QMainWindow):
         view = self.menuBar().addMenu("&View")
         view.addAction(QAction("&Compare models and precisions…", self, shortcut="Ctrl+K",
                                triggered=self.open_compare))
+        view.addAction(QAction("Cost &explorer…", self, shortcut="Ctrl+E", triggered=self.open_costs))
         view.addSeparator()
         self.show_tokens_action = QAction("Show &tokens", self, checkable=True, shortcut="Ctrl+T")
         self.show_tokens_action.toggled.connect(self.output.set_show_tokens)
@@ -181,6 +195,25 @@ class MainWindow(QMainWindow):
         self.compare.show()
         self.compare.raise_()
         return self.compare
+
+    def open_costs(self):
+        """The Cost explorer, showing the model and precision chosen here."""
+        from PySide6.QtWidgets import QApplication
+
+        from app.cost_view import CostWindow
+
+        if self.costs is None:
+            QApplication.setOverrideCursor(Qt.WaitCursor)  # first use measures this machine (a few seconds)
+            try:
+                self.costs = CostWindow()
+            finally:
+                QApplication.restoreOverrideCursor()
+        request = self.model_panel.request()
+        self.costs.set_model(request.model, request.precision)
+        self.costs.reload_history()
+        self.costs.show()
+        self.costs.raise_()
+        return self.costs
 
     def set_redraw_budget(self, budget: float) -> None:
         self.budget.budget = budget
@@ -357,6 +390,7 @@ class MainWindow(QMainWindow):
 
     @Slot(object)
     def _on_generation_finished(self, event: Finished) -> None:
+        remember(self.loaded, event, "single")
         self.transcript.finish(event)
         self.buffer.finished = event
         self.buffer.version += 1
@@ -421,8 +455,9 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event) -> None:
         self.save_settings()
         self.timer.stop()
-        if self.compare is not None:
-            self.compare.close()
+        for window in (self.compare, self.costs):
+            if window is not None:
+                window.close()
         if not self.session.shutdown(SHUTDOWN_MS):
             # The worker is inside a step that can't be interrupted (e.g. converting a GGUF
             # tokenizer). Leave now rather than hang or abort on a running QThread.

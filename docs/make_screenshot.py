@@ -2,6 +2,7 @@
 
     python docs/make_screenshot.py [--out docs/screenshot.png] [--show-tokens]
     python docs/make_screenshot.py --compare [--out docs/compare.png]   # the quantization ladder
+    python docs/make_screenshot.py --costs [--out docs/costs.png]       # the cost explorer
 
 Runs offscreen (no display needed) on a virtual 1920×1080 screen, with its own settings
 file so your saved layout doesn't leak in.
@@ -27,9 +28,10 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--compare", action="store_true",
                         help="the Compare window after a quantization ladder (fp32/bf16/int8/nf4) run")
+    parser.add_argument("--costs", action="store_true", help="the Cost explorer: Llama-3.1-8B on an H100")
     args = parser.parse_args()
-    if args.compare and args.out == ROOT / "docs" / "screenshot.png":
-        args.out = ROOT / "docs" / "compare.png"
+    if args.out == ROOT / "docs" / "screenshot.png" and (args.compare or args.costs):
+        args.out = ROOT / "docs" / ("compare.png" if args.compare else "costs.png")
 
     scratch = Path(tempfile.mkdtemp(prefix="iw-shot-"))
     if "QT_QPA_PLATFORM" not in os.environ:
@@ -50,6 +52,8 @@ def main() -> int:
     app = create_app([])
     if args.compare:
         return compare_shot(app, args)
+    if args.costs:
+        return costs_shot(app, args)
     window = MainWindow(settings())
     window.resize(1600, 960)
     window.show()
@@ -85,6 +89,33 @@ def main() -> int:
         print(f"error: {outcome['error']}", file=sys.stderr)
         return 1
     print(f"saved {outcome['saved']}")
+    return 0
+
+
+def costs_shot(app, args) -> int:
+    from PySide6.QtCore import QTimer
+
+    from app.cost_view import BATCHES, CONTEXTS, CostWindow
+
+    window = CostWindow()
+    window.resize(1700, 1000)
+    window.show()
+    window.set_model("meta-llama/Llama-3.1-8B", "bf16")
+    window.hardware.setCurrentIndex(window.hardware.findData("h100-sxm"))
+    window.context.setValue(CONTEXTS.index(128))
+    window.batch.setValue(BATCHES.index(64))
+    window.training.setText("15e12")
+
+    def finish() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        window.grab().save(str(args.out))
+        window.close()
+        app.quit()
+
+    window.updated.connect(lambda: QTimer.singleShot(300, finish))
+    window.schedule_update()
+    app.exec()
+    print(f"saved {args.out}")
     return 0
 
 

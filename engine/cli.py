@@ -76,6 +76,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_request_args(compare)
     compare.add_argument("--csv", type=Path, help="write the summary table here")
 
+    estimate = sub.add_parser("estimate", help="predict memory, the speed ceiling and $ per 1M tokens")
+    estimate.add_argument("--model", default="default",
+                          help="a shipped config (e.g. meta-llama/Llama-3.1-8B), a folder, a hub id or 'default'")
+    estimate.add_argument("--precision", default="bf16", help="fp32, bf16, fp16, int8, nf4, fp4, q8_0, q4_k, q4_1…")
+    estimate.add_argument("--kv-dtype", default="bf16", help="fp32, bf16, fp16, fp8, int8, int4")
+    estimate.add_argument("--context", type=int, default=4096, help="tokens in the KV cache per sequence")
+    estimate.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    estimate.add_argument("--hardware", default="this-machine", help="a profile id (inference-workbench hardware)")
+    estimate.add_argument("--training-tokens", type=float, help="tokens the model was trained on, e.g. 15e12")
+    estimate.add_argument("--json", type=Path, help="write the estimate here")
+
+    hardware = sub.add_parser("hardware", help="list the hardware profiles (this machine measured once)")
+    hardware.add_argument("--json", action="store_true", help="print JSON")
+    hardware.add_argument("--measure", action="store_true", help="measure this machine again")
+
     sub.add_parser("models", help="list the default model and models in the Hugging Face cache")
     return parser
 
@@ -246,6 +261,69 @@ def summary(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _estimate(args) -> int:
+    from engine import costs, hardware
+    from engine.estimate import config_for
+
+    config = config_for(args.model)
+    if config is None:
+        raise InvalidRequestError(
+            f"No config for {args.model!r} on this machine: use a shipped one "
+            f"({', '.join(_shipped())}), a model folder, or a hub id in the Hugging Face cache.")
+    result = costs.estimate(config, hardware.get(args.hardware), args.precision, args.kv_dtype, args.context,
+                            args.batch, args.training_tokens, model=args.model)
+    data = result.to_dict()
+    print(estimate_summary(result, hardware.get(args.hardware)))
+    if args.json is not None:
+        _write_json(args.json, data)
+    return 0
+
+
+def _shipped() -> list[str]:
+    from engine.estimate import shipped_models
+
+    return shipped_models()
+
+
+def estimate_summary(e, hw) -> str:
+    ridge = ("never at this context: each sequence's KV reads grow as fast as its compute"
+             if e.ridge_batch is None else f"compute-bound from batch {e.ridge_batch:,.0f}")
+    lines = [
+        f"model      {e.model}: {format_count(e.parameters)} parameters",
+        f"hardware   {hw.name}: {format_bytes(hw.memory_bytes)}, {hw.bandwidth_bytes_per_s / 1e9:.0f} GB/s, "
+        f"{hw.bf16_flops / 1e12:.1f} TFLOP/s bf16",
+        f"memory     weights {format_bytes(e.weights_bytes)} ({e.precision}) + KV {format_bytes(e.kv_bytes_total)} "
+        f"({e.batch} × {e.context} tokens × {format_bytes(e.kv_bytes_per_token)}/token, {e.kv_dtype}) + activations "
+        f"{format_bytes(e.activation_bytes)} = {format_bytes(e.total_bytes)} → {'fits' if e.fits else 'does NOT fit'}",
+        f"decode     ceiling {e.decode_tokens_per_s_ceiling:,.1f} tok/s in all ({e.per_request_tokens_per_s:,.1f} per request), "
+        f"{e.bound}-bound; {ridge}",
+        f"prefill    {e.context} tokens ≈ {format_seconds(e.prefill_s)} at peak FLOP/s",
+    ]
+    if e.usd_per_million_tokens is not None:
+        lines.append(f"money      ${e.usd_per_million_tokens:,.3f} per 1M output tokens at ${hw.usd_per_hour}/h"
+                     + (f"; {e.wh_per_million_tokens:,.0f} Wh per 1M tokens at {hw.watts:.0f} W"
+                        if e.wh_per_million_tokens else ""))
+    if e.training_breakeven_tokens:
+        lines.append(f"training   {e.training_flops:.2e} FLOPs; serving matches it after "
+                     f"{e.training_breakeven_tokens:.2e} generated tokens")
+    return "\n".join(lines)
+
+
+def _hardware(args) -> int:
+    from engine import hardware
+
+    found = hardware.profiles(measure=args.measure)
+    if args.json:
+        print(json.dumps([p.to_dict() for p in found], indent=2))
+        return 0
+    for p in found:
+        price = "—" if p.usd_per_hour is None else f"${p.usd_per_hour:.2f}/h"
+        watts = "—" if p.watts is None else f"{p.watts:.0f} W"
+        print(f"{p.id:<14} {p.name:<48} {format_bytes(p.memory_bytes):>10} {p.bandwidth_bytes_per_s / 1e9:8.1f} GB/s "
+              f"{p.bf16_flops / 1e12:8.2f} TFLOP/s {price:>9} {watts:>7}")
+    return 0
+
+
 def _models(args) -> int:
     from engine.sources import list_models
 
@@ -268,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
             return _bench(args)
         if args.command == "compare":
             return _compare(args)
+        if args.command == "estimate":
+            return _estimate(args)
+        if args.command == "hardware":
+            return _hardware(args)
         return _models(args)
     except KeyboardInterrupt:
         print("\ncancelled", file=sys.stderr)

@@ -101,7 +101,8 @@ class MemoryPrediction:
 def config_for(ref: str):
     """The config of a model reference, from disk only (never downloads); None if not on disk.
 
-    ``default`` uses the config shipped in ``resources/configs`` until the model is fetched.
+    ``default`` uses the config shipped in ``resources/configs`` until the model is fetched;
+    a hub id not in the Hugging Face cache falls back to a shipped config of that id.
     """
     from transformers import AutoConfig
 
@@ -115,7 +116,7 @@ def config_for(ref: str):
     if kind == "default":
         folder = default_model.model_dir() if default_model.is_ready() else None
         if folder is None:
-            return AutoConfig.for_model(**_shipped("SmolLM2-135M-Instruct"))
+            return shipped_config(DEFAULT_HUB_ID)
     elif kind == "folder":
         folder = Path(value)
     elif kind == "gguf":
@@ -129,6 +130,8 @@ def config_for(ref: str):
         repo_id, _, revision = value.partition("@")
         cached = try_to_load_from_cache(repo_id, "config.json", revision=revision or None)
         folder = Path(cached).parent if isinstance(cached, str) else None
+        if folder is None:
+            return shipped_config(repo_id)
     if folder is None or not (folder / "config.json").is_file():
         return None
     try:
@@ -137,9 +140,28 @@ def config_for(ref: str):
         return None
 
 
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def shipped_models() -> list[str]:
+    """Hub ids of the configs shipped in resources/configs (usable offline)."""
+    return sorted(p.stem.replace("--", "/", 1) for p in (resource_dir() / "configs").glob("*.json"))
+
+
+def shipped_config(hub_id: str):
+    """The shipped config of a hub id, or None."""
+    from transformers import AutoConfig
+
+    data = _shipped(hub_id.replace("/", "--", 1))
+    return None if data is None else AutoConfig.for_model(**data)
+
+
 @lru_cache(maxsize=None)
-def _shipped(name: str) -> dict:
-    data = json.loads((resource_dir() / "configs" / f"{name}.json").read_text(encoding="utf-8"))
+def _shipped(name: str) -> dict | None:
+    path = resource_dir() / "configs" / f"{name}.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text(encoding="utf-8"))
     return {k: v for k, v in data.items() if not k.startswith("_") and k != "transformers_version"}
 
 

@@ -1,0 +1,134 @@
+"""The cost model: memory, the decode speed ceiling, and money, from a config and a hardware profile.
+
+Decoding one step of a batch of B sequences reads every weight once and each sequence's KV
+cache, and does about 2·N FLOPs per sequence (N parameters) plus the attention over the
+context. So, per step:
+
+    memory time  = (weight bytes + B × KV bytes) / bandwidth
+    compute time = B × FLOPs per token / peak FLOP/s
+
+The step takes at least the larger of the two: tok/s ceiling = B / max(memory time, compute
+time). Small batches are memory-bound (the weights are read for only a few tokens), large
+ones compute-bound; the **ridge** is the batch where the two times are equal.
+
+$ per 1M output tokens = $/hour ÷ (tok/s × 3600) × 10⁶; Wh per 1M tokens = watts × 10⁶ ÷ tok/s ÷ 3600.
+Training costs ≈ 6·N·D FLOPs for D tokens, serving 2·N per token: after 3·D served tokens,
+serving has used as much compute as training did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from engine.estimate import ParameterCount, count_parameters, weights_bytes
+from engine.errors import InvalidRequestError
+from engine.hardware import Hardware
+from engine.kv import kv_layout
+from engine.precision import PRECISIONS
+
+GGUF_BITS = {  # bits per weight of llama.cpp's block formats, scales included
+    "q8_0": 8.5, "q6_k": 6.5625, "q5_k": 5.5, "q4_k": 4.5, "q4_1": 5.0, "q4_0": 4.5, "q3_k": 3.4375, "q2_k": 2.625,
+}
+KV_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+ALL_PRECISIONS = tuple(PRECISIONS) + tuple(GGUF_BITS)
+
+
+def all_weights_bytes(count: ParameterCount, precision: str, device_type: str = "cuda") -> int:
+    """Weights in any precision we load, or a GGUF block format (every matrix at its bits per
+    weight, the small vectors in fp32: a simplification of llama.cpp's per-tensor mixes)."""
+    key = precision.lower()
+    if key in GGUF_BITS:
+        return int(count.total * GGUF_BITS[key] / 8)
+    if key not in PRECISIONS:
+        raise InvalidRequestError(f"Unknown precision {precision!r}: choose one of {', '.join(ALL_PRECISIONS)}.")
+    return weights_bytes(count, key, device_type)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    model: str
+    precision: str
+    kv_dtype: str
+    context: int
+    batch: int
+    hardware: str
+    parameters: int
+    weights_bytes: int
+    kv_bytes_per_token: int | None
+    kv_bytes_total: int
+    activation_bytes: int
+    total_bytes: int
+    device_memory_bytes: int
+    fits: bool
+    flops_per_token: float
+    memory_bound_tokens_per_s: float
+    compute_bound_tokens_per_s: float
+    decode_tokens_per_s_ceiling: float
+    per_request_tokens_per_s: float
+    bound: str
+    ridge_batch: float | None
+    prefill_s: float
+    usd_per_million_tokens: float | None
+    wh_per_million_tokens: float | None
+    training_flops: float | None
+    training_breakeven_tokens: float | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def estimate(config, hardware: Hardware, precision: str = "bf16", kv_dtype: str = "bf16", context: int = 4096,
+             batch: int = 1, training_tokens: float | None = None, model: str = "",
+             count: ParameterCount | None = None) -> Estimate:
+    """Everything the cost explorer shows, for one point (``count`` skips the meta-device build)."""
+    if kv_dtype not in KV_DTYPES:
+        raise InvalidRequestError(f"Unknown KV dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}.")
+    if context < 1 or batch < 1:
+        raise InvalidRequestError("context and batch must be at least 1.")
+    text = config.get_text_config(decoder=True)
+    count = count or count_parameters(config)
+    weights = all_weights_bytes(count, precision, "cpu" if hardware.kind == "cpu" else "cuda")
+    layout = kv_layout(config)
+    element = KV_DTYPES[kv_dtype]
+    per_token = int(layout.bytes_per_token(1) * element) if layout else None
+    kv_per_sequence = int(layout.bytes_for(context, 1) * element) if layout else 0
+    kv_total = batch * kv_per_sequence
+    activation = activation_bytes(text, batch, context)
+    total = weights + kv_total + activation
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    # 2 FLOPs per weight, and attention: q·k and p·v over the context, 2 FLOPs each
+    attention = 4 * int(text.num_hidden_layers) * heads * head_dim * context
+    flops = 2.0 * count.total + attention
+    memory_time = (weights + kv_total) / hardware.bandwidth_bytes_per_s
+    compute_time = batch * flops / hardware.bf16_flops
+    memory_rate = batch / memory_time
+    compute_rate = hardware.bf16_flops / flops
+    ceiling = min(memory_rate, compute_rate)
+    denominator = flops / hardware.bf16_flops - kv_per_sequence / hardware.bandwidth_bytes_per_s
+    ridge = (weights / hardware.bandwidth_bytes_per_s) / denominator if denominator > 0 else None
+    usd = (hardware.usd_per_hour / (ceiling * 3600) * 1e6) if hardware.usd_per_hour is not None else None
+    wh = (hardware.watts * 1e6 / ceiling / 3600) if hardware.watts else None
+    training = 6.0 * count.total * training_tokens if training_tokens else None
+    return Estimate(
+        model=model, precision=precision, kv_dtype=kv_dtype, context=context, batch=batch, hardware=hardware.id,
+        parameters=count.total, weights_bytes=weights, kv_bytes_per_token=per_token, kv_bytes_total=kv_total,
+        activation_bytes=activation, total_bytes=total, device_memory_bytes=hardware.memory_bytes,
+        fits=total <= hardware.memory_bytes, flops_per_token=flops, memory_bound_tokens_per_s=memory_rate,
+        compute_bound_tokens_per_s=compute_rate, decode_tokens_per_s_ceiling=ceiling,
+        per_request_tokens_per_s=ceiling / batch, bound="memory" if memory_rate <= compute_rate else "compute",
+        ridge_batch=ridge, prefill_s=context * flops / hardware.bf16_flops, usd_per_million_tokens=usd,
+        wh_per_million_tokens=wh, training_flops=training,
+        training_breakeven_tokens=(training / (2.0 * count.total)) if training else None,
+    )
+
+
+def activation_bytes(text_config, batch: int, context: int, element: int = 2) -> int:
+    """Working memory of a decode step besides weights and cache: the hidden state and MLP
+    intermediates (bf16), the fp32 logits over the vocabulary, and fp32 attention scores
+    over the context. Rough, and small next to the weights until batch × context grows."""
+    hidden = int(text_config.hidden_size)
+    intermediate = int(getattr(text_config, "intermediate_size", None) or 4 * hidden)
+    heads = int(text_config.num_attention_heads)
+    per_sequence = (4 * hidden + 2 * intermediate) * element + 4 * int(text_config.vocab_size) + 4 * heads * context
+    return batch * per_sequence

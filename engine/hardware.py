@@ -1,0 +1,153 @@
+"""Hardware profiles: the table shipped in resources/hardware.json, the user's edits, and
+"this machine", measured once by a short microbenchmark and cached."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from engine.paths import cache_dir, resource_dir
+
+THIS_MACHINE = "this-machine"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    id: str
+    name: str
+    kind: str  # gpu, cpu, apple
+    memory_bytes: int
+    bandwidth_bytes_per_s: float
+    bf16_flops: float
+    usd_per_hour: float | None
+    watts: float | None
+    sources: dict = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _user_file() -> Path:
+    override = os.environ.get("INFERENCE_WORKBENCH_CONFIG")
+    if override:
+        return Path(override).expanduser() / "hardware.json"
+    import platformdirs
+
+    return Path(platformdirs.user_config_dir("inference-workbench", appauthor=False)) / "hardware.json"
+
+
+def shipped_profiles() -> list[Hardware]:
+    data = json.loads((resource_dir() / "hardware.json").read_text(encoding="utf-8"))
+    return [Hardware(**item) for item in data["profiles"]]
+
+
+def profiles(measure: bool = False) -> list[Hardware]:
+    """The shipped profiles with the user's edits applied, then "this machine" (measured on
+    first use, or when ``measure`` is set)."""
+    edits = {}
+    try:
+        edits = json.loads(_user_file().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        pass
+    result = []
+    for profile in shipped_profiles():
+        changed = edits.get(profile.id)
+        if changed:
+            profile = replace(profile, **{k: v for k, v in changed.items() if k in _EDITABLE})
+        result.append(profile)
+    result.append(this_machine(measure=measure))
+    return result
+
+
+_EDITABLE = ("name", "memory_bytes", "bandwidth_bytes_per_s", "bf16_flops", "usd_per_hour", "watts")
+
+
+def save_edit(profile_id: str, **values) -> None:
+    """Remember the user's value for a profile's field (the shipped table stays as it is)."""
+    path = _user_file()
+    try:
+        edits = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        edits = {}
+    edits.setdefault(profile_id, {}).update({k: v for k, v in values.items() if k in _EDITABLE})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(edits, indent=2), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def get(profile_id: str) -> Hardware:
+    for profile in profiles():
+        if profile.id == profile_id:
+            return profile
+    known = ", ".join(p.id for p in profiles())
+    from engine.errors import InvalidRequestError
+
+    raise InvalidRequestError(f"Unknown hardware {profile_id!r}: choose one of {known}.")
+
+
+def _fingerprint() -> str:
+    import torch
+
+    from engine.devices import _cpu_model
+
+    return f"{_cpu_model()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}"
+
+
+def this_machine(measure: bool = False) -> Hardware:
+    """This computer's CPU: bandwidth and FLOP/s measured (a few seconds, once), then cached."""
+    import psutil
+
+    cache = cache_dir() / "this-machine.json"
+    fingerprint = _fingerprint()
+    measured = None
+    if not measure:
+        try:
+            data = json.loads(cache.read_text(encoding="utf-8"))
+            if data.get("fingerprint") == fingerprint:
+                measured = data
+        except (OSError, ValueError):
+            pass
+    if measured is None:
+        measured = {"fingerprint": fingerprint, **measure_cpu(), "measured_at": time.strftime("%Y-%m-%d %H:%M")}
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(measured, indent=2), encoding="utf-8")
+    from engine.devices import _cpu_model
+
+    return Hardware(
+        id=THIS_MACHINE, name=f"This machine: {_cpu_model()} ({platform.machine()})", kind="cpu",
+        memory_bytes=int(psutil.virtual_memory().total), bandwidth_bytes_per_s=measured["bandwidth_bytes_per_s"],
+        bf16_flops=measured["bf16_flops"], usd_per_hour=0.0, watts=None,
+        sources={"bandwidth_bytes_per_s": f"measured {measured['measured_at']}: sum over a 512 MiB fp32 tensor, best of 5",
+                 "bf16_flops": f"measured {measured['measured_at']}: 1024² bf16 matmul, best of 5",
+                 "memory_bytes": "psutil: total RAM", "usd_per_hour": "your own machine: set a price to compare"},
+    )
+
+
+def measure_cpu() -> dict:
+    """Read bandwidth (a reduction over a tensor far bigger than the caches) and bf16 matmul
+    FLOP/s with the threads torch uses. A few seconds."""
+    import torch
+
+    data = torch.ones(128 * 1024 * 1024, dtype=torch.float32)  # 512 MiB
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    bandwidth = data.numel() * data.element_size() / best
+    del data
+    n = 1024
+    a = torch.randn(n, n, dtype=torch.bfloat16)
+    b = torch.randn(n, n, dtype=torch.bfloat16)
+    a @ b
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return {"bandwidth_bytes_per_s": bandwidth, "bf16_flops": 2 * n ** 3 / best}

@@ -1,0 +1,99 @@
+"""Every finished run, kept as one small JSON file each in the user data folder.
+
+Each record is written to a temporary file and renamed into place, so a crash mid-write
+never leaves a half record among the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from engine.events import Finished, Loaded
+
+
+def history_dir() -> Path:
+    override = os.environ.get("INFERENCE_WORKBENCH_DATA")
+    if override:
+        return Path(override).expanduser() / "history"
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("inference-workbench", appauthor=False)) / "history"
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    kind: str  # "single", "compare", "sweep"
+    when: str
+    model: str
+    model_ref: str
+    precision: str
+    device: str
+    device_name: str
+    hardware: str
+    """The hardware profile it ran on: "this-machine" for the CPU, a profile id for a known GPU."""
+    parameters: int
+    weights_bytes: int
+    kv_cache_bytes: int
+    kv_bytes_per_token: int | None
+    prompt_tokens: int
+    tokens: int
+    batch: int
+    decode_tokens_per_s: float | None
+    ttft_s: float | None
+    peak_memory_bytes: int | None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def context(self) -> int:
+        return self.prompt_tokens + self.tokens
+
+
+def hardware_for(device: str, device_name: str) -> str:
+    """The profile a measured run belongs to."""
+    if not device.startswith("cuda"):
+        return "this-machine"
+    name = device_name.lower()
+    for key, profile in (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80gb"), ("l4", "l4"),
+                         ("4090", "rtx-4090"), ("3060", "rtx-3060")):
+        if key in name:
+            return profile
+    return "this-machine"
+
+
+def record_from(info: Loaded, finished: Finished, kind: str = "single", batch: int = 1, **extra) -> RunRecord:
+    return RunRecord(
+        kind=kind, when=time.strftime("%Y-%m-%dT%H:%M:%S"), model=info.name,
+        model_ref=info.path if info.source != "default" else "default", precision=info.precision, device=info.device,
+        device_name=info.device_name, hardware=hardware_for(info.device, info.device_name), parameters=info.parameters,
+        weights_bytes=info.weights_bytes, kv_cache_bytes=finished.kv_cache_bytes,
+        kv_bytes_per_token=info.kv_bytes_per_token, prompt_tokens=finished.prompt_tokens, tokens=finished.tokens,
+        batch=batch, decode_tokens_per_s=finished.decode_tokens_per_s, ttft_s=finished.ttft_s,
+        peak_memory_bytes=finished.peak_memory_bytes, extra=extra,
+    )
+
+
+def save(record: RunRecord, folder: Path | None = None) -> Path:
+    folder = folder or history_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"{record.when.replace(':', '')}-{uuid.uuid4().hex[:8]}.json"
+    tmp = folder / f".{name}.tmp"
+    tmp.write_text(json.dumps(asdict(record), indent=1), encoding="utf-8")
+    os.replace(tmp, folder / name)
+    return folder / name
+
+
+def load_all(folder: Path | None = None) -> list[RunRecord]:
+    """Every readable record, oldest first; unreadable files are skipped, not fatal."""
+    folder = folder or history_dir()
+    records = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+        try:
+            records.append(RunRecord(**json.loads(path.read_text(encoding="utf-8"))))
+        except (OSError, ValueError, TypeError):
+            continue
+    return records
