@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-CLI_COMMANDS = ("bench", "compare", "estimate", "hardware", "models")
+CLI_COMMANDS = ("bench", "compare", "sweep", "estimate", "hardware", "models")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -68,6 +68,8 @@ class MainWindow(QMainWindow):
         self._error_box: QMessageBox | None = None
         self.compare = None
         self.costs = None
+        self.speedups = None
+        self.tool_running = False  # the speed-ups window is using the model
 
         self.session = ModelSession("main", self)
         self.output = OutputView(self.transcript)
@@ -156,6 +158,8 @@ class MainWindow(QMainWindow):
         view.addAction(QAction("&Compare models and precisions…", self, shortcut="Ctrl+K",
                                triggered=self.open_compare))
         view.addAction(QAction("Cost &explorer…", self, shortcut="Ctrl+E", triggered=self.open_costs))
+        view.addAction(QAction("&Batching and speculative decoding…", self, shortcut="Ctrl+B",
+                               triggered=self.open_speedups))
         view.addSeparator()
         self.show_tokens_action = QAction("Show &tokens", self, checkable=True, shortcut="Ctrl+T")
         self.show_tokens_action.toggled.connect(self.output.set_show_tokens)
@@ -215,6 +219,28 @@ class MainWindow(QMainWindow):
         self.costs.raise_()
         return self.costs
 
+    def open_speedups(self):
+        """Batching sweep and speculative decoding on the model loaded here."""
+        from app.speedup_view import SpeedupWindow
+
+        if self.speedups is None:
+            self.speedups = SpeedupWindow(self.session, self._request_for_tool)
+            self.speedups.running_changed.connect(self._on_tool_running)
+        self.speedups.set_model(self.loaded)
+        self.speedups.set_blocked(self.loading or self.generating)
+        self.speedups.show()
+        self.speedups.raise_()
+        return self.speedups
+
+    def _request_for_tool(self, prompt: str):
+        return self.generation_panel.request_for(prompt, ())
+
+    def _on_tool_running(self, running: bool) -> None:
+        self.tool_running = running
+        self._update_state()
+        if not running and self.costs is not None:
+            self.costs.reload_history()
+
     def set_redraw_budget(self, budget: float) -> None:
         self.budget.budget = budget
         for value, action in self.pace_actions.items():
@@ -258,7 +284,7 @@ class MainWindow(QMainWindow):
 
     @Slot(object)
     def load(self, request) -> None:
-        if self.loading or self.generating:
+        if self.loading or self.generating or self.tool_running:
             return
         self.loading = True
         self.prompt.show_message("")
@@ -267,12 +293,12 @@ class MainWindow(QMainWindow):
 
     @Slot()
     def unload(self) -> None:
-        if not self.loading and not self.generating:
+        if not self.loading and not self.generating and not self.tool_running:
             self.session.unload()
 
     @Slot(str)
     def generate(self, text: str) -> None:
-        if self.loaded is None or self.loading or self.generating:
+        if self.loaded is None or self.loading or self.generating or self.tool_running:
             return
         if not text.strip():
             self.prompt.show_message("The prompt is empty: type something for the model to answer.", "error")
@@ -431,7 +457,11 @@ class MainWindow(QMainWindow):
 
     def _update_state(self) -> None:
         self.model_panel.set_loading(self.loading, loaded=self.loaded is not None)
-        self.prompt.set_state(can_generate=self.loaded is not None and not self.loading, generating=self.generating)
+        self.model_panel.setEnabled(not self.tool_running)
+        self.prompt.set_state(can_generate=self.loaded is not None and not self.loading and not self.tool_running,
+                              generating=self.generating)
+        if self.speedups is not None:
+            self.speedups.set_blocked(self.loading or self.generating)
 
     def _update_status(self) -> None:
         info, buffer = self.loaded, self.buffer
@@ -455,7 +485,7 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event) -> None:
         self.save_settings()
         self.timer.stop()
-        for window in (self.compare, self.costs):
+        for window in (self.compare, self.costs, self.speedups):
             if window is not None:
                 window.close()
         if not self.session.shutdown(SHUTDOWN_MS):

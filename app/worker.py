@@ -37,10 +37,18 @@ class EngineWorker(QObject):
     generation_failed = Signal(object)  # Exception
     predicted = Signal(object, object)  # LoadRequest, MemoryPrediction | None
     scored = Signal(object, object)  # prompt ids, teacher-forced logprobs | None
+    sweep_stepped = Signal(object, object)  # batch size, BatchStep
+    sweep_point = Signal(object)  # SweepPoint
+    sweep_finished = Signal(object, object)  # list[SweepPoint], list[SweepSkip]
+    sweep_failed = Signal(object)  # Exception
+    speculation_events = Signal(object, object)  # "plain" | "speculative", tuple of events in order
+    speculation_finished = Signal(object)  # the report dict
+    speculation_failed = Signal(object)  # Exception
 
     def __init__(self) -> None:
         super().__init__()  # no parent: moveToThread needs a parentless object
         self._model = None
+        self._draft = None
 
     @Slot()
     def probe(self) -> None:
@@ -99,9 +107,85 @@ class EngineWorker(QObject):
         self.unloaded.emit()
 
     def _drop_model(self) -> None:
+        self._drop_draft()
         if self._model is not None:
             model, self._model = self._model, None
             model.close()
+
+    def _drop_draft(self) -> None:
+        if self._draft is not None:
+            draft, self._draft = self._draft, None
+            draft.close()
+
+    @Slot(object, object, object)
+    def sweep(self, request, batches, cancel: CancelToken) -> None:
+        """Batch sizes in turn; each point joins the run history for the cost explorer."""
+        from engine.events import BatchStep
+        from engine.sweep import record_points, run_sweep
+
+        if self._model is None:
+            self.sweep_failed.emit(EngineError("No model is loaded: load one first."))
+            return
+        sent = [0.0]
+
+        def on_event(batch: int, event) -> None:
+            now = time.perf_counter()
+            if isinstance(event, BatchStep) and now - sent[0] >= BATCH_S:
+                sent[0] = now
+                self.sweep_stepped.emit(batch, event)
+
+        try:
+            points, skipped = run_sweep(self._model, request, batches, cancel, on_event=on_event,
+                                        on_point=self.sweep_point.emit)
+            if points:
+                try:
+                    record_points(self._model, points, len(self._model.encode(request)))
+                except OSError:
+                    pass  # the history is a convenience: a read-only data folder must not fail the sweep
+        except Exception as exc:
+            self.sweep_failed.emit(exc)
+            return
+        self.sweep_finished.emit(points, skipped)
+
+    @Slot(object, object, object, object, object)
+    def speculate(self, request, draft_text, draft_tokens, compare_plain, cancel: CancelToken) -> None:
+        """Speculative decoding with ``draft_text`` as the draft (kept loaded for the next run)."""
+        from engine.speculative import load_draft, parse_draft, speculative_report
+
+        if self._model is None:
+            self.speculation_failed.emit(EngineError("No model is loaded: load one first."))
+            return
+        pending: list = []
+        state = {"run": None, "sent": time.perf_counter()}
+
+        def flush() -> None:
+            if pending:
+                self.speculation_events.emit(state["run"], tuple(pending))
+                pending.clear()
+
+        def on_event(run: str, event) -> None:
+            if run != state["run"]:
+                flush()
+                state["run"] = run
+            pending.append(event)
+            now = time.perf_counter()
+            if now - state["sent"] >= BATCH_S or isinstance(event, (Finished, Prefilled)):
+                flush()
+                state["sent"] = now
+
+        try:
+            spec = parse_draft(draft_text, self._model.info.precision)
+            if self._draft is None or self._draft.spec != spec:
+                self._drop_draft()
+                self._draft = load_draft(spec, self._model, cancel=cancel)
+            result = speculative_report(self._model, self._draft, request, draft_tokens, compare_plain, cancel,
+                                        on_event)
+        except Exception as exc:
+            flush()
+            self.speculation_failed.emit(exc)
+            return
+        flush()
+        self.speculation_finished.emit(result)
 
     @Slot(object, object)
     def generate(self, request, cancel: CancelToken) -> None:
@@ -146,6 +230,8 @@ class ModelSession(QObject):
     probe_requested = Signal()
     predict_requested = Signal(object)
     score_requested = Signal(object, object)
+    sweep_requested = Signal(object, object, object)
+    speculate_requested = Signal(object, object, object, object, object)
 
     devices_found = Signal(object)
     models_found = Signal(object)
@@ -160,6 +246,13 @@ class ModelSession(QObject):
     generation_failed = Signal(object)
     predicted = Signal(object, object)
     scored = Signal(object, object)
+    sweep_stepped = Signal(object, object)
+    sweep_point = Signal(object)
+    sweep_finished = Signal(object, object)
+    sweep_failed = Signal(object)
+    speculation_events = Signal(object, object)
+    speculation_finished = Signal(object)
+    speculation_failed = Signal(object)
 
     def __init__(self, name: str = "engine", parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -173,9 +266,12 @@ class ModelSession(QObject):
         self.probe_requested.connect(self.worker.probe)
         self.predict_requested.connect(self.worker.predict)
         self.score_requested.connect(self.worker.score)
+        self.sweep_requested.connect(self.worker.sweep)
+        self.speculate_requested.connect(self.worker.speculate)
         for name in ("devices_found", "models_found", "load_progressed", "loaded", "load_failed", "unloaded",
                      "generation_started", "prefilled", "tokens_generated", "generation_finished",
-                     "generation_failed", "predicted", "scored"):
+                     "generation_failed", "predicted", "scored", "sweep_stepped", "sweep_point", "sweep_finished",
+                     "sweep_failed", "speculation_events", "speculation_finished", "speculation_failed"):
             # signal to signal, across threads: queued into this (the GUI) thread
             getattr(self.worker, name).connect(getattr(self, name))
         self.thread.finished.connect(self.worker.deleteLater)
@@ -198,6 +294,16 @@ class ModelSession(QObject):
     def stop(self) -> None:
         if self._generation_cancel is not None:
             self._generation_cancel.cancel()
+
+    def sweep(self, request, batches) -> None:
+        """Run a batch-size sweep; :meth:`stop` ends it."""
+        self._generation_cancel = CancelToken()
+        self.sweep_requested.emit(request, list(batches), self._generation_cancel)
+
+    def speculate(self, request, draft: str, draft_tokens: int, compare_plain: bool) -> None:
+        """Speculative decoding (after plain decoding when ``compare_plain``); :meth:`stop` ends it."""
+        self._generation_cancel = CancelToken()
+        self.speculate_requested.emit(request, draft, draft_tokens, compare_plain, self._generation_cancel)
 
     def unload(self) -> None:
         self.unload_requested.emit()

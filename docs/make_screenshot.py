@@ -3,6 +3,7 @@
     python docs/make_screenshot.py [--out docs/screenshot.png] [--show-tokens]
     python docs/make_screenshot.py --compare [--out docs/compare.png]   # the quantization ladder
     python docs/make_screenshot.py --costs [--out docs/costs.png]       # the cost explorer
+    python docs/make_screenshot.py --speedups   # docs/batching.png and docs/speculative.png
 
 Runs offscreen (no display needed) on a virtual 1920×1080 screen, with its own settings
 file so your saved layout doesn't leak in.
@@ -29,6 +30,9 @@ def main() -> int:
     parser.add_argument("--compare", action="store_true",
                         help="the Compare window after a quantization ladder (fp32/bf16/int8/nf4) run")
     parser.add_argument("--costs", action="store_true", help="the Cost explorer: Llama-3.1-8B on an H100")
+    parser.add_argument("--speedups", action="store_true",
+                        help="a batch sweep and a speculative run on the default model (two PNGs in docs/)")
+    parser.add_argument("--draft", default="early-exit:24", help="the draft for --speedups")
     args = parser.parse_args()
     if args.out == ROOT / "docs" / "screenshot.png" and (args.compare or args.costs):
         args.out = ROOT / "docs" / ("compare.png" if args.compare else "costs.png")
@@ -54,6 +58,8 @@ def main() -> int:
         return compare_shot(app, args)
     if args.costs:
         return costs_shot(app, args)
+    if args.speedups:
+        return speedups_shot(app, args, MainWindow(settings()))
     window = MainWindow(settings())
     window.resize(1600, 960)
     window.show()
@@ -89,6 +95,72 @@ def main() -> int:
         print(f"error: {outcome['error']}", file=sys.stderr)
         return 1
     print(f"saved {outcome['saved']}")
+    return 0
+
+
+def speedups_shot(app, args, window) -> int:
+    from PySide6.QtCore import QTimer
+
+    outcome = {}
+    ui = {}
+    window.generation_panel.max_tokens.setValue(48)
+
+    def save(name: str) -> None:
+        path = ROOT / "docs" / name
+        ui['view'].grab().save(str(path))
+        outcome.setdefault("saved", []).append(str(path))
+
+    def on_loaded(info) -> None:
+        view = ui['view'] = window.open_speedups()
+        view.resize(1700, 900)
+        view.batches.setText("1,2,4,8,16")
+        view.sweep_tokens.setValue(32)
+        view.sweep_controls.run.click()
+
+    def on_swept(points, skipped) -> None:
+        QTimer.singleShot(300, after_sweep)
+
+    def after_sweep() -> None:
+        save("batching.png")
+        view = ui['view']
+        view.tabs.setCurrentIndex(1)
+        kind, _, value = args.draft.partition(":")
+        if kind == "early-exit":
+            view.draft_kind.setCurrentIndex(0)
+            view.draft_layers.setValue(int(value))
+        else:
+            view.draft_kind.setCurrentIndex(1)
+            view.draft_precision.setCurrentIndex(view.draft_precision.findData(value))
+        view.spec_tokens.setValue(64)
+        view.draft_tokens.setValue(3)
+        view.spec_controls.run.click()
+
+    def on_speculated(result) -> None:
+        QTimer.singleShot(300, finish)
+
+    def finish() -> None:
+        save("speculative.png")
+        ui['view'].close()
+        window.close()
+        app.quit()
+
+    def on_failed(exc) -> None:
+        outcome["error"] = str(exc)
+        window.close()
+        app.quit()
+
+    window.session.loaded.connect(on_loaded)
+    window.session.sweep_finished.connect(on_swept)
+    window.session.speculation_finished.connect(on_speculated)
+    for signal in (window.session.load_failed, window.session.sweep_failed, window.session.speculation_failed):
+        signal.connect(on_failed)
+    window.show()
+    QTimer.singleShot(0, window.start)
+    app.exec()
+    if "error" in outcome:
+        print(f"error: {outcome['error']}", file=sys.stderr)
+        return 1
+    print("saved " + ", ".join(outcome["saved"]))
     return 0
 
 

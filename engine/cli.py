@@ -1,4 +1,4 @@
-"""``inference-workbench`` on the command line: ``bench`` and ``models``.
+"""``inference-workbench`` on the command line: bench, compare, sweep, estimate, hardware, models.
 
 Errors end the program with one line on stderr and a non-zero exit code; ``--debug``
 shows the traceback.
@@ -67,6 +67,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run Python code shipped with a hub model (only if you trust it)")
     bench.add_argument("--allow-pickle", action="store_true",
                        help="read pickle .bin checkpoints, which can run code (only if you trust them)")
+    bench.add_argument("--draft", metavar="early-exit:K|default:PRECISION|PATH[:PRECISION]",
+                       help="speculative decoding with this draft: the target's first K layers, the default "
+                            "model at a precision, or another model with the same tokenizer")
+    bench.add_argument("--draft-tokens", type=int, default=4, metavar="N",
+                       help="tokens the draft proposes per step (default: %(default)s)")
+    bench.add_argument("--compare-plain", action="store_true",
+                       help="with --draft: also decode plainly first and report the speed-up")
+
+    sweep = sub.add_parser("sweep", help="batch sizes 1, 2, 4…: throughput against per-request latency and memory")
+    sweep.add_argument("--model", default="default", help="'default', a folder, a .gguf file or a hub id")
+    sweep.add_argument("--precision", default="fp32", choices=list(PRECISIONS))
+    sweep.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    sweep.add_argument("--batch", default="1,2,4,8", help="comma-separated batch sizes (default: %(default)s)")
+    sweep.add_argument("--no-history", action="store_true", help="don't add the points to the run history")
+    _add_request_args(sweep)
+    sweep.add_argument("--stop-at-eos", dest="ignore_eos", action="store_false",
+                       help="let sequences end at end-of-sequence (by default each makes exactly --max-new-tokens)")
+    sweep.set_defaults(max_new_tokens=64, ignore_eos=True)
 
     compare = sub.add_parser("compare", help="one prompt through 2-4 models or precisions, and where they differ")
     compare.add_argument("--lane", action="append", required=True, metavar="MODEL:PRECISION[:DEVICE]",
@@ -148,6 +166,8 @@ def _bench(args) -> int:
     from engine.loading import LoadRequest, load_model
 
     request = _request(args)
+    if args.compare_plain and not args.draft:
+        raise InvalidRequestError("--compare-plain compares with speculative decoding: add --draft.")
 
     print(f"Loading {args.model} ({args.precision}) …", file=sys.stderr, flush=True)
     loaded = load_model(
@@ -157,6 +177,13 @@ def _bench(args) -> int:
         progress=_LoadPrinter(),
     )
     loaded.encode(request)  # refuse an over-long prompt before printing anything else
+    draft = None
+    if args.draft:
+        from engine.speculative import load_draft, parse_draft
+
+        spec = parse_draft(args.draft, args.precision)
+        print(f"Draft {spec.label} …", file=sys.stderr, flush=True)
+        draft = load_draft(spec, loaded, progress=_LoadPrinter())
 
     def on_event(event) -> None:
         if not args.quiet and isinstance(event, TokenGenerated):
@@ -165,15 +192,104 @@ def _bench(args) -> int:
 
     cancel = CancelToken()
     try:
-        result = bench.run(loaded, request, cancel, on_event)
+        if draft is None:
+            result = bench.run(loaded, request, cancel, on_event)
+        else:
+            from engine.speculative import speculative_report
+
+            def on_run_event(run: str, event) -> None:
+                if run == "plain" and isinstance(event, TokenGenerated) and event.index == 0:
+                    print("[plain decoding, for the speed-up]", file=sys.stderr, flush=True)
+                if run == "speculative" and not hasattr(on_run_event, "started"):
+                    on_run_event.started = True
+                    if args.compare_plain:
+                        print("\n[speculative decoding]", file=sys.stderr, flush=True)
+                if run == "speculative" or not args.quiet:
+                    on_event(event)
+
+            result = speculative_report(loaded, draft, request, args.draft_tokens, args.compare_plain, cancel,
+                                        on_run_event)
     except KeyboardInterrupt:
         cancel.cancel()
         raise
     if not args.quiet:
         print()
     print(summary(result))
+    if draft is not None:
+        print(speculative_summary(result))
     if args.json is not None:
         _write_json(args.json, result)
+    return 0
+
+
+def speculative_summary(result: dict) -> str:
+    rate = result["acceptance_rate"]
+    line = (f"draft    {result['draft']}: {result['accepted_tokens']}/{result['drafted_tokens']} drafted tokens "
+            f"accepted ({'—' if rate is None else f'{100 * rate:.0f}%'}), {result['draft_tokens_per_step']} per step")
+    if "speedup_vs_plain" in result:
+        speedup = result["speedup_vs_plain"]
+        line += (f"\nplain    {format_rate(result['plain_decode_tokens_per_s'])} decode → speed-up "
+                 f"{'—' if speedup is None else f'{speedup:.2f}×'}"
+                 f"{'' if result['same_tokens_as_plain'] else ' (sampled: the tokens differ from the plain run)'}")
+    return line
+
+
+def _sweep(args) -> int:
+    from engine.cancel import CancelToken
+    from engine.events import BatchFinished
+    from engine.loading import LoadRequest, load_model
+    from engine.sweep import record_points, run_sweep
+
+    try:
+        batches = [int(b) for b in str(args.batch).split(",") if b.strip()]
+    except ValueError:
+        raise InvalidRequestError(f"--batch takes comma-separated whole numbers, not {args.batch!r}.") from None
+    request = _request(args)
+    print(f"Loading {args.model} ({args.precision}) …", file=sys.stderr, flush=True)
+    loaded = load_model(LoadRequest(model=args.model, precision=args.precision, device=args.device),
+                        progress=_LoadPrinter())
+    prompt_tokens = len(loaded.encode(request))
+    print(f"{'batch':>5} {'tok/s (all)':>12} {'tok/s each':>11} {'TTFT':>9} {'per token':>10} {'KV cache':>10} "
+          f"{'peak mem':>10} {'ceiling':>12}")
+
+    def on_point(point) -> None:
+        each = point.aggregate_tokens_per_s / point.batch if point.aggregate_tokens_per_s else None
+        ceiling = point.predicted_tokens_per_s_ceiling
+        share = (f" ({100 * point.aggregate_tokens_per_s / ceiling:.0f}%)"
+                 if ceiling and point.aggregate_tokens_per_s else "")
+        print(f"{point.batch:>5} {format_rate(point.aggregate_tokens_per_s, ''):>12} {format_rate(each, ''):>11} "
+              f"{format_seconds(point.mean_ttft_s):>9} {format_seconds(point.mean_per_token_latency_s):>10} "
+              f"{format_bytes(point.kv_cache_bytes):>10} {format_bytes(point.peak_memory_bytes):>10} "
+              f"{format_rate(ceiling, ''):>6}{share}", flush=True)
+
+    def on_event(batch: int, event) -> None:
+        if isinstance(event, BatchFinished) and event.cancelled:
+            print(f"batch {batch} cancelled", file=sys.stderr)
+
+    cancel = CancelToken()
+    try:
+        points, skipped = run_sweep(loaded, request, batches, cancel, on_event=on_event, on_point=on_point)
+    except KeyboardInterrupt:
+        cancel.cancel()
+        raise
+    for skip in skipped:
+        print(f"skipped  {skip.reason}")
+    if points and not args.no_history:
+        record_points(loaded, points, prompt_tokens)
+    if args.json is not None:
+        from engine import bench
+
+        info = loaded.info
+        _write_json(args.json, {
+            "model": info.name, "model_ref": info.path if info.source != "default" else "default",
+            "precision": info.precision, "device": info.device, "device_name": info.device_name,
+            "parameters": info.parameters, "weights_bytes": info.weights_bytes, "prompt_tokens": prompt_tokens,
+            "max_new_tokens": request.max_new_tokens, "ignore_eos": request.ignore_eos,
+            "points": [p.to_dict() for p in points],
+            "skipped": [{"batch": s.batch, "predicted_extra_bytes": s.predicted_extra_bytes,
+                         "available_bytes": s.available_bytes, "reason": s.reason} for s in skipped],
+            "versions": bench.versions(),
+        })
     return 0
 
 
@@ -346,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
             return _bench(args)
         if args.command == "compare":
             return _compare(args)
+        if args.command == "sweep":
+            return _sweep(args)
         if args.command == "estimate":
             return _estimate(args)
         if args.command == "hardware":

@@ -116,6 +116,10 @@ class TokenGenerated:
     memory: MemorySample
     special: bool = False
     """A special token (end of turn, BOS…)."""
+    drafted: bool | None = None
+    """Speculative decoding only: ``True`` when a draft proposed this token and the target
+    accepted it, ``False`` when the target produced it (a correction or the bonus token);
+    ``None`` in plain decoding."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +144,87 @@ class Finished:
     token_ids: tuple[int, ...] = field(repr=False, default=())
     text: str = field(repr=False, default="")
     stop_string: str | None = None
+    drafted_tokens: int | None = None
+    """Speculative decoding only: tokens the draft proposed in all."""
+    accepted_tokens: int | None = None
+    """Speculative decoding only: proposed tokens the target accepted."""
 
 
-GenerationEvent = Union[Prefilled, TokenGenerated, Finished]
+@dataclass(frozen=True, slots=True)
+class DraftVerified:
+    """Speculative decoding: the draft proposed some tokens and the target checked them all in
+    one forward pass. The accepted ones (and the target's own next token) follow as
+    :class:`TokenGenerated` events; the rejected ones exist only here."""
+
+    step: int
+    drafted_ids: tuple[int, ...]
+    drafted_text: tuple[str, ...]
+    accepted: int
+    """How many of ``drafted_ids``, from the start, the target accepted."""
+    draft_s: float
+    """Time the draft took to propose them."""
+    verify_s: float
+    """Time the target took to check them (one forward pass over all of them)."""
+    elapsed_s: float
+
+
+GenerationEvent = Union[Prefilled, TokenGenerated, DraftVerified, Finished]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStep:
+    """Batched decoding: one forward pass produced one token for every unfinished sequence."""
+
+    step: int
+    token_ids: tuple[int | None, ...]
+    """Per sequence, the new token, or ``None`` for a sequence that had already finished."""
+    texts: tuple[str, ...]
+    latency_s: float
+    """Time of this step (the first step includes the prefill of all prompts)."""
+    elapsed_s: float
+    active: int
+    """Sequences that were still generating in this step."""
+    kv_cache_bytes: int
+    kv_cache_bytes_predicted: int | None
+    memory: MemorySample
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceResult:
+    """One request of a batch, as its caller would have seen it."""
+
+    index: int
+    reason: FinishReason
+    tokens: int
+    prompt_tokens: int
+    ttft_s: float | None
+    mean_token_latency_s: float | None
+    """Mean time between this sequence's tokens after the first."""
+    token_ids: tuple[int, ...] = field(repr=False, default=())
+    text: str = field(repr=False, default="")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchFinished:
+    """A batch ended; totals for all its sequences."""
+
+    batch: int
+    sequences: tuple[SequenceResult, ...]
+    prefill_s: float
+    total_s: float
+    generated_tokens: int
+    aggregate_tokens_per_s: float | None
+    """Decode throughput of the whole batch: tokens after each sequence's first, over the time
+    from the first decode step to the last. Comparable to the cost explorer's decode ceiling."""
+    end_to_end_tokens_per_s: float | None
+    """All generated tokens over the whole wall time, prefill included."""
+    mean_ttft_s: float | None
+    mean_per_token_latency_s: float | None
+    peak_memory_bytes: int | None
+    peak_rss_bytes: int | None
+    kv_cache_bytes: int
+    kv_cache_bytes_predicted: int | None
+    cancelled: bool = False
+
+
+BatchEvent = Union[BatchStep, BatchFinished]

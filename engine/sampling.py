@@ -88,6 +88,22 @@ def make_sampler(params: SamplingParams, device: "torch.device | str" = "cpu") -
     return sample
 
 
+def distribution(params: SamplingParams, logits: "torch.Tensor", seen: "torch.Tensor") -> "torch.Tensor":  # noqa: F821
+    """The probabilities the sampler draws from (after penalty, temperature and filters), for
+    speculative sampling, which needs them for target and draft alike. Greedy: one-hot."""
+    import torch
+
+    scores = logits.float()
+    if params.repetition_penalty != 1.0 and seen.numel():
+        scores = apply_repetition_penalty(scores, seen, params.repetition_penalty)
+    if params.greedy:
+        probs = torch.zeros_like(scores)
+        probs[argmax(scores)] = 1.0
+        return probs
+    scores = filter_scores(scores / params.temperature, params.top_k, params.top_p, params.min_p)
+    return torch.softmax(scores, dim=-1)
+
+
 def argmax(scores: "torch.Tensor") -> int:  # noqa: F821
     """Index of the first largest score. On the CPU numpy's argmax is ~20× faster than torch's
     for one vocabulary-sized vector (5 µs vs 90 µs), with the same first-index tie rule."""

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, fields
 
-from engine.events import Alternative, Finished, Loaded, LoadProgress, MemorySample, Prefilled, TokenGenerated
+from engine.events import (Alternative, BatchFinished, BatchStep, DraftVerified, Finished, Loaded, LoadProgress,
+                           MemorySample, Prefilled, SequenceResult, TokenGenerated)
 
-_TYPES = {cls.__name__: cls for cls in (Loaded, LoadProgress, Prefilled, TokenGenerated, Finished)}
+_TYPES = {cls.__name__: cls for cls in (Loaded, LoadProgress, Prefilled, TokenGenerated, DraftVerified, Finished,
+                                        BatchStep, BatchFinished)}
 
 
 def event_to_dict(event) -> dict:
@@ -24,6 +26,10 @@ def event_from_dict(data: dict):
         values["memory"] = MemorySample(**values["memory"])
     if "top_alternatives" in values:
         values["top_alternatives"] = tuple(Alternative(**a) for a in values["top_alternatives"])
-    if "token_ids" in values:
-        values["token_ids"] = tuple(values["token_ids"])
+    if "sequences" in values:
+        values["sequences"] = tuple(SequenceResult(**{**r, "token_ids": tuple(r["token_ids"])})
+                                    for r in values["sequences"])
+    for name in ("token_ids", "drafted_ids", "drafted_text", "texts"):
+        if name in values:
+            values[name] = tuple(values[name])
     return cls(**values)

@@ -24,7 +24,7 @@ def format_seconds(s: float | None) -> str:
 
 
 def format_rate(r: float | None, unit: str = "tok/s") -> str:
-    return "n/a" if r is None else f"{r:.1f} {unit}"
+    return "n/a" if r is None else f"{r:.1f} {unit}".rstrip()
 
 
 def format_count(n: int) -> str:

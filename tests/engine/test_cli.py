@@ -99,3 +99,12 @@ def test_models_lists_the_default_and_the_hub_cache(capsys, isolated_cache, tmp_
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("default") and "not downloaded yet" in lines[0]
     assert lines[1].startswith("tiny/llama") and "ready" in lines[1] and "snapshots" in lines[1]
+
+
+def test_the_app_hands_every_cli_subcommand_to_the_cli():
+    from app.main import CLI_COMMANDS
+    from engine.cli import build_parser
+
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if a.dest == "command").choices
+    assert set(CLI_COMMANDS) == set(subcommands)

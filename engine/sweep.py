@@ -1,0 +1,162 @@
+"""A batch-size sweep: the same request at B = 1, 2, 4, 8…, throughput against latency.
+
+Each point runs B copies of the prompt together (``ignore_eos`` keeps every sequence to the
+same length, as llama-bench does). Before each batch size the memory it would add (KV cache
+for B sequences, activations) is predicted against free memory; the sweep stops before a
+batch that would not fit instead of finding out by running out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+
+from engine.batch import stream_batch
+from engine.cancel import CancelToken
+from engine.events import BatchEvent, BatchFinished
+from engine.request import GenerationRequest
+from engine.units import format_bytes
+
+MEMORY_HEADROOM = 0.8
+"""Run a batch only if its predicted extra memory is under this share of free memory."""
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    batch: int
+    aggregate_tokens_per_s: float | None
+    end_to_end_tokens_per_s: float | None
+    mean_ttft_s: float | None
+    mean_per_token_latency_s: float | None
+    peak_memory_bytes: int | None
+    kv_cache_bytes: int
+    kv_cache_bytes_predicted: int | None
+    predicted_extra_bytes: int
+    generated_tokens: int
+    total_s: float
+    predicted_tokens_per_s_ceiling: float | None = None
+    """Decode ceiling of the cost model for this batch on the hardware it ran on."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SweepSkip:
+    batch: int
+    predicted_extra_bytes: int
+    available_bytes: int | None
+    reason: str
+
+
+def predicted_extra_bytes(loaded, batch: int, prompt_tokens: int, new_tokens: int) -> int:
+    """Memory a batch adds on top of the loaded weights: its KV cache at the end, the decode
+    activations, and the prefill's hidden states for all prompts at once."""
+    from engine.costs import activation_bytes
+    from engine.precision import dtype_bytes
+
+    config = loaded.model.config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    element = dtype_bytes(loaded.info.compute_dtype)
+    context = prompt_tokens + new_tokens
+    kv = loaded.predicted_kv_bytes(context, batch) or 0
+    hidden = int(text.hidden_size)
+    intermediate = int(getattr(text, "intermediate_size", None) or 4 * hidden)
+    prefill = batch * min(prompt_tokens, 512) * (4 * hidden + 2 * intermediate) * element
+    return kv + activation_bytes(text, batch, context, element) + prefill
+
+
+def ceiling_for(loaded, batch: int, context: int) -> float | None:
+    """The cost model's decode ceiling (tok/s, all sequences) for this model on this machine,
+    from the hardware profile the run belongs to; ``None`` if that profile isn't measured yet."""
+    from engine import hardware
+    from engine.costs import estimate
+    from engine.history import hardware_for
+
+    try:
+        profile_id = hardware_for(loaded.info.device, loaded.info.device_name)
+        if profile_id == hardware.THIS_MACHINE:
+            profile = hardware.this_machine()
+        else:
+            profile = hardware.get(profile_id)
+        kv_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(loaded.info.compute_dtype, "fp32")
+        result = estimate(loaded.model.config, profile, loaded.info.precision, kv_dtype, context, batch)
+        return result.decode_tokens_per_s_ceiling
+    except Exception:
+        return None
+
+
+def run_sweep(loaded, request: GenerationRequest, batches: Iterable[int], cancel: CancelToken | None = None,
+              on_event: Callable[[int, BatchEvent], None] | None = None,
+              on_point: Callable[[SweepPoint], None] | None = None,
+              available: Callable[[], int | None] | None = None,
+              with_ceiling: bool = True) -> tuple[list[SweepPoint], list[SweepSkip]]:
+    """Run the batch sizes in order; stop at the first one predicted not to fit (it and every
+    larger one are reported as skipped) or when cancelled."""
+    from engine.estimate import available_bytes
+
+    cancel = cancel or CancelToken()
+    request = request.validated()
+    prompt_ids = loaded.encode(request)
+    available = available or (lambda: available_bytes(str(loaded.device)))
+    points: list[SweepPoint] = []
+    skipped: list[SweepSkip] = []
+    sizes = sorted({int(b) for b in batches})
+    if not sizes or sizes[0] < 1:
+        from engine.errors import InvalidRequestError
+
+        raise InvalidRequestError("Batch sizes must be whole numbers of 1 or more.")
+    for position, batch in enumerate(sizes):
+        extra = predicted_extra_bytes(loaded, batch, len(prompt_ids), request.max_new_tokens)
+        free = available()
+        if free is not None and extra > MEMORY_HEADROOM * free:
+            for later in sizes[position:]:
+                need = predicted_extra_bytes(loaded, later, len(prompt_ids), request.max_new_tokens)
+                skipped.append(SweepSkip(later, need, free, f"batch {later} would add about {format_bytes(need)} "
+                                         f"(KV cache and activations) but only {format_bytes(free)} is free"))
+            break
+        if cancel.cancelled:
+            break
+        finished: BatchFinished | None = None
+        for event in stream_batch(loaded, request, [prompt_ids] * batch, cancel):
+            if on_event is not None:
+                on_event(batch, event)
+            if isinstance(event, BatchFinished):
+                finished = event
+        if finished is None or finished.cancelled:
+            break
+        point = SweepPoint(
+            batch=batch, aggregate_tokens_per_s=finished.aggregate_tokens_per_s,
+            end_to_end_tokens_per_s=finished.end_to_end_tokens_per_s, mean_ttft_s=finished.mean_ttft_s,
+            mean_per_token_latency_s=finished.mean_per_token_latency_s,
+            peak_memory_bytes=finished.peak_memory_bytes, kv_cache_bytes=finished.kv_cache_bytes,
+            kv_cache_bytes_predicted=finished.kv_cache_bytes_predicted, predicted_extra_bytes=extra,
+            generated_tokens=finished.generated_tokens, total_s=finished.total_s,
+            predicted_tokens_per_s_ceiling=(ceiling_for(loaded, batch, len(prompt_ids) + request.max_new_tokens)
+                                            if with_ceiling else None),
+        )
+        points.append(point)
+        if on_point is not None:
+            on_point(point)
+    return points, skipped
+
+
+def record_points(loaded, points: list[SweepPoint], prompt_tokens: int) -> None:
+    """Keep each point in the run history, so the cost explorer shows it beside its prediction."""
+    import time
+
+    from engine.history import RunRecord, hardware_for, save
+
+    info = loaded.info
+    for point in points:
+        per_request = point.aggregate_tokens_per_s / point.batch if point.aggregate_tokens_per_s else None
+        save(RunRecord(
+            kind="sweep", when=time.strftime("%Y-%m-%dT%H:%M:%S"), model=info.name,
+            model_ref=info.path if info.source != "default" else "default", precision=info.precision,
+            device=info.device, device_name=info.device_name, hardware=hardware_for(info.device, info.device_name),
+            parameters=info.parameters, weights_bytes=info.weights_bytes, kv_cache_bytes=point.kv_cache_bytes,
+            kv_bytes_per_token=info.kv_bytes_per_token, prompt_tokens=prompt_tokens,
+            tokens=point.generated_tokens // point.batch, batch=point.batch, decode_tokens_per_s=per_request,
+            ttft_s=point.mean_ttft_s, peak_memory_bytes=point.peak_memory_bytes,
+            extra={"aggregate_tokens_per_s": point.aggregate_tokens_per_s},
+        ))

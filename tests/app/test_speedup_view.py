@@ -1,0 +1,137 @@
+import pytest
+
+from engine.events import TokenGenerated
+from tests.app.conftest import generate, load
+
+
+@pytest.fixture
+def speedups(qtbot, window, tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path / "data"))
+    load(qtbot, window, tiny_llama)
+    view = window.open_speedups()
+    qtbot.addWidget(view)
+    return view
+
+
+def test_sweep_fills_the_table_and_plots_and_lands_in_history(qtbot, window, speedups):
+    speedups.batches.setText("1,2,4")
+    speedups.sweep_tokens.setValue(6)
+    with qtbot.waitSignal(window.session.sweep_finished, timeout=120_000) as blocker:
+        speedups.sweep_controls.run.click()
+        # while it runs, the main window can't generate or load the same model
+        assert window.tool_running and not window.prompt.generate_button.isEnabled()
+        assert not window.model_panel.isEnabled()
+    points, skipped = blocker.args
+    assert [p.batch for p in points] == [1, 2, 4] and not skipped
+    qtbot.waitUntil(lambda: not window.tool_running)
+    assert window.prompt.generate_button.isEnabled() and window.model_panel.isEnabled()
+    assert speedups.sweep_table.rowCount() == 3
+    assert speedups.sweep_table.item(2, 0).text() == "4"
+    x, y = speedups.speed_curve.getData()
+    assert list(x) == [1, 2, 4] and list(y) == [p.aggregate_tokens_per_s for p in points]
+    x, _ = speedups.tradeoff_curve.getData()
+    assert len(x) == 3 and [label.textItem.toPlainText() for label in speedups._labels] == ["B=1", "B=2", "B=4"]
+    _, kv = speedups.kv_curve.getData()
+    assert kv[-1] == pytest.approx(points[-1].kv_cache_bytes / 2**20)
+    assert "tokens/sec of batch 1" in speedups.sweep_controls.status.text()
+    from engine.history import load_all
+
+    assert sorted(r.batch for r in load_all() if r.kind == "sweep") == [1, 2, 4]
+
+
+def test_speculative_run_marks_tokens_and_reports_the_speedup(qtbot, window, speedups):
+    speedups.tabs.setCurrentIndex(1)
+    assert speedups.draft_text() == "early-exit:1"  # the tiny llama has 2 layers
+    speedups.spec_tokens.setValue(16)
+    speedups.draft_tokens.setValue(3)
+    with qtbot.waitSignal(window.session.speculation_finished, timeout=120_000) as blocker:
+        speedups.spec_controls.run.click()
+    result = blocker.args[0]
+    qtbot.waitUntil(lambda: speedups.running is None)
+    assert result["draft"] == "early-exit:1" and result["same_tokens_as_plain"] is True
+    assert "speedup_vs_plain" in result
+    summary = speedups.spec_summary.text()
+    assert f"{result['accepted_tokens']} of {result['drafted_tokens']} drafted tokens accepted" in summary
+    assert "against plain" in summary
+    # the acceptance plot has one dot per verification step
+    x, y = speedups.step_curve.getData()
+    assert len(x) == len(speedups._steps) > 0 and all(0 <= v <= 100 for v in y)
+    # accepted tokens are shaded, rejected guesses struck through, in the text
+    document = speedups.spec_output.document()
+    struck = shaded = 0
+    block = document.begin()
+    while block.isValid():
+        it = block.begin()
+        while not it.atEnd():
+            fragment = it.fragment()
+            struck += fragment.charFormat().fontStrikeOut()
+            shaded += fragment.charFormat().background().style() != 0
+            it += 1
+        block = block.next()
+    rejected = result["drafted_tokens"] - result["accepted_tokens"]
+    assert (struck > 0) == (rejected > 0) and (shaded > 0) == (result["accepted_tokens"] > 0)
+
+
+def test_busy_model_and_bad_input_are_refused_with_a_message(qtbot, window, speedups, slow_tiny):
+    speedups.batches.setText("1,x")
+    speedups.sweep_controls.run.click()
+    assert "whole numbers" in speedups.sweep_controls.status.text() and speedups.running is None
+    speedups.tabs.setCurrentIndex(1)
+    speedups.draft_kind.setCurrentIndex(2)
+    speedups.draft_model.setText("")
+    speedups.spec_controls.run.click()
+    assert "Name the draft model" in speedups.spec_controls.status.text()
+    speedups.draft_model.setText("/no/such/model")
+    with qtbot.waitSignal(window.session.speculation_failed, timeout=60_000):
+        speedups.spec_controls.run.click()
+    assert "no/such/model" in speedups.spec_controls.status.text()
+    assert speedups.spec_controls.run.isEnabled()
+    # a generation in the main window blocks the speed-ups until it ends
+    generate(qtbot, window, "fox", max_tokens=100_000, wait=False)
+    qtbot.waitUntil(lambda: window.generating)
+    assert not speedups.spec_controls.run.isEnabled()
+    with qtbot.waitSignal(window.session.generation_finished, timeout=30_000):
+        window.stop()
+    qtbot.waitUntil(lambda: speedups.spec_controls.run.isEnabled())
+
+
+def test_stop_ends_a_sweep(qtbot, window, speedups):
+    speedups.batches.setText("1,2")
+    speedups.sweep_tokens.setValue(4000)
+    stepped = []
+    window.session.sweep_stepped.connect(lambda batch, step: stepped.append(step))
+    with qtbot.waitSignal(window.session.sweep_finished, timeout=120_000) as blocker:
+        speedups.sweep_controls.run.click()
+        qtbot.waitUntil(lambda: len(stepped) >= 2, timeout=60_000)
+        speedups.sweep_controls.stop.click()
+    points, _ = blocker.args
+    assert points == []  # the cancelled batch is no measurement
+    qtbot.waitUntil(lambda: speedups.sweep_controls.run.isEnabled())
+    assert window.prompt.generate_button.isEnabled()
+
+
+def test_rejected_guesses_render_even_when_events_arrive_in_separate_batches(qtbot, window, speedups):
+    from engine.events import DraftVerified, MemorySample
+
+    def token(index, text, drafted):
+        return TokenGenerated(index=index, token_id=index, text=text, logprob=0.0, top_alternatives=(),
+                              latency_s=0.01, elapsed_s=0.01, kv_cache_bytes=0, kv_cache_bytes_predicted=0,
+                              memory=MemorySample(None, "cpu"), drafted=drafted)
+
+    speedups.running = "speculative"
+    batches = [(token(0, "In", False), DraftVerified(0, (1, 2, 3), (" a", " big", " cat"), 1, 0.01, 0.01, 0.02)),
+               (token(1, " a", True),), (token(2, " small", False),)]
+    for events in batches:  # the worker cuts batches by time: a verification and its tokens may part
+        speedups._on_speculation_events("speculative", events)
+        speedups.refresh()
+    speedups.running = None
+    assert speedups.spec_output.toPlainText() == "In a big cat small"
+    fragments = []
+    block = speedups.spec_output.document().begin()
+    it = block.begin()
+    while not it.atEnd():
+        fragment = it.fragment()
+        fragments.append((fragment.text(), fragment.charFormat().fontStrikeOut()))
+        it += 1
+    assert (" big cat", True) in fragments
+    assert not any(struck for text, struck in fragments if text != " big cat")

@@ -1,0 +1,152 @@
+import json
+
+import pytest
+
+from engine.batch import stream_batch
+from engine.cancel import CancelToken
+from engine.errors import InvalidRequestError
+from engine.events import BatchFinished, BatchStep, Finished
+from engine.loading import LoadRequest, load_model
+from engine.request import GenerationRequest
+from engine.sampling import SamplingParams
+from engine.sweep import SweepPoint, record_points, run_sweep
+
+PROMPTS = ("The quick brown fox", "Hi", "A longer prompt, so the others need left padding 😀", "abc abc abc")
+
+
+def alone(loaded, request):
+    return next(e for e in loaded.generate(request) if isinstance(e, Finished)).token_ids
+
+
+def batched(loaded, requests, base=None, cancel=None):
+    events = list(stream_batch(loaded, base or requests[0], [loaded.encode(r) for r in requests], cancel))
+    return events, events[-1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "mistral", "gemma2"])
+def test_batched_greedy_equals_each_prompt_alone(tiny_models, arch):
+    loaded = load_model(LoadRequest(str(tiny_models[arch]), "fp32", "cpu"))
+    # 20 tokens carry the mistral (window 12) and gemma2 (window 10) caches past their sliding windows
+    requests = [GenerationRequest(p, mode="raw", max_new_tokens=20, ignore_eos=True) for p in PROMPTS]
+    events, final = batched(loaded, requests)
+    assert isinstance(final, BatchFinished) and final.batch == len(PROMPTS)
+    for request, sequence in zip(requests, final.sequences):
+        assert sequence.token_ids == alone(loaded, request)
+        assert sequence.reason == "length" and sequence.tokens == 20
+    steps = [e for e in events if isinstance(e, BatchStep)]
+    assert len(steps) == 20
+    # every sequence's text is its pieces joined
+    for i, sequence in enumerate(final.sequences):
+        assert "".join(step.texts[i] for step in steps) == sequence.text
+    # measured KV equals the prediction (B × padded length) at every step
+    assert all(step.kv_cache_bytes == step.kv_cache_bytes_predicted for step in steps)
+    assert steps[-1].kv_cache_bytes == loaded.predicted_kv_bytes(
+        max(len(loaded.encode(r)) for r in requests) + 19, len(requests))
+
+
+def test_each_sequence_stops_on_its_own(default_fp32):
+    """The default model ends "Hi" after a few tokens; the others go on to their limit."""
+    requests = [GenerationRequest("Hi", max_new_tokens=40),
+                GenerationRequest("Write a long story about a lighthouse keeper.", max_new_tokens=40)]
+    events, final = batched(default_fp32, requests)
+    short, long = final.sequences
+    assert short.reason == "eos" and short.tokens < 40
+    assert long.reason == "length" and long.tokens == 40
+    assert short.token_ids == alone(default_fp32, requests[0])
+    assert long.token_ids == alone(default_fp32, requests[1])
+    steps = [e for e in events if isinstance(e, BatchStep)]
+    assert [s.active for s in steps] == [2] * short.tokens + [1] * (40 - short.tokens)
+    assert all(s.token_ids[0] is None for s in steps[short.tokens:])
+    assert final.generated_tokens == short.tokens + long.tokens
+    assert final.aggregate_tokens_per_s > 0 and final.mean_ttft_s > 0
+
+
+def test_sampled_batch_is_each_sequence_sampled_alone(loaded_llama):
+    sampling = SamplingParams(temperature=0.9, top_k=20, seed=7)
+    requests = [GenerationRequest(p, mode="raw", max_new_tokens=10, sampling=sampling, ignore_eos=True)
+                for p in PROMPTS[:3]]
+    _, final = batched(loaded_llama, requests)
+    assert [s.token_ids for s in final.sequences] == [alone(loaded_llama, r) for r in requests]
+
+
+def test_stop_strings_apply_per_sequence(default_fp32):
+    base = GenerationRequest("x", max_new_tokens=30, stop=("microservices",))
+    requests = [GenerationRequest("Explain microservices in simple terms."), GenerationRequest("Count to five.")]
+    events = list(stream_batch(default_fp32, base, [default_fp32.encode(r) for r in requests]))
+    first, second = events[-1].sequences
+    assert first.reason == "stop_string" and "microservices" in first.text
+    assert second.reason != "stop_string"
+
+
+def test_cancel_mid_batch_ends_every_sequence(loaded_llama):
+    cancel = CancelToken()
+    request = GenerationRequest("fox", mode="raw", max_new_tokens=50, ignore_eos=True)
+    events = []
+    for event in stream_batch(loaded_llama, request, [loaded_llama.encode(request)] * 3, cancel):
+        events.append(event)
+        if isinstance(event, BatchStep) and event.step == 4:
+            cancel.cancel()
+    final = events[-1]
+    assert final.cancelled and all(s.reason == "cancelled" and s.tokens == 5 for s in final.sequences)
+
+
+def test_bad_batches_are_refused(loaded_llama):
+    request = GenerationRequest("fox", mode="raw")
+    with pytest.raises(InvalidRequestError):
+        list(stream_batch(loaded_llama, request, []))
+    with pytest.raises(InvalidRequestError):
+        list(stream_batch(loaded_llama, request, [[1, 2], []]))
+    with pytest.raises(InvalidRequestError):
+        run_sweep(loaded_llama, request, [0, 2])
+
+
+def test_sweep_measures_each_batch_size(loaded_llama, tmp_path, monkeypatch):
+    request = GenerationRequest("fox", mode="raw", max_new_tokens=6, ignore_eos=True)
+    seen = []
+    points, skipped = run_sweep(loaded_llama, request, [4, 1, 2], on_point=seen.append, with_ceiling=False)
+    assert [p.batch for p in points] == [1, 2, 4] and seen == points and not skipped
+    for point in points:
+        assert point.generated_tokens == 6 * point.batch
+        assert point.kv_cache_bytes == point.kv_cache_bytes_predicted == loaded_llama.predicted_kv_bytes(
+            len(loaded_llama.encode(request)) + 5, point.batch)
+        assert point.aggregate_tokens_per_s > 0 and point.mean_per_token_latency_s > 0
+    assert points[2].predicted_extra_bytes > points[0].predicted_extra_bytes
+    # the points land in the run history, where the cost explorer reads them
+    monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path))
+    record_points(loaded_llama, points, len(loaded_llama.encode(request)))
+    from engine.history import load_all
+
+    records = load_all()
+    assert sorted(r.batch for r in records) == [1, 2, 4] and {r.kind for r in records} == {"sweep"}
+    four = next(r for r in records if r.batch == 4)
+    assert four.decode_tokens_per_s == pytest.approx(points[2].aggregate_tokens_per_s / 4)
+
+
+def test_sweep_stops_before_a_batch_that_would_not_fit(loaded_llama):
+    request = GenerationRequest("fox", mode="raw", max_new_tokens=6, ignore_eos=True)
+    from engine.sweep import predicted_extra_bytes
+
+    prompt = len(loaded_llama.encode(request))
+    room = int(predicted_extra_bytes(loaded_llama, 2, prompt, 6) / 0.8) + 1  # batch 2 fits, 4 does not
+    points, skipped = run_sweep(loaded_llama, request, [1, 2, 4, 8], available=lambda: room, with_ceiling=False)
+    assert [p.batch for p in points] == [1, 2]
+    assert [s.batch for s in skipped] == [4, 8]
+    assert "free" in skipped[0].reason and skipped[0].predicted_extra_bytes > 0.8 * room
+
+
+def test_sweep_cli_writes_the_documented_json(tmp_path, tiny_llama, monkeypatch):
+    from engine.cli import main
+
+    monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path / "data"))
+    out = tmp_path / "sweep.json"
+    assert main(["sweep", "--model", str(tiny_llama), "--batch", "1,2", "--prompt", "fox", "--raw",
+                 "--max-new-tokens", "5", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [p["batch"] for p in data["points"]] == [1, 2]
+    for point in data["points"]:
+        for key in ("batch", "aggregate_tokens_per_s", "mean_ttft_s", "mean_per_token_latency_s",
+                    "peak_memory_bytes", "kv_cache_bytes"):
+            assert point[key] is not None, key
+        assert point["kv_cache_bytes"] == point["kv_cache_bytes_predicted"]
+    assert set(data["points"][0]) == set(SweepPoint.__dataclass_fields__)
+    assert main(["sweep", "--model", str(tiny_llama), "--batch", "one", "--prompt", "fox"]) == 1

@@ -1,0 +1,156 @@
+import json
+
+import pytest
+
+from engine.cancel import CancelToken
+from engine.errors import InvalidRequestError
+from engine.events import DraftVerified, Finished, TokenGenerated
+from engine.loading import LoadRequest, load_model
+from engine.request import GenerationRequest
+from engine.sampling import SamplingParams
+from engine.speculative import DraftSpec, early_exit_model, load_draft, parse_draft, stream_speculative
+
+PROMPT = "The quick brown fox 😀 jumps"
+
+
+def plain(loaded, request):
+    return next(e for e in loaded.generate(request) if isinstance(e, Finished))
+
+
+def check_counts(events):
+    """The counts the stream reports agree with the tokens it emitted."""
+    verified = [e for e in events if isinstance(e, DraftVerified)]
+    tokens = [e for e in events if isinstance(e, TokenGenerated)]
+    final = events[-1]
+    assert isinstance(final, Finished)
+    assert final.drafted_tokens == sum(len(v.drafted_ids) for v in verified)
+    assert final.accepted_tokens == sum(v.accepted for v in verified)
+    assert sum(t.drafted is True for t in tokens) == final.accepted_tokens
+    assert [t.index for t in tokens] == list(range(final.tokens))
+    assert tokens[0].drafted is False  # the first token comes from the target's prefill
+    # after each verification: its accepted tokens, then one of the target's own
+    position = 1
+    stream = iter(events)
+    for event in stream:
+        if isinstance(event, DraftVerified):
+            following = []
+            for e in stream:
+                following.append(e)
+                if len(following) == event.accepted + 1 or isinstance(e, Finished):
+                    break
+            step_tokens = [e for e in following if isinstance(e, TokenGenerated)]
+            assert [t.token_id for t in step_tokens[:event.accepted]] == list(event.drafted_ids[:event.accepted])
+            assert all(t.drafted for t in step_tokens[:event.accepted])
+            if len(step_tokens) == event.accepted + 1:
+                assert step_tokens[-1].drafted is False
+                if event.accepted < len(event.drafted_ids):  # a correction differs from the rejected guess
+                    assert step_tokens[-1].token_id != event.drafted_ids[event.accepted]
+            position += len(step_tokens)
+    return final
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "mistral", "gemma2"])
+@pytest.mark.parametrize("draft_tokens", [1, 4])
+def test_early_exit_speculation_equals_plain_greedy(tiny_models, arch, draft_tokens):
+    loaded = load_model(LoadRequest(str(tiny_models[arch]), "fp32", "cpu"))
+    request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=24, ignore_eos=True)
+    draft = load_draft(DraftSpec("early-exit", layers=1), loaded)
+    events = list(stream_speculative(loaded, draft, request, draft_tokens))
+    final = check_counts(events)
+    assert final.token_ids == plain(loaded, request).token_ids
+    assert final.drafted_tokens > 0
+    # the view shares the target's weights and leaves the target whole
+    assert draft.weights_bytes == 0
+    assert plain(loaded, request).token_ids == final.token_ids
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_a_lower_precision_draft_of_the_same_model(tiny_models, arch):
+    loaded = load_model(LoadRequest(str(tiny_models[arch]), "fp32", "cpu"))
+    request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=20, ignore_eos=True)
+    draft = load_draft(parse_draft(f"{tiny_models[arch]}:bf16", "fp32"), loaded)
+    final = check_counts(list(stream_speculative(loaded, draft, request, 3)))
+    assert final.token_ids == plain(loaded, request).token_ids
+    assert final.accepted_tokens / final.drafted_tokens > 0.5  # bf16 mostly agrees with fp32
+    # the same weights as their own draft agree with themselves always
+    same = load_draft(parse_draft(str(tiny_models[arch]), "fp32"), loaded)
+    final = check_counts(list(stream_speculative(loaded, same, request, 3)))
+    assert final.accepted_tokens == final.drafted_tokens > 0
+    assert final.token_ids == plain(loaded, request).token_ids
+
+
+def test_the_default_model_speculates_on_itself(default_fp32):
+    request = GenerationRequest("Explain microservices in simple terms.", max_new_tokens=32)
+    draft = load_draft(parse_draft("early-exit:20", "fp32"), default_fp32)
+    final = check_counts(list(stream_speculative(default_fp32, draft, request, 3)))
+    reference = plain(default_fp32, request)
+    assert final.token_ids == reference.token_ids and final.text == reference.text
+    assert final.kv_cache_bytes == final.kv_cache_bytes_predicted
+
+
+def test_sampled_speculation_is_seeded_and_counts_add_up(loaded_llama):
+    draft = load_draft(DraftSpec("early-exit", layers=1), loaded_llama)
+    request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=30, ignore_eos=True,
+                                sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=11))
+    first = check_counts(list(stream_speculative(loaded_llama, draft, request, 3)))
+    again = check_counts(list(stream_speculative(loaded_llama, draft, request, 3)))
+    assert first.token_ids == again.token_ids and first.tokens == 30
+    assert 0 <= first.accepted_tokens <= first.drafted_tokens
+
+
+def test_limits_and_stops_are_exact(loaded_llama):
+    draft = load_draft(DraftSpec("early-exit", layers=1), loaded_llama)
+    for limit in (1, 2, 5, 7):
+        request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=limit, ignore_eos=True)
+        final = check_counts(list(stream_speculative(loaded_llama, draft, request, 4)))
+        assert final.tokens == limit and final.reason == "length"
+
+
+def test_cancel_stops_between_tokens(loaded_llama):
+    draft = load_draft(DraftSpec("early-exit", layers=1), loaded_llama)
+    cancel = CancelToken()
+    request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=200, ignore_eos=True)
+    events = []
+    for event in stream_speculative(loaded_llama, draft, request, 4, cancel):
+        events.append(event)
+        if isinstance(event, TokenGenerated) and event.index == 5:
+            cancel.cancel()
+    assert events[-1].reason == "cancelled" and events[-1].tokens == 6
+
+
+def test_bad_drafts_are_refused(tiny_models, loaded_llama, sp_tokenizer, tmp_path):
+    from tests.tiny import build_model_folder
+
+    with pytest.raises(InvalidRequestError, match="between 1 and 1"):
+        early_exit_model(loaded_llama.model, 2)
+    with pytest.raises(InvalidRequestError):
+        parse_draft("early-exit:many", "fp32")
+    other = build_model_folder(tmp_path / "other", "llama", sp_tokenizer)
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        load_draft(parse_draft(str(other), "fp32"), loaded_llama)
+    draft = load_draft(DraftSpec("early-exit", layers=1), loaded_llama)
+    with pytest.raises(InvalidRequestError):
+        stream_speculative(loaded_llama, draft, GenerationRequest(PROMPT, mode="raw"), 0)
+
+
+def test_parse_draft():
+    assert parse_draft("early-exit:8", "bf16") == DraftSpec("early-exit", layers=8)
+    assert parse_draft("default:nf4", "bf16") == DraftSpec("model", model="default", precision="nf4")
+    assert parse_draft("/models/small", "bf16") == DraftSpec("model", model="/models/small", precision="bf16")
+    assert parse_draft("C:/x/small.gguf:int8", "fp32").model == "C:/x/small.gguf"
+
+
+def test_bench_cli_reports_the_draft(tmp_path, tiny_llama):
+    from engine.cli import main
+
+    out = tmp_path / "spec.json"
+    assert main(["bench", "--model", str(tiny_llama), "--prompt", "fox", "--raw", "--max-new-tokens", "12",
+                 "--ignore-eos", "--draft", "early-exit:1", "--draft-tokens", "3", "--compare-plain", "--quiet",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["draft"] == "early-exit:1" and data["draft_tokens_per_step"] == 3
+    assert 0 <= data["accepted_tokens"] <= data["drafted_tokens"]
+    assert data["acceptance_rate"] == pytest.approx(data["accepted_tokens"] / data["drafted_tokens"])
+    assert data["speedup_vs_plain"] > 0 and data["same_tokens_as_plain"] is True
+    assert len(data["token_ids"]) == 12
+    assert main(["bench", "--model", str(tiny_llama), "--prompt", "fox", "--compare-plain"]) == 1
