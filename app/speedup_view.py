@@ -490,11 +490,16 @@ class SpeedupWindow(QMainWindow):
         return True
 
     def _on_failed(self, exc) -> None:
+        from engine.errors import CancelledError
+
+        controls = self.sweep_controls if self.running == "sweep" else self.spec_controls
         self._set_running(None)
         self.refresh()
+        if isinstance(exc, CancelledError):
+            controls.status.setText("Stopped.")
+            return
         message = str(exc) or type(exc).__name__
-        (self.sweep_controls if self.tabs.currentIndex() == 0 else self.spec_controls).status.setText(
-            f"<span style='color:{REJECTED}'>{message}</span>")
+        controls.status.setText(f"<span style='color:{REJECTED}'>{message}</span>")
 
     def _set_running(self, what: str | None) -> None:
         self.running = what

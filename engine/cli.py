@@ -168,6 +168,11 @@ def _bench(args) -> int:
     request = _request(args)
     if args.compare_plain and not args.draft:
         raise InvalidRequestError("--compare-plain compares with speculative decoding: add --draft.")
+    if args.draft:
+        from engine.speculative import MAX_DRAFT_TOKENS
+
+        if not 1 <= args.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise InvalidRequestError(f"--draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}.")
 
     print(f"Loading {args.model} ({args.precision}) …", file=sys.stderr, flush=True)
     loaded = load_model(

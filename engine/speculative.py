@@ -61,7 +61,7 @@ def parse_draft(text: str, target_precision: str) -> DraftSpec:
     text = (text or "").strip()
     if not text:
         raise InvalidRequestError("Name a draft: early-exit:K, default:PRECISION or a model folder/file/hub id.")
-    if text.startswith("early-exit"):
+    if text == "early-exit" or text.startswith("early-exit:"):
         _, _, layers = text.partition(":")
         try:
             count = int(layers)
@@ -77,11 +77,12 @@ def parse_draft(text: str, target_precision: str) -> DraftSpec:
 class Draft:
     """The model that proposes tokens: its own loaded model, or a view of the target's layers."""
 
-    def __init__(self, model, spec: DraftSpec, loaded: "LoadedModel | None" = None) -> None:
+    def __init__(self, model, spec: DraftSpec, loaded: "LoadedModel | None" = None,
+                 supports_logits_to_keep: bool = True) -> None:
         self.model = model
         self.spec = spec
         self.loaded = loaded
-        self.supports_logits_to_keep = loaded.supports_logits_to_keep if loaded else True
+        self.supports_logits_to_keep = loaded.supports_logits_to_keep if loaded else supports_logits_to_keep
 
     @property
     def label(self) -> str:
@@ -140,7 +141,8 @@ def early_exit_model(model, layers: int):
 def load_draft(spec: DraftSpec, target: "LoadedModel", progress: Callable | None = None,
                cancel: CancelToken | None = None) -> Draft:
     if spec.kind == "early-exit":
-        return Draft(early_exit_model(target.model, spec.layers), spec)
+        return Draft(early_exit_model(target.model, spec.layers), spec,
+                     supports_logits_to_keep=target.supports_logits_to_keep)
     from engine.loading import LoadRequest, load_model
 
     loaded = load_model(LoadRequest(spec.model, spec.precision, str(target.device)), progress=progress, cancel=cancel)
@@ -204,6 +206,17 @@ def _run(target: "LoadedModel", draft: Draft, request: GenerationRequest, prompt
     latencies: list[float] = []
     drafted_total = accepted_total = 0
 
+    width = None
+
+    def fit(scores: "torch.Tensor") -> "torch.Tensor":
+        """Draft scores over the target's vocabulary: models sharing a tokenizer may pad their
+        output layers to different widths (Qwen2.5 0.5B: 151,936; 7B: 152,064)."""
+        if width is None or scores.numel() == width:
+            return scores
+        if scores.numel() > width:
+            return scores[:width]
+        return torch.cat([scores, scores.new_full((width - scores.numel(),), float("-inf"))])
+
     def ids_tensor(ids: list[int]) -> "torch.Tensor":
         return torch.tensor([ids], dtype=torch.long, device=device)
 
@@ -232,8 +245,9 @@ def _run(target: "LoadedModel", draft: Draft, request: GenerationRequest, prompt
             stop_string=stop_string, drafted_tokens=drafted_total, accepted_tokens=accepted_total,
         )
 
-    def emit(token: int, scores: "torch.Tensor", latency: float, drafted: bool | None):
-        """The TokenGenerated for ``token`` and the reason to stop after it (or None)."""
+    def emit(token: int, scores: "torch.Tensor", latency: float, drafted: bool | None, unused: float = 0.0):
+        """The TokenGenerated for ``token`` and the reason to stop after it (or None). ``unused``:
+        time of the step's later tokens, charged to this one if the generation stops here."""
         with torch.inference_mode():
             log_total = float(torch.logsumexp(scores, dim=-1))
             alternatives = ()
@@ -260,6 +274,7 @@ def _run(target: "LoadedModel", draft: Draft, request: GenerationRequest, prompt
                 reason = "cancelled"
         if reason is not None:
             piece += detok.flush()
+            latency += unused
         latencies.append(latency)
         in_cache = min(target_length, len(committed) - 1)
         event = TokenGenerated(
@@ -277,30 +292,34 @@ def _run(target: "LoadedModel", draft: Draft, request: GenerationRequest, prompt
     target_cache.activate_past_recording()  # sliding-window layers keep what a rollback needs
     draft_cache = DynamicCache(config=draft_model.config)
     draft_cache.activate_past_recording()
-    target_length = 0
+    target_length = draft_length = 0
     prompt = ids_tensor(prompt_ids)
+    # the prompt goes through the target and the draft alike (the draft's share is part of the TTFT)
     for chunk in range(0, n_prompt, PREFILL_CHUNK):
         if cancel.cancelled:
             yield finished("cancelled")
             return
         with torch.inference_mode():
             out = model(input_ids=prompt[:, chunk:chunk + PREFILL_CHUNK], cache=target_cache, use_cache=True, **keep)
-        target_length = min(n_prompt, chunk + PREFILL_CHUNK)
+            draft_model(input_ids=prompt[:, chunk:chunk + PREFILL_CHUNK], cache=draft_cache, use_cache=True,
+                        **draft_keep)
+        target_length = draft_length = min(n_prompt, chunk + PREFILL_CHUNK)
     prefill_s = time.perf_counter() - start
     yield Prefilled(prompt_tokens=n_prompt, prefill_s=prefill_s,
                     prefill_tokens_per_s=n_prompt / prefill_s if prefill_s > 0 else 0.0,
                     kv_cache_bytes=cache_bytes(target_cache), kv_cache_bytes_predicted=predicted(n_prompt),
                     memory=probe.sample())
+    resumed = time.perf_counter()  # the consumer's time with Prefilled is not the model's
     with torch.inference_mode():
         scores = out.logits[0, -1].float()
+        width = scores.numel()
         first = pick(scores)
-    event, reason, stop_string = emit(first, scores, time.perf_counter() - start, False)
+    event, reason, stop_string = emit(first, scores, prefill_s + time.perf_counter() - resumed, False)
     yield event
     if reason is not None:
         yield finished(reason, stop_string)
         return
 
-    draft_length = 0
     step = 0
     step_start = time.perf_counter()
     while True:
@@ -316,7 +335,7 @@ def _run(target: "LoadedModel", draft: Draft, request: GenerationRequest, prompt
                                   **draft_keep)
                 draft_length = len(committed)
                 for j in range(n):
-                    scores = out.logits[0, -1].float()
+                    scores = fit(out.logits[0, -1].float())
                     if params.greedy:
                         drafted.append(pick(scores, drafted))
                     else:
@@ -373,7 +392,8 @@ def _run(target: "LoadedModel", draft: Draft, request: GenerationRequest, prompt
         emitted = drafted[:accepted] + [own]
         share = (now - step_start) / len(emitted)
         for j, token in enumerate(emitted):
-            event, reason, stop_string = emit(token, rows[j], share, j < accepted)
+            event, reason, stop_string = emit(token, rows[j], share, j < accepted,
+                                              unused=share * (len(emitted) - 1 - j))
             yield event
             if reason is None and cancel.cancelled and not detok.pending:
                 reason = "cancelled"

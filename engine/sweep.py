@@ -1,7 +1,8 @@
 """A batch-size sweep: the same request at B = 1, 2, 4, 8…, throughput against latency.
 
-Each point runs B copies of the prompt together (``ignore_eos`` keeps every sequence to the
-same length, as llama-bench does). Before each batch size the memory it would add (KV cache
+Each point runs B copies of the prompt together. The CLI and the window set ``ignore_eos``
+so every sequence makes the same number of tokens, as llama-bench does; a caller that leaves
+it off gets batches whose sequences may end early. Before each batch size the memory it would add (KV cache
 for B sequences, activations) is predicted against free memory; the sweep stops before a
 batch that would not fit instead of finding out by running out.
 """
@@ -98,7 +99,14 @@ def run_sweep(loaded, request: GenerationRequest, batches: Iterable[int], cancel
     cancel = cancel or CancelToken()
     request = request.validated()
     prompt_ids = loaded.encode(request)
-    available = available or (lambda: available_bytes(str(loaded.device)))
+    def free_now() -> int | None:
+        if loaded.device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()  # memory the last batch left in PyTorch's pool is free for the next
+        return available_bytes(str(loaded.device))
+
+    available = available or free_now
     points: list[SweepPoint] = []
     skipped: list[SweepSkip] = []
     sizes = sorted({int(b) for b in batches})

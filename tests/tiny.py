@@ -90,7 +90,7 @@ def build_model_folder(folder: Path, arch: str, tokenizer, seed: int = 0, **over
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(arch, len(tokenizer), **overrides)
+    config = tiny_config(arch, overrides.pop("vocab_size", len(tokenizer)), **overrides)
     config.eos_token_id = tokenizer.eos_token_id
     config.bos_token_id = tokenizer.bos_token_id
     torch.manual_seed(seed)

@@ -154,3 +154,42 @@ def test_bench_cli_reports_the_draft(tmp_path, tiny_llama):
     assert data["speedup_vs_plain"] > 0 and data["same_tokens_as_plain"] is True
     assert len(data["token_ids"]) == 12
     assert main(["bench", "--model", str(tiny_llama), "--prompt", "fox", "--compare-plain"]) == 1
+
+
+def test_ttft_excludes_the_consumer_and_an_early_stop_keeps_the_step_time(loaded_llama):
+    import time
+
+    draft = load_draft(DraftSpec("early-exit", layers=1), loaded_llama)
+    request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=9, ignore_eos=True)
+    events = []
+    for event in stream_speculative(loaded_llama, draft, request, 4):
+        events.append(event)
+        if not isinstance(event, TokenGenerated):
+            time.sleep(0.05)  # a slow consumer of Prefilled and DraftVerified
+    tokens = [e for e in events if isinstance(e, TokenGenerated)]
+    final = events[-1]
+    prefilled = events[0]
+    # wall time with the consumer's sleeps in it; the token latencies leave them out
+    assert tokens[0].elapsed_s >= 0.05
+    assert tokens[0].latency_s <= tokens[0].elapsed_s - 0.05
+    assert tokens[0].latency_s >= prefilled.prefill_s
+    # decode_s is every step's whole time, even when the limit cuts a step short
+    assert final.decode_s == pytest.approx(sum(t.latency_s for t in tokens[1:]))
+    assert final.tokens == 9
+
+
+def test_a_draft_with_a_wider_output_layer(tiny_models, loaded_llama, byte_tokenizer, tmp_path):
+    """Same tokenizer, output padded wider (as Qwen2.5 7B is against 0.5B): draft scores are cut
+    to the target's vocabulary, greedy and sampled."""
+    from tests.tiny import build_model_folder
+
+    config = loaded_llama.model.config
+    wide = build_model_folder(tmp_path / "wide", "llama", byte_tokenizer, vocab_size=config.vocab_size + 16)
+    draft = load_draft(parse_draft(str(wide), "fp32"), loaded_llama)
+    request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=12, ignore_eos=True)
+    final = check_counts(list(stream_speculative(loaded_llama, draft, request, 3)))
+    assert final.token_ids == plain(loaded_llama, request).token_ids
+    sampled = GenerationRequest(PROMPT, mode="raw", max_new_tokens=12, ignore_eos=True,
+                                sampling=SamplingParams(temperature=1.0, seed=1))
+    final = check_counts(list(stream_speculative(loaded_llama, draft, sampled, 3)))
+    assert all(t < config.vocab_size for t in final.token_ids)
