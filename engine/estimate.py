@@ -12,6 +12,12 @@ precision follow what the loaders actually store:
   16-entry fp32 code book per layer; everything else in bf16.
 
 bitsandbytes leaves the output head (``lm_head``) unquantized, so it counts as "other".
+
+The fast path's int8 / int4 (engine/quantize.py) quantize every linear layer, the head
+included (a head tied to the embeddings gets its own quantized copy; the table stays bf16):
+int8 at 1 byte plus a bf16 scale per row, int4 at ½ byte plus a bf16 scale and zero per
+group of 32 inputs, its head in int8. Its fp32 / bf16 store every parameter as the plain
+precisions do.
 """
 
 from __future__ import annotations
@@ -39,6 +45,11 @@ class ParameterCount:
     linear_rows: int
     """Their output rows (int8 keeps one scale per row)."""
     linear_layers: int
+    head: int = 0
+    """Weights of the output head (``lm_head``)."""
+    head_rows: int = 0
+    tied: bool = False
+    """The head shares its weights with the input embeddings."""
 
     @property
     def other(self) -> int:
@@ -64,16 +75,29 @@ def count_parameters(config) -> ParameterCount:
             rows += module.out_features
             layers += 1
     total = sum(p.numel() for p in model.parameters())
-    return ParameterCount(total=total, linear=linear, linear_rows=rows, linear_layers=layers)
+    head = model.get_output_embeddings()
+    embed = model.get_input_embeddings()
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    return ParameterCount(total=total, linear=linear, linear_rows=rows, linear_layers=layers,
+                          head=head.weight.numel() if head is not None else 0,
+                          head_rows=head.weight.shape[0] if head is not None else 0, tied=tied)
 
 
 def weights_bytes(count: ParameterCount, precision: str, device_type: str = "cpu") -> int:
     """Bytes the weights take once loaded in ``precision`` (see the module docstring)."""
     name = get_precision(precision).name
-    if name == "fp32":
+    if name in ("fp32", "fp32-fast"):
         return 4 * count.total
-    if name in ("bf16", "fp16"):
+    if name in ("bf16", "fp16", "bf16-fast"):
         return 2 * count.total
+    if name in ("int8-fast", "int4-fast"):
+        head = count.head + 2 * count.head_rows  # int8 under both (see engine/quantize.py)
+        if name == "int8-fast":
+            quantized = count.linear + 2 * count.linear_rows + head
+        else:
+            quantized = count.linear // 2 + count.linear // 8 + head
+        # the bf16 rest: embeddings (kept even when the head was tied to them), norms, biases
+        return quantized + 2 * (count.other - (0 if count.tied else count.head))
     if name == "int8":
         return count.linear + 4 * count.linear_rows + 2 * count.other
     # nf4 / fp4

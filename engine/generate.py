@@ -98,16 +98,32 @@ class _Tokens:
         return self._data[self.count - 1: self.count].unsqueeze(0)
 
 
+class ReferenceRunner:
+    """transformers' own forward over a DynamicCache: one decode step of the reference path."""
+
+    def __init__(self, loaded: "LoadedModel") -> None:
+        from transformers import DynamicCache
+
+        self.model = loaded.model
+        self.cache = DynamicCache(config=loaded.model.config)
+        self.keep = {"logits_to_keep": 1} if loaded.supports_logits_to_keep else {}
+
+    def forward(self, ids: "torch.Tensor") -> "torch.Tensor":
+        """Logits after the last of ``ids`` (shape [1, n]), which join the cache."""
+        return self.model(input_ids=ids, cache=self.cache, use_cache=True, **self.keep).logits[0, -1]
+
+    def kv_bytes(self) -> int:
+        return cache_bytes(self.cache)
+
+
 def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int],
          cancel: CancelToken) -> Iterator[GenerationEvent]:
     import torch
-    from transformers import DynamicCache
 
-    model, tokenizer, device = loaded.model, loaded.tokenizer, loaded.device
+    tokenizer, device = loaded.tokenizer, loaded.device
     context = loaded.info.context_length
     eos = frozenset() if request.ignore_eos else loaded.eos_ids
     special = frozenset(tokenizer.all_special_ids)
-    keep = {"logits_to_keep": 1} if loaded.supports_logits_to_keep else {}
     sampler = make_sampler(request.sampling, device)
     plain_greedy = request.sampling.greedy and request.sampling.repetition_penalty == 1.0
     detok = IncrementalDetokenizer(tokenizer)
@@ -137,19 +153,18 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int
     probe.reset_peak()
     probe.sample()
     start = time.perf_counter()
-    cache = DynamicCache(config=model.config)
+    runner = loaded.runner(n_prompt + room)
     prompt = seen.all().unsqueeze(0)
     for chunk_start in range(0, n_prompt, PREFILL_CHUNK):
         if cancel.cancelled:
-            yield finished("cancelled", cache_bytes(cache), predicted(chunk_start))
+            yield finished("cancelled", runner.kv_bytes(), predicted(chunk_start))
             return
         with torch.inference_mode():
-            out = model(input_ids=prompt[:, chunk_start:chunk_start + PREFILL_CHUNK], cache=cache,
-                        use_cache=True, **keep)
+            logits = runner.forward(prompt[:, chunk_start:chunk_start + PREFILL_CHUNK])
     prefill_s = time.perf_counter() - start
     yield Prefilled(prompt_tokens=n_prompt, prefill_s=prefill_s,
                     prefill_tokens_per_s=n_prompt / prefill_s if prefill_s > 0 else 0.0,
-                    kv_cache_bytes=cache_bytes(cache), kv_cache_bytes_predicted=predicted(n_prompt),
+                    kv_cache_bytes=runner.kv_bytes(), kv_cache_bytes_predicted=predicted(n_prompt),
                     memory=probe.sample())
 
     step_start = time.perf_counter()
@@ -158,8 +173,8 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int
         # in the consumer's code between tokens
         with torch.inference_mode():
             if tokens:
-                out = model(input_ids=seen.last(), cache=cache, use_cache=True, **keep)
-            scores = out.logits[0, -1].float()
+                logits = runner.forward(seen.last())
+            scores = logits.float()
             if top_k:
                 ids, values = top_scores(scores, top_k)
             if plain_greedy and top_k >= 2 and values[0] > values[1]:
@@ -192,7 +207,7 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int
             piece += detok.flush()
 
         in_cache = n_prompt + len(tokens) - 1  # the newest token is not in the cache yet
-        kv = cache_bytes(cache)
+        kv = runner.kv_bytes()
         memory = probe.sample()
         now = time.perf_counter()
         latency = now - step_start + (prefill_s if not latencies else 0.0)

@@ -60,6 +60,17 @@ class LoadedModel:
         self.supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.eos_ids = _eos_ids(model, tokenizer)
         self._token_texts: dict[int, str] = {}
+        self.fast = None
+        """The fast path's decoder (engine/fast.py) when the precision asked for it."""
+
+    def runner(self, capacity: int):
+        """What runs the forward passes of one generation of up to ``capacity`` tokens: the fast
+        path's static-cache decoder, or transformers' forward over a DynamicCache."""
+        if self.fast is not None:
+            return self.fast.runner(capacity)
+        from engine.generate import ReferenceRunner
+
+        return ReferenceRunner(self)
 
     def token_text(self, token_id: int) -> str:
         """How one token reads on its own (cached: alternatives repeat a lot)."""
@@ -150,6 +161,7 @@ def _load(request: LoadRequest, reporter: ProgressReporter, precision: Precision
                 **precision.load_kwargs(device.type),
             )
         model.eval()
+        fast = _prepare_fast(model, precision, resolved.name, reporter)
         reporter.report("warmup", 0, 1, "Warming up (one short forward pass)")
         _warm_up(model, device)
         layout = kv_layout(model.config)
@@ -162,7 +174,42 @@ def _load(request: LoadRequest, reporter: ProgressReporter, precision: Precision
             raise
         raise error from exc
     reporter.report("ready", 1, 1, "Ready")
-    return LoadedModel(model, tokenizer, info, device, precision, layout)
+    loaded = LoadedModel(model, tokenizer, info, device, precision, layout)
+    loaded.fast = fast
+    return loaded
+
+
+def _prepare_fast(model, precision: Precision, name: str, reporter: ProgressReporter):
+    """For a fast-path precision: quantize the linears in place and build the decoder."""
+    from engine.precision import FastPrecision
+
+    if not isinstance(precision, FastPrecision):
+        return None
+    from engine import fast
+    from engine.errors import UnsupportedPrecisionError
+    from engine.quantize import quantize_linears
+
+    reason = fast.unsupported_reason(model)
+    if reason:
+        raise UnsupportedPrecisionError(f"{name} can't use {precision.name}: {reason}. Choose fp32, bf16, int8 or "
+                                        "nf4 (the reference path runs every model).")
+    reporter.report("quantize", 0, 0, f"Preparing the fast path ({precision.label})")
+    model._workbench_parameters = count_parameters(model)  # the quantized weights become buffers
+    with torch_inference():
+        quantize_linears(model, precision.scheme)
+    if precision.scheme in ("int8", "int4"):
+        import torch
+
+        for param in model.parameters():  # embeddings, norms, biases: bf16 like the activations
+            if param.dtype == torch.float32:  # (buffers such as rotary frequencies stay fp32)
+                param.data = param.data.to(torch.bfloat16)
+    return fast.FastDecoder(model)
+
+
+def torch_inference():
+    import torch
+
+    return torch.inference_mode()
 
 
 def _typed_load_error(exc: BaseException, name: str, precision: str, device) -> BaseException:
@@ -239,7 +286,11 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
 
 
 def count_parameters(model) -> int:
-    """Parameters as trained: a 4-bit packed weight counts its original shape."""
+    """Parameters as trained: a 4-bit packed weight counts its original shape; a model whose
+    linears the fast path quantized counts what it had before (noted on the model then)."""
+    before = getattr(model, "_workbench_parameters", None)
+    if before is not None:
+        return before
     total = 0
     for param in model.parameters():
         state = getattr(param, "quant_state", None)

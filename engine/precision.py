@@ -94,6 +94,32 @@ class BitsAndBytesPrecision(Precision):
         return {"dtype": compute, "quantization_config": quant}
 
 
+@dataclass(frozen=True)
+class FastPrecision(Precision):
+    """The fast path (engine/fast.py): a lean decoder over a static KV cache, with weight-only
+    int8 / int4 linears (engine/quantize.py) or plain fp32 / bf16 weights. CPU only for now:
+    the int8/int4 kernels it uses are PyTorch's CPU ones."""
+
+    scheme: str = "int8"
+
+    def check_device(self, device_type: str) -> None:
+        if device_type != "cpu":
+            raise UnsupportedPrecisionError(
+                f"{self.name} (the fast path) runs on the CPU for now, not on {device_type}: choose fp32, bf16, "
+                "int8 or nf4 there."
+            )
+
+    def compute_dtype(self, device_type: str) -> str:
+        return "float32" if self.scheme == "fp32" else "bfloat16"
+
+    def load_kwargs(self, device_type: str) -> dict:
+        import torch
+
+        # int8/int4 quantize from fp32 weights (from bf16 ones they'd round twice), then the
+        # rest of the model drops to bf16
+        return {"dtype": torch.bfloat16 if self.scheme == "bf16" else torch.float32}
+
+
 PRECISIONS: dict[str, Precision] = {
     p.name: p
     for p in (
@@ -103,6 +129,10 @@ PRECISIONS: dict[str, Precision] = {
         BitsAndBytesPrecision("int8", "int8 (bitsandbytes LLM.int8)", 8, scheme="int8"),
         BitsAndBytesPrecision("nf4", "nf4 (bitsandbytes 4-bit NormalFloat)", 4, scheme="nf4"),
         BitsAndBytesPrecision("fp4", "fp4 (bitsandbytes 4-bit float)", 4, scheme="fp4"),
+        FastPrecision("fp32-fast", "fp32 (fast path)", 32, scheme="fp32"),
+        FastPrecision("bf16-fast", "bf16 (fast path)", 16, scheme="bf16"),
+        FastPrecision("int8-fast", "int8 (fast: weight-only, per-row scales)", 8, scheme="int8"),
+        FastPrecision("int4-fast", "int4 (fast: weight-only, groups of 32)", 4, scheme="int4"),
     )
 }
 

@@ -1,0 +1,148 @@
+"""Weight-only quantized linear layers for the fast path: one handler per scheme (gpt-fast style).
+
+Decoding one token multiplies a single activation row by every weight matrix, so its cost is
+reading the weights: fewer bytes per weight, faster tokens. These layers keep the weights in
+int8 (one scale per output row) or int4 (a scale and zero per group of 32 inputs) and
+multiply with PyTorch's CPU weight-only kernels, activations in bf16.
+
+Those kernels slow down sharply on very tall matrices (a 49152 × 576 vocabulary head ran
+~6× slower than the same bytes in 4096-row pieces), so every layer works in row blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+HEAD_INT8_UNDER_INT4 = True
+"""Keep the output head in int8 under int4, as llama.cpp keeps its output tensor at higher
+precision than the layers: at 4 bits the head's errors land directly on the logits."""
+ROW_BLOCK = 4096
+"""Output rows per kernel call."""
+INT4_GROUP = 32
+"""Inputs per int4 scale group (128 does not divide SmolLM2's hidden size, 576)."""
+
+
+def _blocks(rows: int) -> list[tuple[int, int]]:
+    return [(start, min(start + ROW_BLOCK, rows)) for start in range(0, rows, ROW_BLOCK)]
+
+
+class _BlockedLinear(nn.Module):
+    """Shared plumbing: bias, output shape, row blocks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
+        self.blocks = _blocks(out_features)
+
+    def _matmul(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        if len(self.blocks) == 1:
+            out = self._matmul(flat, 0, self.out_features)
+        else:
+            out = torch.cat([self._matmul(flat, start, end) for start, end in self.blocks], dim=-1)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8WeightOnlyLinear(_BlockedLinear):
+    """int8 weights, one bf16 scale per output row (symmetric, absmax / 127)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        weight = linear.weight.detach().float()
+        super().__init__(weight.shape[1], weight.shape[0], linear.bias)
+        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        quantized = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("weight", quantized.contiguous())
+        self.register_buffer("scales", scale.to(torch.bfloat16))
+
+    def _matmul(self, x, start, end):
+        return torch._weight_int8pack_mm(x, self.weight[start:end], self.scales[start:end])
+
+
+class Int4WeightOnlyLinear(_BlockedLinear):
+    """int4 weights (asymmetric, min/max per group of 32 inputs), packed for the CPU kernel."""
+
+    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP) -> None:
+        weight = linear.weight.detach().float()
+        rows, cols = weight.shape
+        if cols % group or rows % 16:
+            raise ValueError(f"int4 needs inputs ({cols}) in multiples of {group} and outputs ({rows}) of 16")
+        super().__init__(cols, rows, linear.bias)
+        grouped = weight.reshape(rows, cols // group, group)
+        low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+        scale = ((high - low) / 15.0).clamp(min=1e-12)
+        codes = torch.round((grouped - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+        # the kernel computes (code − 8) · scale + zero, so zero is the value of code 8
+        zero = low + 8 * scale
+        self.group = group
+        packed = [torch._convert_weight_to_int4pack_for_cpu(codes[start:end].reshape(end - start, cols), 1)
+                  for start, end in self.blocks]
+        for i, block in enumerate(packed):
+            self.register_buffer(f"packed{i}", block)
+        scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        for i, (start, end) in enumerate(self.blocks):
+            self.register_buffer(f"scales_zeros{i}", scales_zeros[:, start:end].contiguous())
+        self._index = {start: i for i, (start, _) in enumerate(self.blocks)}
+
+    def _matmul(self, x, start, end):
+        i = self._index[start]
+        return torch._weight_int4pack_mm_for_cpu(x, getattr(self, f"packed{i}"), self.group,
+                                                 getattr(self, f"scales_zeros{i}"))
+
+
+class BlockedDenseLinear(_BlockedLinear):
+    """A plain bf16 or fp32 weight, multiplied in row blocks (the tall head is slow in one piece)."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
+        weight = linear.weight.detach().to(dtype)
+        super().__init__(weight.shape[1], weight.shape[0], None)
+        self.dtype = dtype
+        self.register_buffer("weight", weight.contiguous())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
+
+    def forward(self, x):
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1]).to(self.dtype)
+        parts = [nn.functional.linear(flat, self.weight[start:end]) for start, end in self.blocks]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+
+def quantize_linears(model: nn.Module, scheme: str) -> int:
+    """Swap every ``nn.Linear`` of ``model`` (the head included) for the ``scheme`` handler, in
+    place; return how many were swapped. A head tied to the embeddings gets its own copy (the
+    embedding table stays as it is: looking up one row per token reads almost nothing)."""
+    make = {"int8": Int8WeightOnlyLinear, "int4": Int4WeightOnlyLinear,
+            "bf16": lambda linear: BlockedDenseLinear(linear, torch.bfloat16),
+            "fp32": lambda linear: BlockedDenseLinear(linear, torch.float32)}[scheme]
+    swapped = 0
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear)]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for parent, name, child in targets:
+        if scheme in ("bf16", "fp32") and child.out_features < ROW_BLOCK * 2:
+            continue  # a dense matrix of ordinary height gains nothing from blocks
+        try:
+            if scheme == "int4" and child is head and HEAD_INT8_UNDER_INT4:
+                replacement = Int8WeightOnlyLinear(child)
+            else:
+                replacement = make(child)
+        except ValueError:  # a shape the int4 kernel can't take: int8 for this one layer
+            replacement = Int8WeightOnlyLinear(child)
+        setattr(parent, name, replacement)
+        swapped += 1
+    if hasattr(model.config, "tie_word_embeddings") and swapped:
+        model.config.tie_word_embeddings = False  # the head is a separate (quantized) copy now
+    return swapped
