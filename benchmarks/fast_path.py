@@ -28,21 +28,11 @@ from engine.bench import versions
 from engine.events import TokenGenerated
 from engine.loading import LoadRequest, load_model
 from engine.request import GenerationRequest
+from engine_vs_transformers import _Clock  # benchmarks/ is on the path when run as a script
 
 PROMPT = "Explain microservices in simple terms."
 DEFAULT_ENGINES = ("generate-fp32", "generate-bf16", "fp32", "fp32-fast", "bf16", "bf16-fast", "int8", "int8-fast",
                    "nf4", "int4-fast")
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
 
 
 def _steps(times: list[float]) -> list[float]:

@@ -72,6 +72,28 @@ def stream(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[i
         raise EngineError(f"Generation failed: {type(exc).__name__}: {exc}") from exc
 
 
+def stop_reason(token: int, piece: str, text: str, request: GenerationRequest, eos: frozenset[int],
+                generated: int, length: int, context: int | None,
+                cancel: CancelToken) -> tuple[str | None, str | None]:
+    """Why generation ends after ``token`` (its ``piece`` ends ``text``), with the stop string
+    that matched; ``(None, None)`` to go on. ``length``: prompt and answer tokens so far."""
+    if token in eos:
+        return "eos", None
+    if request.stop:
+        longest = max(len(s) for s in request.stop)
+        tail = text[-(longest + len(piece)):]
+        stop_string = next((s for s in request.stop if s in tail), None)
+        if stop_string:
+            return "stop_string", stop_string
+    if generated >= request.max_new_tokens:
+        return "length", None
+    if context is not None and length >= context:
+        return "context", None
+    if cancel.cancelled:
+        return "cancelled", None
+    return None, None
+
+
 class _Tokens:
     """Prompt and answer ids in one tensor (for the repetition penalty and the next input),
     grown by doubling so ``max_new_tokens`` can be large without a large allocation."""
@@ -130,7 +152,6 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int
     probe = MemoryProbe(device)
     n_prompt = len(prompt_ids)
     top_k = request.top_alternatives
-    longest_stop = max((len(s) for s in request.stop), default=0)
     room = request.max_new_tokens if context is None else min(request.max_new_tokens, context - n_prompt)
     seen = _Tokens(prompt_ids, min(room, 4096), device)
     predicted = loaded.predicted_kv_bytes
@@ -189,20 +210,8 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int
         seen.append(token)
         piece = detok.add(token)
 
-        reason, stop_string = None, None
-        if token in eos:
-            reason = "eos"
-        elif longest_stop:
-            tail = detok.text[-(longest_stop + len(piece)):]
-            stop_string = next((s for s in request.stop if s in tail), None)
-            reason = "stop_string" if stop_string else None
-        if reason is None:
-            if len(tokens) >= request.max_new_tokens:
-                reason = "length"
-            elif context is not None and n_prompt + len(tokens) >= context:
-                reason = "context"
-            elif cancel.cancelled:
-                reason = "cancelled"
+        reason, stop_string = stop_reason(token, piece, detok.text, request, eos, len(tokens), n_prompt + len(tokens),
+                                          context, cancel)
         if reason is not None:
             piece += detok.flush()
 

@@ -27,7 +27,7 @@ from engine.cancel import CancelToken
 from engine.detokenize import IncrementalDetokenizer
 from engine.errors import EngineError, InvalidRequestError, OutOfMemoryError
 from engine.events import Alternative, DraftVerified, Finished, GenerationEvent, Prefilled, TokenGenerated
-from engine.generate import PREFILL_CHUNK, is_out_of_memory, top_scores
+from engine.generate import PREFILL_CHUNK, is_out_of_memory, stop_reason, top_scores
 from engine.kv import cache_bytes
 from engine.memory import MemoryProbe
 from engine.precision import PRECISIONS
@@ -196,7 +196,6 @@ def _run(target: "LoadedModel", draft: Draft, request: GenerationRequest, prompt
     keep = {"logits_to_keep": 1} if target.supports_logits_to_keep else {}
     draft_keep = {"logits_to_keep": 1} if draft.supports_logits_to_keep else {}
     top_k = request.top_alternatives
-    longest_stop = max((len(s) for s in request.stop), default=0)
     detok = IncrementalDetokenizer(target.tokenizer)
     probe = MemoryProbe(device)
     predicted = target.predicted_kv_bytes
@@ -258,20 +257,8 @@ def _run(target: "LoadedModel", draft: Draft, request: GenerationRequest, prompt
         tokens.append(token)
         committed.append(token)
         piece = detok.add(token)
-        reason, stop_string = None, None
-        if token in eos:
-            reason = "eos"
-        elif longest_stop:
-            tail = detok.text[-(longest_stop + len(piece)):]
-            stop_string = next((s for s in request.stop if s in tail), None)
-            reason = "stop_string" if stop_string else None
-        if reason is None:
-            if len(tokens) >= request.max_new_tokens:
-                reason = "length"
-            elif context is not None and len(committed) >= context:
-                reason = "context"
-            elif cancel.cancelled:
-                reason = "cancelled"
+        reason, stop_string = stop_reason(token, piece, detok.text, request, eos, len(tokens), len(committed),
+                                          context, cancel)
         if reason is not None:
             piece += detok.flush()
             latency += unused
