@@ -40,8 +40,28 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
+class _Layer:
+    """One decoder layer's pieces, with q/k/v and gate/up fused where the scheme allows."""
+
+    def __init__(self, layer) -> None:
+        from engine.quantize import fuse_rows
+
+        attn, mlp = layer.self_attn, layer.mlp
+        self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.eps = float(getattr(self.norm1, "variance_epsilon", getattr(self.norm1, "eps", 1e-6)))
+        self.qkv = fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o = attn.o_proj
+        self.scaling = attn.scaling
+        self.gate_up = fuse_rows([mlp.gate_proj, mlp.up_proj])
+        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.act = mlp.act_fn
+        self.intermediate = mlp.gate_proj.out_features
+
+
 class FastDecoder:
-    """Holds the model's modules; makes one :class:`FastRunner` per generation."""
+    """Holds the model's modules (fusing some of them in place); makes one
+    :class:`FastRunner` per generation."""
 
     def __init__(self, model) -> None:
         reason = unsupported_reason(model)
@@ -51,7 +71,7 @@ class FastDecoder:
         base = model.model
         config = model.config
         self.embed = base.embed_tokens
-        self.layers = list(base.layers)
+        self.layers = [_Layer(layer) for layer in base.layers]
         self.norm = base.norm
         self.rotary = base.rotary_emb
         self.head = model.lm_head
@@ -60,14 +80,19 @@ class FastDecoder:
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
-        self.context = getattr(config, "max_position_embeddings", None)
 
     def runner(self, capacity: int) -> "FastRunner":
         return FastRunner(self, capacity)
 
 
+def _rms(x: torch.Tensor, norm, eps: float) -> torch.Tensor:
+    """transformers' Llama RMSNorm (in fp32, back to the input's dtype, times the weight) as one op."""
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
 class FastRunner:
-    """One generation: a static KV cache (grown by doubling if the answer outruns it)."""
+    """One generation: a static KV cache (grown by doubling if the answer outruns it) and the
+    rotary cos/sin for every position in it, computed once."""
 
     def __init__(self, decoder: FastDecoder, capacity: int) -> None:
         self.d = decoder
@@ -85,6 +110,9 @@ class FastRunner:
         for old, new in zip(self.keys + self.values, keys + values):
             new[:, :, :self.length] = old[:, :, :self.length]
         self.keys, self.values, self.capacity = keys, values, capacity
+        positions = torch.arange(capacity, device=d.device).unsqueeze(0)
+        cos, sin = d.rotary(torch.zeros(1, dtype=d.dtype, device=d.device), positions)
+        self.cos, self.sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, capacity, head_dim]
 
     def kv_bytes(self) -> int:
         """Bytes of the cache slots holding tokens (the rest is reserved, see ``reserved_bytes``)."""
@@ -102,34 +130,37 @@ class FastRunner:
         end = start + count
         if end > self.capacity:
             self._grow(max(end, 2 * self.capacity))
-        hidden = d.embed(ids)
-        positions = torch.arange(start, end, device=d.device).unsqueeze(0)
-        cos, sin = d.rotary(hidden, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        heads, kv_heads, dim = d.heads, d.kv_heads, d.head_dim
+        rotated = heads + kv_heads
+        cos, sin = self.cos[:, :, start:end], self.sin[:, :, start:end]
+        half = dim // 2
         mask = None
         if count > 1:  # prefill: each new token sees the cache and the new tokens up to itself
             mask = torch.ones(count, end, dtype=torch.bool, device=d.device).tril(diagonal=start)
+        hidden = d.embed(ids)
         for layer, keys, values in zip(d.layers, self.keys, self.values):
-            attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(1, count, d.heads, d.head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(1, count, d.kv_heads, d.head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(1, count, d.kv_heads, d.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            keys[:, :, start:end] = k
-            values[:, :, start:end] = v
-            out = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
-                                                 scale=attn.scaling, enable_gqa=d.kv_heads != d.heads)
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, count, d.heads * d.head_dim))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            x = _rms(hidden, layer.norm1, layer.eps)
+            if layer.qkv is not None:
+                qkv = layer.qkv(x)
+            else:
+                qkv = torch.cat([p(x) for p in layer.projections], dim=-1)
+            qkv = qkv.view(1, count, rotated + kv_heads, dim).transpose(1, 2)
+            qk = qkv[:, :rotated]  # queries and keys get the rotary embedding together
+            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+            keys[:, :, start:end] = qk[:, heads:]
+            values[:, :, start:end] = qkv[:, rotated:]
+            out = F.scaled_dot_product_attention(qk[:, :heads], keys[:, :, :end], values[:, :, :end], attn_mask=mask,
+                                                 scale=layer.scaling, enable_gqa=kv_heads != heads)
+            hidden = hidden + layer.o(out.transpose(1, 2).reshape(1, count, heads * dim))
+            x = _rms(hidden, layer.norm2, layer.eps)
+            if layer.gate_up is not None:
+                gate_up = layer.gate_up(x)
+                gate, up = gate_up[..., :layer.intermediate], gate_up[..., layer.intermediate:]
+            else:
+                gate, up = layer.gate(x), layer.up(x)
+            hidden = hidden + layer.down(layer.act(gate) * up)
         self.length = end
         return d.head(d.norm(hidden[:, -1:]))[0, -1]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def attach(loaded: "LoadedModel") -> str | None:

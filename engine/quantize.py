@@ -66,7 +66,30 @@ class Int8WeightOnlyLinear(_BlockedLinear):
         self.register_buffer("scales", scale.to(torch.bfloat16))
 
     def _matmul(self, x, start, end):
+        if len(self.blocks) == 1:
+            return torch._weight_int8pack_mm(x, self.weight, self.scales)
         return torch._weight_int8pack_mm(x, self.weight[start:end], self.scales[start:end])
+
+    @classmethod
+    def fuse(cls, parts: list["Int8WeightOnlyLinear"]) -> "Int8WeightOnlyLinear":
+        """One layer computing all of ``parts`` (layers reading the same input): one kernel call
+        instead of several. The parts' weights become views of the fused ones (no extra memory),
+        so they keep working on their own."""
+        fused = cls.__new__(cls)
+        biases = [p.bias for p in parts]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else torch.zeros(p.out_features, dtype=torch.bfloat16) for p, b in zip(parts, biases)])
+        _BlockedLinear.__init__(fused, parts[0].in_features, sum(p.out_features for p in parts), bias)
+        fused.register_buffer("weight", torch.cat([p.weight for p in parts]))
+        fused.register_buffer("scales", torch.cat([p.scales for p in parts]))
+        start = 0
+        for part in parts:
+            end = start + part.out_features
+            part.weight, part.scales = fused.weight[start:end], fused.scales[start:end]
+            if part.bias is not None:
+                part.bias = nn.Parameter(fused.bias[start:end], requires_grad=False)
+            start = end
+        return fused
 
 
 class Int4WeightOnlyLinear(_BlockedLinear):
@@ -118,6 +141,31 @@ class BlockedDenseLinear(_BlockedLinear):
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
+
+
+def fuse_rows(parts: list[nn.Module]) -> nn.Module | None:
+    """A layer computing the concatenated outputs of ``parts`` with one kernel call, sharing
+    their memory; ``None`` where the scheme can't (int4's packed blocks, mixed kinds)."""
+    if all(type(p) is Int8WeightOnlyLinear for p in parts):
+        return Int8WeightOnlyLinear.fuse(parts)
+    if all(type(p) is nn.Linear for p in parts):
+        weight = torch.cat([p.weight.detach() for p in parts])
+        has_bias = any(p.bias is not None for p in parts)
+        fused = nn.Linear(parts[0].in_features, weight.shape[0], bias=has_bias, device="meta")
+        fused.weight = nn.Parameter(weight, requires_grad=False)
+        if has_bias:
+            fused.bias = nn.Parameter(torch.cat([p.bias.detach() if p.bias is not None else
+                                                 torch.zeros(p.out_features, dtype=weight.dtype) for p in parts]),
+                                      requires_grad=False)
+        start = 0
+        for part in parts:
+            end = start + part.out_features
+            part.weight = nn.Parameter(fused.weight[start:end], requires_grad=False)
+            if part.bias is not None:
+                part.bias = nn.Parameter(fused.bias[start:end], requires_grad=False)
+            start = end
+        return fused
+    return None
 
 
 def quantize_linears(model: nn.Module, scheme: str) -> int:

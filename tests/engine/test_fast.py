@@ -102,3 +102,18 @@ def test_unsupported_models_and_devices_are_refused_clearly(tiny_models):
 
     with pytest.raises(UnsupportedPrecisionError, match="CPU"):
         get_precision("int4-fast").check_device("cuda")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("precision", ["fp32-fast", "int8-fast", "int4-fast"])
+def test_fused_layers_leave_the_model_itself_working(long_models, arch, precision):
+    """q/k/v and gate/up are fused for the fast path, their weights turned into views of the
+    fused ones; transformers' own forward (batching, speculation, teacher forcing use it) must
+    still compute the same thing."""
+    loaded = load_model(LoadRequest(str(long_models[arch]), precision, "cpu"))
+    ids = torch.tensor([loaded.encode(GenerationRequest(PROMPT, mode="raw"))])
+    with torch.inference_mode():
+        theirs = loaded.model(input_ids=ids).logits[0, -1].float()
+        ours = loaded.runner(64).forward(ids).float()
+    assert torch.allclose(ours, theirs, atol=2e-2 * float(theirs.abs().max()))
+    assert int(ours.argmax()) == int(theirs.argmax())
