@@ -113,6 +113,8 @@ class MainWindow(QMainWindow):
         worker.tokens_generated.connect(self._on_tokens_generated)
         worker.generation_finished.connect(self._on_generation_finished)
         worker.generation_failed.connect(self._on_generation_failed)
+        worker.compile_started.connect(self._on_compile_started)
+        worker.compile_finished.connect(self._on_compile_finished)
         self.model_panel.load_clicked.connect(self.load)
         self.model_panel.unload_clicked.connect(self.unload)
         self.model_panel.cancel_clicked.connect(self.session.cancel_load)
@@ -368,6 +370,22 @@ class MainWindow(QMainWindow):
         self.model_panel.show_progress(event)
 
     @Slot(object)
+    def _on_compile_started(self) -> None:
+        self.model_panel.stage.setText(
+            "Fast path: compiling the decode step in the background (about 40 s per cache size the first "
+            "time, seconds later; generation runs, slower, until then).")
+
+    def _on_compile_finished(self, report) -> None:
+        if self.loaded is None:
+            return
+        if report.error:
+            self.model_panel.stage.setText(f"Fast path: compiling failed, the eager step is in use ({report.error}).")
+        elif report.capacities:
+            sizes = ", ".join(str(c) for c in sorted(report.capacities))
+            self.model_panel.stage.setText(
+                f"Fast path: decode step compiled in {report.seconds:.0f} s for caches of {sizes} tokens "
+                f"(kept in {report.cache_dir}).")
+
     def _on_loaded(self, info: Loaded) -> None:
         self.loading = False
         self.loaded = info

@@ -44,6 +44,8 @@ class EngineWorker(QObject):
     speculation_events = Signal(object, object)  # "plain" | "speculative", tuple of events in order
     speculation_finished = Signal(object)  # the report dict
     speculation_failed = Signal(object)  # Exception
+    compile_started = Signal()
+    compile_finished = Signal(object)  # engine.fast.CompileReport (emitted from the compile thread)
 
     def __init__(self) -> None:
         super().__init__()  # no parent: moveToThread needs a parentless object
@@ -74,6 +76,9 @@ class EngineWorker(QObject):
             return
         self._model = model
         self.loaded.emit(model.info)
+        if model.fast is not None:  # the fast path compiles its decode step while the model is usable
+            self.compile_started.emit()
+            model.fast.compile_in_background(self.compile_finished.emit)
 
     @Slot(object)
     def predict(self, request) -> None:
@@ -110,6 +115,8 @@ class EngineWorker(QObject):
         self._drop_draft()
         if self._model is not None:
             model, self._model = self._model, None
+            if model.fast is not None:
+                model.fast.stop_compiling(timeout=0)  # it ends after the size it is compiling now
             model.close()
 
     def _drop_draft(self) -> None:
@@ -253,6 +260,8 @@ class ModelSession(QObject):
     speculation_events = Signal(object, object)
     speculation_finished = Signal(object)
     speculation_failed = Signal(object)
+    compile_started = Signal()
+    compile_finished = Signal(object)
 
     def __init__(self, name: str = "engine", parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -271,7 +280,8 @@ class ModelSession(QObject):
         for name in ("devices_found", "models_found", "load_progressed", "loaded", "load_failed", "unloaded",
                      "generation_started", "prefilled", "tokens_generated", "generation_finished",
                      "generation_failed", "predicted", "scored", "sweep_stepped", "sweep_point", "sweep_finished",
-                     "sweep_failed", "speculation_events", "speculation_finished", "speculation_failed"):
+                     "sweep_failed", "speculation_events", "speculation_finished", "speculation_failed",
+                     "compile_started", "compile_finished"):
             # signal to signal, across threads: queued into this (the GUI) thread
             getattr(self.worker, name).connect(getattr(self, name))
         self.thread.finished.connect(self.worker.deleteLater)

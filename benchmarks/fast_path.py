@@ -10,7 +10,10 @@ when ``llama-cpp-python`` is installed (it compiles from source, so it is never 
 ``--gguf-q8`` names a Q8_0 file, the default model's own GGUF is Q4_1).
 
     python benchmarks/fast_path.py --tokens 64 --rounds 3
-    python benchmarks/fast_path.py --engines generate-fp32,int8-fast,int4-fast --rounds 5
+    python benchmarks/fast_path.py --engines generate-fp32,int8-fast,int8-fast+compiled --rounds 5
+
+"+compiled" engines compile the decode step first (torch.compile, cached on disk in the user
+cache: ~40 s per engine the first time on two cores, seconds afterwards).
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from engine.request import GenerationRequest
 from engine_vs_transformers import _Clock  # benchmarks/ is on the path when run as a script
 
 PROMPT = "Explain microservices in simple terms."
-DEFAULT_ENGINES = ("generate-fp32", "generate-bf16", "fp32", "fp32-fast", "bf16", "bf16-fast", "int8", "int8-fast",
-                   "nf4", "int4-fast")
+DEFAULT_ENGINES = ("generate-fp32", "generate-bf16", "fp32", "fp32-fast", "fp32-fast+compiled", "bf16", "bf16-fast",
+                   "bf16-fast+compiled", "int8", "int8-fast", "int8-fast+compiled", "nf4", "int4-fast",
+                   "int4-fast+compiled")
 
 
 def _steps(times: list[float]) -> list[float]:
@@ -74,7 +78,12 @@ def make_engine(name: str, tokens: int, gguf_q8: str | None):
         import os
 
         return run, os.path.getsize(path)
-    loaded = load_model(LoadRequest("default", name, "cpu"))
+    loaded = load_model(LoadRequest("default", name.removesuffix("+compiled"), "cpu"))
+    if name.endswith("+compiled"):
+        from engine.fast import _bucket
+
+        report = loaded.fast.compile(capacities=(_bucket(len(loaded.encode(request)) + tokens),))
+        print(f"  compiled in {report.seconds:.1f} s" + (f" — failed: {report.error}" if report.error else ""))
 
     def run() -> list[float]:
         return [e.latency_s for e in loaded.generate(request) if isinstance(e, TokenGenerated)][1:]
@@ -120,8 +129,8 @@ def main() -> int:
         weights = engines[name][1]
         roofline = 100 * weights * rate[name] / bandwidth
         versus = ""
-        if name in ("int8-fast", "int4-fast"):
-            other = rate.get("llama.cpp-q8_0" if name == "int8-fast" else "llama.cpp-q4_1")
+        if name.startswith(("int8-fast", "int4-fast")):
+            other = rate.get("llama.cpp-q8_0" if name.startswith("int8") else "llama.cpp-q4_1")
             versus = f"{rate[name] / other:.2f}×" if other else ""
         print(f"{name:<16} {rate[name]:7.1f} {(f'{rate[name] / base:.2f}×' if base else ''):>17} "
               f"{weights / 2**20:8.1f}Mi {roofline:13.0f}% {versus:>13}")

@@ -14,6 +14,10 @@ run goes back to the reference path (the load says so).
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +28,28 @@ if TYPE_CHECKING:
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 MIN_CAPACITY = 256
+COMPILE_CAPACITIES = (512, 256, 1024, 2048)
+"""Cache sizes the decode step is compiled for in the background, most used first (a chat
+turn of a few hundred tokens fits 512). Larger caches run the eager step."""
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """The background compile of the decode step ended."""
+
+    capacities: tuple[int, ...]
+    """Cache sizes compiled (an answer whose cache fits one of these uses the compiled step)."""
+    seconds: float
+    cache_dir: str
+    error: str | None = None
+
+
+def _bucket(tokens: int) -> int:
+    """The cache size for ``tokens``: a power of two from 256, so compiled sizes get reused."""
+    size = MIN_CAPACITY
+    while size < tokens:
+        size *= 2
+    return size
 
 
 def unsupported_reason(model) -> str | None:
@@ -80,6 +106,58 @@ class FastDecoder:
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
+        self.compiled = None
+        """The decode step compiled by torch.compile, once :meth:`compile` has finished."""
+        self.compiled_capacities: frozenset[int] = frozenset()
+        self._compile_thread: threading.Thread | None = None
+
+    def compile(self, capacities: Iterable[int] = COMPILE_CAPACITIES,
+                cancelled: Callable[[], bool] = lambda: False) -> CompileReport:
+        """Compile the decode step for these cache sizes (inductor keeps the result on disk, in
+        the user cache: about 40 s each the first time on two cores, a few seconds later). Each
+        size becomes usable as soon as it is compiled."""
+        from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+        folder = inductor_cache_dir()
+        start = time.perf_counter()
+        done: list[int] = []
+        try:
+            step = self.compiled or torch.compile(_decode_step, dynamic=False)
+            token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+            for capacity in capacities:
+                if cancelled():
+                    break
+                scratch = FastRunner(self, capacity)
+                with torch.inference_mode():
+                    for position in range(2):  # a second call confirms no recompilation is pending
+                        step(self, scratch.keys, scratch.values, scratch.cos, scratch.sin, token,
+                             torch.tensor([position], device=self.device))
+                self.compiled = step
+                done.append(capacity)
+                self.compiled_capacities = frozenset(done)
+        except Exception as exc:  # no C++ compiler, an unsupported op…: the eager step still works
+            return CompileReport(tuple(done), time.perf_counter() - start, folder, f"{type(exc).__name__}: {exc}")
+        return CompileReport(tuple(done), time.perf_counter() - start, folder)
+
+    def compile_in_background(self, on_done: Callable[[CompileReport], None] | None = None,
+                              capacities: Iterable[int] = COMPILE_CAPACITIES) -> threading.Thread:
+        """:meth:`compile` on a daemon thread; generations use the eager step until it is ready."""
+        self._stop_compile = False
+
+        def run() -> None:
+            report = self.compile(capacities, cancelled=lambda: self._stop_compile)
+            if on_done is not None:
+                on_done(report)
+
+        self._compile_thread = threading.Thread(target=run, name="fast-path-compile", daemon=True)
+        self._compile_thread.start()
+        return self._compile_thread
+
+    def stop_compiling(self, timeout: float | None = None) -> None:
+        """Stop after the size being compiled now (one torch.compile call can't be interrupted)."""
+        self._stop_compile = True
+        if self._compile_thread is not None:
+            self._compile_thread.join(timeout)
 
     def runner(self, capacity: int) -> "FastRunner":
         return FastRunner(self, capacity)
@@ -100,13 +178,14 @@ class FastRunner:
         self.capacity = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self._grow(max(MIN_CAPACITY, min(capacity, 1 << 16)))
+        self._grow(_bucket(min(capacity, 1 << 16)))
 
     def _grow(self, capacity: int) -> None:
         d = self.d
         shape = (1, d.kv_heads, capacity, d.head_dim)
-        keys = [torch.empty(shape, dtype=d.dtype, device=d.device) for _ in d.layers]
-        values = [torch.empty(shape, dtype=d.dtype, device=d.device) for _ in d.layers]
+        # zeros, not empty: the compiled step masks unwritten slots, and 0 × NaN garbage would be NaN
+        keys = [torch.zeros(shape, dtype=d.dtype, device=d.device) for _ in d.layers]
+        values = [torch.zeros(shape, dtype=d.dtype, device=d.device) for _ in d.layers]
         for old, new in zip(self.keys + self.values, keys + values):
             new[:, :, :self.length] = old[:, :, :self.length]
         self.keys, self.values, self.capacity = keys, values, capacity
@@ -124,43 +203,93 @@ class FastRunner:
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits after the last of ``ids`` ([1, n]); the n tokens join the cache."""
-        d = self.d
         count = ids.shape[1]
-        start = self.length
-        end = start + count
+        end = self.length + count
         if end > self.capacity:
-            self._grow(max(end, 2 * self.capacity))
-        heads, kv_heads, dim = d.heads, d.kv_heads, d.head_dim
-        rotated = heads + kv_heads
-        cos, sin = self.cos[:, :, start:end], self.sin[:, :, start:end]
-        half = dim // 2
-        mask = None
-        if count > 1:  # prefill: each new token sees the cache and the new tokens up to itself
-            mask = torch.ones(count, end, dtype=torch.bool, device=d.device).tril(diagonal=start)
-        hidden = d.embed(ids)
-        for layer, keys, values in zip(d.layers, self.keys, self.values):
-            x = _rms(hidden, layer.norm1, layer.eps)
-            if layer.qkv is not None:
-                qkv = layer.qkv(x)
-            else:
-                qkv = torch.cat([p(x) for p in layer.projections], dim=-1)
-            qkv = qkv.view(1, count, rotated + kv_heads, dim).transpose(1, 2)
-            qk = qkv[:, :rotated]  # queries and keys get the rotary embedding together
-            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-            keys[:, :, start:end] = qk[:, heads:]
-            values[:, :, start:end] = qkv[:, rotated:]
-            out = F.scaled_dot_product_attention(qk[:, :heads], keys[:, :, :end], values[:, :, :end], attn_mask=mask,
-                                                 scale=layer.scaling, enable_gqa=kv_heads != heads)
-            hidden = hidden + layer.o(out.transpose(1, 2).reshape(1, count, heads * dim))
-            x = _rms(hidden, layer.norm2, layer.eps)
-            if layer.gate_up is not None:
-                gate_up = layer.gate_up(x)
-                gate, up = gate_up[..., :layer.intermediate], gate_up[..., layer.intermediate:]
-            else:
-                gate, up = layer.gate(x), layer.up(x)
-            hidden = hidden + layer.down(layer.act(gate) * up)
+            self._grow(_bucket(end))
+        if count == 1 and self.capacity in self.d.compiled_capacities:
+            position = torch.tensor([self.length], device=self.d.device)
+            logits = self.d.compiled(self.d, self.keys, self.values, self.cos, self.sin, ids, position)
+        else:
+            logits = _forward(self.d, self.keys, self.values, self.cos, self.sin, ids, self.length)
         self.length = end
-        return d.head(d.norm(hidden[:, -1:]))[0, -1]
+        return logits
+
+
+def _forward(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_layer: list[torch.Tensor],
+             cos_table: torch.Tensor, sin_table: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """One forward pass of ``ids`` at positions ``start…``: writes their keys and values into the
+    cache, returns the logits after the last one. A plain function, so torch.compile can take it."""
+    count = ids.shape[1]
+    end = start + count
+    heads, kv_heads, dim = d.heads, d.kv_heads, d.head_dim
+    rotated = heads + kv_heads
+    cos, sin = cos_table[:, :, start:end], sin_table[:, :, start:end]
+    half = dim // 2
+    mask = None
+    if count > 1:  # prefill: each new token sees the cache and the new tokens up to itself
+        mask = torch.ones(count, end, dtype=torch.bool, device=d.device).tril(diagonal=start)
+    hidden = d.embed(ids)
+    for layer, keys, values in zip(d.layers, keys_per_layer, values_per_layer):
+        x = _rms(hidden, layer.norm1, layer.eps)
+        if layer.qkv is not None:
+            qkv = layer.qkv(x)
+        else:
+            qkv = torch.cat([p(x) for p in layer.projections], dim=-1)
+        qkv = qkv.view(1, count, rotated + kv_heads, dim).transpose(1, 2)
+        qk = qkv[:, :rotated]  # queries and keys get the rotary embedding together
+        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+        keys[:, :, start:end] = qk[:, heads:]
+        values[:, :, start:end] = qkv[:, rotated:]
+        out = F.scaled_dot_product_attention(qk[:, :heads], keys[:, :, :end], values[:, :, :end], attn_mask=mask,
+                                             scale=layer.scaling, enable_gqa=kv_heads != heads)
+        hidden = hidden + layer.o(out.transpose(1, 2).reshape(1, count, heads * dim))
+        x = _rms(hidden, layer.norm2, layer.eps)
+        if layer.gate_up is not None:
+            gate_up = layer.gate_up(x)
+            gate, up = gate_up[..., :layer.intermediate], gate_up[..., layer.intermediate:]
+        else:
+            gate, up = layer.gate(x), layer.up(x)
+        hidden = hidden + layer.down(layer.act(gate) * up)
+    return d.head(d.norm(hidden[:, -1:]))[0, -1]
+
+
+def _decode_step(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_layer: list[torch.Tensor],
+                 cos_table: torch.Tensor, sin_table: torch.Tensor, ids: torch.Tensor,
+                 position: torch.Tensor) -> torch.Tensor:
+    """One decode step (one token at ``position``, a 1-element tensor) with every shape fixed by
+    the cache's capacity: attention runs over the whole cache with the unwritten slots masked
+    out. What torch.compile gets: fixed shapes compile once per capacity and never retrace."""
+    heads, kv_heads, dim = d.heads, d.kv_heads, d.head_dim
+    rotated = heads + kv_heads
+    capacity = keys_per_layer[0].shape[2]
+    cos = cos_table.index_select(2, position)
+    sin = sin_table.index_select(2, position)
+    mask = (torch.arange(capacity, device=position.device) <= position).view(1, 1, 1, capacity)
+    half = dim // 2
+    hidden = d.embed(ids)
+    for layer, keys, values in zip(d.layers, keys_per_layer, values_per_layer):
+        x = _rms(hidden, layer.norm1, layer.eps)
+        if layer.qkv is not None:
+            qkv = layer.qkv(x)
+        else:
+            qkv = torch.cat([p(x) for p in layer.projections], dim=-1)
+        qkv = qkv.view(1, 1, rotated + kv_heads, dim).transpose(1, 2)
+        qk = qkv[:, :rotated]
+        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+        keys.index_copy_(2, position, qk[:, heads:])
+        values.index_copy_(2, position, qkv[:, rotated:])
+        out = F.scaled_dot_product_attention(qk[:, :heads], keys, values, attn_mask=mask, scale=layer.scaling,
+                                             enable_gqa=kv_heads != heads)
+        hidden = hidden + layer.o(out.transpose(1, 2).reshape(1, 1, heads * dim))
+        x = _rms(hidden, layer.norm2, layer.eps)
+        if layer.gate_up is not None:
+            gate_up = layer.gate_up(x)
+            gate, up = gate_up[..., :layer.intermediate], gate_up[..., layer.intermediate:]
+        else:
+            gate, up = layer.gate(x), layer.up(x)
+        hidden = hidden + layer.down(layer.act(gate) * up)
+    return d.head(d.norm(hidden))[0, -1]
 
 
 def attach(loaded: "LoadedModel") -> str | None:

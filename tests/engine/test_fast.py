@@ -117,3 +117,39 @@ def test_fused_layers_leave_the_model_itself_working(long_models, arch, precisio
         ours = loaded.runner(64).forward(ids).float()
     assert torch.allclose(ours, theirs, atol=2e-2 * float(theirs.abs().max()))
     assert int(ours.argmax()) == int(theirs.argmax())
+
+
+def test_the_compiled_decode_step_gives_the_same_tokens(long_models):
+    loaded = load_model(LoadRequest(str(long_models["llama"]), "fp32-fast", "cpu"))
+    request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=40, ignore_eos=True)
+    _, eager = run(loaded, request)
+    reports = []
+    thread = loaded.fast.compile_in_background(reports.append, capacities=(256,))
+    thread.join(timeout=600)
+    report = reports[0]
+    assert report.error is None and report.capacities == (256,) and report.seconds > 0
+    assert loaded.fast.compiled_capacities == {256}
+    events, compiled = run(loaded, request)
+    assert compiled.token_ids == eager.token_ids
+    tokens = [e for e in events if isinstance(e, TokenGenerated)]
+    assert all(t.kv_cache_bytes == t.kv_cache_bytes_predicted for t in tokens)
+    # an answer that needs a 512-token cache (a size not compiled here) runs the eager step
+    long = GenerationRequest(PROMPT, mode="raw", max_new_tokens=260, ignore_eos=True)
+    loaded.fast.compiled_capacities = frozenset()
+    _, reference = run(loaded, long)
+    loaded.fast.compiled_capacities = frozenset({256})
+    _, mixed = run(loaded, long)
+    assert mixed.token_ids == reference.token_ids
+
+
+def test_a_failed_compile_leaves_the_eager_step(long_models, monkeypatch):
+    loaded = load_model(LoadRequest(str(long_models["llama"]), "int8-fast", "cpu"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    report = loaded.fast.compile(capacities=(256,))
+    assert report.error == "RuntimeError: no C++ compiler" and report.capacities == ()
+    _, final = run(loaded, GenerationRequest(PROMPT, mode="raw", max_new_tokens=5, ignore_eos=True))
+    assert final.tokens == 5
