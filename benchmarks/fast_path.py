@@ -123,7 +123,7 @@ def main() -> int:
     base = rate.get("generate-fp32")
     print(f"\n{args.tokens} greedy tokens × {args.rounds} rounds, interleaved; {torch.get_num_threads()} threads; "
           f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s")
-    print(f"{'engine':<16} {'tok/s':>7} {'vs generate fp32':>17} {'weights':>10} {'% of roofline':>14} {'vs llama.cpp':>13}")
+    print(f"{'engine':<20} {'tok/s':>7} {'vs generate fp32':>17} {'weights':>10} {'% of roofline':>14} {'vs llama.cpp':>13}")
     rows = []
     for name in names:
         weights = engines[name][1]
@@ -132,7 +132,7 @@ def main() -> int:
         if name.startswith(("int8-fast", "int4-fast")):
             other = rate.get("llama.cpp-q8_0" if name.startswith("int8") else "llama.cpp-q4_1")
             versus = f"{rate[name] / other:.2f}×" if other else ""
-        print(f"{name:<16} {rate[name]:7.1f} {(f'{rate[name] / base:.2f}×' if base else ''):>17} "
+        print(f"{name:<20} {rate[name]:7.1f} {(f'{rate[name] / base:.2f}×' if base else ''):>17} "
               f"{weights / 2**20:8.1f}Mi {roofline:13.0f}% {versus:>13}")
         rows.append({"engine": name, "tokens_per_s": rate[name], "vs_generate_fp32": rate[name] / base if base else None,
                      "weights_bytes": weights, "roofline_percent": roofline})
