@@ -24,7 +24,47 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", choices=list(PRECISIONS), help="precision for --model")
     parser.add_argument("--device", help="device for --model: auto, cpu, cuda, cuda:N, mps")
     parser.add_argument("--no-autoload", action="store_true", help="don't load a model at start")
+    parser.add_argument("--self-check", metavar="PNG",
+                        help="load the model, answer one short prompt, save a screenshot of the window to PNG, "
+                             "print what happened and exit (0 if it all worked): checks an install or a bundle")
     return parser
+
+
+def self_check(window, app, path: str) -> None:
+    """Wire ``window`` to load, generate a few tokens, save a screenshot and quit (exit code 0/1)."""
+    import time
+
+    from PySide6.QtCore import QTimer
+
+    started = time.perf_counter()
+    prompt = "Say hello in five words."
+
+    def fail(exc) -> None:
+        print(f"self-check: failed: {exc}", file=sys.stderr, flush=True)
+        window.close()
+        app.exit(1)
+
+    def on_loaded(info) -> None:
+        print(f"self-check: loaded {info.name} ({info.precision}) in {info.load_s:.2f} s, "
+              f"{time.perf_counter() - started:.1f} s after start", flush=True)
+        window.generation_panel.max_tokens.setValue(16)
+        window.prompt.editor.setPlainText(prompt)
+        window.generate(prompt)
+
+    def on_finished(event) -> None:
+        QTimer.singleShot(300, lambda: finish(event))
+
+    def finish(event) -> None:
+        window.grab().save(path)
+        print(f"self-check: {event.tokens} tokens at {event.decode_tokens_per_s or 0:.1f} tok/s; "
+              f"screenshot {path}; {time.perf_counter() - started:.1f} s in all", flush=True)
+        window.close()
+        app.exit(0)
+
+    window.session.loaded.connect(on_loaded)
+    window.session.load_failed.connect(fail)
+    window.session.generation_finished.connect(on_finished)
+    window.session.generation_failed.connect(fail)
 
 
 def settings():
@@ -104,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         window.model_panel._select(window.model_panel.device, args.device)
     window.show()
     app.aboutToQuit.connect(lambda: window.session.shutdown(0))
-    QTimer.singleShot(0, lambda: window.start(autoload=not args.no_autoload))
+    if args.self_check:
+        self_check(window, app, args.self_check)
+    QTimer.singleShot(0, lambda: window.start(autoload=not args.no_autoload or bool(args.self_check)))
     return app.exec()
 
 

@@ -69,6 +69,8 @@ class MainWindow(QMainWindow):
         self.compare = None
         self.costs = None
         self.speedups = None
+        self.fetch_dialog = None  # the first run's download of the default model
+        self._loading_default = False
         self.tool_running = False  # the speed-ups window is using the model
 
         self.session = ModelSession("main", self)
@@ -289,6 +291,7 @@ class MainWindow(QMainWindow):
         if self.loading or self.generating or self.tool_running:
             return
         self.loading = True
+        self._loading_default = request.model == "default"
         self.prompt.show_message("")
         self._update_state()
         self.session.load(request)
@@ -368,6 +371,19 @@ class MainWindow(QMainWindow):
     @Slot(object)
     def _on_load_progressed(self, event: LoadProgress) -> None:
         self.model_panel.show_progress(event)
+        from app.fetch_dialog import FETCH_STAGES, FetchDialog
+
+        if self._loading_default and event.stage in FETCH_STAGES:
+            if self.fetch_dialog is None:
+                self.fetch_dialog = FetchDialog(self)
+                self.fetch_dialog.cancel_requested.connect(self.session.cancel_load)
+            self.fetch_dialog.show_progress(event)
+
+    def _close_fetch_dialog(self) -> None:
+        if self.fetch_dialog is not None:
+            self.fetch_dialog.finish()
+            self.fetch_dialog.deleteLater()
+            self.fetch_dialog = None
 
     @Slot(object)
     def _on_compile_started(self) -> None:
@@ -387,6 +403,7 @@ class MainWindow(QMainWindow):
                 f"(kept in {report.cache_dir}).")
 
     def _on_loaded(self, info: Loaded) -> None:
+        self._close_fetch_dialog()
         self.loading = False
         self.loaded = info
         self.transcript.model = info
@@ -397,6 +414,7 @@ class MainWindow(QMainWindow):
 
     @Slot(object)
     def _on_load_failed(self, exc: Exception) -> None:
+        self._close_fetch_dialog()
         self.loading = False
         self.loaded = None
         self.model_panel.show_unloaded()
@@ -405,6 +423,9 @@ class MainWindow(QMainWindow):
             self.prompt.show_message("Loading was cancelled.", "info")
             return
         message = str(exc) or type(exc).__name__
+        if type(exc).__name__ == "DownloadError" and self._loading_default:
+            message += ("\n\nTo use a model already on this machine, choose Folder… (a Hugging Face folder) or "
+                        "GGUF… (a .gguf file) in the Model panel.")
         self.prompt.show_message(f"Could not load the model: {message}", "error")
         box = QMessageBox(QMessageBox.Warning, "Could not load the model", message, QMessageBox.Ok, self)
         box.setObjectName("loadErrorBox")

