@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from PySide6.QtCore import QSettings, Signal
 from PySide6.QtWidgets import (
+    QCheckBox,
     QComboBox,
     QFileDialog,
     QFormLayout,
     QGroupBox,
     QHBoxLayout,
     QLabel,
+    QMessageBox,
     QProgressBar,
     QPushButton,
     QVBoxLayout,
@@ -64,6 +66,17 @@ class ModelPanel(QWidget):
         self.cancel_button = QPushButton("Cancel")
         self.cancel_button.setObjectName("cancelLoadButton")
         self.cancel_button.clicked.connect(self.cancel_clicked)
+        # code-running formats: off by default, a warning before each is turned on, never saved
+        self.allow_pickle = QCheckBox("Allow pickle checkpoints (.bin)")
+        self.allow_pickle.setObjectName("allowPickle")
+        self.allow_pickle.setToolTip("Pickle files can run any code when read. Only for models you trust.")
+        self.trust_remote_code = QCheckBox("Trust remote code")
+        self.trust_remote_code.setObjectName("trustRemoteCode")
+        self.trust_remote_code.setToolTip("Runs Python code shipped with the model. Only for models you trust.")
+        for box, what in ((self.allow_pickle, "Reading a pickle checkpoint (.bin) can run any code hidden in it."),
+                          (self.trust_remote_code, "Trusting remote code runs the Python files that come with "
+                                                   "the model, with your permissions.")):
+            box.toggled.connect(lambda on, box=box, what=what: self._confirm_unsafe(box, what) if on else None)
         self.progress = QProgressBar()
         self.progress.setObjectName("loadProgress")
         self.progress.setTextVisible(True)
@@ -78,6 +91,10 @@ class ModelPanel(QWidget):
         form.addRow("Model", source_row)
         form.addRow("Precision", self.precision)
         form.addRow("Device", self.device)
+        unsafe = QHBoxLayout()
+        unsafe.addWidget(self.allow_pickle)
+        unsafe.addWidget(self.trust_remote_code)
+        form.addRow(unsafe)
         buttons = QHBoxLayout()
         buttons.addWidget(self.load_button)
         buttons.addWidget(self.unload_button)
@@ -108,7 +125,18 @@ class ModelPanel(QWidget):
         text = self.source.currentText().strip()
         data = self.source.itemData(index) if index >= 0 and self.source.itemText(index) == text else None
         return LoadRequest(model=data or text, precision=self.precision.currentData(),
-                           device=self.device.currentData() or "auto")
+                           device=self.device.currentData() or "auto",
+                           allow_pickle=self.allow_pickle.isChecked(),
+                           trust_remote_code=self.trust_remote_code.isChecked())
+
+    confirm = staticmethod(lambda parent, text: QMessageBox.warning(
+        parent, "Run code from a model?", text, QMessageBox.Yes | QMessageBox.Cancel, QMessageBox.Cancel)
+        == QMessageBox.Yes)
+    """Asks the user (tests replace it)."""
+
+    def _confirm_unsafe(self, box: QCheckBox, what: str) -> None:
+        if not self.confirm(self, f"{what} Only turn this on for a model from a source you trust. Turn it on?"):
+            box.setChecked(False)
 
     def set_source(self, ref: str) -> None:
         index = self.source.findData(ref)

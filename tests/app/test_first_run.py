@@ -63,3 +63,29 @@ def test_cancel_in_the_dialog_stops_the_fetch(qtbot, window, isolated_cache, mon
     qtbot.waitUntil(lambda: window.fetch_dialog is None)
     assert "cancelled" in window.prompt.message.text().lower()
     assert not list(isolated_cache.rglob("*.gguf"))  # nothing half-fetched left behind
+
+
+def test_code_running_formats_need_an_explicit_opt_in(qtbot, window, monkeypatch):
+    from app.model_panel import ModelPanel
+
+    panel = window.model_panel
+    asked = []
+    monkeypatch.setattr(ModelPanel, "confirm", staticmethod(lambda parent, text: asked.append(text) or False))
+    assert not panel.request().allow_pickle and not panel.request().trust_remote_code
+    panel.allow_pickle.setChecked(True)  # the user declines the warning
+    assert not panel.allow_pickle.isChecked() and "pickle" in asked[-1]
+    monkeypatch.setattr(ModelPanel, "confirm", staticmethod(lambda parent, text: asked.append(text) or True))
+    panel.trust_remote_code.setChecked(True)
+    assert panel.trust_remote_code.isChecked() and "Python files" in asked[-1]
+    assert panel.request().trust_remote_code and not panel.request().allow_pickle
+
+
+def test_nothing_listens_on_a_network_port(qtbot, window, tiny_llama):
+    import psutil
+
+    from tests.app.conftest import generate, load
+
+    load(qtbot, window, tiny_llama)
+    generate(qtbot, window, "fox", max_tokens=3)
+    listening = [c for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert listening == []
