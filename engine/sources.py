@@ -95,12 +95,15 @@ def inspect_folder(folder: Path, allow_pickle: bool = False) -> tuple[str, Path 
             f"{folder} holds no model: expected config.json with .safetensors weights "
             "(a Hugging Face folder) or a .gguf file."
         )
+    _readable(config)
     try:
         json.loads(config.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise CorruptModelError(f"{config} is not valid JSON ({exc}).") from exc
     safetensors = sorted(folder.glob("*.safetensors"))
     if safetensors:
+        for path in safetensors:
+            _readable(path)
         _check_safetensors(safetensors)
         return "safetensors", None
     pickles = [p for p in folder.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES]
@@ -112,6 +115,15 @@ def inspect_folder(folder: Path, allow_pickle: bool = False) -> tuple[str, Path 
             )
         return "pickle", None
     raise NotAModelError(f"{folder} has config.json but no weights (.safetensors).")
+
+
+def _readable(path: Path) -> None:
+    """A file we may not read is a permission problem, not a corrupt model: say which."""
+    import os
+
+    if not os.access(path, os.R_OK):
+        raise NotAModelError(f"Permission denied reading {path}: this user may not read it "
+                             f"(chmod u+r, or copy the model somewhere readable).")
 
 
 def _check_safetensors(files: list[Path]) -> None:

