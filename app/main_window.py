@@ -33,14 +33,16 @@ from engine.units import format_bytes, format_rate, format_seconds
 log = logging.getLogger(__name__)
 
 
-def remember(info: Loaded | None, finished: Finished, kind: str) -> None:
-    """Add a finished run to the history (for the cost explorer); never let that fail a run."""
+def remember(info: Loaded | None, finished: Finished, kind: str, transcript: str | None = None) -> None:
+    """Add a finished run to the history (for the cost explorer and File → Run history, which
+    shows ``transcript``, Markdown); never let that fail a run."""
     from engine import history
 
     if info is None or finished.tokens == 0:
         return
+    extra = {"transcript_markdown": transcript} if transcript else {}
     try:
-        history.save(history.record_from(info, finished, kind))
+        history.save(history.record_from(info, finished, kind, **extra))
     except OSError as exc:
         log.warning("could not save the run to the history: %s", exc)
 
@@ -156,6 +158,7 @@ class MainWindow(QMainWindow):
         file_menu = self.menuBar().addMenu("&File")
         save = QAction("&Save transcript…", self, shortcut=QKeySequence.Save, triggered=self.save_transcript)
         file_menu.addAction(save)
+        file_menu.addAction(QAction("Run &history…", self, shortcut="Ctrl+H", triggered=self.open_history))
         file_menu.addSeparator()
         file_menu.addAction(QAction("&Quit", self, shortcut=QKeySequence.Quit, triggered=self.close))
         view = self.menuBar().addMenu("&View")
@@ -222,6 +225,15 @@ class MainWindow(QMainWindow):
         self.costs.show()
         self.costs.raise_()
         return self.costs
+
+    def open_history(self):
+        """Every finished run (kept in the user data folder), reopened read-only."""
+        from app.history_view import HistoryDialog
+
+        dialog = HistoryDialog(self)
+        dialog.setAttribute(Qt.WA_DeleteOnClose)
+        dialog.open()
+        return dialog
 
     def open_speedups(self):
         """Batching sweep and speculative decoding on the model loaded here."""
@@ -455,8 +467,8 @@ class MainWindow(QMainWindow):
 
     @Slot(object)
     def _on_generation_finished(self, event: Finished) -> None:
-        remember(self.loaded, event, "single")
         self.transcript.finish(event)
+        remember(self.loaded, event, "single", self.transcript.to_markdown())
         self.buffer.finished = event
         self.buffer.version += 1
         self._end_generation()

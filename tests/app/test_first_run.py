@@ -89,3 +89,21 @@ def test_nothing_listens_on_a_network_port(qtbot, window, tiny_llama):
     generate(qtbot, window, "fox", max_tokens=3)
     listening = [c for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
     assert listening == []
+
+
+def test_finished_runs_reopen_from_the_history(qtbot, window, tiny_llama, tmp_path, monkeypatch):
+    from tests.app.conftest import generate, load
+
+    monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path / "data"))
+    load(qtbot, window, tiny_llama)
+    first = generate(qtbot, window, "first question", max_tokens=3)
+    generate(qtbot, window, "second question", max_tokens=4)
+    dialog = window.open_history()
+    qtbot.addWidget(dialog)
+    assert dialog.table.rowCount() == 2
+    assert dialog.table.item(0, 6).text() == "4" and dialog.table.item(1, 6).text() == "3"  # newest first
+    dialog.table.selectRow(1)
+    dialog.show_record(1)
+    text = dialog.details.toPlainText()
+    assert "first question" in text and f"{first.tokens} tokens" in text
+    dialog.close()
