@@ -236,3 +236,33 @@ def test_corrupt_history_files_are_skipped(tmp_path, monkeypatch):
     (folder / ".2026-01-01T000001-bbbb.json.tmp").write_text("{}", encoding="utf-8")  # an unfinished temp file
     (folder / "2026-01-01T000002-cccc.json").write_text(json.dumps({"kind": "single"}), encoding="utf-8")
     assert history.load_all() == []
+
+
+def test_close_during_prefill(qtbot, app_factory, tiny_llama, monkeypatch):
+    """The worker sits inside a prefill forward pass when the window closes: the cancel flag ends
+    it at the next chunk and the thread stops in time."""
+    import threading
+
+    import engine.generate
+
+    window = app_factory()
+    load(qtbot, window, tiny_llama)
+    inside = threading.Event()
+    original = engine.generate.ReferenceRunner.forward
+    monkeypatch.setattr(engine.generate, "PREFILL_CHUNK", 4)
+
+    def slow_prefill(self, ids):
+        if ids.shape[1] > 1:  # a prefill chunk: wait (up to 5 s) for the close to cancel us
+            inside.set()
+            token = window.session._generation_cancel
+            for _ in range(500):
+                if token.cancelled:
+                    break
+                threading.Event().wait(0.01)
+        return original(self, ids)
+
+    monkeypatch.setattr(engine.generate.ReferenceRunner, "forward", slow_prefill)
+    generate(qtbot, window, "a prompt long enough for several chunks", max_tokens=50, wait=False)
+    qtbot.waitUntil(inside.is_set, timeout=30_000)
+    window.close()
+    assert window.session.thread.isFinished()
