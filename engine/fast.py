@@ -216,41 +216,51 @@ class FastRunner:
         return logits
 
 
+def _attention_inputs(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, keys (both with the rotary embedding, applied in one go) and values of a layer."""
+    count = hidden.shape[1]
+    heads, kv_heads, dim = d.heads, d.kv_heads, d.head_dim
+    rotated, half = heads + kv_heads, dim // 2
+    x = _rms(hidden, layer.norm1, layer.eps)
+    qkv = layer.qkv(x) if layer.qkv is not None else torch.cat([p(x) for p in layer.projections], dim=-1)
+    qkv = qkv.view(1, count, rotated + kv_heads, dim).transpose(1, 2)
+    qk = qkv[:, :rotated]
+    qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+    return qk[:, :heads], qk[:, heads:], qkv[:, rotated:]
+
+
+def _rest_of_layer(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """Output projection and residual, then the MLP and its residual."""
+    count = hidden.shape[1]
+    hidden = hidden + layer.o(attended.transpose(1, 2).reshape(1, count, d.heads * d.head_dim))
+    x = _rms(hidden, layer.norm2, layer.eps)
+    if layer.gate_up is not None:
+        gate_up = layer.gate_up(x)
+        gate, up = gate_up[..., :layer.intermediate], gate_up[..., layer.intermediate:]
+    else:
+        gate, up = layer.gate(x), layer.up(x)
+    return hidden + layer.down(layer.act(gate) * up)
+
+
 def _forward(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_layer: list[torch.Tensor],
              cos_table: torch.Tensor, sin_table: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
     """One forward pass of ``ids`` at positions ``start…``: writes their keys and values into the
-    cache, returns the logits after the last one. A plain function, so torch.compile can take it."""
+    cache, returns the logits after the last one (the eager step, prefill and decode)."""
     count = ids.shape[1]
     end = start + count
-    heads, kv_heads, dim = d.heads, d.kv_heads, d.head_dim
-    rotated = heads + kv_heads
     cos, sin = cos_table[:, :, start:end], sin_table[:, :, start:end]
-    half = dim // 2
     mask = None
     if count > 1:  # prefill: each new token sees the cache and the new tokens up to itself
         mask = torch.ones(count, end, dtype=torch.bool, device=d.device).tril(diagonal=start)
     hidden = d.embed(ids)
     for layer, keys, values in zip(d.layers, keys_per_layer, values_per_layer):
-        x = _rms(hidden, layer.norm1, layer.eps)
-        if layer.qkv is not None:
-            qkv = layer.qkv(x)
-        else:
-            qkv = torch.cat([p(x) for p in layer.projections], dim=-1)
-        qkv = qkv.view(1, count, rotated + kv_heads, dim).transpose(1, 2)
-        qk = qkv[:, :rotated]  # queries and keys get the rotary embedding together
-        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-        keys[:, :, start:end] = qk[:, heads:]
-        values[:, :, start:end] = qkv[:, rotated:]
-        out = F.scaled_dot_product_attention(qk[:, :heads], keys[:, :, :end], values[:, :, :end], attn_mask=mask,
-                                             scale=layer.scaling, enable_gqa=kv_heads != heads)
-        hidden = hidden + layer.o(out.transpose(1, 2).reshape(1, count, heads * dim))
-        x = _rms(hidden, layer.norm2, layer.eps)
-        if layer.gate_up is not None:
-            gate_up = layer.gate_up(x)
-            gate, up = gate_up[..., :layer.intermediate], gate_up[..., layer.intermediate:]
-        else:
-            gate, up = layer.gate(x), layer.up(x)
-        hidden = hidden + layer.down(layer.act(gate) * up)
+        q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        attended = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
+                                                  scale=layer.scaling, enable_gqa=d.kv_heads != d.heads)
+        hidden = _rest_of_layer(d, layer, hidden, attended)
     return d.head(d.norm(hidden[:, -1:]))[0, -1]
 
 
@@ -260,35 +270,17 @@ def _decode_step(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_
     """One decode step (one token at ``position``, a 1-element tensor) with every shape fixed by
     the cache's capacity: attention runs over the whole cache with the unwritten slots masked
     out. What torch.compile gets: fixed shapes compile once per capacity and never retrace."""
-    heads, kv_heads, dim = d.heads, d.kv_heads, d.head_dim
-    rotated = heads + kv_heads
     capacity = keys_per_layer[0].shape[2]
-    cos = cos_table.index_select(2, position)
-    sin = sin_table.index_select(2, position)
+    cos, sin = cos_table.index_select(2, position), sin_table.index_select(2, position)
     mask = (torch.arange(capacity, device=position.device) <= position).view(1, 1, 1, capacity)
-    half = dim // 2
     hidden = d.embed(ids)
     for layer, keys, values in zip(d.layers, keys_per_layer, values_per_layer):
-        x = _rms(hidden, layer.norm1, layer.eps)
-        if layer.qkv is not None:
-            qkv = layer.qkv(x)
-        else:
-            qkv = torch.cat([p(x) for p in layer.projections], dim=-1)
-        qkv = qkv.view(1, 1, rotated + kv_heads, dim).transpose(1, 2)
-        qk = qkv[:, :rotated]
-        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-        keys.index_copy_(2, position, qk[:, heads:])
-        values.index_copy_(2, position, qkv[:, rotated:])
-        out = F.scaled_dot_product_attention(qk[:, :heads], keys, values, attn_mask=mask, scale=layer.scaling,
-                                             enable_gqa=kv_heads != heads)
-        hidden = hidden + layer.o(out.transpose(1, 2).reshape(1, 1, heads * dim))
-        x = _rms(hidden, layer.norm2, layer.eps)
-        if layer.gate_up is not None:
-            gate_up = layer.gate_up(x)
-            gate, up = gate_up[..., :layer.intermediate], gate_up[..., layer.intermediate:]
-        else:
-            gate, up = layer.gate(x), layer.up(x)
-        hidden = hidden + layer.down(layer.act(gate) * up)
+        q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
+        keys.index_copy_(2, position, k)
+        values.index_copy_(2, position, v)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling,
+                                                  enable_gqa=d.kv_heads != d.heads)
+        hidden = _rest_of_layer(d, layer, hidden, attended)
     return d.head(d.norm(hidden))[0, -1]
 
 
