@@ -80,7 +80,8 @@ def record_from(info: Loaded, finished: Finished, kind: str = "single", batch: i
 def save(record: RunRecord, folder: Path | None = None) -> Path:
     folder = folder or history_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    name = f"{record.when.replace(':', '')}-{uuid.uuid4().hex[:8]}.json"
+    # nanoseconds after the readable time: two runs within one second still sort in order
+    name = f"{record.when.replace(':', '')}-{time.time_ns() % 10**9:09d}-{uuid.uuid4().hex[:8]}.json"
     tmp = folder / f".{name}.tmp"
     tmp.write_text(json.dumps(asdict(record), indent=1), encoding="utf-8")
     os.replace(tmp, folder / name)
