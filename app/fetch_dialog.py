@@ -47,7 +47,7 @@ class FetchDialog(QDialog):
         self._first: tuple[float, int] | None = None
 
     def show_progress(self, event: LoadProgress) -> None:
-        self.step.setText(f"{_STEPS.get(event.stage, event.stage)}… {event.message}".strip())
+        self.step.setText(event.message or f"{_STEPS.get(event.stage, event.stage)}…")
         if event.total:
             self.bar.setRange(0, 1000)
             self.bar.setValue(int(1000 * event.done / event.total))
