@@ -21,7 +21,7 @@ from engine.cancel import CancelToken
 from engine.detokenize import IncrementalDetokenizer
 from engine.errors import EngineError, InvalidRequestError, OutOfMemoryError
 from engine.events import BatchEvent, BatchFinished, BatchStep, SequenceResult
-from engine.generate import PREFILL_CHUNK, is_out_of_memory
+from engine.generate import PREFILL_CHUNK, is_out_of_memory, stop_reason
 from engine.kv import cache_bytes
 from engine.memory import MemoryProbe
 from engine.request import GenerationRequest
@@ -29,6 +29,10 @@ from engine.sampling import make_sampler
 
 if TYPE_CHECKING:
     from engine.loading import LoadedModel
+
+
+_NEVER = CancelToken()
+"""Never cancelled: batches check their own cancel token between steps."""
 
 
 def stream_batch(loaded: "LoadedModel", request: GenerationRequest, prompts: list[list[int]],
@@ -92,7 +96,6 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompts: list[list[i
     if pad is None:
         pad = next(iter(sorted(loaded.eos_ids)), 0)
     plain_greedy = request.sampling.greedy and request.sampling.repetition_penalty == 1.0
-    longest_stop = max((len(s) for s in request.stop), default=0)
     batch, width = len(prompts), max(len(p) for p in prompts)
     if context is not None and width >= context:
         raise InvalidRequestError(f"A prompt of {width:,} tokens leaves no room in the {context:,}-token context.")
@@ -167,14 +170,9 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompts: list[list[i
             if not plain_greedy or request.sampling.repetition_penalty != 1.0:
                 seq.seen = torch.cat([seq.seen, torch.tensor([token], device=device)])
             piece = seq.detok.add(token)
-            if token in eos:
-                seq.reason = "eos"
-            elif longest_stop and any(s in seq.detok.text[-(longest_stop + len(piece)):] for s in request.stop):
-                seq.reason = "stop_string"
-            elif len(seq.tokens) >= request.max_new_tokens:
-                seq.reason = "length"
-            elif context is not None and seq.prompt_tokens + len(seq.tokens) >= context:
-                seq.reason = "context"
+            # the single-sequence rule; cancel is the batch's, checked once per step below
+            seq.reason, _ = stop_reason(token, piece, seq.detok.text, request, eos, len(seq.tokens),
+                                        seq.prompt_tokens + len(seq.tokens), context, _NEVER)
             if seq.reason is not None:
                 piece += seq.detok.flush()
             chosen.append(token)

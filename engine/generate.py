@@ -72,6 +72,24 @@ def stream(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[i
         raise EngineError(f"Generation failed: {type(exc).__name__}: {exc}") from exc
 
 
+def finished_event(reason: str, tokens: list[int], latencies: list[float], prompt_tokens: int, start: float,
+                   probe: MemoryProbe, kv: int, kv_predicted: int | None, text: str, stop_string: str | None = None,
+                   **extra) -> Finished:
+    """The Finished event of a generation: its totals from the tokens and their latencies
+    (the first is the TTFT), the peak memory the probe saw, the cache at the end."""
+    decode_s = sum(latencies[1:])
+    n = len(tokens)
+    peak_device = probe.peak_device()
+    return Finished(
+        reason=reason, tokens=n, prompt_tokens=prompt_tokens, ttft_s=latencies[0] if latencies else None,
+        decode_s=decode_s, decode_tokens_per_s=(n - 1) / decode_s if n >= 2 and decode_s > 0 else None,
+        total_s=time.perf_counter() - start,
+        peak_memory_bytes=peak_device if peak_device is not None else probe.peak_rss,
+        peak_rss_bytes=probe.peak_rss, kv_cache_bytes=kv, kv_cache_bytes_predicted=kv_predicted,
+        token_ids=tuple(tokens), text=text, stop_string=stop_string, **extra,
+    )
+
+
 def stop_reason(token: int, piece: str, text: str, request: GenerationRequest, eos: frozenset[int],
                 generated: int, length: int, context: int | None,
                 cancel: CancelToken) -> tuple[str | None, str | None]:
@@ -159,17 +177,8 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int
     latencies: list[float] = []
 
     def finished(reason, kv, kv_pred, stop_string=None) -> Finished:
-        decode_s = sum(latencies[1:])
-        n = len(tokens)
-        peak_device = probe.peak_device()
-        return Finished(
-            reason=reason, tokens=n, prompt_tokens=n_prompt, ttft_s=latencies[0] if latencies else None,
-            decode_s=decode_s, decode_tokens_per_s=(n - 1) / decode_s if n >= 2 and decode_s > 0 else None,
-            total_s=time.perf_counter() - start,
-            peak_memory_bytes=peak_device if peak_device is not None else probe.peak_rss,
-            peak_rss_bytes=probe.peak_rss, kv_cache_bytes=kv, kv_cache_bytes_predicted=kv_pred,
-            token_ids=tuple(tokens), text=detok.text, stop_string=stop_string,
-        )
+        return finished_event(reason, tokens, latencies, n_prompt, start, probe, kv, kv_pred, detok.text,
+                              stop_string)
 
     probe.reset_peak()
     probe.sample()

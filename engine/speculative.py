@@ -27,7 +27,7 @@ from engine.cancel import CancelToken
 from engine.detokenize import IncrementalDetokenizer
 from engine.errors import EngineError, InvalidRequestError, OutOfMemoryError
 from engine.events import Alternative, DraftVerified, Finished, GenerationEvent, Prefilled, TokenGenerated
-from engine.generate import PREFILL_CHUNK, is_out_of_memory, stop_reason, top_scores
+from engine.generate import PREFILL_CHUNK, finished_event, is_out_of_memory, stop_reason, top_scores
 from engine.kv import cache_bytes
 from engine.memory import MemoryProbe
 from engine.precision import PRECISIONS
@@ -231,18 +231,9 @@ def _run(target: "LoadedModel", draft: Draft, request: GenerationRequest, prompt
         return int(torch.multinomial(distribution(params, scores, seen(extra)), 1, generator=generator))
 
     def finished(reason, stop_string=None) -> Finished:
-        decode_s = sum(latencies[1:])
-        n = len(tokens)
-        peak_device = probe.peak_device()
-        return Finished(
-            reason=reason, tokens=n, prompt_tokens=n_prompt, ttft_s=latencies[0] if latencies else None,
-            decode_s=decode_s, decode_tokens_per_s=(n - 1) / decode_s if n >= 2 and decode_s > 0 else None,
-            total_s=time.perf_counter() - start,
-            peak_memory_bytes=peak_device if peak_device is not None else probe.peak_rss,
-            peak_rss_bytes=probe.peak_rss, kv_cache_bytes=cache_bytes(target_cache),
-            kv_cache_bytes_predicted=predicted(len(committed) - 1), token_ids=tuple(tokens), text=detok.text,
-            stop_string=stop_string, drafted_tokens=drafted_total, accepted_tokens=accepted_total,
-        )
+        return finished_event(reason, tokens, latencies, n_prompt, start, probe, cache_bytes(target_cache),
+                              predicted(len(committed) - 1), detok.text, stop_string,
+                              drafted_tokens=drafted_total, accepted_tokens=accepted_total)
 
     def emit(token: int, scores: "torch.Tensor", latency: float, drafted: bool | None, unused: float = 0.0):
         """The TokenGenerated for ``token`` and the reason to stop after it (or None). ``unused``:
