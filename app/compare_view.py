@@ -5,6 +5,7 @@ read-only without loading any model."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,8 @@ COLUMNS = (
 def cell_text(key: str, value) -> str:
     if value is None:
         return "—"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "error: not finite"  # never a quiet "nan" in a measuring instrument
     if key in ("load_s", "ttft_s", "latency_mean_s", "latency_p50_s", "latency_p95_s"):
         return format_seconds(value)
     if key in ("weights_bytes", "peak_memory_bytes", "kv_cache_bytes"):
@@ -139,6 +142,7 @@ class CompareWindow(QMainWindow):
     """The Compare view (View → Compare… in the main window)."""
 
     run_finished = Signal()
+    closed = Signal()  # its lanes' models are freed and their threads ended: the window is done
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -152,6 +156,7 @@ class CompareWindow(QMainWindow):
         self._queue: list[LaneWidget] = []
         self._scores_pending: set[int] = set()
         self.summary: list[dict] = []
+        self._run_after_load: GenerationRequest | None = None  # a run waiting for lanes to (re)load
 
         self.prompt = QPlainTextEdit()
         self.prompt.setObjectName("comparePrompt")
@@ -247,6 +252,7 @@ class CompareWindow(QMainWindow):
         elif self.lanes:
             lane.configure(self.lanes[0].spec())
         lane.finished.connect(self._on_lane_finished)
+        lane.load_ended.connect(self._on_lane_load_ended)
         lane.session.scored.connect(lambda ids, scores, lane=lane: self._on_scored(lane, ids, scores))
         lane.state_changed.connect(self._update_state)
         self.lanes.append(lane)
@@ -287,12 +293,35 @@ class CompareWindow(QMainWindow):
         except EngineError as exc:
             self.show_message(str(exc), error=True)
             return
-        missing = [lane for lane in self.lanes if lane.loaded is None]
-        if missing:
-            for lane in missing:
+        stale = [lane for lane in self.lanes if lane.needs_load()]
+        if stale:
+            # a lane runs what it shows: load what is missing or changed, then run
+            self._run_after_load = request
+            for lane in stale:
                 lane.load()
-            self.show_message("Load every lane first: loading the missing ones (press Run again when they are ready).")
+            names = ", ".join(str(lane.index + 1) for lane in stale)
+            self.show_message(f"Loading lane{'s' if len(stale) > 1 else ''} {names} first (not loaded, or set to "
+                              "another configuration than the one loaded); the run starts when every lane is ready.")
+            self._update_state()
             return
+        self._start(request)
+
+    @Slot(object)
+    def _on_lane_load_ended(self, lane: LaneWidget) -> None:
+        request = self._run_after_load
+        if request is None or any(l.loading for l in self.lanes):
+            return
+        self._run_after_load = None
+        failed = [l for l in self.lanes if l.needs_load()]
+        if failed:
+            names = ", ".join(str(l.index + 1) for l in failed)
+            self.show_message(f"Not run: lane{'s' if len(failed) > 1 else ''} {names} did not load the "
+                              "configuration shown (see the lane's status).", error=True)
+            self._update_state()
+            return
+        self._start(request)
+
+    def _start(self, request: GenerationRequest) -> None:
         self.request = request
         self.schedule = self.schedule_box.currentData()
         self.summary = []
@@ -312,6 +341,12 @@ class CompareWindow(QMainWindow):
 
     def stop(self) -> None:
         self._queue = []
+        if self._run_after_load is not None:
+            self._run_after_load = None
+            for lane in self.lanes:
+                if lane.loading:
+                    lane.session.cancel_load()
+            self.show_message("Run cancelled before it started.")
         for lane in self.lanes:
             if lane.generating:
                 lane.stop()
@@ -352,7 +387,7 @@ class CompareWindow(QMainWindow):
 
         for lane in self.lanes:
             if lane.run.finished is not None:
-                remember(lane.loaded, lane.run.finished, "compare")
+                remember(lane.loaded, lane.run.finished, "compare", tokens=lane.run.tokens, error=lane.run.error)
         self.running = False
         self.timer.stop()
         self._redraw()
@@ -463,7 +498,7 @@ class CompareWindow(QMainWindow):
         idle = not self.running and not self.read_only
         busy_lanes = any(lane.loading or lane.generating for lane in self.lanes)
         self.run_button.setEnabled(idle and not busy_lanes)
-        self.stop_button.setEnabled(self.running)
+        self.stop_button.setEnabled(self.running or self._run_after_load is not None)
         for widget in (self.ladder_button, self.add_button, self.remove_button, self.prompt, self.mode,
                        self.max_tokens, self.seed, self.schedule_box):
             widget.setEnabled(idle)
@@ -477,9 +512,11 @@ class CompareWindow(QMainWindow):
         return all([lane.shutdown() for lane in self.lanes])
 
     def closeEvent(self, event) -> None:
+        """Closing frees every lane's model (a closed window must not keep gigabytes loaded)."""
         self.stop()
         self.shutdown()
         super().closeEvent(event)
+        self.closed.emit()
 
 
 def _colour(name: str):

@@ -239,9 +239,11 @@ class CostWindow(QMainWindow):
         self.updated.emit()
 
     def _points(self, config, profile) -> list[RunRecord]:
-        """Measured runs of this model (same parameter count), precision and hardware."""
+        """Measured runs of this model (same parameter count), precision and hardware; plain decoding
+        only (a speculative run is not bound by this ceiling) and no run that ended in an error."""
         return [r for r in self.records if r.parameters == self._count.total and r.hardware == profile.id
-                and r.precision == self.precision.currentData()]
+                and r.precision == self.precision.currentData() and r.kind != "speculative"
+                and not r.extra.get("error")]
 
     def _curve(self, key: str, panel: PlotPanel, **style):
         if key not in self._curves:

@@ -39,6 +39,7 @@ AFTER = QColor(241, 196, 15, 45)  # after the first divergence the answers are o
 
 class LaneWidget(QFrame):
     finished = Signal(object)  # the lane, when its generation ended (well or not)
+    load_ended = Signal(object)  # the lane, when a load (or its memory check) ended, loaded or not
     state_changed = Signal()
 
     def __init__(self, index: int, parent: QWidget | None = None) -> None:
@@ -51,6 +52,9 @@ class LaneWidget(QFrame):
         self.buffer = RunBuffer()
         self.run = LaneRun(LaneSpec())
         self.loaded: Loaded | None = None
+        self.loaded_request: LoadRequest | None = None
+        """What the loaded model was loaded with: a run uses it only while the controls still show it."""
+        self._load_request: LoadRequest | None = None
         self.loading = self.generating = False
         self.read_only = False
         self._rendered = 0  # tokens already in the output view
@@ -116,7 +120,7 @@ class LaneWidget(QFrame):
 
         s = self.session
         s.predicted.connect(self._on_predicted)
-        s.load_progressed.connect(lambda e: self.status.setText(f"{e.stage}: {e.message}"))
+        s.load_progressed.connect(lambda e: self._set_status(f"{e.stage}: {e.message}"))
         s.loaded.connect(self._on_loaded)
         s.load_failed.connect(self._on_load_failed)
         s.unloaded.connect(self._on_unloaded)
@@ -124,6 +128,9 @@ class LaneWidget(QFrame):
         s.tokens_generated.connect(self._on_tokens)
         s.generation_finished.connect(self._on_finished)
         s.generation_failed.connect(self._on_failed)
+        for combo in (self.source, self.precision, self.device):
+            combo.currentIndexChanged.connect(self._show_idle_status)
+        self.source.editTextChanged.connect(self._show_idle_status)
         self._update_state()
 
     # -- configuration ---------------------------------------------------------------
@@ -148,12 +155,42 @@ class LaneWidget(QFrame):
         if spec.sampling is not None and not spec.sampling.greedy:
             self.temperature.setValue(spec.sampling.temperature)
 
+    def needs_load(self) -> bool:
+        """Nothing is loaded, or the controls show another model, precision or device than the
+        one loaded: a run must (re)load first so it runs what the lane shows."""
+        return self.loaded is None or self.loaded_request != self._chosen_request()
+
+    def _chosen_request(self) -> LoadRequest:
+        spec = self.spec()
+        return LoadRequest(spec.model, spec.precision, spec.device)
+
+    def _set_status(self, text: str, error: bool = False) -> None:
+        self.status.setText(text)
+        self.status.setStyleSheet("color: #c0392b;" if error else "")
+
+    def _loaded_text(self) -> str:
+        info = self.loaded
+        return (f"{info.name} · {info.precision} on {info.device} · weights {format_bytes(info.weights_bytes)} · "
+                f"loaded in {format_seconds(info.load_s)}")
+
+    def _show_idle_status(self, *_) -> None:
+        """The status line for a lane at rest: what is loaded, and whether the controls differ."""
+        if self.loading or self.generating or self.read_only:
+            return
+        if self.loaded is None:
+            self._set_status("not loaded (Run loads it)")
+        elif self.needs_load():
+            chosen = self._chosen_request()
+            self._set_status(f"Loaded: {self.loaded.name} · {self.loaded.precision}. Chosen: {chosen.model} · "
+                             f"{chosen.precision} — Run (or Load) reloads it first.")
+        else:
+            self._set_status(self._loaded_text())
+
     # -- loading, with the memory guard ------------------------------------------------
     def load(self, insist: bool = False) -> None:
         if self.loading or self.generating or self.read_only:
             return
-        spec = self.spec()
-        request = LoadRequest(spec.model, spec.precision, spec.device)
+        request = self._chosen_request()
         self.loading = True
         self.insist_button.hide()
         self._update_state()
@@ -164,19 +201,21 @@ class LaneWidget(QFrame):
             self.session.predict_requested.emit(request)
 
     def _start_load(self, request: LoadRequest) -> None:
-        self.status.setText("Loading…")
+        self._set_status("Loading…")
+        self._load_request = request
         self.session.load(request)
 
     @Slot(object, object)
     def _on_predicted(self, request, prediction) -> None:
         if prediction is not None and prediction.fits is False:
             self.loading = False
-            self.status.setText(
+            self._set_status(
                 f"Needs about {format_bytes(prediction.total_bytes)} (weights {format_bytes(prediction.weights_bytes)}"
                 f" + KV for {prediction.context_tokens} tokens) but {format_bytes(prediction.available_bytes)} "
-                "is free: loading could swap or fail.")
+                "is free: loading could swap or fail.", error=True)
             self.insist_button.show()
             self._update_state()
+            self.load_ended.emit(self)
             return
         self._start_load(request)
 
@@ -184,16 +223,19 @@ class LaneWidget(QFrame):
     def _on_loaded(self, info: Loaded) -> None:
         self.loading = False
         self.loaded = info
-        self.status.setText(f"{info.name} · {info.precision} on {info.device} · weights "
-                            f"{format_bytes(info.weights_bytes)} · loaded in {format_seconds(info.load_s)}")
+        self.loaded_request = self._load_request
         self._update_state()
+        self._show_idle_status()
+        self.load_ended.emit(self)
 
     @Slot(object)
     def _on_load_failed(self, exc) -> None:
-        self.loading = False
-        self.loaded = None
-        self.status.setText(f"Could not load: {exc}")
+        self.loading = False  # the model loaded before, if any, is still loaded (the worker keeps it)
+        kept = f" Still loaded: {self.loaded.name} · {self.loaded.precision}." if self.loaded else ""
+        what = "Loading was cancelled." if type(exc).__name__ == "CancelledError" else f"Could not load: {exc}"
+        self._set_status(what + kept, error=True)
         self._update_state()
+        self.load_ended.emit(self)
 
     def unload(self) -> None:
         if not self.loading and not self.generating and self.loaded is not None:
@@ -202,7 +244,8 @@ class LaneWidget(QFrame):
     @Slot()
     def _on_unloaded(self) -> None:
         self.loaded = None
-        self.status.setText("unloaded")
+        self.loaded_request = None
+        self._set_status("unloaded")
         self._update_state()
 
     # -- generating --------------------------------------------------------------------
@@ -211,6 +254,7 @@ class LaneWidget(QFrame):
         if spec.sampling is not None:
             request = replace(request, sampling=replace(spec.sampling, seed=request.sampling.seed))
         self.run = LaneRun(spec, loaded=_asdict(self.loaded))
+        self._set_status(self._loaded_text())  # not a failure of an earlier run
         self.buffer.reset(self.loaded.weights_bytes if self.loaded else None)
         self.output.clear()
         self.metrics.setText("")
@@ -242,7 +286,12 @@ class LaneWidget(QFrame):
     @Slot(object)
     def _on_failed(self, exc) -> None:
         self.run.error = str(exc) or type(exc).__name__
-        self.status.setText(f"Failed: {self.run.error}")
+        partial = getattr(exc, "finished", None)  # NaN scores: the answer so far is kept, marked failed
+        if partial is not None:
+            self.run.events.append(partial)
+            self.buffer.finished = partial
+            self.buffer.version += 1
+        self._set_status(f"Failed: {self.run.error}", error=True)
         self._end()
 
     def _end(self) -> None:

@@ -33,14 +33,20 @@ from engine.units import format_bytes, format_rate, format_seconds
 log = logging.getLogger(__name__)
 
 
-def remember(info: Loaded | None, finished: Finished, kind: str, transcript: str | None = None) -> None:
+def remember(info: Loaded | None, finished: Finished, kind: str, transcript: str | None = None,
+             tokens=(), error: str | None = None) -> None:
     """Add a finished run to the history (for the cost explorer and File → Run history, which
-    shows ``transcript``, Markdown); never let that fail a run."""
+    shows ``transcript``, Markdown, and redraws the plots from the ``tokens``' figures); never let
+    that fail a run. ``error``: the run ended in one (it is kept, marked failed)."""
     from engine import history
 
     if info is None or finished.tokens == 0:
         return
     extra = {"transcript_markdown": transcript} if transcript else {}
+    if tokens:
+        extra["series"] = history.series_from(tokens)
+    if error:
+        extra["error"] = error
     try:
         history.save(history.record_from(info, finished, kind, **extra))
     except OSError as exc:
@@ -73,6 +79,8 @@ class MainWindow(QMainWindow):
         self.speedups = None
         self.fetch_dialog = None  # the first run's download of the default model
         self._loading_default = False
+        self._load_request = None  # what the load in progress was asked for
+        self._generate_after_load: str | None = None  # a prompt waiting for the panel's choice to load
         self.tool_running = False  # the speed-ups window is using the model
 
         self.session = ModelSession("main", self)
@@ -200,12 +208,20 @@ class MainWindow(QMainWindow):
 
         if self.compare is None:
             self.compare = CompareWindow()
+            self.compare.closed.connect(self._on_compare_closed)
             request = self.model_panel.request()
             self.compare.lanes[0].configure(LaneSpec(request.model, request.precision, request.device))
             self.compare.lanes[1].configure(LaneSpec(request.model, "nf4", request.device))
         self.compare.show()
         self.compare.raise_()
         return self.compare
+
+    @Slot()
+    def _on_compare_closed(self) -> None:
+        """Its lanes' models were freed on close; a later View → Compare starts afresh."""
+        window, self.compare = self.compare, None
+        if window is not None:
+            window.deleteLater()
 
     def open_costs(self):
         """The Cost explorer, showing the model and precision chosen here."""
@@ -304,6 +320,7 @@ class MainWindow(QMainWindow):
             return
         self.loading = True
         self._loading_default = request.model == "default"
+        self._load_request = request
         self.prompt.show_message("")
         self._update_state()
         self.session.load(request)
@@ -319,6 +336,14 @@ class MainWindow(QMainWindow):
             return
         if not text.strip():
             self.prompt.show_message("The prompt is empty: type something for the model to answer.", "error")
+            return
+        if self.model_panel.pending():
+            # never answer with the old model while the panel shows another: load the choice first
+            self._generate_after_load = text
+            request = self.model_panel.request()
+            self.load(request)
+            self.prompt.show_message(f"Loading {request.model} ({request.precision}) first, as the Model panel "
+                                     "shows; the prompt runs once it is loaded.", "info")
             return
         request = self.generation_panel.request_for(text, self.transcript.history())
         if request.mode == "raw":
@@ -420,25 +445,34 @@ class MainWindow(QMainWindow):
         self.loaded = info
         self.transcript.model = info
         self.model_panel.show_loaded(info)
+        self.model_panel.set_loaded_request(self._load_request)
         self._update_state()
         self._update_status()
         self.statusBar().showMessage(f"Loaded {info.name} ({info.precision}) in {format_seconds(info.load_s)}", 5000)
+        waiting, self._generate_after_load = self._generate_after_load, None
+        if waiting is not None:
+            self.generate(waiting)
 
     @Slot(object)
     def _on_load_failed(self, exc: Exception) -> None:
         self._close_fetch_dialog()
         self.loading = False
-        self.loaded = None
-        self.model_panel.show_unloaded()
-        self._update_state()
+        self._update_state()  # the model loaded before (if any) is still loaded and usable
+        self.statusBar().clearMessage()
+        kept = (f" Still loaded: {self.loaded.name} ({self.loaded.precision}), unchanged." if self.loaded else "")
+        not_run = ""
+        if self._generate_after_load is not None:
+            self.prompt.editor.setPlainText(self._generate_after_load)
+            self._generate_after_load = None
+            not_run = " Your prompt was not sent."
         if type(exc).__name__ == "CancelledError":
-            self.prompt.show_message("Loading was cancelled.", "info")
+            self.prompt.show_message(f"Loading was cancelled.{kept}{not_run}", "info")
             return
         message = str(exc) or type(exc).__name__
         if type(exc).__name__ == "DownloadError" and self._loading_default:
             message += ("\n\nTo use a model already on this machine, choose Folder… (a Hugging Face folder) or "
                         "GGUF… (a .gguf file) in the Model panel.")
-        self.prompt.show_message(f"Could not load the model: {message}", "error")
+        self.prompt.show_message(f"Could not load the model: {message}{kept}{not_run}", "error")
         box = QMessageBox(QMessageBox.Warning, "Could not load the model", message, QMessageBox.Ok, self)
         box.setObjectName("loadErrorBox")
         box.open()  # window-modal, not blocking: the app keeps running
@@ -448,6 +482,7 @@ class MainWindow(QMainWindow):
     def _on_unloaded(self) -> None:
         self.loaded = None
         self.model_panel.show_unloaded()
+        self.model_panel.set_loaded_request(None)
         self._update_state()
         self._update_status()
 
@@ -468,9 +503,9 @@ class MainWindow(QMainWindow):
     @Slot(object)
     def _on_generation_finished(self, event: Finished) -> None:
         self.transcript.finish(event)
-        remember(self.loaded, event, "single", self.transcript.to_markdown())
         self.buffer.finished = event
         self.buffer.version += 1
+        remember(self.loaded, event, "single", self.transcript.to_markdown(), self._answer_tokens())
         self._end_generation()
         rate = format_rate(event.decode_tokens_per_s)
         self.statusBar().showMessage(f"Done: {event.tokens} tokens, {rate}, stopped: {event.reason}", 8000)
@@ -478,9 +513,21 @@ class MainWindow(QMainWindow):
     @Slot(object)
     def _on_generation_failed(self, exc: Exception) -> None:
         message = str(exc) or type(exc).__name__
+        partial = getattr(exc, "finished", None)  # e.g. NaN scores: the run up to there is kept, marked failed
+        if partial is not None:
+            self.buffer.finished = partial
+            self.buffer.version += 1
         self.transcript.fail(message)
+        if partial is not None:
+            remember(self.loaded, partial, "single", self.transcript.to_markdown(), self._answer_tokens(),
+                     error=message)
         self._end_generation()
+        self.statusBar().showMessage("Generation failed (see the message under the prompt)", 8000)
         self.prompt.show_message(message, "error")
+
+    def _answer_tokens(self) -> list:
+        turn = self.transcript.current
+        return list(turn.tokens) if turn is not None else []
 
     def _end_generation(self) -> None:
         self.generating = False

@@ -82,6 +82,12 @@ class ModelPanel(QWidget):
         self.progress.setTextVisible(True)
         self.stage = QLabel("")
         self.stage.setWordWrap(True)
+        self.pending_label = QLabel("")
+        self.pending_label.setObjectName("pendingChoice")
+        self.pending_label.setWordWrap(True)
+        self.pending_label.hide()
+        self.loaded_request: LoadRequest | None = None
+        """What the loaded model was loaded with (``None`` when nothing is loaded)."""
 
         source_row = QHBoxLayout()
         source_row.addWidget(self.source, 1)
@@ -113,11 +119,16 @@ class ModelPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.addLayout(form)
         layout.addLayout(buttons)
+        layout.addWidget(self.pending_label)
         layout.addWidget(self.progress)
         layout.addWidget(self.stage)
         layout.addWidget(facts_box)
         layout.addStretch(1)
         self.set_loading(False, loaded=False)
+        self.source.currentIndexChanged.connect(self._update_pending)
+        self.source.editTextChanged.connect(self._update_pending)
+        self.precision.currentIndexChanged.connect(self._update_pending)
+        self.device.currentIndexChanged.connect(self._update_pending)
 
     # -- choices ---------------------------------------------------------------------
     def request(self) -> LoadRequest:
@@ -175,6 +186,34 @@ class ModelPanel(QWidget):
         path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF model", filter="GGUF models (*.gguf)")
         if path:
             self.set_source(path)
+
+    # -- what is loaded vs what is chosen ------------------------------------------------
+    def set_loaded_request(self, request: LoadRequest | None) -> None:
+        self.loaded_request = request
+        self._update_pending()
+
+    def pending(self) -> bool:
+        """Whether the choices differ from the loaded model (a Load would change what runs)."""
+        return self.loaded_request is not None and _key(self.request()) != _key(self.loaded_request)
+
+    def _update_pending(self, *_) -> None:
+        loaded, chosen = self.loaded_request, self.request()
+        differs = {"model": False, "precision": False, "device": False}
+        if loaded is not None:
+            differs = {name: a != b for name, a, b in zip(differs, _key(chosen), _key(loaded))}
+        for name, combo in (("model", self.source), ("precision", self.precision), ("device", self.device)):
+            if combo.property("pending") != differs[name]:
+                combo.setProperty("pending", differs[name])
+                combo.style().unpolish(combo)
+                combo.style().polish(combo)
+        if any(differs.values()):
+            was = ", ".join(f"{name} {value}" for name, value, changed in
+                            zip(differs, _key(loaded), differs.values()) if changed)
+            self.pending_label.setText(f"Not loaded yet — what runs now: {was}. Load (or Generate) switches to "
+                                       "the choice above.")
+            self.pending_label.show()
+        else:
+            self.pending_label.hide()
 
     # -- state -----------------------------------------------------------------------
     def set_loading(self, loading: bool, loaded: bool) -> None:
@@ -237,3 +276,7 @@ class ModelPanel(QWidget):
         if self.device.findData(device) < 0:
             self.device.addItem(device, device)
         self._select(self.device, device)
+
+
+def _key(request: LoadRequest) -> tuple[str, str, str]:
+    return request.model, request.precision, request.device

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.events import Finished, Prefilled, TokenGenerated
+from engine.events import Finished, Prefilled
 
 _FIELDS = ("latency_s", "elapsed_s", "kv_bytes", "kv_predicted", "rss", "device_allocated",
            "device_reserved", "device_peak")
@@ -64,8 +64,19 @@ class RunBuffer:
         self.count += len(events)
         self.version += 1
 
-    def add(self, event: TokenGenerated) -> None:
-        self.extend((event,))
+    @classmethod
+    def from_series(cls, series: dict, weights_bytes: int | None = None) -> "RunBuffer":
+        """A buffer holding a saved run's columns (``engine.history.series_from``); unknown names are ignored."""
+        lengths = [len(v) for k, v in series.items() if k in _FIELDS]
+        count = max(lengths, default=0)
+        buffer = cls(max(1024, count))
+        for name, values in series.items():
+            if name in _FIELDS:
+                buffer._columns[name][: len(values)] = [np.nan if v is None else v for v in values]
+        buffer.count = count
+        buffer.weights_bytes = weights_bytes
+        buffer.version += 1
+        return buffer
 
     def column(self, name: str) -> np.ndarray:
         return self._columns[name][: self.count]

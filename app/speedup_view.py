@@ -542,4 +542,5 @@ class SpeedupWindow(QMainWindow):
 
     def closeEvent(self, event) -> None:
         self.stop()  # the main window's model stays loaded; a run in progress ends at its next token
+        self.session.drop_draft_requested.emit()  # after that run, in the worker's order: the draft is freed
         super().closeEvent(event)

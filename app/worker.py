@@ -66,14 +66,24 @@ class EngineWorker(QObject):
 
     @Slot(object, object)
     def load(self, request, cancel: CancelToken) -> None:
+        """Load ``request``; the model loaded now stays loaded and usable until the new one is
+        ready, so a failed or cancelled load loses nothing (unless memory is too short to hold
+        both: then it is unloaded first, and the progress says so)."""
+        from engine.estimate import fits_beside_loaded
+        from engine.events import LoadProgress
         from engine.loading import load_model
 
-        self._drop_model()
+        if self._model is not None and not fits_beside_loaded(request.model, request.precision, request.device):
+            self.load_progressed.emit(LoadProgress("unload", 0, 0, f"Not enough free memory to keep "
+                                                   f"{self._model.info.name} while loading: unloading it first"))
+            self._drop_model()
+            self.unloaded.emit()
         try:
             model = load_model(request, progress=self.load_progressed.emit, cancel=cancel)
         except Exception as exc:  # errors cross the thread as data
             self.load_failed.emit(exc)
             return
+        self._drop_model()
         self._model = model
         self.loaded.emit(model.info)
         if model.fast is not None:  # the fast path compiles its decode step while the model is usable
@@ -107,9 +117,21 @@ class EngineWorker(QObject):
             self.scored.emit([], None)
 
     @Slot()
+    def drop_draft(self) -> None:
+        """Free the speculative draft (its window closed); the model stays."""
+        self._drop_draft()
+        from engine.loading import release_free_memory
+
+        release_free_memory()
+
+    @Slot()
     def unload(self) -> None:
         self._drop_model()
         self.unloaded.emit()
+
+    def release(self) -> None:
+        """Free the model and its draft (from the owner's thread once this one has ended)."""
+        self._drop_model()
 
     def _drop_model(self) -> None:
         self._drop_draft()
@@ -134,10 +156,14 @@ class EngineWorker(QObject):
             self.sweep_failed.emit(EngineError("No model is loaded: load one first."))
             return
         sent = [0.0]
+        steps: dict[int, list] = {}
 
         def on_event(batch: int, event) -> None:
+            if not isinstance(event, BatchStep):
+                return
+            steps.setdefault(batch, []).append(event)
             now = time.perf_counter()
-            if isinstance(event, BatchStep) and now - sent[0] >= BATCH_S:
+            if now - sent[0] >= BATCH_S:
                 sent[0] = now
                 self.sweep_stepped.emit(batch, event)
 
@@ -146,7 +172,7 @@ class EngineWorker(QObject):
                                         on_point=self.sweep_point.emit)
             if points:
                 try:
-                    record_points(self._model, points, len(self._model.encode(request)))
+                    record_points(self._model, points, len(self._model.encode(request)), steps)
                 except OSError:
                     pass  # the history is a convenience: a read-only data folder must not fail the sweep
         except Exception as exc:
@@ -186,7 +212,7 @@ class EngineWorker(QObject):
                 self._drop_draft()
                 self._draft = load_draft(spec, self._model, cancel=cancel)
             result = speculative_report(self._model, self._draft, request, draft_tokens, compare_plain, cancel,
-                                        on_event)
+                                        on_event, record=True)
         except Exception as exc:
             flush()
             self.speculation_failed.emit(exc)
@@ -234,6 +260,7 @@ class ModelSession(QObject):
     load_requested = Signal(object, object)
     generate_requested = Signal(object, object)
     unload_requested = Signal()
+    drop_draft_requested = Signal()
     probe_requested = Signal()
     predict_requested = Signal(object)
     score_requested = Signal(object, object)
@@ -272,6 +299,7 @@ class ModelSession(QObject):
         self.load_requested.connect(self.worker.load)
         self.generate_requested.connect(self.worker.generate)
         self.unload_requested.connect(self.worker.unload)
+        self.drop_draft_requested.connect(self.worker.drop_draft)
         self.probe_requested.connect(self.worker.probe)
         self.predict_requested.connect(self.worker.predict)
         self.score_requested.connect(self.worker.score)
@@ -323,4 +351,7 @@ class ModelSession(QObject):
         self.cancel_load()
         self.stop()
         self.thread.quit()
-        return self.thread.wait(timeout_ms)
+        if not self.thread.wait(timeout_ms):
+            return False
+        self.worker.release()  # the thread has ended: its models are freed here, not kept for the process's life
+        return True

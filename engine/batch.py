@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from engine.cancel import CancelToken
 from engine.detokenize import IncrementalDetokenizer
-from engine.errors import EngineError, InvalidRequestError, OutOfMemoryError
+from engine.errors import EngineError, InvalidRequestError, NonFiniteError, OutOfMemoryError, non_finite_message
 from engine.events import BatchEvent, BatchFinished, BatchStep, SequenceResult
 from engine.generate import PREFILL_CHUNK, is_out_of_memory, stop_reason
 from engine.kv import cache_bytes
@@ -154,6 +154,8 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompts: list[list[i
     while True:
         with torch.inference_mode():
             scores = out.logits[:, -1].float()
+            if not bool(torch.isfinite(scores).all()):
+                raise NonFiniteError(non_finite_message(loaded.info.precision, loaded.info.name, steps))
             if plain_greedy:
                 picked = scores.argmax(dim=-1).tolist()
             else:

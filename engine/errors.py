@@ -57,3 +57,23 @@ class IntegrityError(DownloadError):
 
 class OutOfMemoryError(EngineError):
     """The device ran out of memory."""
+
+
+class NonFiniteError(EngineError):
+    """The model's scores became NaN or infinite: its answer from there on would be noise.
+
+    ``finished`` holds the run up to the last finite token (``reason == "error"``), so the
+    caller can keep it, marked failed.
+    """
+
+    def __init__(self, message: str, finished=None) -> None:
+        super().__init__(message)
+        self.finished = finished
+
+
+def non_finite_message(precision: str, model: str, index: int) -> str:
+    """What to tell a person whose generation produced NaN/inf scores at token ``index``."""
+    other = "fp32" if precision != "fp32" else "bf16 or another model file"
+    return (f"{model} in {precision} produced NaN/infinite scores at token {index + 1}, so the generation was "
+            f"stopped (what came after would be noise). This precision overflows or breaks for this model: "
+            f"try {other}.")

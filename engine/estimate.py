@@ -222,3 +222,22 @@ def predict(config, precision: str, device: str = "cpu", context_tokens: int = 2
         weights_bytes=weights, kv_bytes_per_token=per_token, context_tokens=context_tokens, kv_bytes=kv,
         total_bytes=weights + kv, available_bytes=available_bytes(resolved) if resolved else None,
     )
+
+
+LOAD_HEADROOM = 1.5
+"""A load briefly needs more than the weights it ends with (fp32 before quantizing, buffers)."""
+
+
+def fits_beside_loaded(model_ref: str, precision: str, device: str = "auto") -> bool:
+    """Whether a model can load while the current one stays in memory (so a failed load keeps
+    it): its predicted weights and a 2,048-token cache, with headroom, against free memory now.
+    Unknown configs or free memory count as fitting; the load's own OOM handling remains."""
+    try:
+        config = config_for(model_ref)
+        if config is None:
+            return True
+        prediction = predict(config, precision, device)
+    except Exception:
+        return True
+    available = prediction.available_bytes
+    return available is None or prediction.total_bytes * LOAD_HEADROOM <= available

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
-FinishReason = Literal["eos", "length", "stop_string", "cancelled", "context"]
+FinishReason = Literal["eos", "length", "stop_string", "cancelled", "context", "error"]
+"""``error``: stopped by the engine (non-finite scores); the run up to there is kept."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,8 +8,9 @@ arithmetic: norms, projections (optionally weight-only int8/int4, engine/quantiz
 rotary embedding, attention over a static cache written in place, the MLP, the head.
 
 It emits exactly the events of the reference path (engine/generate.py drives both through a
-runner); fp32 and bf16 give the reference path's greedy tokens (tested). Everything it can't
-run goes back to the reference path (the load says so).
+runner); fp32 and bf16 give the reference path's greedy tokens (tested). A model it can't
+run is refused with a clear message, from the config or the GGUF header before any weight is
+read where they already say so; the reference precisions run every model.
 """
 
 from __future__ import annotations
@@ -52,11 +53,20 @@ def _bucket(tokens: int) -> int:
     return size
 
 
+def unsupported_type_reason(model_type: str) -> str | None:
+    """Why a model of this type can't take the fast path (from a config or a GGUF header,
+    before any weight is read), or ``None`` if it may."""
+    if model_type not in SUPPORTED:
+        return f"the fast path runs {', '.join(SUPPORTED)} models, not {model_type}"
+    return None
+
+
 def unsupported_reason(model) -> str | None:
     """Why this model can't take the fast path, or ``None`` if it can."""
     config = model.config
-    if config.model_type not in SUPPORTED:
-        return f"the fast path runs {', '.join(SUPPORTED)} models, not {config.model_type}"
+    reason = unsupported_type_reason(config.model_type)
+    if reason:
+        return reason
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) \
             and config.model_type == "mistral":
         return "sliding-window attention is not on the fast path"

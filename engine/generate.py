@@ -11,13 +11,14 @@ makes the model look slow. ``elapsed_s`` and ``total_s`` are wall clock.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from engine.cancel import CancelToken
 from engine.detokenize import IncrementalDetokenizer
-from engine.errors import EngineError, OutOfMemoryError
+from engine.errors import EngineError, NonFiniteError, OutOfMemoryError, non_finite_message
 from engine.events import Alternative, Finished, GenerationEvent, Prefilled, TokenGenerated
 from engine.kv import cache_bytes
 from engine.memory import MemoryProbe
@@ -213,6 +214,9 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int
                 token = sampler(scores, seen.all())
             log_total = float(torch.logsumexp(scores, dim=-1))
             chosen = float(scores[token]) - log_total
+        if not math.isfinite(log_total):  # any NaN or +inf score: nothing after this is real
+            raise NonFiniteError(non_finite_message(loaded.info.precision, loaded.info.name, len(tokens)),
+                                 finished("error", runner.kv_bytes(), predicted(n_prompt + len(tokens))))
         alternatives = (tuple(Alternative(i, loaded.token_text(i), v - log_total) for i, v in zip(ids, values))
                         if top_k else ())
         tokens.append(token)

@@ -27,7 +27,7 @@ def history_dir() -> Path:
 
 @dataclass(frozen=True)
 class RunRecord:
-    kind: str  # "single", "compare", "sweep"
+    kind: str  # "single", "compare", "sweep", "speculative"
     when: str
     model: str
     model_ref: str
@@ -74,6 +74,45 @@ def record_from(info: Loaded, finished: Finished, kind: str = "single", batch: i
         kv_bytes_per_token=info.kv_bytes_per_token, prompt_tokens=finished.prompt_tokens, tokens=finished.tokens,
         batch=batch, decode_tokens_per_s=finished.decode_tokens_per_s, ttft_s=finished.ttft_s,
         peak_memory_bytes=finished.peak_memory_bytes, extra=extra,
+    )
+
+
+SERIES = ("latency_s", "elapsed_s", "kv_bytes", "kv_predicted", "rss", "device_allocated", "device_reserved",
+          "device_peak")
+"""Per-token columns a record keeps (``extra["series"]``), named as the window's run buffer names them."""
+
+
+def series_from(tokens) -> dict[str, list]:
+    """The per-token figures of a run's :class:`TokenGenerated` events (or a sweep's per-step
+    ``BatchStep`` events, which carry the same fields), one list per column, so a reopened run
+    redraws the plots the window showed; absent figures are left out."""
+    columns = {
+        "latency_s": [t.latency_s for t in tokens],
+        "elapsed_s": [t.elapsed_s for t in tokens],
+        "kv_bytes": [t.kv_cache_bytes for t in tokens],
+        "kv_predicted": [t.kv_cache_bytes_predicted for t in tokens],
+        "rss": [t.memory.rss_bytes for t in tokens],
+        "device_allocated": [t.memory.device_allocated_bytes for t in tokens],
+        "device_reserved": [t.memory.device_reserved_bytes for t in tokens],
+        "device_peak": [t.memory.device_peak_bytes for t in tokens],
+    }
+    return {name: values for name, values in columns.items() if any(v is not None for v in values)}
+
+
+def record_point(info: Loaded, point, prompt_tokens: int, steps=()) -> RunRecord:
+    """A batch-sweep point (``engine.sweep.SweepPoint``): per-request figures in the common
+    fields, the aggregate and every other figure of the point in ``extra``."""
+    per_request = point.aggregate_tokens_per_s / point.batch if point.aggregate_tokens_per_s else None
+    return RunRecord(
+        kind="sweep", when=time.strftime("%Y-%m-%dT%H:%M:%S"), model=info.name,
+        model_ref=info.path if info.source != "default" else "default", precision=info.precision,
+        device=info.device, device_name=info.device_name, hardware=hardware_for(info.device, info.device_name),
+        parameters=info.parameters, weights_bytes=info.weights_bytes, kv_cache_bytes=point.kv_cache_bytes,
+        kv_bytes_per_token=info.kv_bytes_per_token, prompt_tokens=prompt_tokens,
+        tokens=point.generated_tokens // point.batch, batch=point.batch, decode_tokens_per_s=per_request,
+        ttft_s=point.mean_ttft_s, peak_memory_bytes=point.peak_memory_bytes,
+        extra={"aggregate_tokens_per_s": point.aggregate_tokens_per_s, "point": asdict(point),
+               **({"series": series_from(steps)} if steps else {})},
     )
 
 

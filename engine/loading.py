@@ -111,11 +111,27 @@ class LoadedModel:
         import torch
 
         self.model = None
+        self.fast = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         elif self.device.type == "mps":
             torch.mps.empty_cache()
+        release_free_memory()
+
+
+def release_free_memory() -> None:
+    """Hand freed heap pages back to the OS. glibc keeps freed blocks of a dropped model in the
+    process for reuse, so without this the process's RSS (what the memory plots show) stays
+    as if the model were still loaded."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl): nothing to trim
+            pass
 
 
 def load_model(request: LoadRequest, progress: Callable[[LoadProgress], None] | None = None,
@@ -133,12 +149,64 @@ def load_model(request: LoadRequest, progress: Callable[[LoadProgress], None] | 
     precision = get_precision(request.precision)
     device = resolve_device(request.device)
     precision.check_device(device.type)
+    preflight(request, precision)
 
     def waiting() -> None:
         reporter.report("queued", 0, 0, "Waiting for another model to finish loading")
 
     with exclusive(reporter.cancel, waiting):
         return _load(request, reporter, precision, device)
+
+
+def model_type_on_disk(ref: str) -> str | None:
+    """The model type a reference names, read from what is already on this machine (a GGUF
+    header, a config.json) without converting or downloading anything; ``None`` if unknown.
+    A missing path or a corrupt GGUF header raises its typed error here."""
+    import json
+    from pathlib import Path
+
+    from engine.gguf_files import summarize_gguf
+
+    kind, value = sources.classify(ref)
+    if kind == "default":
+        return "llama"
+    if kind == "gguf":
+        return summarize_gguf(Path(value)).architecture
+    folder = Path(value)
+    if kind == "hub":
+        from huggingface_hub import try_to_load_from_cache
+
+        repo_id, _, revision = value.partition("@")
+        cached = try_to_load_from_cache(repo_id, "config.json", revision=revision or None)
+        if not isinstance(cached, str):
+            return None
+        folder = Path(cached).parent
+    config = folder / "config.json"
+    if config.is_file():
+        try:
+            return json.loads(config.read_text(encoding="utf-8")).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            return None  # the load itself names what is wrong with it
+    ggufs = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
+    return summarize_gguf(ggufs[0]).architecture if len(ggufs) == 1 else None
+
+
+def preflight(request: LoadRequest, precision: Precision) -> None:
+    """Refuse what the header already rules out, before any download, conversion or weight read:
+    a fast-path precision for an architecture the fast path doesn't run."""
+    from engine.precision import FastPrecision
+
+    if not isinstance(precision, FastPrecision):
+        return
+    from engine.errors import UnsupportedPrecisionError
+    from engine.fast import unsupported_type_reason
+
+    model_type = model_type_on_disk(request.model)
+    reason = unsupported_type_reason(model_type) if model_type else None
+    if reason:
+        raise UnsupportedPrecisionError(
+            f"{request.model} can't use {precision.name}: {reason}. Choose fp32, bf16, int8 or nf4 (the reference "
+            "path runs every model).")
 
 
 def _load(request: LoadRequest, reporter: ProgressReporter, precision: Precision, device) -> LoadedModel:

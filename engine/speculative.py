@@ -18,6 +18,7 @@ target's own first K layers with its final norm and head ("early exit": no extra
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from engine.cancel import CancelToken
 from engine.detokenize import IncrementalDetokenizer
-from engine.errors import EngineError, InvalidRequestError, OutOfMemoryError
+from engine.errors import EngineError, InvalidRequestError, NonFiniteError, OutOfMemoryError, non_finite_message
 from engine.events import Alternative, DraftVerified, Finished, GenerationEvent, Prefilled, TokenGenerated
 from engine.generate import PREFILL_CHUNK, finished_event, is_out_of_memory, stop_reason, top_scores
 from engine.kv import cache_bytes
@@ -245,6 +246,9 @@ def _run(target: "LoadedModel", draft: Draft, request: GenerationRequest, prompt
                 ids, values = top_scores(scores, top_k)
                 alternatives = tuple(Alternative(i, target.token_text(i), v - log_total) for i, v in zip(ids, values))
             chosen = float(scores[token]) - log_total
+        if not math.isfinite(log_total):
+            raise NonFiniteError(non_finite_message(target.info.precision, target.info.name, len(tokens)),
+                                 finished("error"))
         tokens.append(token)
         committed.append(token)
         piece = detok.add(token)
@@ -383,9 +387,11 @@ def _run(target: "LoadedModel", draft: Draft, request: GenerationRequest, prompt
 
 def speculative_report(target: "LoadedModel", draft: Draft, request: GenerationRequest, draft_tokens: int,
                        compare_plain: bool = False, cancel: CancelToken | None = None,
-                       on_event: Callable[[str, GenerationEvent], None] | None = None) -> dict:
+                       on_event: Callable[[str, GenerationEvent], None] | None = None,
+                       record: bool = False) -> dict:
     """The bench report of a speculative run, with the draft's counts, and (``compare_plain``)
-    the speed-up over plain decoding of the same request measured right before it."""
+    the speed-up over plain decoding of the same request measured right before it. ``record``:
+    keep the run in the history (a read-only data folder doesn't fail the run)."""
     from engine import bench
 
     plain = None
@@ -404,7 +410,20 @@ def speculative_report(target: "LoadedModel", draft: Draft, request: GenerationR
             final = event
     result = bench.report(target, request, prefilled, tokens, final)
     result.update(summary(final, draft, draft_tokens, plain))
+    if record and final is not None and final.tokens:
+        from engine import history
+
+        extra = {k: v for k, v in result.items() if k in SUMMARY_KEYS}
+        try:
+            history.save(history.record_from(target.info, final, "speculative", series=history.series_from(tokens),
+                                             transcript_markdown=final.text, **extra))
+        except OSError:
+            pass
     return result
+
+
+SUMMARY_KEYS = ("draft", "draft_tokens_per_step", "drafted_tokens", "accepted_tokens", "acceptance_rate",
+                "plain_decode_tokens_per_s", "speedup_vs_plain", "wall_speedup_vs_plain", "same_tokens_as_plain")
 
 
 def summary(final: Finished, draft: Draft, draft_tokens: int, plain: dict | None = None) -> dict:

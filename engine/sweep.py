@@ -149,22 +149,11 @@ def run_sweep(loaded, request: GenerationRequest, batches: Iterable[int], cancel
     return points, skipped
 
 
-def record_points(loaded, points: list[SweepPoint], prompt_tokens: int) -> None:
-    """Keep each point in the run history, so the cost explorer shows it beside its prediction."""
-    import time
+def record_points(loaded, points: list[SweepPoint], prompt_tokens: int, steps: dict | None = None) -> None:
+    """Keep each point in the run history, so the cost explorer shows it beside its prediction
+    and File → Run history reopens it with the figures the window showed (``steps``: each batch
+    size's :class:`BatchStep` events, kept as per-step series)."""
+    from engine.history import record_point, save
 
-    from engine.history import RunRecord, hardware_for, save
-
-    info = loaded.info
     for point in points:
-        per_request = point.aggregate_tokens_per_s / point.batch if point.aggregate_tokens_per_s else None
-        save(RunRecord(
-            kind="sweep", when=time.strftime("%Y-%m-%dT%H:%M:%S"), model=info.name,
-            model_ref=info.path if info.source != "default" else "default", precision=info.precision,
-            device=info.device, device_name=info.device_name, hardware=hardware_for(info.device, info.device_name),
-            parameters=info.parameters, weights_bytes=info.weights_bytes, kv_cache_bytes=point.kv_cache_bytes,
-            kv_bytes_per_token=info.kv_bytes_per_token, prompt_tokens=prompt_tokens,
-            tokens=point.generated_tokens // point.batch, batch=point.batch, decode_tokens_per_s=per_request,
-            ttft_s=point.mean_ttft_s, peak_memory_bytes=point.peak_memory_bytes,
-            extra={"aggregate_tokens_per_s": point.aggregate_tokens_per_s},
-        ))
+        save(record_point(loaded.info, point, prompt_tokens, (steps or {}).get(point.batch, ())))

@@ -12,6 +12,12 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2")
 
 
+@pytest.fixture(autouse=True)
+def _private_history(tmp_path_factory, monkeypatch):
+    """Runs that tests finish go to a private history folder, never the user's."""
+    monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path_factory.mktemp("data")))
+
+
 @pytest.fixture(scope="session")
 def byte_tokenizer():
     from tests.tiny import byte_level_tokenizer

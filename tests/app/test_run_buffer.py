@@ -17,7 +17,7 @@ def token(i, latency, rss=1000, device=None):
 def test_columns_grow_past_capacity_and_absent_values_are_nan():
     buffer = RunBuffer(capacity=2)
     buffer.extend([token(0, 0.5), token(1, 0.1)])
-    buffer.add(token(2, 0.2))
+    buffer.extend([token(2, 0.2)])
     assert buffer.count == 3
     assert buffer.column("kv_bytes").tolist() == [100, 200, 300]
     assert np.isnan(buffer.column("kv_predicted")).all()

@@ -1,0 +1,214 @@
+"""What you see is what runs, in the window: a changed choice is pending until loaded, a failed
+load keeps the working model, NaN stops with a message, every status ends true, closed windows
+free their models, and the history reopens what the window showed."""
+
+import json
+import shutil
+
+import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QMessageBox
+
+from app.compare_view import CompareWindow
+from engine import history
+from engine.compare import LaneSpec
+from tests.app.conftest import generate, load
+from tests.app.test_compare_view import configure, load_all, run
+from tests.engine.test_honesty import _nan_after
+
+
+def _dismiss_error_box(qtbot, window):
+    qtbot.waitUntil(lambda: window.findChild(QMessageBox, "loadErrorBox") is not None)
+    box = window.findChild(QMessageBox, "loadErrorBox")
+    text = box.text()
+    box.accept()
+    box.deleteLater()
+    return text
+
+
+def test_a_changed_precision_is_pending_and_generate_loads_it_first(qtbot, window, tiny_llama):
+    load(qtbot, window, tiny_llama)
+    panel = window.model_panel
+    assert not panel.pending() and panel.pending_label.isHidden()
+    panel._select(panel.precision, "bf16")
+    assert panel.pending() and not panel.pending_label.isHidden()
+    assert panel.precision.property("pending") is True and panel.source.property("pending") is False
+    assert "precision fp32" in panel.pending_label.text()
+    assert window.loaded.precision == "fp32"  # nothing changed yet
+    generate(qtbot, window, "fox", max_tokens=3, wait=False)
+    assert "Loading" in window.prompt.message.text() and window.loading and not window.generating
+    qtbot.waitUntil(lambda: not window.generating and window.transcript.current is not None
+                    and window.transcript.current.finished is not None, timeout=60_000)
+    assert window.loaded.precision == "bf16" and window.transcript.model.precision == "bf16"
+    assert window.transcript.current.finished.tokens == 3
+    assert not panel.pending() and panel.pending_label.isHidden() and panel.precision.property("pending") is False
+
+
+@pytest.mark.parametrize("case", ["missing path", "precision the model can't take"])
+def test_a_failed_load_keeps_the_working_model(qtbot, window, tiny_models, tmp_path, case):
+    loaded = load(qtbot, window, tiny_models["gpt2"])
+    panel = window.model_panel
+    if case == "missing path":
+        panel.set_source(str(tmp_path / "no-such-model"))
+    else:
+        panel._select(panel.precision, "int8-fast")
+    with qtbot.waitSignal(window.session.load_failed, timeout=60_000):
+        panel.load_button.click()
+    text = _dismiss_error_box(qtbot, window)
+    assert ("No such" in text) if case == "missing path" else ("gpt2" in text and "int8-fast" in text)
+    assert window.loaded is loaded and panel.facts["Model"].text() == loaded.name
+    assert "Still loaded" in window.prompt.message.text()
+    assert window.statusBar().currentMessage() == ""
+    # the panel says the choice is not what runs; back to the loaded choice, it generates
+    assert panel.pending() and not panel.pending_label.isHidden()
+    panel.set_source(str(tiny_models["gpt2"]))
+    panel._select(panel.precision, "fp32")
+    assert not panel.pending()
+    assert generate(qtbot, window, "fox", max_tokens=3).tokens == 3
+
+
+def test_generate_with_a_pending_choice_that_fails_keeps_the_prompt(qtbot, window, tiny_llama, tmp_path):
+    load(qtbot, window, tiny_llama)
+    window.model_panel.set_source(str(tmp_path / "gone"))
+    with qtbot.waitSignal(window.session.load_failed, timeout=60_000):
+        generate(qtbot, window, "my question", wait=False)
+    _dismiss_error_box(qtbot, window)
+    assert "not sent" in window.prompt.message.text()
+    assert window.prompt.editor.toPlainText() == "my question"
+    assert window.loaded is not None and not window.generating
+
+
+def test_chat_without_a_template_fails_and_the_status_bar_says_so(qtbot, window, tiny_llama, tmp_path):
+    folder = tmp_path / "no-template"
+    shutil.copytree(tiny_llama, folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    load(qtbot, window, folder)
+    window.generation_panel.mode.setCurrentIndex(window.generation_panel.mode.findData("chat"))
+    window.prompt.editor.setPlainText("hello")
+    with qtbot.waitSignal(window.session.generation_failed, timeout=60_000):
+        window.prompt.generate_button.click()
+    qtbot.waitUntil(lambda: not window.generating)
+    assert "Generating" not in window.statusBar().currentMessage()
+    assert "failed" in window.statusBar().currentMessage()
+    assert "template" in window.prompt.message.text()
+
+
+def test_nan_stops_the_run_with_a_message_and_the_run_is_kept_as_failed(qtbot, window, tiny_llama, tmp_path):
+    folder, request, before = _nan_after(tiny_llama, tmp_path, steps=3)
+    load(qtbot, window, folder)
+    window.generation_panel.mode.setCurrentIndex(window.generation_panel.mode.findData("raw"))
+    with qtbot.waitSignal(window.session.generation_failed, timeout=60_000):
+        generate(qtbot, window, request.prompt, max_tokens=8, wait=False)
+    qtbot.waitUntil(lambda: not window.generating)
+    message = window.prompt.message.text()
+    assert "NaN" in message and "fp32" in message
+    turn = window.transcript.current
+    assert turn.error == message and [t.token_id for t in turn.tokens] == before
+    assert window.buffer.finished.reason == "error" and window.buffer.count == 3
+    [record] = [r for r in history.load_all() if r.kind == "single"]
+    assert record.extra["error"] == message and record.tokens == 3
+    assert "failed" in window.statusBar().currentMessage()
+
+
+@pytest.fixture
+def compare(qtbot, _no_dangling_threads_or_timers):
+    from app.main import create_app
+
+    create_app([])
+    window = CompareWindow()
+    qtbot.addWidget(window)
+    window.show()
+    yield window
+    window.close()
+
+
+def test_a_lane_changed_after_loading_reloads_before_the_run(qtbot, compare, tiny_models):
+    llama, qwen = str(tiny_models["llama"]), str(tiny_models["qwen2"])
+    configure(compare, [LaneSpec(llama, "fp32", "cpu"), LaneSpec(llama, "fp32", "cpu")])
+    load_all(qtbot, compare)
+    compare.lanes[1].configure(LaneSpec(qwen, "fp32", "cpu"))
+    assert compare.lanes[1].needs_load() and "reloads" in compare.lanes[1].status.text()
+    run(qtbot, compare, tokens=4)  # one click: reloads lane 2, then runs
+    assert compare.lanes[1].loaded_request.model == qwen
+    assert compare.lanes[1].run.loaded["path"] == compare.lanes[1].loaded.path
+    assert compare.summary[1]["label"].startswith(qwen)
+    assert compare.message.text() == ""  # no "load first" left behind
+    assert [lane.run.finished.tokens for lane in compare.lanes] == [4, 4]
+
+
+def test_a_lane_status_from_a_failed_run_is_cleared_by_the_next(qtbot, compare, tiny_llama, tmp_path):
+    folder, _, _ = _nan_after(tiny_llama, tmp_path, steps=2)
+    configure(compare, [LaneSpec(str(tiny_llama), "fp32", "cpu"), LaneSpec(str(folder), "fp32", "cpu")])
+    load_all(qtbot, compare)
+    run(qtbot, compare, prompt="The quick brown fox", tokens=6)
+    assert compare.lanes[1].status.text().startswith("Failed:") and "NaN" in compare.lanes[1].status.text()
+    assert compare.lanes[1].run.finished.reason == "error"
+    compare.lanes[1].configure(LaneSpec(str(tiny_llama), "fp32", "cpu"))
+    run(qtbot, compare, tokens=3)
+    assert not compare.lanes[1].status.text().startswith("Failed")
+    assert compare.lanes[1].run.finished.tokens == 3
+
+
+def test_closing_compare_frees_its_lanes_models(qtbot, window, tiny_llama):
+    compare = window.open_compare()
+    configure(compare, [LaneSpec(str(tiny_llama), "fp32", "cpu")] * 2)
+    load_all(qtbot, compare)
+    workers = [lane.session.worker for lane in compare.lanes]
+    assert all(worker._model is not None for worker in workers)
+    compare.close()
+    assert all(worker._model is None for worker in workers)
+    assert window.compare is None
+    again = window.open_compare()  # a fresh window with working lanes
+    assert again is not compare and all(lane.session.thread.isRunning() for lane in again.lanes)
+
+
+def test_history_reopens_the_plots_and_transcript(qtbot, window, tiny_llama):
+    load(qtbot, window, tiny_llama)
+    finished = generate(qtbot, window, "fox", max_tokens=7)
+    dialog = window.open_history()
+    qtbot.addWidget(dialog)
+    assert dialog.table.item(0, 1).text() == "single"
+    qtbot.keyClick(dialog, Qt.Key_Return)  # Enter opens the selected run
+    [opened] = dialog.opened
+    qtbot.addWidget(opened)
+    assert opened.plots.point_counts()["latency"] == finished.tokens - 1  # the first token's is the TTFT
+    assert opened.plots.point_counts()["kv_predicted"] == finished.tokens
+    assert opened.buffer.column("latency_s")[0] == pytest.approx(finished.ttft_s)
+    assert finished.text.strip()[:10] in opened.details.toPlainText()
+    rect = dialog.table.visualItemRect(dialog.table.item(0, 0))
+    qtbot.mouseClick(dialog.table.viewport(), Qt.LeftButton, pos=rect.center())  # a double-click is
+    qtbot.mouseDClick(dialog.table.viewport(), Qt.LeftButton, pos=rect.center())  # a press, then the second
+    assert len(dialog.opened) == 2
+
+
+def test_history_lists_sweeps_with_their_aggregate_and_speculative_runs(qtbot, loaded_llama):
+    from app.history_view import COLUMNS, HistoryDialog
+    from engine.events import BatchStep
+    from engine.request import GenerationRequest
+    from engine.speculative import load_draft, parse_draft, speculative_report
+    from engine.sweep import record_points, run_sweep
+
+    request = GenerationRequest("The quick brown fox", mode="raw", max_new_tokens=5, ignore_eos=True)
+    steps = {}
+    points, _ = run_sweep(loaded_llama, request, [2], on_event=lambda b, e: steps.setdefault(b, []).append(e)
+                          if isinstance(e, BatchStep) else None)
+    record_points(loaded_llama, points, len(loaded_llama.encode(request)), steps)
+    draft = load_draft(parse_draft("early-exit:1", "fp32"), loaded_llama)
+    report = speculative_report(loaded_llama, draft, request, 2, record=True)
+    dialog = HistoryDialog()
+    qtbot.addWidget(dialog)
+    kinds = [dialog.table.item(r, 1).text() for r in range(dialog.table.rowCount())]
+    assert kinds == ["speculative", "sweep"]
+    aggregate = COLUMNS.index("aggregate tok/s")
+    assert dialog.table.item(1, aggregate).text().startswith(f"{points[0].aggregate_tokens_per_s:.1f}")
+    speculative = dialog.open_record(0)
+    qtbot.addWidget(speculative)
+    assert "accepted" in speculative.details.toPlainText()
+    assert speculative.plots.point_counts()["kv_predicted"] == len(report["token_ids"])
+    sweep = dialog.open_record(1)
+    qtbot.addWidget(sweep)
+    assert sweep.plots.point_counts()["kv_predicted"] == len(steps[2])
+    assert "aggregate" in sweep.details.toPlainText()
