@@ -26,6 +26,7 @@ from engine.kv import cache_bytes
 from engine.memory import MemoryProbe
 from engine.request import GenerationRequest
 from engine.sampling import make_sampler
+from engine.threads import adapt as adapt_threads
 
 if TYPE_CHECKING:
     from engine.loading import LoadedModel
@@ -108,6 +109,7 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompts: list[list[i
         mask[i, width - len(prompt):] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
 
+    adapt_threads(force=True)
     probe = MemoryProbe(device)
     probe.reset_peak()
     probe.sample()
@@ -152,6 +154,7 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompts: list[list[i
     next_positions = positions[:, -1:] + 1
 
     while True:
+        adapt_threads()
         with torch.inference_mode():
             scores = out.logits[:, -1].float()
             if not bool(torch.isfinite(scores).all()):

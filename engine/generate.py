@@ -24,6 +24,7 @@ from engine.kv import cache_bytes
 from engine.memory import MemoryProbe
 from engine.request import GenerationRequest
 from engine.sampling import make_sampler
+from engine.threads import adapt as adapt_threads
 
 if TYPE_CHECKING:
     import torch
@@ -181,6 +182,7 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int
         return finished_event(reason, tokens, latencies, n_prompt, start, probe, kv, kv_pred, detok.text,
                               stop_string)
 
+    adapt_threads(force=True)  # as many threads as other programs leave cores free
     probe.reset_peak()
     probe.sample()
     start = time.perf_counter()
@@ -200,6 +202,7 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int
 
     step_start = time.perf_counter()
     while True:
+        adapt_threads()
         # inference mode only around tensor work: it is per thread, and must not stay on
         # in the consumer's code between tokens
         with torch.inference_mode():

@@ -34,6 +34,7 @@ from engine.memory import MemoryProbe
 from engine.precision import PRECISIONS
 from engine.request import GenerationRequest
 from engine.sampling import apply_repetition_penalty, argmax, distribution
+from engine.threads import adapt as adapt_threads
 
 if TYPE_CHECKING:
     import torch
@@ -267,6 +268,7 @@ def _run(target: "LoadedModel", draft: Draft, request: GenerationRequest, prompt
         )
         return event, reason, stop_string
 
+    adapt_threads(force=True)
     probe.reset_peak()
     probe.sample()
     start = time.perf_counter()
@@ -305,6 +307,7 @@ def _run(target: "LoadedModel", draft: Draft, request: GenerationRequest, prompt
     step = 0
     step_start = time.perf_counter()
     while True:
+        adapt_threads()
         room = request.max_new_tokens - len(tokens) - 1  # the target always adds one token of its own
         if context is not None:
             room = min(room, context - len(committed) - 1)
