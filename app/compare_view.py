@@ -14,11 +14,13 @@ from PySide6.QtWidgets import (
     QComboBox,
     QDockWidget,
     QFileDialog,
+    QFrame,
     QHBoxLayout,
     QLabel,
     QMainWindow,
     QPlainTextEdit,
     QPushButton,
+    QScrollArea,
     QSpinBox,
     QTableWidget,
     QTableWidgetItem,
@@ -37,6 +39,8 @@ from engine.sampling import SamplingParams
 from engine.units import binary_unit, format_bytes, format_rate, format_seconds
 
 LADDER = ("fp32", "bf16", "int8", "nf4")
+LANES_MIN_HEIGHT = 190
+PLOTS_MIN_HEIGHT = 230
 COLUMNS = (
     ("lane", "Lane"), ("label", "Configuration"), ("load_s", "Load"), ("weights_bytes", "Weights"),
     ("peak_memory_bytes", "Peak memory (process)"), ("ttft_s", "TTFT"), ("decode_tokens_per_s", "Decode tok/s"),
@@ -161,7 +165,7 @@ class CompareWindow(QMainWindow):
         self.prompt = QPlainTextEdit()
         self.prompt.setObjectName("comparePrompt")
         self.prompt.setPlaceholderText("One prompt for every lane…")
-        self.prompt.setMaximumHeight(70)
+        self.prompt.setMaximumHeight(56)
         self.mode = QComboBox()
         self.mode.addItem("chat", "chat")
         self.mode.addItem("raw", "raw")
@@ -196,22 +200,33 @@ class CompareWindow(QMainWindow):
         self.message.setWordWrap(True)
         self.message.setObjectName("compareMessage")
 
-        controls = QHBoxLayout()
+        # settings, then actions: two rows, so the window fits a 1280-pixel screen
+        settings_row, actions = QHBoxLayout(), QHBoxLayout()
         for label, widget in (("mode", self.mode), ("max tokens", self.max_tokens), ("seed", self.seed),
                               ("schedule", self.schedule_box)):
-            controls.addWidget(QLabel(label))
-            controls.addWidget(widget)
-        controls.addStretch(1)
-        for button in (self.run_button, self.stop_button, self.ladder_button, self.add_button, self.remove_button,
-                       self.export_button, self.open_button):
-            controls.addWidget(button)
-        self.lane_row = QHBoxLayout()
+            settings_row.addWidget(QLabel(label))
+            settings_row.addWidget(widget)
+        settings_row.addStretch(1)
+        for button in (self.run_button, self.stop_button, self.ladder_button, self.add_button, self.remove_button):
+            actions.addWidget(button)
+        actions.addStretch(1)
+        for button in (self.export_button, self.open_button):
+            actions.addWidget(button)
+        lanes = QWidget()
+        self.lane_row = QHBoxLayout(lanes)
+        self.lane_row.setContentsMargins(0, 0, 0, 0)
+        lane_area = QScrollArea()  # the lanes scroll (sideways with four on a narrow screen) rather than squeeze
+        lane_area.setWidget(lanes)
+        lane_area.setWidgetResizable(True)
+        lane_area.setFrameShape(QFrame.NoFrame)
+        lane_area.setMinimumHeight(LANES_MIN_HEIGHT)
         top = QWidget()
         layout = QVBoxLayout(top)
         layout.addWidget(self.prompt)
-        layout.addLayout(controls)
+        layout.addLayout(settings_row)
+        layout.addLayout(actions)
         layout.addWidget(self.message)
-        layout.addLayout(self.lane_row, 1)
+        layout.addWidget(lane_area, 1)
         self.setCentralWidget(top)
 
         self.plots = ComparePlots()
@@ -219,11 +234,15 @@ class CompareWindow(QMainWindow):
         strip = QHBoxLayout(plot_strip)
         for panel in self.plots.panels.values():
             strip.addWidget(panel)
+        plot_strip.setMinimumHeight(PLOTS_MIN_HEIGHT)  # readable axes on a short screen: the lanes scroll instead
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setObjectName("summaryTable")
         self.table.setHorizontalHeaderLabels([title for _, title in COLUMNS])
         self.table.verticalHeader().hide()
         self.table.setEditTriggers(QTableWidget.NoEditTriggers)
+        self.table.resizeColumnsToContents()  # whole headers before the first run too
+        rows = self.table.verticalHeader().defaultSectionSize()
+        self.table.setMinimumHeight(self.table.horizontalHeader().sizeHint().height() + 4 * rows + 24)  # 4 lanes
         docks = []
         for title, widget in (("Plots", plot_strip), ("Summary", self.table)):
             dock = QDockWidget(title, self)

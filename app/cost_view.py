@@ -151,6 +151,11 @@ class CostWindow(QMainWindow):
             layout.addWidget(panel, i // 2, i % 2)
         self.setCentralWidget(grid)
         self._curves: dict[str, object] = {}
+        self._money_note = pg.TextItem("", color=COLOURS["device"], anchor=(0.5, 0.5))
+        self._money_note.textItem.setTextWidth(240)  # wraps inside the plot however narrow
+        self.money_plot.plot.addItem(self._money_note, ignoreBounds=True)
+        for panel in (self.memory_plot, self.speed_plot, self.money_plot, self.kv_plot):
+            panel.item.getAxis("left").enableAutoSIPrefix(False)  # our ticks carry their units; no "(x0.001)"
 
         for widget in (self.model, self.hardware, self.precision, self.kv_dtype):
             widget.currentIndexChanged.connect(self.schedule_update)
@@ -292,7 +297,9 @@ class CostWindow(QMainWindow):
                     symbolBrush=COLOURS["measured"]).setData(runs_x, runs_y)
         self._label_runs(runs, profile, config)
         self.speed_plot.set_label("left", "tokens / s, all requests (log₁₀)")
-        _log_axes(self.speed_plot, lx, np.log10(np.concatenate([ceiling, memory_rate, compute_rate])))
+        # the measured dots stay in view, however far below the ceiling they are
+        _log_axes(self.speed_plot, lx, np.concatenate([np.log10(np.concatenate([ceiling, memory_rate, compute_rate])),
+                                                       np.array(runs_y, dtype=float)]))
         low, high = float(lx.min()), float(lx.max())
         ridge = math.log2(e.ridge_batch) if e.ridge_batch else None
         split = high if ridge is None else min(max(ridge, low), high)
@@ -302,13 +309,23 @@ class CostWindow(QMainWindow):
         marker = self._curve("batch-marker", self.speed_plot, pen=None, symbol="t", symbolSize=10,
                              symbolBrush=COLOURS["ceiling"])
         marker.setData([math.log2(e.batch)], [math.log10(e.decode_tokens_per_s_ceiling)])
-        # 3. $ per 1M tokens against batch
-        if profile.usd_per_hour:
+        # 3. $ per 1M tokens against batch (only for batches that fit, and hardware with a price)
+        fits = np.array([s.fits for s in sweep])
+        usd_curve = self._curve("usd", self.money_plot, pen=_pen(COLOURS["ceiling"], width=2))
+        if profile.usd_per_hour and fits.any():
             usd = profile.usd_per_hour / (ceiling * 3600) * 1e6
-            self._curve("usd", self.money_plot, pen=_pen(COLOURS["ceiling"], width=2)).setData(lx, np.log10(usd))
-            _log_axes(self.money_plot, lx, np.log10(usd))
+            usd_curve.setData(lx[fits], np.log10(usd[fits]))
+            _log_axes(self.money_plot, lx, np.log10(usd[fits]))
+            self._money_note.setVisible(False)
         else:
-            self._curve("usd", self.money_plot, pen=_pen(COLOURS["ceiling"], width=2)).setData([], [])
+            usd_curve.setData([], [])
+            self._money_note.setText("No price for this hardware: set its $ / hour in Edit hardware…"
+                                     if not profile.usd_per_hour else "Does not fit at any batch: no price.")
+            self._money_note.setPos(float(lx.mean()), 0.5)
+            _log_axes(self.money_plot, lx, np.array([0.0, 1.0]))
+            self.money_plot.item.setYRange(0, 1, padding=0)
+            self.money_plot.item.getAxis("left").setTicks([[]])
+            self._money_note.setVisible(True)
         # 4. KV bytes against context
         contexts = np.array(CONTEXTS, dtype=float)
         kv = [costs.estimate(config, profile, e.precision, e.kv_dtype, int(c), 1, None, e.model, self._count).kv_bytes_total
@@ -324,19 +341,29 @@ class CostWindow(QMainWindow):
         self.kv_plot.item.setYRange(0, max(kv) / divisor * 1.05, padding=0)
 
     def _label_runs(self, runs, profile, config) -> None:
+        """One label per batch size (runs at the same batch would print over each other): the
+        median share of the ceiling, with the range and count where there are several."""
         for item in getattr(self, "_run_labels", []):
             self.speed_plot.plot.removeItem(item)
         self._run_labels = []
+        by_batch: dict[int, list[tuple[float, float]]] = {}
         for r in runs:
             if not r.decode_tokens_per_s:
                 continue
             ceiling = costs.estimate(config, profile, r.precision if r.precision in ALL_PRECISIONS else "bf16",
                                      self.kv_dtype.currentData(), max(r.context, 1), r.batch, None, "", self._count)
-            share = 100 * r.decode_tokens_per_s * r.batch / ceiling.decode_tokens_per_s_ceiling
-            text = pg.TextItem(f"{share:.0f}% of ceiling", color=COLOURS["measured"], anchor=(0, 1))
-            text.setPos(math.log2(r.batch), math.log10(r.decode_tokens_per_s * r.batch))
-            self.speed_plot.plot.addItem(text)
-            self._run_labels.append(text)
+            rate = r.decode_tokens_per_s * r.batch
+            by_batch.setdefault(r.batch, []).append((100 * rate / ceiling.decode_tokens_per_s_ceiling, rate))
+        for i, (batch, shares) in enumerate(sorted(by_batch.items())):
+            values = sorted(share for share, _ in shares)
+            text = f"{float(np.median(values)):.0f}%"
+            if len(values) > 1:
+                text += f" ({values[0]:.0f}–{values[-1]:.0f}%, {len(values)} runs)"
+            label = pg.TextItem(text + (" of ceiling" if i == 0 else ""), color=COLOURS["measured"],
+                                anchor=(0, 1) if i % 2 == 0 else (0, 0))  # neighbours alternate above/below
+            label.setPos(math.log2(batch), math.log10(float(np.median([rate for _, rate in shares]))))
+            self.speed_plot.plot.addItem(label)
+            self._run_labels.append(label)
 
     def _write_numbers(self, profile) -> None:
         e = self.estimate
@@ -355,8 +382,8 @@ class CostWindow(QMainWindow):
                                f"per request ({e.bound}-bound)"),
             ("Compute-bound", ridge),
             ("Prefill", f"{e.context:,} tokens ≈ {e.prefill_s * 1000:,.1f} ms at peak FLOP/s"),
-            ("$ per 1M tokens", "—" if e.usd_per_million_tokens is None else f"${e.usd_per_million_tokens:,.3f}"),
-            ("Wh per 1M tokens", "—" if e.wh_per_million_tokens is None else f"{e.wh_per_million_tokens:,.0f} Wh"),
+            ("$ per 1M tokens", _money(e.usd_per_million_tokens, e.fits, profile.usd_per_hour, "$ / hour")),
+            ("Wh per 1M tokens", _money(e.wh_per_million_tokens, e.fits, profile.watts, "watts")),
         ]
         if e.training_breakeven_tokens:
             rows.append(("Training", f"{e.training_flops:.2e} FLOPs = serving {e.training_breakeven_tokens:.2e} tokens"))
@@ -371,8 +398,8 @@ class CostWindow(QMainWindow):
         sources = profile.sources or {}
         self.numbers.setText(
             "<table cellspacing=3>" + "".join(f"<tr><td><b>{k}</b></td><td>{v}</td></tr>" for k, v in rows) + "</table>"
-            + f"<p><b>{profile.name}</b>: {profile.bandwidth_bytes_per_s / 1e9:,.0f} GB/s "
-              f"<small>({sources.get('bandwidth_bytes_per_s', '')})</small>, {profile.bf16_flops / 1e12:,.1f} TFLOP/s "
+            + f"<p><b>{profile.name}</b>: {profile.bandwidth_bytes_per_s / 1e9:,.0f}&nbsp;GB/s "
+              f"<small>({sources.get('bandwidth_bytes_per_s', '')})</small>, {profile.bf16_flops / 1e12:,.1f}&nbsp;TFLOP/s "
               f"<small>({sources.get('bf16_flops', '')})</small></p>")
 
     def closeEvent(self, event) -> None:
@@ -437,6 +464,17 @@ class HardwareDialog(QDialog):
         return result
 
 
+def _money(value: float | None, fits: bool, rate: float | None, what: str) -> str:
+    """A price (or energy) figure, or why there is none: never a "$0.000" that looks measured."""
+    if not fits:
+        return "n/a: this setup does not fit in the device's memory"
+    if not rate:
+        return f"n/a: no {what} for this hardware (Edit hardware… sets one)"
+    if value is None:
+        return "n/a"
+    return f"${value:,.3f}" if what.startswith("$") else f"{value:,.0f} Wh"
+
+
 def _unit(largest: float) -> tuple[float, str]:
     from engine.units import binary_unit
 
@@ -448,10 +486,24 @@ def _log_axes(panel: PlotPanel, xs: np.ndarray, ys: np.ndarray) -> None:
     panel.item.setXRange(float(xs.min()), float(xs.max()), padding=0.02)
     if finite.size:
         panel.item.setYRange(float(finite.min()) - 0.2, float(finite.max()) + 0.2, padding=0)
-    ticks_x = [(float(x), str(int(round(2 ** x)))) for x in xs]
-    panel.item.getAxis("bottom").setTicks([ticks_x])
-    low, high = math.floor(finite.min()) if finite.size else 0, math.ceil(finite.max()) if finite.size else 1
-    panel.item.getAxis("left").setTicks([[(float(k), _pretty(10 ** k)) for k in range(low, high + 1)]])
+    # every other power of two labelled (1, 4, 16 …: "512" and "1024" side by side collide), the rest as minor ticks
+    major = [(float(x), str(int(round(2 ** x)))) for i, x in enumerate(xs) if i % 2 == 0]
+    minor = [(float(x), "") for i, x in enumerate(xs) if i % 2 == 1]
+    panel.item.getAxis("bottom").setTicks([major, minor])
+    lo = float(finite.min()) - 0.2 if finite.size else 0.0
+    hi = float(finite.max()) + 0.2 if finite.size else 1.0
+    panel.item.getAxis("left").setTicks([_log_ticks(lo, hi)])
+
+
+def _log_ticks(lo: float, hi: float) -> list[tuple[float, str]]:
+    """Ticks for a log10 axis from ``lo`` to ``hi``: each power of ten, and 2× and 5× when the
+    range spans too few powers to show any (a narrow range must still have numbers)."""
+    decades = range(math.floor(lo), math.ceil(hi) + 1)
+    ticks = [(float(k), _pretty(10 ** k)) for k in decades if lo <= k <= hi]
+    if len(ticks) < 3:
+        ticks = [(math.log10(m * 10 ** k), _pretty(m * 10 ** k)) for k in decades for m in (1, 2, 5)
+                 if lo <= math.log10(m * 10 ** k) <= hi]
+    return ticks
 
 
 def _pretty(value: float) -> str:

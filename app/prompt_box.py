@@ -22,6 +22,7 @@ class PromptBox(QWidget):
     clear_clicked = Signal()
     copy_clicked = Signal()
     save_clicked = Signal()
+    message_shown = Signal()  # the message area changed: the window makes room for all of it
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -80,3 +81,11 @@ class PromptBox(QWidget):
         self.message.style().polish(self.message)
         self.message.setText(text)
         self.message.setVisible(bool(text))
+        self.message_shown.emit()
+
+    def needed_height(self) -> int:
+        """Height that shows the message whole, the editor's minimum and the buttons at this width."""
+        layout = self.layout()
+        if layout.hasHeightForWidth():
+            return layout.totalHeightForWidth(self.width())
+        return layout.totalMinimumSize().height()

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal, Slot
-from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor
+from PySide6.QtGui import QColor, QPalette, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -124,6 +124,7 @@ class SpeedupWindow(QMainWindow):
         self.sweep_tokens.setRange(1, 4096)
         self.sweep_tokens.setValue(64)
         self.sweep_prompt = QLineEdit(DEFAULT_PROMPT)
+        self.sweep_prompt.setCursorPosition(0)  # the start of the prompt, not its end
         c.form.addRow("Batch sizes", self.batches)
         c.form.addRow("Tokens per sequence", self.sweep_tokens)
         c.form.addRow("Prompt", self.sweep_prompt)
@@ -172,6 +173,9 @@ class SpeedupWindow(QMainWindow):
         right.addWidget(self.sweep_table)
         right.setStretchFactor(0, 3)
         right.setStretchFactor(1, 1)
+        # room for a header and five batch sizes, however short the screen (the plots give way)
+        rows = self.sweep_table.verticalHeader().defaultSectionSize()
+        self.sweep_table.setMinimumHeight(self.sweep_table.horizontalHeader().sizeHint().height() + 5 * rows + 6)
         page = QSplitter(Qt.Horizontal)
         page.addWidget(c)
         page.addWidget(right)
@@ -249,7 +253,7 @@ class SpeedupWindow(QMainWindow):
         self._labels = self._labels[:len(points)]
         for i, point in enumerate(points):
             if i == len(self._labels):
-                label = pg.TextItem(f"B={point.batch}", anchor=(0, 1))
+                label = pg.TextItem(f"B={point.batch}", anchor=(0, 1), color=self.palette().color(QPalette.WindowText))
                 self.tradeoff_plot.plot.addItem(label)
                 self._labels.append(label)
             self._labels[i].setPos(latency[i], speed[i])
@@ -301,6 +305,7 @@ class SpeedupWindow(QMainWindow):
         self.spec_tokens.setRange(1, 4096)
         self.spec_tokens.setValue(64)
         self.spec_prompt = QLineEdit(DEFAULT_PROMPT)
+        self.spec_prompt.setCursorPosition(0)
         c.form.addRow("Draft", self.draft_kind)
         c.form.addRow("Layers K", self.draft_layers)
         c.form.addRow("Draft precision", self.draft_precision)

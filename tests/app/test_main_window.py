@@ -24,7 +24,7 @@ def test_load_shows_the_facts(qtbot, window, tiny_llama):
     info = load(qtbot, window, tiny_llama)
     facts = window.model_panel.facts
     assert facts["Parameters"].text().endswith(f"({info.parameters:,})")
-    assert facts["Architecture"].text() == "LlamaForCausalLM (llama)"
+    assert facts["Architecture"].toolTip() == "LlamaForCausalLM (llama)"
     assert "tokens" in facts["Context"].text() and facts["Precision"].text().startswith("fp32")
     assert window.prompt.generate_button.isEnabled()
     assert window.status["device"].text() == "device: cpu"
