@@ -31,6 +31,7 @@ from PySide6.QtWidgets import (
 from app.frame_budget import FrameBudget
 from app.lane_widget import LaneWidget
 from app.live_plots import ROLLING_WINDOW, PlotPanel
+from app.screen import fit_screen
 from engine import compare
 from engine.compare import LaneSpec
 from engine.errors import EngineError
@@ -258,7 +259,7 @@ class CompareWindow(QMainWindow):
         self.budget = FrameBudget(0.02)
         for _ in range(2):
             self.add_lane()
-        self.resize(1500, 950)
+        self.resize(fit_screen(1500, 950))
         self._update_state()
 
     # -- lanes -------------------------------------------------------------------------

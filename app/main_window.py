@@ -25,6 +25,7 @@ from app.model_panel import ModelPanel
 from app.output_view import OutputView
 from app.prompt_box import PromptBox
 from app.run_buffer import RunBuffer
+from app.screen import fit_screen
 from app.transcript import Transcript
 from app.worker import ModelSession
 from engine.events import Finished, Loaded, LoadProgress, Prefilled, TokenGenerated
@@ -309,7 +310,7 @@ class MainWindow(QMainWindow):
         if isinstance(geometry, QByteArray):
             self.restoreGeometry(geometry)
         else:
-            self.resize(1600, 960)
+            self.resize(fit_screen(1600, 960))
         state = s.value("window/state")
         if isinstance(state, QByteArray):
             self.restoreState(state)
@@ -432,9 +433,12 @@ class MainWindow(QMainWindow):
     @Slot(object)
     def _on_load_progressed(self, event: LoadProgress) -> None:
         self.model_panel.show_progress(event)
-        from app.fetch_dialog import FETCH_STAGES, FetchDialog
+        from app.fetch_dialog import FETCH_STAGES, FetchDialog, OPENING_STAGES
 
-        if self._loading_default and event.stage in FETCH_STAGES:
+        # the dialog opens only when something is fetched or converted (a later load of the
+        # converted copy reports "tokenizer" too, and must not flash the first-run dialog)
+        opening = self.fetch_dialog is None and event.stage in OPENING_STAGES
+        if self._loading_default and event.stage in FETCH_STAGES and (self.fetch_dialog is not None or opening):
             if self.fetch_dialog is None:
                 self.fetch_dialog = FetchDialog(self)
                 self.fetch_dialog.cancel_requested.connect(self.session.cancel_load)

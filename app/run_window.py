@@ -8,6 +8,7 @@ from PySide6.QtWidgets import QGridLayout, QSplitter, QTextBrowser, QVBoxLayout,
 
 from app.live_plots import LivePlots
 from app.run_buffer import RunBuffer
+from app.screen import fit_screen
 from engine.history import RunRecord
 from engine.units import format_bytes, format_rate, format_seconds
 
@@ -15,7 +16,7 @@ from engine.units import format_bytes, format_rate, format_seconds
 def describe(r: RunRecord) -> str:
     """The record's figures as Markdown, as the window that ran it showed them."""
     extra = r.extra
-    lines = [f"# {r.model} · {r.precision} · {r.device_name or r.device}",
+    lines = [f"### {r.model} · {r.precision} · {r.device_name or r.device}",
              f"{r.kind} run, {r.when.replace('T', ' ')}" + (f"; batch {r.batch}" if r.batch > 1 else ""), ""]
     if extra.get("error"):
         lines += [f"**Failed:** {extra['error']}", ""]
@@ -71,6 +72,7 @@ class RunWindow(QWidget):
         split.addWidget(self.details)
         split.addWidget(grid_host)
         split.setStretchFactor(1, 2)
+        split.setSizes([460, 940])
         QVBoxLayout(self).addWidget(split)
         self.plots.refresh(self.buffer)
-        self.resize(1400, 800)
+        self.resize(fit_screen(1400, 800))

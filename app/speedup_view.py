@@ -33,6 +33,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.live_plots import PlotPanel
+from app.screen import fit_screen
 from engine.events import BatchStep, DraftVerified, Finished, Loaded, Prefilled, TokenGenerated
 from engine.units import format_bytes, format_rate, format_seconds
 
@@ -111,7 +112,7 @@ class SpeedupWindow(QMainWindow):
         session.speculation_events.connect(self._on_speculation_events)
         session.speculation_finished.connect(self._on_speculation_finished)
         session.speculation_failed.connect(self._on_failed)
-        self.resize(1200, 780)
+        self.resize(fit_screen(1200, 780))
         self._update_state()
 
     # -- batching ---------------------------------------------------------------------

