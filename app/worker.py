@@ -120,7 +120,7 @@ class EngineWorker(QObject):
     def drop_draft(self) -> None:
         """Free the speculative draft (its window closed); the model stays."""
         self._drop_draft()
-        from engine.loading import release_free_memory
+        from engine.model import release_free_memory
 
         release_free_memory()
 

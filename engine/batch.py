@@ -19,9 +19,16 @@ from typing import TYPE_CHECKING
 
 from engine.cancel import CancelToken
 from engine.detokenize import IncrementalDetokenizer
-from engine.errors import EngineError, InvalidRequestError, NonFiniteError, OutOfMemoryError, non_finite_message
+from engine.errors import (
+    EngineError,
+    InvalidRequestError,
+    NonFiniteError,
+    OutOfMemoryError,
+    is_out_of_memory,
+    non_finite_message,
+)
 from engine.events import BatchEvent, BatchFinished, BatchStep, SequenceResult
-from engine.generate import PREFILL_CHUNK, is_out_of_memory, stop_reason
+from engine.generate import PREFILL_CHUNK, stop_reason
 from engine.kv import cache_bytes
 from engine.memory import MemoryProbe
 from engine.request import GenerationRequest
@@ -29,7 +36,7 @@ from engine.sampling import make_sampler
 from engine.threads import adapt as adapt_threads
 
 if TYPE_CHECKING:
-    from engine.loading import LoadedModel
+    from engine.model import LoadedModel
 
 
 _NEVER = CancelToken()

@@ -14,7 +14,7 @@ from importlib import metadata
 import engine
 from engine.cancel import CancelToken
 from engine.events import Finished, GenerationEvent, Prefilled, TokenGenerated
-from engine.loading import LoadedModel
+from engine.model import LoadedModel
 from engine.request import GenerationRequest
 
 _PACKAGES = ("torch", "transformers", "accelerate", "bitsandbytes", "gguf", "safetensors",

@@ -77,3 +77,13 @@ def non_finite_message(precision: str, model: str, index: int) -> str:
     return (f"{model} in {precision} produced NaN/infinite scores at token {index + 1}, so the generation was "
             f"stopped (what came after would be noise). This precision overflows or breaks for this model: "
             f"try {other}.")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA raises torch.OutOfMemoryError; the CPU and MPS raise RuntimeErrors that say so."""
+    import torch  # only here: the errors themselves import nothing heavy
+
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)

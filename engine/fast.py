@@ -25,7 +25,7 @@ import torch
 from torch.nn import functional as F
 
 if TYPE_CHECKING:
-    from engine.loading import LoadedModel
+    from engine.model import LoadedModel
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 MIN_CAPACITY = 256

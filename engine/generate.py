@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING
 
 from engine.cancel import CancelToken
 from engine.detokenize import IncrementalDetokenizer
-from engine.errors import EngineError, NonFiniteError, OutOfMemoryError, non_finite_message
+from engine.errors import EngineError, NonFiniteError, OutOfMemoryError, is_out_of_memory, non_finite_message
 from engine.events import Alternative, Finished, GenerationEvent, Prefilled, TokenGenerated
-from engine.kv import cache_bytes
 from engine.memory import MemoryProbe
 from engine.request import GenerationRequest
 from engine.sampling import make_sampler
@@ -29,7 +28,7 @@ from engine.threads import adapt as adapt_threads
 if TYPE_CHECKING:
     import torch
 
-    from engine.loading import LoadedModel
+    from engine.model import LoadedModel
 
 PREFILL_CHUNK = 512
 """Long prompts go through in chunks of this many tokens, so cancel works during prefill."""
@@ -47,16 +46,6 @@ def top_scores(scores: "torch.Tensor", k: int) -> tuple[list[int], list[float]]:
         return ids.tolist(), values[ids].tolist()
     values, ids = torch.topk(scores, k)
     return ids.tolist(), values.tolist()
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """CUDA raises torch.OutOfMemoryError; the CPU and MPS raise RuntimeErrors that say so."""
-    import torch
-
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
 def stream(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int],
@@ -138,24 +127,6 @@ class _Tokens:
 
     def last(self) -> "torch.Tensor":
         return self._data[self.count - 1: self.count].unsqueeze(0)
-
-
-class ReferenceRunner:
-    """transformers' own forward over a DynamicCache: one decode step of the reference path."""
-
-    def __init__(self, loaded: "LoadedModel") -> None:
-        from transformers import DynamicCache
-
-        self.model = loaded.model
-        self.cache = DynamicCache(config=loaded.model.config)
-        self.keep = {"logits_to_keep": 1} if loaded.supports_logits_to_keep else {}
-
-    def forward(self, ids: "torch.Tensor") -> "torch.Tensor":
-        """Logits after the last of ``ids`` (shape [1, n]), which join the cache."""
-        return self.model(input_ids=ids, cache=self.cache, use_cache=True, **self.keep).logits[0, -1]
-
-    def kv_bytes(self) -> int:
-        return cache_bytes(self.cache)
 
 
 def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int],

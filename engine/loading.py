@@ -7,9 +7,8 @@ device can't run) is refused before any weight is read.
 from __future__ import annotations
 
 import gc
-import inspect
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine import sources
@@ -20,14 +19,14 @@ from engine.errors import (
     EngineError,
     NotAModelError,
     OutOfMemoryError,
-    PromptTooLongError,
     UnsafeCheckpointError,
+    is_out_of_memory,
 )
-from engine.events import GenerationEvent, Loaded, LoadProgress
+from engine.events import Loaded, LoadProgress
 from engine.kv import KVLayout, kv_layout
+from engine.model import LoadedModel
 from engine.precision import Precision, dtype_bytes, get_precision
 from engine.progress import ProgressReporter, reporting
-from engine.request import GenerationRequest, encode_prompt
 from engine.serial import exclusive
 
 
@@ -43,95 +42,6 @@ class LoadRequest:
     """Read pickle (``.bin``) checkpoints, which can run code. Off unless the user opts in."""
     offline: bool | None = None
     """Never contact the hub; ``None`` follows ``HF_HUB_OFFLINE``."""
-
-
-class LoadedModel:
-    """A model and tokenizer in memory, with the facts about them."""
-
-    def __init__(self, model, tokenizer, info: Loaded, device, precision: Precision,
-                 layout: KVLayout | None) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.info = info
-        self.device = device
-        self.precision = precision
-        self.kv_layout = layout
-        self.kv_element_bytes = dtype_bytes(info.compute_dtype)
-        self.supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.eos_ids = _eos_ids(model, tokenizer)
-        self._token_texts: dict[int, str] = {}
-        self.fast = None
-        """The fast path's decoder (engine/fast.py) when the precision asked for it."""
-
-    def runner(self, capacity: int):
-        """What runs the forward passes of one generation of up to ``capacity`` tokens: the fast
-        path's static-cache decoder, or transformers' forward over a DynamicCache."""
-        if self.fast is not None:
-            return self.fast.runner(capacity)
-        from engine.generate import ReferenceRunner
-
-        return ReferenceRunner(self)
-
-    def token_text(self, token_id: int) -> str:
-        """How one token reads on its own (cached: alternatives repeat a lot)."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
-        return text
-
-    def encode(self, request: GenerationRequest) -> list[int]:
-        """The prompt's token ids; raises if the prompt is empty or longer than the context."""
-        request = request.validated()
-        ids = encode_prompt(self.tokenizer, request)
-        limit = self.info.context_length
-        if limit is not None and len(ids) >= limit:
-            raise PromptTooLongError(
-                f"The prompt is {len(ids)} tokens but {self.info.name} reads at most {limit} "
-                "(its context window), and needs room to answer: shorten it."
-            )
-        return ids
-
-    def generate(self, request: GenerationRequest, cancel: CancelToken | None = None) -> Iterator[GenerationEvent]:
-        """Validate and tokenize now (errors raise here), then stream the events."""
-        from engine.generate import stream
-
-        if self.model is None:
-            raise EngineError("This model was unloaded: load it again to generate.")
-        request = request.validated()
-        ids = self.encode(request)
-        return stream(self, request, ids, cancel or CancelToken())
-
-    def predicted_kv_bytes(self, tokens: int, batch: int = 1) -> int | None:
-        if self.kv_layout is None:
-            return None
-        return self.kv_layout.bytes_for(tokens, self.kv_element_bytes, batch)
-
-    def close(self) -> None:
-        """Drop the weights and give device memory back."""
-        import torch
-
-        self.model = None
-        self.fast = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        elif self.device.type == "mps":
-            torch.mps.empty_cache()
-        release_free_memory()
-
-
-def release_free_memory() -> None:
-    """Hand freed heap pages back to the OS. glibc keeps freed blocks of a dropped model in the
-    process for reuse, so without this the process's RSS (what the memory plots show) stays
-    as if the model were still loaded."""
-    import ctypes
-    import sys
-
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc (musl): nothing to trim
-            pass
 
 
 def load_model(request: LoadRequest, progress: Callable[[LoadProgress], None] | None = None,
@@ -282,8 +192,6 @@ def torch_inference():
 
 def _typed_load_error(exc: BaseException, name: str, precision: str, device) -> BaseException:
     """The engine error a failed load becomes (``exc`` itself when it already is one)."""
-    from engine.generate import is_out_of_memory
-
     if isinstance(exc, (EngineError, KeyboardInterrupt, SystemExit)):
         return exc
     if is_out_of_memory(exc):
@@ -342,15 +250,6 @@ def _load_config(resolved: sources.ResolvedModel, trust_remote_code: bool):
             f"{resolved.name} needs its own Python code (trust_remote_code), which is off."
         )
     return config
-
-
-def _eos_ids(model, tokenizer) -> frozenset[int]:
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
 
 
 def count_parameters(model) -> int:

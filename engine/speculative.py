@@ -26,9 +26,16 @@ from typing import TYPE_CHECKING
 
 from engine.cancel import CancelToken
 from engine.detokenize import IncrementalDetokenizer
-from engine.errors import EngineError, InvalidRequestError, NonFiniteError, OutOfMemoryError, non_finite_message
+from engine.errors import (
+    EngineError,
+    InvalidRequestError,
+    NonFiniteError,
+    OutOfMemoryError,
+    is_out_of_memory,
+    non_finite_message,
+)
 from engine.events import Alternative, DraftVerified, Finished, GenerationEvent, Prefilled, TokenGenerated
-from engine.generate import PREFILL_CHUNK, finished_event, is_out_of_memory, stop_reason, top_scores
+from engine.generate import PREFILL_CHUNK, finished_event, stop_reason, top_scores
 from engine.kv import cache_bytes
 from engine.memory import MemoryProbe
 from engine.precision import PRECISIONS
@@ -39,7 +46,7 @@ from engine.threads import adapt as adapt_threads
 if TYPE_CHECKING:
     import torch
 
-    from engine.loading import LoadedModel
+    from engine.model import LoadedModel
 
 MAX_DRAFT_TOKENS = 16
 

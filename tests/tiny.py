@@ -102,3 +102,21 @@ def build_model_folder(folder: Path, arch: str, tokenizer, seed: int = 0, **over
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def write_gguf(path: Path, arch: str = "llama", name: str = "small") -> Path:
+    """A small, well-formed GGUF of ``arch`` (two f32 tensors), written with the gguf package:
+    enough for its header and tensor table, not a working model."""
+    import numpy as np
+    from gguf import GGUFWriter, LlamaFileType
+
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    writer.add_file_type(LlamaFileType.ALL_F32)
+    writer.add_tensor("token_embd.weight", np.ones((64, 32), dtype=np.float32))
+    writer.add_tensor("output.weight", np.ones((64, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

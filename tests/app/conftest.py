@@ -107,3 +107,29 @@ def generate(qtbot, window, prompt, max_tokens=20, ignore_eos=True, wait=True):
         window.prompt.generate_button.click()
     qtbot.waitUntil(lambda: not window.generating)
     return blocker.args[0]
+
+
+def dismiss_load_error(qtbot, window) -> str:
+    """Wait for the window's load-error box; close it and return its text."""
+    from PySide6.QtWidgets import QMessageBox
+
+    qtbot.waitUntil(lambda: window.findChild(QMessageBox, "loadErrorBox") is not None)
+    box = window.findChild(QMessageBox, "loadErrorBox")
+    text = box.text()
+    box.accept()
+    box.deleteLater()
+    return text
+
+
+@pytest.fixture
+def compare(qtbot, _no_dangling_threads_or_timers):
+    """A Compare window on its own (closed, its lanes' threads ended, after the test)."""
+    from app.compare_view import CompareWindow
+    from app.main import create_app
+
+    create_app([])
+    window = CompareWindow()
+    qtbot.addWidget(window)
+    window.show()
+    yield window
+    window.close()

@@ -7,18 +7,6 @@ from app.compare_view import COLUMNS, CompareWindow
 from engine.compare import LaneSpec
 
 
-@pytest.fixture
-def compare(qtbot, _no_dangling_threads_or_timers):
-    from app.main import create_app
-
-    create_app([])
-    window = CompareWindow()
-    qtbot.addWidget(window)
-    window.show()
-    yield window
-    window.close()
-
-
 def configure(compare, specs):
     while len(compare.lanes) < len(specs):
         compare.add_lane()

@@ -5,11 +5,10 @@ import json
 import shutil
 
 import pytest
-from PySide6.QtWidgets import QMessageBox
 
 from engine.events import Finished, TokenGenerated
 from engine.request import GenerationRequest
-from tests.app.conftest import generate, load
+from tests.app.conftest import dismiss_load_error, generate, load
 
 
 def fails_to_load(qtbot, window, source, precision="fp32"):
@@ -19,12 +18,7 @@ def fails_to_load(qtbot, window, source, precision="fp32"):
     window.model_panel.set_devices(["cpu"])
     with qtbot.waitSignal(window.session.load_failed, timeout=60_000):
         window.model_panel.load_button.click()
-    qtbot.waitUntil(lambda: window.findChild(QMessageBox, "loadErrorBox") is not None)
-    box = window.findChild(QMessageBox, "loadErrorBox")
-    text = box.text()
-    box.accept()
-    box.deleteLater()
-    return text
+    return dismiss_load_error(qtbot, window)
 
 
 def still_works(qtbot, window, tiny_llama):
@@ -136,9 +130,10 @@ def test_out_of_memory_while_loading(qtbot, window, tiny_llama, monkeypatch):
 
 def test_out_of_memory_while_generating(qtbot, window, tiny_llama, monkeypatch):
     import engine.generate
+    import engine.runners
 
     load(qtbot, window, tiny_llama)
-    original = engine.generate.ReferenceRunner.forward
+    original = engine.runners.ReferenceRunner.forward
     calls = []
 
     def runs_out(self, ids):
@@ -147,7 +142,7 @@ def test_out_of_memory_while_generating(qtbot, window, tiny_llama, monkeypatch):
             raise RuntimeError("CPU out of memory")
         return original(self, ids)
 
-    monkeypatch.setattr(engine.generate.ReferenceRunner, "forward", runs_out)
+    monkeypatch.setattr(engine.runners.ReferenceRunner, "forward", runs_out)
     with qtbot.waitSignal(window.session.generation_failed, timeout=60_000):
         generate(qtbot, window, "fox", max_tokens=10, wait=False)
     qtbot.waitUntil(lambda: not window.generating)
@@ -158,17 +153,18 @@ def test_out_of_memory_while_generating(qtbot, window, tiny_llama, monkeypatch):
 
 def test_cancel_during_prefill_then_generate(loaded_llama, monkeypatch):
     import engine.generate
+    import engine.runners
     from engine.cancel import CancelToken
 
     cancel = CancelToken()
-    original = engine.generate.ReferenceRunner.forward
+    original = engine.runners.ReferenceRunner.forward
     monkeypatch.setattr(engine.generate, "PREFILL_CHUNK", 7)
 
     def cancels(self, ids):
         cancel.cancel()  # pressed while the first chunk runs
         return original(self, ids)
 
-    monkeypatch.setattr(engine.generate.ReferenceRunner, "forward", cancels)
+    monkeypatch.setattr(engine.runners.ReferenceRunner, "forward", cancels)
     events = list(loaded_llama.generate(GenerationRequest("a prompt of a few chunks " * 3, mode="raw"), cancel))
     assert len(events) == 1 and isinstance(events[0], Finished)
     assert events[0].reason == "cancelled" and events[0].tokens == 0
@@ -245,11 +241,12 @@ def test_close_during_prefill(qtbot, app_factory, tiny_llama, monkeypatch):
     import threading
 
     import engine.generate
+    import engine.runners
 
     window = app_factory()
     load(qtbot, window, tiny_llama)
     inside = threading.Event()
-    original = engine.generate.ReferenceRunner.forward
+    original = engine.runners.ReferenceRunner.forward
     monkeypatch.setattr(engine.generate, "PREFILL_CHUNK", 4)
 
     def slow_prefill(self, ids):
@@ -262,7 +259,7 @@ def test_close_during_prefill(qtbot, app_factory, tiny_llama, monkeypatch):
                 threading.Event().wait(0.01)
         return original(self, ids)
 
-    monkeypatch.setattr(engine.generate.ReferenceRunner, "forward", slow_prefill)
+    monkeypatch.setattr(engine.runners.ReferenceRunner, "forward", slow_prefill)
     generate(qtbot, window, "a prompt long enough for several chunks", max_tokens=50, wait=False)
     qtbot.waitUntil(inside.is_set, timeout=30_000)
     window.close()

@@ -7,23 +7,12 @@ import shutil
 
 import pytest
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QMessageBox
 
-from app.compare_view import CompareWindow
 from engine import history
 from engine.compare import LaneSpec
-from tests.app.conftest import generate, load
+from tests.app.conftest import dismiss_load_error, generate, load
 from tests.app.test_compare_view import configure, load_all, run
 from tests.engine.test_honesty import _nan_after
-
-
-def _dismiss_error_box(qtbot, window):
-    qtbot.waitUntil(lambda: window.findChild(QMessageBox, "loadErrorBox") is not None)
-    box = window.findChild(QMessageBox, "loadErrorBox")
-    text = box.text()
-    box.accept()
-    box.deleteLater()
-    return text
 
 
 def test_a_changed_precision_is_pending_and_generate_loads_it_first(qtbot, window, tiny_llama):
@@ -54,7 +43,7 @@ def test_a_failed_load_keeps_the_working_model(qtbot, window, tiny_models, tmp_p
         panel._select(panel.precision, "int8-fast")
     with qtbot.waitSignal(window.session.load_failed, timeout=60_000):
         panel.load_button.click()
-    text = _dismiss_error_box(qtbot, window)
+    text = dismiss_load_error(qtbot, window)
     assert ("No such" in text) if case == "missing path" else ("gpt2" in text and "int8-fast" in text)
     assert window.loaded is loaded and panel.facts["Model"].toolTip() == loaded.name
     assert "Still loaded" in window.prompt.message.text()
@@ -72,7 +61,7 @@ def test_generate_with_a_pending_choice_that_fails_keeps_the_prompt(qtbot, windo
     window.model_panel.set_source(str(tmp_path / "gone"))
     with qtbot.waitSignal(window.session.load_failed, timeout=60_000):
         generate(qtbot, window, "my question", wait=False)
-    _dismiss_error_box(qtbot, window)
+    dismiss_load_error(qtbot, window)
     assert "not sent" in window.prompt.message.text()
     assert window.prompt.editor.toPlainText() == "my question"
     assert window.loaded is not None and not window.generating
@@ -111,18 +100,6 @@ def test_nan_stops_the_run_with_a_message_and_the_run_is_kept_as_failed(qtbot, w
     [record] = [r for r in history.load_all() if r.kind == "single"]
     assert record.extra["error"] == message and record.tokens == 3
     assert "failed" in window.statusBar().currentMessage()
-
-
-@pytest.fixture
-def compare(qtbot, _no_dangling_threads_or_timers):
-    from app.main import create_app
-
-    create_app([])
-    window = CompareWindow()
-    qtbot.addWidget(window)
-    window.show()
-    yield window
-    window.close()
 
 
 def test_a_lane_changed_after_loading_reloads_before_the_run(qtbot, compare, tiny_models):

@@ -1,27 +1,14 @@
-import numpy as np
 import pytest
 
 from engine.errors import CorruptModelError, ModelNotFoundError
 from engine.gguf_files import summarize_gguf
 from engine.loading import LoadRequest, load_model
+from tests.tiny import write_gguf
 
 
 @pytest.fixture
 def small_gguf(tmp_path):
-    """A small, well-formed GGUF (two tensors) written with the gguf package."""
-    from gguf import GGUFWriter, LlamaFileType
-
-    path = tmp_path / "small.gguf"
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_name("small")
-    writer.add_file_type(LlamaFileType.ALL_F32)
-    writer.add_tensor("token_embd.weight", np.ones((64, 32), dtype=np.float32))
-    writer.add_tensor("output.weight", np.ones((64, 32), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_gguf(tmp_path / "small.gguf")
 
 
 def test_summary_of_a_good_file(small_gguf):

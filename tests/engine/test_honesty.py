@@ -12,6 +12,7 @@ from engine.errors import NonFiniteError, UnsupportedPrecisionError
 from engine.events import TokenGenerated
 from engine.loading import LoadRequest, load_model
 from engine.request import GenerationRequest
+from tests.tiny import write_gguf
 
 PROMPT = "The quick brown fox"
 
@@ -64,27 +65,11 @@ def test_batched_and_sweep_paths_refuse_non_finite_scores(tiny_llama, tmp_path):
         list(stream_batch(loaded, request, [prompt, prompt]))
 
 
-def _gguf_of(tmp_path, arch: str):
-    """A minimal, valid GGUF file of ``arch`` (one small tensor): enough for its header."""
-    import numpy as np
-    from gguf import GGUFWriter
-
-    path = tmp_path / f"tiny-{arch}.gguf"
-    writer = GGUFWriter(str(path), arch)
-    writer.add_name(f"tiny {arch}")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 @pytest.mark.parametrize("precision", ["int8-fast", "int4-fast", "fp32-fast", "bf16-fast"])
 def test_fast_precision_refused_from_the_gguf_header_before_converting(tmp_path, isolated_cache, precision):
     from engine.gguf_files import converted_dir_for
 
-    path = _gguf_of(tmp_path, "gemma3")
+    path = write_gguf(tmp_path / "tiny-gemma3.gguf", "gemma3")
     stages = []
     with pytest.raises(UnsupportedPrecisionError, match="gemma3") as caught:
         load_model(LoadRequest(str(path), precision, "cpu"), progress=lambda e: stages.append(e.stage))

@@ -30,3 +30,53 @@ def test_a_generation_loads_no_qt(tiny_llama):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1:] in ([], [""])
+
+
+def _engine_imports() -> dict[str, set[str]]:
+    """engine module → the engine modules (and top-level packages) it imports anywhere in its
+    code (function-level imports too), leaving out ``if TYPE_CHECKING:`` blocks, which never run."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "engine"
+    graph: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        name = ".".join(("engine",) + path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+                   for n in ast.walk(node)}
+        found: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module)
+                if node.module == "engine":
+                    found |= {f"engine.{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+        graph[name] = found
+    return graph
+
+
+def test_engine_imports_neither_the_app_nor_itself_in_a_cycle():
+    graph = _engine_imports()
+    outside = {name: sorted(m for m in deps if m.split(".")[0] in ("app", "PySide6", "pyqtgraph", "shiboken6"))
+               for name, deps in graph.items()}
+    assert not any(outside.values()), {k: v for k, v in outside.items() if v}
+    edges = {name: {d for d in deps if d in graph and d != name} for name, deps in graph.items()}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in edges[todo.pop()]:
+                if nxt == goal:
+                    return True
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return False
+
+    cycles = sorted(name for name in graph if reaches(name, name))
+    assert not cycles, f"engine modules in an import cycle: {cycles}"

@@ -8,7 +8,6 @@ import time
 import pytest
 import torch
 
-from engine import threads
 from engine.threads import adapt, choose
 
 

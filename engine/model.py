@@ -1,0 +1,110 @@
+"""A loaded model: weights, tokenizer and the facts about them, as one value the rest of the
+engine passes around (loading makes it; generation, batching and speculation read it)."""
+
+from __future__ import annotations
+
+import gc
+import inspect
+from collections.abc import Iterator
+
+from engine.cancel import CancelToken
+from engine.errors import EngineError, PromptTooLongError
+from engine.events import GenerationEvent, Loaded
+from engine.kv import KVLayout
+from engine.precision import Precision, dtype_bytes
+from engine.request import GenerationRequest, encode_prompt
+
+
+class LoadedModel:
+    """A model and tokenizer in memory, with the facts about them."""
+
+    def __init__(self, model, tokenizer, info: Loaded, device, precision: Precision,
+                 layout: KVLayout | None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.info = info
+        self.device = device
+        self.precision = precision
+        self.kv_layout = layout
+        self.kv_element_bytes = dtype_bytes(info.compute_dtype)
+        self.supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self._token_texts: dict[int, str] = {}
+        self.fast = None
+        """The fast path's decoder (engine/fast.py) when the precision asked for it."""
+
+    def runner(self, capacity: int):
+        """What runs the forward passes of one generation of up to ``capacity`` tokens."""
+        from engine.runners import runner_for
+
+        return runner_for(self, capacity)
+
+    def token_text(self, token_id: int) -> str:
+        """How one token reads on its own (cached: alternatives repeat a lot)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def encode(self, request: GenerationRequest) -> list[int]:
+        """The prompt's token ids; raises if the prompt is empty or longer than the context."""
+        request = request.validated()
+        ids = encode_prompt(self.tokenizer, request)
+        limit = self.info.context_length
+        if limit is not None and len(ids) >= limit:
+            raise PromptTooLongError(
+                f"The prompt is {len(ids)} tokens but {self.info.name} reads at most {limit} "
+                "(its context window), and needs room to answer: shorten it."
+            )
+        return ids
+
+    def generate(self, request: GenerationRequest, cancel: CancelToken | None = None) -> Iterator[GenerationEvent]:
+        """Validate and tokenize now (errors raise here), then stream the events."""
+        from engine.generate import stream
+
+        if self.model is None:
+            raise EngineError("This model was unloaded: load it again to generate.")
+        request = request.validated()
+        ids = self.encode(request)
+        return stream(self, request, ids, cancel or CancelToken())
+
+    def predicted_kv_bytes(self, tokens: int, batch: int = 1) -> int | None:
+        if self.kv_layout is None:
+            return None
+        return self.kv_layout.bytes_for(tokens, self.kv_element_bytes, batch)
+
+    def close(self) -> None:
+        """Drop the weights and give device memory back."""
+        import torch
+
+        self.model = None
+        self.fast = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        elif self.device.type == "mps":
+            torch.mps.empty_cache()
+        release_free_memory()
+
+
+def release_free_memory() -> None:
+    """Hand freed heap pages back to the OS. glibc keeps freed blocks of a dropped model in the
+    process for reuse, so without this the process's RSS (what the memory plots show) stays
+    as if the model were still loaded."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl): nothing to trim
+            pass
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
