@@ -92,6 +92,7 @@ class Prefilled:
     kv_cache_bytes: int
     kv_cache_bytes_predicted: int | None
     memory: MemorySample
+    request_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +122,8 @@ class TokenGenerated:
     """Speculative decoding only: ``True`` when a draft proposed this token and the target
     accepted it, ``False`` when the target produced it (a correction or the bonus token);
     ``None`` in plain decoding."""
+    request_id: int = 0
+    """Which request of the engine core (engine/core.py) this token belongs to; 0 outside it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +152,9 @@ class Finished:
     """Speculative decoding only: tokens the draft proposed in all."""
     accepted_tokens: int | None = None
     """Speculative decoding only: proposed tokens the target accepted."""
+    request_id: int = 0
+    error: str | None = None
+    """``reason == "error"``: what went wrong (the engine core ends one request, not the others)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,3 +235,27 @@ class BatchFinished:
 
 
 BatchEvent = Union[BatchStep, BatchFinished]
+
+
+@dataclass(frozen=True, slots=True)
+class StepCompleted:
+    """The engine core ran one step: some requests' decode tokens and some prompt chunks in
+    one go (engine/core.py). What the traffic plots read."""
+
+    step: int
+    batch: int
+    """Requests that got a token in this step."""
+    decode_tokens: int
+    prefill_tokens: int
+    """Prompt tokens that went into the cache in this step (chunks of one or more prompts)."""
+    waiting: int
+    """Requests submitted but not yet admitted (over the batch size or the KV budget)."""
+    running: int
+    """Requests admitted and not yet finished, after this step."""
+    kv_cache_bytes: int
+    """Bytes the cache holds for every running request together (measured)."""
+    kv_cache_bytes_predicted: int | None
+    step_s: float
+    elapsed_s: float
+    """Time since the core started."""
+    memory: MemorySample

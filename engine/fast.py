@@ -229,12 +229,12 @@ class FastRunner:
 def _attention_inputs(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries, keys (both with the rotary embedding, applied in one go) and values of a layer."""
-    count = hidden.shape[1]
+    batch, count = hidden.shape[:2]
     heads, kv_heads, dim = d.heads, d.kv_heads, d.head_dim
     rotated, half = heads + kv_heads, dim // 2
     x = _rms(hidden, layer.norm1, layer.eps)
     qkv = layer.qkv(x) if layer.qkv is not None else torch.cat([p(x) for p in layer.projections], dim=-1)
-    qkv = qkv.view(1, count, rotated + kv_heads, dim).transpose(1, 2)
+    qkv = qkv.view(batch, count, rotated + kv_heads, dim).transpose(1, 2)
     qk = qkv[:, :rotated]
     qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
     return qk[:, :heads], qk[:, heads:], qkv[:, rotated:]
@@ -242,8 +242,8 @@ def _attention_inputs(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, cos: 
 
 def _rest_of_layer(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
     """Output projection and residual, then the MLP and its residual."""
-    count = hidden.shape[1]
-    hidden = hidden + layer.o(attended.transpose(1, 2).reshape(1, count, d.heads * d.head_dim))
+    batch, count = hidden.shape[:2]
+    hidden = hidden + layer.o(attended.transpose(1, 2).reshape(batch, count, d.heads * d.head_dim))
     x = _rms(hidden, layer.norm2, layer.eps)
     if layer.gate_up is not None:
         gate_up = layer.gate_up(x)
@@ -292,6 +292,138 @@ def _decode_step(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_
                                                   enable_gqa=d.kv_heads != d.heads)
         hidden = _rest_of_layer(d, layer, hidden, attended)
     return d.head(d.norm(hidden))[0, -1]
+
+
+def _decode_batch(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_layer: list[torch.Tensor],
+                  cos_table: torch.Tensor, sin_table: torch.Tensor, ids: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+    """One decode step of B sequences at once: ``ids`` [B, 1], each at its own ``positions[b]``
+    in cache rows ``keys[b]`` (views of the first B slots). Attention runs over the whole
+    capacity with each row's unwritten slots masked out, as the compiled single step does.
+    Returns the logits [B, vocab]."""
+    batch, capacity = ids.shape[0], keys_per_layer[0].shape[2]
+    cos = cos_table[0, 0].index_select(0, positions).view(batch, 1, 1, -1)
+    sin = sin_table[0, 0].index_select(0, positions).view(batch, 1, 1, -1)
+    mask = (torch.arange(capacity, device=positions.device) <= positions.view(batch, 1)).view(batch, 1, 1, capacity)
+    rows = torch.arange(batch, device=positions.device)
+    hidden = d.embed(ids)
+    for layer, keys, values in zip(d.layers, keys_per_layer, values_per_layer):
+        q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
+        keys[rows, :, positions] = k[:, :, 0]
+        values[rows, :, positions] = v[:, :, 0]
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling,
+                                                  enable_gqa=d.kv_heads != d.heads)
+        hidden = _rest_of_layer(d, layer, hidden, attended)
+    return d.head(d.norm(hidden))[:, -1]
+
+
+class SlotCache:
+    """The fast path's KV cache for many sequences at once (the engine core's fast runner): one
+    static tensor per layer, [slots, KV heads, capacity, head dim]. Running sequences occupy the
+    first slots, so a batched decode step reads plain views; a sequence that leaves hands its
+    slot to the last one (one copy of that sequence's tokens). Capacity and slot count grow by
+    doubling when outgrown."""
+
+    def __init__(self, d: FastDecoder, slots: int = 4, capacity: int = MIN_CAPACITY) -> None:
+        self.d = d
+        self.slot_of: dict[int, int] = {}
+        self.lengths: list[int] = []
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.slots = self.capacity = 0
+        self._resize(slots, _bucket(capacity))
+
+    def _resize(self, slots: int, capacity: int) -> None:
+        d = self.d
+        shape = (slots, d.kv_heads, capacity, d.head_dim)
+        keys = [torch.zeros(shape, dtype=d.dtype, device=d.device) for _ in d.layers]
+        values = [torch.zeros(shape, dtype=d.dtype, device=d.device) for _ in d.layers]
+        used, longest = min(len(self.lengths), self.slots), max(self.lengths, default=0)
+        for old, new in zip(self.keys + self.values, keys + values):
+            new[:used, :, :longest] = old[:used, :, :longest]
+        self.keys, self.values = keys, values
+        if capacity != self.capacity:
+            positions = torch.arange(capacity, device=d.device).unsqueeze(0)
+            cos, sin = d.rotary(torch.zeros(1, dtype=d.dtype, device=d.device), positions)
+            self.cos, self.sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        self.slots, self.capacity = slots, capacity
+
+    def _room(self, tokens: int) -> None:
+        """Room for every running sequence, and for ``tokens`` tokens in a slot."""
+        slots = self.slots
+        while slots < len(self.lengths):
+            slots *= 2
+        capacity = self.capacity if tokens <= self.capacity else _bucket(tokens)
+        if (slots, capacity) != (self.slots, self.capacity):
+            self._resize(slots, capacity)
+
+    @property
+    def per_token_bytes(self) -> int:
+        return 2 * len(self.d.layers) * self.d.kv_heads * self.d.head_dim * self.keys[0].element_size()
+
+    def add(self, seq: int) -> None:
+        self.slot_of[seq] = len(self.lengths)
+        self.lengths.append(0)
+        self._room(1)
+
+    def remove(self, seq: int) -> None:
+        """Free ``seq``'s slot: the last running sequence moves into it."""
+        slot, last = self.slot_of.pop(seq), len(self.lengths) - 1
+        if slot != last:
+            moved = next(s for s, i in self.slot_of.items() if i == last)
+            length = self.lengths[last]
+            for tensor in self.keys + self.values:
+                tensor[slot, :, :length] = tensor[last, :, :length]
+            self.slot_of[moved], self.lengths[slot] = slot, length
+        self.lengths.pop()
+
+    def length(self, seq: int) -> int:
+        return self.lengths[self.slot_of[seq]]
+
+    def __len__(self) -> int:
+        """Sequences holding a slot."""
+        return len(self.slot_of)
+
+    def kv_bytes(self, seq: int) -> int:
+        return self.per_token_bytes * self.length(seq)
+
+    def prefill(self, seq: int, ids: torch.Tensor) -> torch.Tensor:
+        """Put ``ids`` ([1, n]) into ``seq``'s cache; the logits after the last of them."""
+        start = self.length(seq)
+        self._room(start + ids.shape[1])
+        slot = self.slot_of[seq]
+        rows = slice(slot, slot + 1)
+        logits = _forward(self.d, [k[rows] for k in self.keys], [v[rows] for v in self.values], self.cos, self.sin,
+                          ids, start)
+        self.lengths[slot] = start + ids.shape[1]
+        return logits
+
+    def decode(self, seqs: list[int], tokens: list[int]) -> torch.Tensor:
+        """One token for each of ``seqs`` (all running ones or a prefix of the slots), in one
+        step; logits [len(seqs), vocab] in the order given."""
+        order = sorted(range(len(seqs)), key=lambda i: self.slot_of[seqs[i]])
+        slots = [self.slot_of[seqs[i]] for i in order]
+        batch = slots[-1] + 1  # the first ``batch`` slots: a view, no gather (a row not decoding
+        # writes a throwaway entry at its next free position, which its own next write replaces)
+        self._room(max(self.lengths[:batch]) + 1)
+        ids = torch.zeros((batch, 1), dtype=torch.long, device=self.d.device)
+        positions = torch.tensor([self.lengths[s] for s in range(batch)], device=self.d.device)
+        for i, slot in zip(order, slots):
+            ids[slot, 0] = tokens[i]
+        rows = slice(0, batch)
+        logits = _decode_batch(self.d, [k[rows] for k in self.keys], [v[rows] for v in self.values], self.cos,
+                               self.sin, ids, positions)
+        for slot in slots:
+            self.lengths[slot] += 1
+        out = torch.empty((len(seqs), logits.shape[-1]), dtype=logits.dtype, device=logits.device)
+        for i, slot in zip(order, slots):
+            out[i] = logits[slot]
+        return out
+
+    def crop(self, seq: int, length: int) -> None:
+        """Forget ``seq``'s tokens after the first ``length`` (speculation rolls back)."""
+        slot = self.slot_of[seq]
+        self.lengths[slot] = min(self.lengths[slot], length)
 
 
 def attach(loaded: "LoadedModel") -> str | None:

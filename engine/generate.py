@@ -103,7 +103,7 @@ def stop_reason(token: int, piece: str, text: str, request: GenerationRequest, e
     return None, None
 
 
-class _Tokens:
+class SeenTokens:
     """Prompt and answer ids in one tensor (for the repetition penalty and the next input),
     grown by doubling so ``max_new_tokens`` can be large without a large allocation."""
 
@@ -144,7 +144,7 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int
     n_prompt = len(prompt_ids)
     top_k = request.top_alternatives
     room = request.max_new_tokens if context is None else min(request.max_new_tokens, context - n_prompt)
-    seen = _Tokens(prompt_ids, min(room, 4096), device)
+    seen = SeenTokens(prompt_ids, min(room, 4096), device)
     predicted = loaded.predicted_kv_bytes
     tokens: list[int] = []
     latencies: list[float] = []

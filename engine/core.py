@@ -1,0 +1,263 @@
+"""The engine core: one step scheduler that many requests run through at once (continuous batching).
+
+Requests wait in a queue; between two steps the core admits them while the batch has room and
+their KV cache fits the budget (each reserves the cache its prompt and longest answer need),
+then each step runs, in one go, one decode token for every request that is generating and
+chunks of the prompts still being read, within a token budget, so a long prompt is read over
+several steps instead of stalling everyone else for its whole length. A request that ends (its
+stop rule, its cancel flag, an error) leaves between steps and its cache is freed at once.
+
+Each request carries its own sampling settings, stop rules and cancel flag, and gets the same
+events as a generation alone (:class:`Prefilled`, :class:`TokenGenerated`, :class:`Finished`,
+each with its ``request_id``); every step adds a :class:`StepCompleted` for the traffic plots.
+
+The forward passes belong to a runner (engine/runners.py): the reference runner (transformers,
+one cache per request, one after another) or the fast path's slot cache (one batched step).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from engine.cancel import CancelToken
+from engine.detokenize import IncrementalDetokenizer
+from engine.errors import InvalidRequestError, non_finite_message
+from engine.events import Alternative, Finished, GenerationEvent, Prefilled, StepCompleted, TokenGenerated
+from engine.generate import PREFILL_CHUNK, SeenTokens, finished_event, stop_reason, top_scores
+from engine.memory import MemoryProbe
+from engine.request import GenerationRequest
+from engine.sampling import make_sampler
+from engine.threads import adapt as adapt_threads
+
+if TYPE_CHECKING:
+    from engine.model import LoadedModel
+
+
+@dataclass(frozen=True)
+class CoreSettings:
+    token_budget: int = 256
+    """Tokens one step may put through the model: a decode token per generating request, the
+    rest for prompt chunks."""
+    max_batch: int = 64
+    """Requests running at once; more wait."""
+    kv_budget_bytes: int | None = None
+    """KV-cache bytes the running requests may reserve together; ``None``: no limit."""
+    chunked_prefill: bool = True
+    """Read long prompts in chunks between decode steps; off: a prompt goes through whole."""
+    prefill_chunk: int = PREFILL_CHUNK
+    """The largest prompt chunk of one request in one step."""
+
+
+@dataclass
+class _Request:
+    rid: int
+    request: GenerationRequest
+    prompt: list[int]
+    cancel: CancelToken
+    reserve: int
+    arrived: float
+    sampler: object = None
+    detok: IncrementalDetokenizer | None = None
+    seen: SeenTokens | None = None
+    tokens: list[int] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    prefilled: int = 0
+    prefill_started: float | None = None
+    last_token_at: float | None = None
+    next_token: int | None = None
+
+
+class EngineCore:
+    """Submit requests, then call :meth:`step` (or iterate :meth:`run`) until :attr:`idle`."""
+
+    def __init__(self, loaded: "LoadedModel", settings: CoreSettings | None = None, runner=None) -> None:
+        from engine.runners import batch_runner_for
+
+        self.loaded = loaded
+        self.settings = settings or CoreSettings()
+        if self.settings.token_budget < 1 or self.settings.max_batch < 1:
+            raise InvalidRequestError("The token budget and the batch size must be at least 1.")
+        self.runner = runner if runner is not None else batch_runner_for(loaded)
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.reserved = 0
+        self.steps = 0
+        self.probe = MemoryProbe(loaded.device)
+        self.probe.reset_peak()
+        self.start = time.perf_counter()
+        self._next_id = 1
+        self._special = frozenset(loaded.tokenizer.all_special_ids)
+
+    # -- requests ----------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, cancel: CancelToken | None = None,
+               prompt_ids: list[int] | None = None) -> int:
+        """Queue a request; returns its id. Raises now for a bad request (empty, over-long prompt)."""
+        request = request.validated()
+        prompt = list(prompt_ids) if prompt_ids is not None else self.loaded.encode(request)
+        context = self.loaded.info.context_length
+        longest = len(prompt) + request.max_new_tokens if context is None else min(
+            len(prompt) + request.max_new_tokens, context)
+        reserve = self.loaded.predicted_kv_bytes(longest) or 0
+        budget = self.settings.kv_budget_bytes
+        if budget is not None and reserve > budget:
+            raise InvalidRequestError(f"This request needs {reserve:,} bytes of KV cache, over the whole budget "
+                                      f"of {budget:,}: shorten it or raise the budget.")
+        rid, self._next_id = self._next_id, self._next_id + 1
+        self.waiting.append(_Request(rid, request, prompt, cancel or CancelToken(), reserve, time.perf_counter()))
+        return rid
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def kv_bytes(self) -> int:
+        """Bytes the cache holds for every running request (measured by the runner)."""
+        return sum(self.runner.kv_bytes(r.rid) for r in self.running if r.sampler is not None)
+
+    def run(self) -> Iterator[GenerationEvent]:
+        while not self.idle:
+            yield from self.step()
+
+    # -- one step ------------------------------------------------------------------------
+    def step(self) -> list[GenerationEvent]:
+        import torch
+
+        adapt_threads()
+        began = time.perf_counter()
+        events: list[GenerationEvent] = []
+        for r in [*self.waiting, *self.running]:  # cancelled between steps: gone before this one
+            if r.cancel.cancelled:
+                events.append(self._finish(r, "cancelled"))
+        self._admit(began)
+        decoding = [r for r in self.running if r.next_token is not None]
+        budget = self.settings.token_budget - len(decoding)
+        chunks: list[tuple[_Request, int]] = []
+        for r in self.running:
+            left = len(r.prompt) - r.prefilled
+            if not left:
+                continue
+            size = min(left, self.settings.prefill_chunk, budget) if self.settings.chunked_prefill else left
+            if size <= 0:
+                break
+            chunks.append((r, size))
+            budget -= size
+        logits: dict[int, torch.Tensor] = {}
+        with torch.inference_mode():
+            for r, size in chunks:
+                if r.prefill_started is None:
+                    r.prefill_started = time.perf_counter()
+                ids = torch.tensor([r.prompt[r.prefilled:r.prefilled + size]], dtype=torch.long,
+                                   device=self.loaded.device)
+                out = self.runner.prefill(r.rid, ids)
+                r.prefilled += size
+                if r.prefilled == len(r.prompt):
+                    logits[r.rid] = out
+            if decoding:
+                out = self.runner.decode([r.rid for r in decoding], [r.next_token for r in decoding])
+                for row, r in enumerate(decoding):
+                    logits[r.rid] = out[row]
+        memory = self.probe.sample()
+        now = time.perf_counter()
+        for r in list(self.running):
+            if r.rid in logits:
+                events.extend(self._token(r, logits[r.rid], now, memory))
+        kv = self.kv_bytes()
+        predicted = [self.loaded.predicted_kv_bytes(r.prefilled + max(0, len(r.tokens) - 1)) for r in self.running]
+        events.append(StepCompleted(
+            step=self.steps, batch=len(logits), decode_tokens=len(decoding),
+            prefill_tokens=sum(size for _, size in chunks), waiting=len(self.waiting), running=len(self.running),
+            kv_cache_bytes=kv, kv_cache_bytes_predicted=None if None in predicted else sum(predicted),
+            step_s=now - began, elapsed_s=now - self.start, memory=memory))
+        self.steps += 1
+        return events
+
+    def _admit(self, now: float) -> None:
+        budget = self.settings.kv_budget_bytes
+        while self.waiting and len(self.running) < self.settings.max_batch:
+            r = self.waiting[0]
+            if budget is not None and self.running and self.reserved + r.reserve > budget:
+                break  # waits for a running request to end (first come, first served)
+            self.waiting.popleft()
+            device = self.loaded.device
+            r.sampler = make_sampler(r.request.sampling, device)
+            r.detok = IncrementalDetokenizer(self.loaded.tokenizer)
+            room = r.request.max_new_tokens
+            r.seen = SeenTokens(r.prompt, min(room, 4096), device)
+            self.runner.add(r.rid)
+            self.running.append(r)
+            self.reserved += r.reserve
+
+    def _token(self, r: _Request, logits, now: float, memory) -> list[GenerationEvent]:
+        """The token after ``logits`` for ``r``: its events, and its end if it stops here."""
+        import torch
+
+        loaded, request = self.loaded, r.request
+        events: list[GenerationEvent] = []
+        n_prompt = len(r.prompt)
+        if not r.tokens:
+            prefill_s = now - (r.prefill_started or now)
+            events.append(Prefilled(
+                prompt_tokens=n_prompt, prefill_s=prefill_s,
+                prefill_tokens_per_s=n_prompt / prefill_s if prefill_s > 0 else 0.0,
+                kv_cache_bytes=self.runner.kv_bytes(r.rid), kv_cache_bytes_predicted=loaded.predicted_kv_bytes(n_prompt),
+                memory=memory, request_id=r.rid))
+        top_k = request.top_alternatives
+        plain_greedy = request.sampling.greedy and request.sampling.repetition_penalty == 1.0
+        with torch.inference_mode():
+            scores = logits.float()
+            if top_k:
+                ids, values = top_scores(scores, top_k)
+            if plain_greedy and top_k >= 2 and values[0] > values[1]:
+                token = ids[0]
+            else:
+                token = r.sampler(scores, r.seen.all())
+            log_total = float(torch.logsumexp(scores, dim=-1))
+            chosen = float(scores[token]) - log_total
+        if not math.isfinite(log_total):
+            message = non_finite_message(loaded.info.precision, loaded.info.name, len(r.tokens))
+            return events + [self._finish(r, "error", error=message)]
+        alternatives = (tuple(Alternative(i, loaded.token_text(i), v - log_total) for i, v in zip(ids, values))
+                        if top_k else ())
+        r.tokens.append(token)
+        r.seen.append(token)
+        piece = r.detok.add(token)
+        context = loaded.info.context_length
+        eos = frozenset() if request.ignore_eos else loaded.eos_ids
+        reason, stop_string = stop_reason(token, piece, r.detok.text, request, eos, len(r.tokens),
+                                          n_prompt + len(r.tokens), context, r.cancel)
+        if reason is not None:
+            piece += r.detok.flush()
+        latency = now - (r.last_token_at if r.last_token_at is not None else r.arrived)
+        r.latencies.append(latency)
+        r.last_token_at = now
+        r.next_token = token
+        in_cache = n_prompt + len(r.tokens) - 1
+        events.append(TokenGenerated(
+            index=len(r.tokens) - 1, token_id=token, text=piece, logprob=chosen, top_alternatives=alternatives,
+            latency_s=latency, elapsed_s=now - r.arrived, kv_cache_bytes=self.runner.kv_bytes(r.rid),
+            kv_cache_bytes_predicted=loaded.predicted_kv_bytes(in_cache), memory=memory,
+            special=token in self._special, request_id=r.rid))
+        if reason is not None:
+            events.append(self._finish(r, reason, stop_string))
+        return events
+
+    def _finish(self, r: _Request, reason: str, stop_string: str | None = None, error: str | None = None) -> Finished:
+        """End ``r`` now: its totals, and its cache freed before the next step."""
+        admitted = r.sampler is not None
+        kv = self.runner.kv_bytes(r.rid) if admitted else 0
+        in_cache = (r.prefilled + max(0, len(r.tokens) - 1)) if admitted else 0
+        if admitted:
+            self.running.remove(r)
+            self.runner.remove(r.rid)
+            self.reserved -= r.reserve
+        else:
+            self.waiting.remove(r)
+        text = r.detok.text if r.detok is not None else ""
+        event = finished_event(reason, r.tokens, r.latencies, len(r.prompt), r.arrived, self.probe, kv,
+                               self.loaded.predicted_kv_bytes(in_cache), text, stop_string)
+        return replace(event, request_id=r.rid, error=error)

@@ -1,0 +1,166 @@
+"""The engine core: requests that join and leave a running batch get exactly their solo answer,
+and the KV cache is accounted for, per request and in total, at every step."""
+
+import random
+
+import pytest
+
+from engine.cancel import CancelToken
+from engine.core import CoreSettings, EngineCore
+from engine.errors import InvalidRequestError
+from engine.events import Finished, Prefilled, StepCompleted, TokenGenerated
+from engine.loading import LoadRequest, load_model
+from engine.request import GenerationRequest
+from tests.tiny import CORPUS
+
+PROMPTS = [line for line in CORPUS[:8]] + ["A", "fox " * 30, "The KV cache " * 12]
+
+
+def solo(loaded, request):
+    return [e.token_id for e in loaded.generate(request) if isinstance(e, TokenGenerated)]
+
+
+def drive(loaded, plan, settings=None, check_kv=True):
+    """Run ``plan`` — (arrival step, request, cancel at step or None) — through one core; return
+    each request's tokens and final event, checking the cache against its prediction each step."""
+    core = EngineCore(loaded, settings or CoreSettings(token_budget=24, prefill_chunk=16))
+    pending = sorted(enumerate(plan), key=lambda item: item[1][0])
+    ids, cancels, tokens, finals = {}, {}, {}, {}
+    step = 0
+    while pending or not core.idle:
+        while pending and pending[0][1][0] <= step:
+            index, (_, request, cancel_at) = pending.pop(0)
+            cancel = CancelToken()
+            rid = core.submit(request, cancel)
+            ids[index], cancels[index], tokens[rid] = rid, (cancel, cancel_at), []
+        for index, (cancel, at) in cancels.items():
+            if at is not None and at == step:
+                cancel.cancel()
+        for event in core.step():
+            if isinstance(event, TokenGenerated):
+                tokens[event.request_id].append(event.token_id)
+                if check_kv:
+                    assert event.kv_cache_bytes == event.kv_cache_bytes_predicted
+            elif isinstance(event, Finished):
+                finals[event.request_id] = event
+            elif isinstance(event, StepCompleted) and check_kv:
+                assert event.kv_cache_bytes == event.kv_cache_bytes_predicted
+                assert event.running == len(core.running) == len(core.runner)  # ended ones freed
+                # a request that ended (cancelled, finished) holds nothing from the next step on
+                assert event.kv_cache_bytes == sum(core.runner.kv_bytes(r.rid) for r in core.running)
+        step += 1
+        assert step < 500, "the core did not finish"
+    assert core.kv_bytes() == 0 and core.reserved == 0 and len(core.runner) == 0
+    return [tokens[ids[i]] for i in range(len(plan))], [finals[ids[i]] for i in range(len(plan))]
+
+
+def random_plan(seed: int, count: int = 7, cancels: int = 2):
+    rng = random.Random(seed)
+    plan = []
+    for i in range(count):
+        request = GenerationRequest(rng.choice(PROMPTS), mode="raw", max_new_tokens=rng.randint(3, 14),
+                                    ignore_eos=True)
+        plan.append([rng.randint(0, 8), request, None])
+    for i in rng.sample(range(count), cancels):
+        plan[i][2] = plan[i][0] + rng.randint(1, 6)
+    return [tuple(p) for p in plan]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma2", "gpt2"])
+def test_every_request_gets_its_solo_answer_on_the_reference_runner(tiny_models, arch):
+    loaded = load_model(LoadRequest(str(tiny_models[arch]), "fp32", "cpu"))
+    plan = random_plan(seed=hash(arch) % 1000)
+    got, finals = drive(loaded, plan)
+    for (_, request, cancel_at), tokens, final in zip(plan, got, finals):
+        alone = solo(loaded, request)
+        if cancel_at is None:
+            assert tokens == alone and final.reason == "length"
+        else:  # cancelled part-way: what it got is the start of its answer
+            assert tokens == alone[:len(tokens)] and final.reason in ("cancelled", "length")
+    # past gemma2's and mistral's sliding windows (10 and 12 tokens): the long prompts are 60+ tokens
+    assert max(len(loaded.encode(r)) for _, r, _ in plan) > 20 or arch not in ("gemma2", "mistral")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_fast_runner_batches_and_matches_solo_in_fp32(tiny_models, arch):
+    loaded = load_model(LoadRequest(str(tiny_models[arch]), "fp32-fast", "cpu"))
+    plan = random_plan(seed=7, count=8, cancels=2)
+    got, finals = drive(loaded, plan)
+    for (_, request, cancel_at), tokens in zip(plan, got):
+        alone = solo(loaded, request)  # the single-request fast runner
+        assert tokens == (alone if cancel_at is None else alone[:len(tokens)])
+
+
+@pytest.mark.parametrize("precision", ["int8-fast", "int4-fast"])
+def test_quantized_fast_runner_matches_each_request_alone_through_the_core(tiny_models, precision):
+    loaded = load_model(LoadRequest(str(tiny_models["llama"]), precision, "cpu"))
+    plan = random_plan(seed=11, count=6, cancels=0)
+    together, _ = drive(loaded, plan)
+    for (_, request, _), tokens in zip(plan, together):
+        alone, _ = drive(loaded, [(0, request, None)])
+        assert tokens == alone[0]
+
+
+def test_a_step_holds_decodes_and_prompt_chunks_within_the_token_budget(tiny_llama):
+    loaded = load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"))
+    core = EngineCore(loaded, CoreSettings(token_budget=10, prefill_chunk=8))
+    short = core.submit(GenerationRequest("fox", mode="raw", max_new_tokens=12, ignore_eos=True))
+    events = core.step() + core.step()
+    long = core.submit(GenerationRequest("fox " * 30, mode="raw", max_new_tokens=2, ignore_eos=True))
+    steps = []
+    while not core.idle:
+        steps += [e for e in core.step() if isinstance(e, StepCompleted)]
+    assert all(s.decode_tokens + s.prefill_tokens <= 10 for s in steps)
+    reading = [s for s in steps if s.prefill_tokens]
+    assert len(reading) >= 4  # the long prompt went in over several steps…
+    assert all(s.decode_tokens == 1 for s in reading[:-1])  # …while the short request kept decoding
+    assert short != long and any(isinstance(e, Prefilled) for e in events)
+
+
+def test_without_chunking_a_long_prompt_goes_in_at_once(tiny_llama):
+    loaded = load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"))
+    core = EngineCore(loaded, CoreSettings(token_budget=10, chunked_prefill=False))
+    core.submit(GenerationRequest("fox " * 30, mode="raw", max_new_tokens=2, ignore_eos=True))
+    first = [e for e in core.step() if isinstance(e, StepCompleted)][0]
+    assert first.prefill_tokens == len(loaded.encode(GenerationRequest("fox " * 30, mode="raw")))
+
+
+def test_the_kv_budget_makes_requests_wait_and_admits_them_as_others_end(tiny_llama):
+    loaded = load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"))
+    request = GenerationRequest("The quick brown fox", mode="raw", max_new_tokens=6, ignore_eos=True)
+    need = loaded.predicted_kv_bytes(len(loaded.encode(request)) + 6)
+    core = EngineCore(loaded, CoreSettings(kv_budget_bytes=2 * need))
+    for _ in range(5):
+        core.submit(request)
+    most = 0
+    while not core.idle:
+        for event in core.step():
+            if isinstance(event, StepCompleted):
+                most = max(most, event.running)
+                assert core.reserved <= 2 * need
+    assert most == 2
+    with pytest.raises(InvalidRequestError, match="budget"):
+        EngineCore(loaded, CoreSettings(kv_budget_bytes=need // 2)).submit(request)
+
+
+def test_a_cancelled_waiting_request_ends_without_running(tiny_llama):
+    loaded = load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"))
+    core = EngineCore(loaded, CoreSettings(max_batch=1))
+    core.submit(GenerationRequest("fox", mode="raw", max_new_tokens=4, ignore_eos=True))
+    cancel = CancelToken()
+    waiting = core.submit(GenerationRequest("dog", mode="raw", max_new_tokens=4, ignore_eos=True), cancel)
+    core.step()
+    cancel.cancel()
+    finals = {e.request_id: e for e in core.run() if isinstance(e, Finished)}
+    assert finals[waiting].reason == "cancelled" and finals[waiting].tokens == 0
+
+
+@pytest.mark.default_model
+def test_the_default_model_through_the_core(default_fp32):
+    plan = [(0, GenerationRequest("What is the capital of France?", max_new_tokens=8), None),
+            (1, GenerationRequest("Name a colour.", max_new_tokens=6), None),
+            (3, GenerationRequest("Explain microservices in simple terms.", max_new_tokens=10), 6)]
+    got, _ = drive(default_fp32, plan)
+    for (_, request, cancel_at), tokens in zip(plan, got):
+        alone = solo(default_fp32, request)
+        assert tokens == (alone if cancel_at is None else alone[:len(tokens)])
