@@ -68,7 +68,6 @@ class _Request:
     latencies: list[float] = field(default_factory=list)
     prefilled: int = 0
     prefill_started: float | None = None
-    last_token_at: float | None = None
     next_token: int | None = None
 
 
@@ -165,7 +164,7 @@ class EngineCore:
         now = time.perf_counter()
         for r in list(self.running):
             if r.rid in logits:
-                events.extend(self._token(r, logits[r.rid], now, memory))
+                events.extend(self._token(r, logits[r.rid], began, now, memory))
         kv = self.kv_bytes()
         predicted = [self.loaded.predicted_kv_bytes(r.prefilled + max(0, len(r.tokens) - 1)) for r in self.running]
         events.append(StepCompleted(
@@ -192,8 +191,12 @@ class EngineCore:
             self.running.append(r)
             self.reserved += r.reserve
 
-    def _token(self, r: _Request, logits, now: float, memory) -> list[GenerationEvent]:
-        """The token after ``logits`` for ``r``: its events, and its end if it stops here."""
+    def _token(self, r: _Request, logits, began: float, now: float, memory) -> list[GenerationEvent]:
+        """The token after ``logits`` for ``r``: its events, and its end if it stops here.
+
+        Latency, as on the single-request path, is the engine's own time: the first token's is
+        the time since submission (queueing and prompt), a later token's the step that made it
+        (what the consumer does between steps is not the model's time)."""
         import torch
 
         loaded, request = self.loaded, r.request
@@ -232,9 +235,8 @@ class EngineCore:
                                           n_prompt + len(r.tokens), context, r.cancel)
         if reason is not None:
             piece += r.detok.flush()
-        latency = now - (r.last_token_at if r.last_token_at is not None else r.arrived)
+        latency = now - (began if len(r.tokens) > 1 else r.arrived)
         r.latencies.append(latency)
-        r.last_token_at = now
         r.next_token = token
         in_cache = n_prompt + len(r.tokens) - 1
         events.append(TokenGenerated(

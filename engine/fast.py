@@ -333,6 +333,7 @@ class SlotCache:
         self.slots = self.capacity = 0
         self._resize(slots, _bucket(capacity))
 
+    @torch.inference_mode()  # every cache tensor an inference tensor, wherever it grows
     def _resize(self, slots: int, capacity: int) -> None:
         d = self.d
         shape = (slots, d.kv_heads, capacity, d.head_dim)
@@ -366,6 +367,7 @@ class SlotCache:
         self.lengths.append(0)
         self._room(1)
 
+    @torch.inference_mode()
     def remove(self, seq: int) -> None:
         """Free ``seq``'s slot: the last running sequence moves into it."""
         slot, last = self.slot_of.pop(seq), len(self.lengths) - 1
@@ -406,15 +408,25 @@ class SlotCache:
         batch = slots[-1] + 1  # the first ``batch`` slots: a view, no gather (a row not decoding
         # writes a throwaway entry at its next free position, which its own next write replaces)
         self._room(max(self.lengths[:batch]) + 1)
-        ids = torch.zeros((batch, 1), dtype=torch.long, device=self.d.device)
-        positions = torch.tensor([self.lengths[s] for s in range(batch)], device=self.d.device)
+        feed = [0] * batch
         for i, slot in zip(order, slots):
-            ids[slot, 0] = tokens[i]
+            feed[slot] = tokens[i]
+        ids = torch.tensor(feed, dtype=torch.long, device=self.d.device).view(batch, 1)
+        positions = torch.tensor(self.lengths[:batch], device=self.d.device)
         rows = slice(0, batch)
-        logits = _decode_batch(self.d, [k[rows] for k in self.keys], [v[rows] for v in self.values], self.cos,
-                               self.sin, ids, positions)
+        if batch == 1:  # one sequence: the single-sequence step (compiled when ready), no mask over idle slots
+            keys, values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
+            if self.capacity in self.d.compiled_capacities:
+                logits = self.d.compiled(self.d, keys, values, self.cos, self.sin, ids, positions).unsqueeze(0)
+            else:
+                logits = _forward(self.d, keys, values, self.cos, self.sin, ids, int(positions[0])).unsqueeze(0)
+        else:
+            logits = _decode_batch(self.d, [k[rows] for k in self.keys], [v[rows] for v in self.values], self.cos,
+                                   self.sin, ids, positions)
         for slot in slots:
             self.lengths[slot] += 1
+        if slots == list(range(batch)) and order == list(range(batch)):
+            return logits  # every row decoded, in slot order: no reordering copy
         out = torch.empty((len(seqs), logits.shape[-1]), dtype=logits.dtype, device=logits.device)
         for i, slot in zip(order, slots):
             out[i] = logits[slot]

@@ -164,3 +164,19 @@ def test_the_default_model_through_the_core(default_fp32):
     for (_, request, cancel_at), tokens in zip(plan, got):
         alone = solo(default_fp32, request)
         assert tokens == (alone if cancel_at is None else alone[:len(tokens)])
+
+
+def test_the_fast_slot_cache_grows_and_moves_slots_correctly(byte_tokenizer, tmp_path):
+    """More requests than slots, prompts longer than the first capacity: the cache grows (in the
+    middle of a step) and finished requests hand their slots over, and answers stay solo."""
+    from tests.tiny import build_model_folder
+
+    folder = build_model_folder(tmp_path / "long", "llama", byte_tokenizer, max_position_embeddings=1024)
+    loaded = load_model(LoadRequest(str(folder), "fp32-fast", "cpu"))
+    long = GenerationRequest("The KV cache " * 80, mode="raw", max_new_tokens=4, ignore_eos=True)
+    plan = [(0, GenerationRequest(p, mode="raw", max_new_tokens=3 + i, ignore_eos=True), None)
+            for i, p in enumerate(PROMPTS[:6])] + [(2, long, None)]
+    assert len(loaded.encode(long)) > 256
+    got, _ = drive(loaded, plan, CoreSettings(token_budget=64, prefill_chunk=64))
+    for (_, request, _), tokens in zip(plan, got):
+        assert tokens == solo(loaded, request)
