@@ -90,13 +90,15 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--token-budget", type=int, default=64,
+                        help="tokens per step: decode tokens plus prompt chunks (smaller chunks, shorter stalls)")
     parser.add_argument("--compile", action="store_true", help="compile the single-sequence step first")
     args = parser.parse_args()
 
     loaded = load_model(LoadRequest("default", args.precision, "cpu"))
     if args.compile and loaded.fast is not None:
         loaded.fast.compile(capacities=(256,))
-    settings = CoreSettings(token_budget=256, max_batch=64)
+    settings = CoreSettings(token_budget=args.token_budget, max_batch=64)
 
     # 1. one request: today's plain path against the core, interleaved
     plain, cored = [], []
@@ -132,7 +134,7 @@ def main() -> int:
     for chunked in (True, False):
         for label, plan in (("", arrivals), (" + a 2,000-token prompt", with_long)):
             name = ("chunked prefill" if chunked else "whole prompts") + label
-            r = rows[name] = run_core(loaded, plan, CoreSettings(token_budget=256, max_batch=64,
+            r = rows[name] = run_core(loaded, plan, CoreSettings(token_budget=args.token_budget, max_batch=64,
                                                                 chunked_prefill=chunked))
             print(f"   {name:<34} {r['tokens_per_s']:7.1f} {r['ttft_p50'] * 1000:7.0f}ms {r['ttft_p99'] * 1000:6.0f}ms "
                   f"{r['itl_p50'] * 1000:12.0f}ms {r['itl_p99'] * 1000:6.0f}ms")

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class CoreSettings:
-    token_budget: int = 256
+    token_budget: int = 64
     """Tokens one step may put through the model: a decode token per generating request, the
     rest for prompt chunks."""
     max_batch: int = 64

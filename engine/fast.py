@@ -45,9 +45,9 @@ class CompileReport:
     error: str | None = None
 
 
-def _bucket(tokens: int) -> int:
-    """The cache size for ``tokens``: a power of two from 256, so compiled sizes get reused."""
-    size = MIN_CAPACITY
+def _bucket(tokens: int, smallest: int = MIN_CAPACITY) -> int:
+    """The cache size for ``tokens``: a power of two from ``smallest`` (256), so compiled sizes get reused."""
+    size = smallest
     while size < tokens:
         size *= 2
     return size
@@ -294,25 +294,62 @@ def _decode_step(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_
     return d.head(d.norm(hidden))[0, -1]
 
 
+ATTENTION_BUCKET = 64
+"""Rows of a batched decode step attend over their own length rounded up to a power of two
+from this, grouped, rather than all over the longest row's."""
+
+
+def _length_groups(positions: list[int], device) -> list[tuple[object, int, torch.Tensor]]:
+    """Rows grouped by the span they attend over: (rows as a slice or an index tensor, span,
+    the group's mask [rows, 1, 1, span])."""
+    spans: dict[int, list[int]] = {}
+    for row, position in enumerate(positions):
+        spans.setdefault(_bucket(position + 1, ATTENTION_BUCKET), []).append(row)
+    groups = []
+    for span, rows in sorted(spans.items()):
+        contiguous = rows == list(range(rows[0], rows[-1] + 1))
+        selector = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=device)
+        at = torch.tensor([positions[r] for r in rows], device=device).view(len(rows), 1)
+        mask = (torch.arange(span, device=device) <= at).view(len(rows), 1, 1, span)
+        groups.append((selector, span, mask))
+    return groups
+
+
 def _decode_batch(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_layer: list[torch.Tensor],
                   cos_table: torch.Tensor, sin_table: torch.Tensor, ids: torch.Tensor,
                   positions: torch.Tensor) -> torch.Tensor:
     """One decode step of B sequences at once: ``ids`` [B, 1], each at its own ``positions[b]``
-    in cache rows ``keys[b]`` (views of the first B slots). Attention runs over the whole
-    capacity with each row's unwritten slots masked out, as the compiled single step does.
-    Returns the logits [B, vocab]."""
+    in cache rows ``keys[b]`` (views of the first B slots). The projections and the MLP run on
+    all rows in one go; attention runs per group of rows of a similar length, each over its
+    own span with the unwritten positions masked out (a 2,000-token request in the batch costs
+    only its own row the long attention). Returns the logits [B, vocab]."""
     batch, capacity = ids.shape[0], keys_per_layer[0].shape[2]
     cos = cos_table[0, 0].index_select(0, positions).view(batch, 1, 1, -1)
     sin = sin_table[0, 0].index_select(0, positions).view(batch, 1, 1, -1)
-    mask = (torch.arange(capacity, device=positions.device) <= positions.view(batch, 1)).view(batch, 1, 1, capacity)
+    groups = [(selector, min(span, capacity), mask[..., :capacity])
+              for selector, span, mask in _length_groups(positions.tolist(), positions.device)]
     rows = torch.arange(batch, device=positions.device)
     hidden = d.embed(ids)
     for layer, keys, values in zip(d.layers, keys_per_layer, values_per_layer):
         q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
         keys[rows, :, positions] = k[:, :, 0]
         values[rows, :, positions] = v[:, :, 0]
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling,
-                                                  enable_gqa=d.kv_heads != d.heads)
+        attended = q.new_empty(q.shape) if len(groups) > 1 else None
+        for selector, span, mask in groups:
+            if isinstance(selector, slice):
+                part_q, part_k, part_v = q[selector], keys[selector, :, :span], values[selector, :, :span]
+            else:
+                part_q = q.index_select(0, selector)
+                part_k = keys[:, :, :span].index_select(0, selector)
+                part_v = values[:, :, :span].index_select(0, selector)
+            out = F.scaled_dot_product_attention(part_q, part_k, part_v, attn_mask=mask, scale=layer.scaling,
+                                                 enable_gqa=d.kv_heads != d.heads)
+            if attended is None:
+                attended = out
+            elif isinstance(selector, slice):
+                attended[selector] = out
+            else:
+                attended.index_copy_(0, selector, out)
         hidden = _rest_of_layer(d, layer, hidden, attended)
     return d.head(d.norm(hidden))[:, -1]
 
