@@ -28,7 +28,7 @@ from engine.errors import (
     non_finite_message,
 )
 from engine.events import BatchEvent, BatchFinished, BatchStep, SequenceResult
-from engine.generate import PREFILL_CHUNK, stop_reason
+from engine.decoding import PREFILL_CHUNK, stop_reason
 from engine.kv import cache_bytes
 from engine.memory import MemoryProbe
 from engine.request import GenerationRequest

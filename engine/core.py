@@ -28,7 +28,7 @@ from engine.cancel import CancelToken
 from engine.detokenize import IncrementalDetokenizer
 from engine.errors import InvalidRequestError, non_finite_message
 from engine.events import Alternative, Finished, GenerationEvent, Prefilled, StepCompleted, TokenGenerated
-from engine.generate import PREFILL_CHUNK, SeenTokens, finished_event, stop_reason, top_scores
+from engine.decoding import PREFILL_CHUNK, SeenTokens, finished_event, stop_reason, top_scores
 from engine.memory import MemoryProbe
 from engine.request import GenerationRequest
 from engine.sampling import make_sampler
@@ -60,6 +60,8 @@ class _Request:
     prompt: list[int]
     cancel: CancelToken
     reserve: int
+    longest: int
+    """Prompt and longest answer, in tokens (capped by the context)."""
     arrived: float
     sampler: object = None
     detok: IncrementalDetokenizer | None = None
@@ -107,7 +109,8 @@ class EngineCore:
             raise InvalidRequestError(f"This request needs {reserve:,} bytes of KV cache, over the whole budget "
                                       f"of {budget:,}: shorten it or raise the budget.")
         rid, self._next_id = self._next_id, self._next_id + 1
-        self.waiting.append(_Request(rid, request, prompt, cancel or CancelToken(), reserve, time.perf_counter()))
+        self.waiting.append(_Request(rid, request, prompt, cancel or CancelToken(), reserve, longest,
+                                     time.perf_counter()))
         return rid
 
     @property
@@ -129,8 +132,9 @@ class EngineCore:
         adapt_threads()
         began = time.perf_counter()
         events: list[GenerationEvent] = []
-        for r in [*self.waiting, *self.running]:  # cancelled between steps: gone before this one
-            if r.cancel.cancelled:
+        for r in [*self.waiting, *self.running]:  # cancelled between steps: gone before this one,
+            # unless its last token left half a character: one more token completes it (and ends it)
+            if r.cancel.cancelled and not (r.detok is not None and r.detok.pending):
                 events.append(self._finish(r, "cancelled"))
         self._admit(began)
         decoding = [r for r in self.running if r.next_token is not None]
@@ -187,7 +191,9 @@ class EngineCore:
             r.detok = IncrementalDetokenizer(self.loaded.tokenizer)
             room = r.request.max_new_tokens
             r.seen = SeenTokens(r.prompt, min(room, 4096), device)
-            self.runner.add(r.rid)
+            # alone, the cache is sized for the whole answer at once (no copies as it grows);
+            # in a batch every slot shares the capacity, so it grows only as far as needed
+            self.runner.add(r.rid, r.longest if self.settings.max_batch == 1 else len(r.prompt) + 1)
             self.running.append(r)
             self.reserved += r.reserve
 

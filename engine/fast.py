@@ -7,8 +7,8 @@ Mistral without a window in play) this path runs the same modules' weights with 
 arithmetic: norms, projections (optionally weight-only int8/int4, engine/quantize.py),
 rotary embedding, attention over a static cache written in place, the MLP, the head.
 
-It emits exactly the events of the reference path (engine/generate.py drives both through a
-runner); fp32 and bf16 give the reference path's greedy tokens (tested). A model it can't
+It emits exactly the events of the reference path (the engine core, engine/core.py, drives both
+through a runner: :class:`SlotCache` here); fp32 and bf16 give the reference path's greedy tokens (tested). A model it can't
 run is refused with a clear message, from the config or the GGUF header before any weight is
 read where they already say so; the reference precisions run every model.
 """
@@ -399,10 +399,11 @@ class SlotCache:
     def per_token_bytes(self) -> int:
         return 2 * len(self.d.layers) * self.d.kv_heads * self.d.head_dim * self.keys[0].element_size()
 
-    def add(self, seq: int) -> None:
+    def add(self, seq: int, tokens: int = 1) -> None:
+        """A slot for ``seq``, with room for ``tokens`` (the cache grows later if needed)."""
         self.slot_of[seq] = len(self.lengths)
         self.lengths.append(0)
-        self._room(1)
+        self._room(min(max(tokens, 1), 1 << 16))
 
     @torch.inference_mode()
     def remove(self, seq: int) -> None:

@@ -33,12 +33,6 @@ class LoadedModel:
         self.fast = None
         """The fast path's decoder (engine/fast.py) when the precision asked for it."""
 
-    def runner(self, capacity: int):
-        """What runs the forward passes of one generation of up to ``capacity`` tokens."""
-        from engine.runners import runner_for
-
-        return runner_for(self, capacity)
-
     def token_text(self, token_id: int) -> str:
         """How one token reads on its own (cached: alternatives repeat a lot)."""
         text = self._token_texts.get(token_id)

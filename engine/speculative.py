@@ -35,7 +35,7 @@ from engine.errors import (
     non_finite_message,
 )
 from engine.events import Alternative, DraftVerified, Finished, GenerationEvent, Prefilled, TokenGenerated
-from engine.generate import PREFILL_CHUNK, finished_event, stop_reason, top_scores
+from engine.decoding import PREFILL_CHUNK, finished_event, stop_reason, top_scores
 from engine.kv import cache_bytes
 from engine.memory import MemoryProbe
 from engine.precision import PRECISIONS

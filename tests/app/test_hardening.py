@@ -133,16 +133,16 @@ def test_out_of_memory_while_generating(qtbot, window, tiny_llama, monkeypatch):
     import engine.runners
 
     load(qtbot, window, tiny_llama)
-    original = engine.runners.ReferenceRunner.forward
+    original = engine.runners.ReferenceBatchRunner.prefill
     calls = []
 
-    def runs_out(self, ids):
+    def runs_out(self, seq, ids):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("CPU out of memory")
-        return original(self, ids)
+        return original(self, seq, ids)
 
-    monkeypatch.setattr(engine.runners.ReferenceRunner, "forward", runs_out)
+    monkeypatch.setattr(engine.runners.ReferenceBatchRunner, "prefill", runs_out)
     with qtbot.waitSignal(window.session.generation_failed, timeout=60_000):
         generate(qtbot, window, "fox", max_tokens=10, wait=False)
     qtbot.waitUntil(lambda: not window.generating)
@@ -157,14 +157,14 @@ def test_cancel_during_prefill_then_generate(loaded_llama, monkeypatch):
     from engine.cancel import CancelToken
 
     cancel = CancelToken()
-    original = engine.runners.ReferenceRunner.forward
+    original = engine.runners.ReferenceBatchRunner.prefill
     monkeypatch.setattr(engine.generate, "PREFILL_CHUNK", 7)
 
-    def cancels(self, ids):
+    def cancels(self, seq, ids):
         cancel.cancel()  # pressed while the first chunk runs
-        return original(self, ids)
+        return original(self, seq, ids)
 
-    monkeypatch.setattr(engine.runners.ReferenceRunner, "forward", cancels)
+    monkeypatch.setattr(engine.runners.ReferenceBatchRunner, "prefill", cancels)
     events = list(loaded_llama.generate(GenerationRequest("a prompt of a few chunks " * 3, mode="raw"), cancel))
     assert len(events) == 1 and isinstance(events[0], Finished)
     assert events[0].reason == "cancelled" and events[0].tokens == 0
@@ -246,10 +246,10 @@ def test_close_during_prefill(qtbot, app_factory, tiny_llama, monkeypatch):
     window = app_factory()
     load(qtbot, window, tiny_llama)
     inside = threading.Event()
-    original = engine.runners.ReferenceRunner.forward
+    original = engine.runners.ReferenceBatchRunner.prefill
     monkeypatch.setattr(engine.generate, "PREFILL_CHUNK", 4)
 
-    def slow_prefill(self, ids):
+    def slow_prefill(self, seq, ids):
         if ids.shape[1] > 1:  # a prefill chunk: wait (up to 5 s) for the close to cancel us
             inside.set()
             token = window.session._generation_cancel
@@ -257,9 +257,9 @@ def test_close_during_prefill(qtbot, app_factory, tiny_llama, monkeypatch):
                 if token.cancelled:
                     break
                 threading.Event().wait(0.01)
-        return original(self, ids)
+        return original(self, seq, ids)
 
-    monkeypatch.setattr(engine.runners.ReferenceRunner, "forward", slow_prefill)
+    monkeypatch.setattr(engine.runners.ReferenceBatchRunner, "prefill", slow_prefill)
     generate(qtbot, window, "a prompt long enough for several chunks", max_tokens=50, wait=False)
     qtbot.waitUntil(inside.is_set, timeout=30_000)
     window.close()

@@ -114,7 +114,7 @@ def test_fused_layers_leave_the_model_itself_working(long_models, arch, precisio
     ids = torch.tensor([loaded.encode(GenerationRequest(PROMPT, mode="raw"))])
     with torch.inference_mode():
         theirs = loaded.model(input_ids=ids).logits[0, -1].float()
-        ours = loaded.runner(64).forward(ids).float()
+        ours = loaded.fast.runner(64).forward(ids).float()
     assert torch.allclose(ours, theirs, atol=2e-2 * float(theirs.abs().max()))
     assert int(ours.argmax()) == int(theirs.argmax())
 

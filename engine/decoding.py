@@ -1,0 +1,99 @@
+"""The pieces every decode loop shares (the engine core's, speculative decoding's, the batch
+sweep's): the likeliest scores, the stop rule, the prompt-and-answer history, and the
+:class:`Finished` event built from a request's tokens and latencies."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from engine.cancel import CancelToken
+from engine.events import Finished
+from engine.memory import MemoryProbe
+from engine.request import GenerationRequest
+
+if TYPE_CHECKING:
+    import torch
+
+PREFILL_CHUNK = 512
+"""Long prompts go through in chunks of at most this many tokens, so cancel works during prefill."""
+
+
+def top_scores(scores: "torch.Tensor", k: int) -> tuple[list[int], list[float]]:
+    """The k largest scores, best first. numpy's argpartition on the CPU (about half of torch.topk's time)."""
+    import numpy as np
+    import torch
+
+    if scores.device.type == "cpu":
+        values = scores.numpy()
+        ids = np.argpartition(values, -k)[-k:]
+        ids = ids[np.argsort(-values[ids], kind="stable")]
+        return ids.tolist(), values[ids].tolist()
+    values, ids = torch.topk(scores, k)
+    return ids.tolist(), values.tolist()
+
+
+def finished_event(reason: str, tokens: list[int], latencies: list[float], prompt_tokens: int, start: float,
+                   probe: MemoryProbe, kv: int, kv_predicted: int | None, text: str, stop_string: str | None = None,
+                   **extra) -> Finished:
+    """The Finished event of a generation: its totals from the tokens and their latencies
+    (the first is the TTFT), the peak memory the probe saw, the cache at the end."""
+    decode_s = sum(latencies[1:])
+    n = len(tokens)
+    peak_device = probe.peak_device()
+    return Finished(
+        reason=reason, tokens=n, prompt_tokens=prompt_tokens, ttft_s=latencies[0] if latencies else None,
+        decode_s=decode_s, decode_tokens_per_s=(n - 1) / decode_s if n >= 2 and decode_s > 0 else None,
+        total_s=time.perf_counter() - start,
+        peak_memory_bytes=peak_device if peak_device is not None else probe.peak_rss,
+        peak_rss_bytes=probe.peak_rss, kv_cache_bytes=kv, kv_cache_bytes_predicted=kv_predicted,
+        token_ids=tuple(tokens), text=text, stop_string=stop_string, **extra,
+    )
+
+
+def stop_reason(token: int, piece: str, text: str, request: GenerationRequest, eos: frozenset[int],
+                generated: int, length: int, context: int | None,
+                cancel: CancelToken) -> tuple[str | None, str | None]:
+    """Why generation ends after ``token`` (its ``piece`` ends ``text``), with the stop string
+    that matched; ``(None, None)`` to go on. ``length``: prompt and answer tokens so far."""
+    if token in eos:
+        return "eos", None
+    if request.stop:
+        longest = max(len(s) for s in request.stop)
+        tail = text[-(longest + len(piece)):]
+        stop_string = next((s for s in request.stop if s in tail), None)
+        if stop_string:
+            return "stop_string", stop_string
+    if generated >= request.max_new_tokens:
+        return "length", None
+    if context is not None and length >= context:
+        return "context", None
+    if cancel.cancelled:
+        return "cancelled", None
+    return None, None
+
+
+class SeenTokens:
+    """Prompt and answer ids in one tensor (for the repetition penalty and the next input),
+    grown by doubling so ``max_new_tokens`` can be large without a large allocation."""
+
+    def __init__(self, prompt_ids: list[int], room: int, device) -> None:
+        import torch
+
+        self._data = torch.empty(len(prompt_ids) + max(1, room), dtype=torch.long, device=device)
+        self._data[: len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
+        self.count = len(prompt_ids)
+
+    def append(self, token: int) -> None:
+        import torch
+
+        if self.count == self._data.numel():
+            self._data = torch.cat([self._data, torch.empty_like(self._data)])
+        self._data[self.count] = token
+        self.count += 1
+
+    def all(self) -> "torch.Tensor":
+        return self._data[: self.count]
+
+    def last(self) -> "torch.Tensor":
+        return self._data[self.count - 1: self.count].unsqueeze(0)
