@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from PySide6.QtCore import Qt, Signal, Slot
+from PySide6.QtCore import Signal, Slot
 from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -25,7 +25,7 @@ from app.model_panel import _compact
 from app.run_buffer import RunBuffer
 from app.worker import ModelSession
 from engine.compare import LaneRun, LaneSpec
-from engine.events import Finished, Loaded, Prefilled, TokenGenerated
+from engine.events import Finished, Loaded, Prefilled
 from engine.loading import LoadRequest
 from engine.precision import PRECISIONS
 from engine.request import GenerationRequest

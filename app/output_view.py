@@ -9,9 +9,9 @@ from __future__ import annotations
 import html
 import math
 
-from PySide6.QtCore import QEvent, QPoint, Qt
+from PySide6.QtCore import QEvent, QPoint
 from PySide6.QtGui import QColor, QFont, QPalette, QTextCharFormat, QTextCursor, QTextFormat
-from PySide6.QtWidgets import QPlainTextEdit, QTextEdit, QToolTip, QWidget
+from PySide6.QtWidgets import QPlainTextEdit, QToolTip, QWidget
 
 from app.transcript import Transcript, Turn
 

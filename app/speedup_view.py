@@ -34,7 +34,7 @@ from PySide6.QtWidgets import (
 
 from app.live_plots import PlotPanel
 from app.screen import fit_screen
-from engine.events import BatchStep, DraftVerified, Finished, Loaded, Prefilled, TokenGenerated
+from engine.events import BatchStep, DraftVerified, Loaded, Prefilled, TokenGenerated
 from engine.units import format_bytes, format_rate, format_seconds
 
 REFRESH_MS = 50

@@ -23,7 +23,7 @@ from engine.bench import report as bench_report
 from engine.bench import versions
 from engine.cancel import CancelToken
 from engine.errors import InvalidRequestError
-from engine.events import Finished, GenerationEvent, Prefilled, TokenGenerated
+from engine.events import Finished, Prefilled, TokenGenerated
 from engine.request import GenerationRequest
 from engine.sampling import SamplingParams
 

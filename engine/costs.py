@@ -101,7 +101,6 @@ def estimate(config, hardware: Hardware, precision: str = "bf16", kv_dtype: str 
     attention = 4 * int(text.num_hidden_layers) * heads * head_dim * context
     flops = 2.0 * count.total + attention
     memory_time = (weights + kv_total) / hardware.bandwidth_bytes_per_s
-    compute_time = batch * flops / hardware.bf16_flops
     memory_rate = batch / memory_time
     compute_rate = hardware.bf16_flops / flops
     ceiling = min(memory_rate, compute_rate)

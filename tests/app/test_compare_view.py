@@ -1,7 +1,6 @@
 import json
 
 import pytest
-from PySide6.QtCore import QTimer
 
 from app.compare_view import COLUMNS, CompareWindow
 from engine.compare import LaneSpec

@@ -8,7 +8,6 @@ import pytest
 from engine.compare import LaneSpec, agreement, parse_lane, report, run_comparison, teacher_forced_logprobs
 from engine.errors import InvalidRequestError
 from engine.events import Loaded, TokenGenerated
-from engine.loading import LoadRequest, load_model
 from engine.request import GenerationRequest
 from engine.serialize import event_from_dict, event_to_dict
 
