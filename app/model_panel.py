@@ -161,6 +161,14 @@ class ModelPanel(QWidget):
         self.source.setCurrentIndex(index)
         self.source.lineEdit().setCursorPosition(0)  # show the start of a long name
 
+    def choose(self, request: LoadRequest) -> None:
+        """Show ``request``'s model, precision and device as the choice (what Load will load)."""
+        self.set_source(request.model)
+        self._select(self.precision, request.precision)
+        if self.device.findData(request.device) < 0:
+            self.device.addItem(request.device, request.device)
+        self._select(self.device, request.device)
+
     def set_entries(self, entries) -> None:
         current = self.request().model
         for entry in entries:

@@ -87,7 +87,8 @@ def main() -> int:
     window.session.generation_finished.connect(on_finished)
     window.session.load_failed.connect(on_failed)
     window.session.generation_failed.connect(on_failed)
-    window.load(LoadRequest("default", args.precision, "cpu"))
+    window.model_panel.choose(LoadRequest("default", args.precision, "cpu"))  # as a user would: the panel shows what runs
+    window.load(window.model_panel.request())
     return app.exec()
 
 

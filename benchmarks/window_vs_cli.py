@@ -84,7 +84,8 @@ def main() -> None:
 
     print(f"{args.model}; {args.tokens} tokens; {args.rounds} interleaved rounds; window {window.width()}×{window.height()}")
     for precision in args.precisions.split(","):
-        window.load(LoadRequest(args.model, precision, "cpu"))
+        window.model_panel.choose(LoadRequest(args.model, precision, "cpu"))  # as a user would: the panel shows what runs
+        window.load(window.model_panel.request())
         wait_for(window.session.loaded)
         in_window()  # warm up
         gui_cpu.clear()
