@@ -27,7 +27,15 @@ from engine.errors import (
     is_out_of_memory,
     non_finite_message,
 )
-from engine.events import BatchEvent, BatchFinished, BatchStep, SequenceResult
+from engine.events import (
+    BatchEvent,
+    BatchFinished,
+    BatchStep,
+    Finished,
+    SequenceResult,
+    StepCompleted,
+    TokenGenerated,
+)
 from engine.decoding import PREFILL_CHUNK, stop_reason
 from engine.kv import cache_bytes
 from engine.memory import MemoryProbe
@@ -52,8 +60,9 @@ def stream_batch(loaded: "LoadedModel", request: GenerationRequest, prompts: lis
     if loaded.model is None:
         raise EngineError("This model was unloaded: load it again to generate.")
     request = request.validated()
+    run = _run_on_core if loaded.fast is not None else _run
     try:
-        yield from _run(loaded, request, [list(p) for p in prompts], cancel or CancelToken())
+        yield from run(loaded, request, [list(p) for p in prompts], cancel or CancelToken())
     except EngineError:
         raise
     except Exception as exc:
@@ -85,6 +94,64 @@ class _Sequence:
             mean_token_latency_s=sum(decode) / len(decode) if decode else None,
             token_ids=tuple(self.tokens), text=self.detok.text,
         )
+
+
+def _run_on_core(loaded: "LoadedModel", request: GenerationRequest, prompts: list[list[int]],
+                 cancel: CancelToken) -> Iterator[BatchEvent]:
+    """A fast-path batch through the engine core (its slot cache decodes all rows in one step):
+    every prompt a request, all read in the first step as the reference batch reads them
+    together, then one step per token. A sequence that ends leaves the batch (its cache freed);
+    the batch's figures are those of its fullest step."""
+    from engine.core import CoreSettings, EngineCore
+
+    batch = len(prompts)
+    core = EngineCore(loaded, CoreSettings(token_budget=sum(len(p) for p in prompts) + batch, max_batch=batch,
+                                           prefill_chunk=max(len(p) for p in prompts)))
+    rows = {core.submit(request, cancel, prompt): i for i, prompt in enumerate(prompts)}
+    finals: dict[int, Finished] = {}
+    latencies: list[float] = []
+    fullest = None
+    while not core.idle:
+        ids: list[int | None] = [None] * batch
+        texts = [""] * batch
+        for event in core.step():
+            if isinstance(event, TokenGenerated):
+                ids[rows[event.request_id]], texts[rows[event.request_id]] = event.token_id, event.text
+            elif isinstance(event, Finished):
+                if event.reason == "error":
+                    raise NonFiniteError(event.error)
+                finals[rows[event.request_id]] = event
+            elif isinstance(event, StepCompleted):
+                step = event
+        latencies.append(step.step_s)
+        if fullest is None or step.kv_cache_bytes >= fullest.kv_cache_bytes:
+            fullest = step
+        yield BatchStep(step=step.step, token_ids=tuple(ids), texts=tuple(texts), latency_s=step.step_s,
+                        elapsed_s=step.elapsed_s, active=step.batch, kv_cache_bytes=step.kv_cache_bytes,
+                        kv_cache_bytes_predicted=step.kv_cache_bytes_predicted, memory=step.memory)
+    results = tuple(SequenceResult(
+        index=i, reason=f.reason, tokens=f.tokens, prompt_tokens=f.prompt_tokens, ttft_s=f.ttft_s,
+        mean_token_latency_s=f.decode_s / (f.tokens - 1) if f.tokens > 1 else None, token_ids=f.token_ids,
+        text=f.text) for i, f in sorted(finals.items()))
+    decode_s = sum(latencies[1:])
+    decode_tokens = sum(max(0, r.tokens - 1) for r in results)
+    generated = sum(r.tokens for r in results)
+    total = time.perf_counter() - core.start
+    peak_device = core.probe.peak_device()
+    yield BatchFinished(
+        batch=batch, sequences=results, prefill_s=latencies[0] if latencies else 0.0, total_s=total,
+        generated_tokens=generated,
+        aggregate_tokens_per_s=decode_tokens / decode_s if decode_tokens and decode_s > 0 else None,
+        end_to_end_tokens_per_s=generated / total if generated and total > 0 else None,
+        mean_ttft_s=_mean([r.ttft_s for r in results if r.ttft_s is not None]),
+        mean_per_token_latency_s=_mean([r.mean_token_latency_s for r in results
+                                        if r.mean_token_latency_s is not None]),
+        peak_memory_bytes=peak_device if peak_device is not None else core.probe.peak_rss,
+        peak_rss_bytes=core.probe.peak_rss,
+        kv_cache_bytes=fullest.kv_cache_bytes if fullest else 0,
+        kv_cache_bytes_predicted=fullest.kv_cache_bytes_predicted if fullest else 0,
+        cancelled=any(r.reason == "cancelled" for r in results),
+    )
 
 
 def _mean(values: list[float]) -> float | None:

@@ -150,3 +150,24 @@ def test_sweep_cli_writes_the_documented_json(tmp_path, tiny_llama, monkeypatch)
         assert point["kv_cache_bytes"] == point["kv_cache_bytes_predicted"]
     assert set(data["points"][0]) == set(SweepPoint.__dataclass_fields__)
     assert main(["sweep", "--model", str(tiny_llama), "--batch", "one", "--prompt", "fox"]) == 1
+
+
+@pytest.mark.parametrize("precision", ["fp32-fast", "int8-fast"])
+def test_a_fast_path_batch_runs_on_the_engine_core(tiny_models, precision):
+    """The sweep's batches on a fast precision decode through the core's slot cache, all rows in
+    one step: fp32-fast equals each prompt alone; int8-fast equals each prompt alone through the
+    same batched runner."""
+    loaded = load_model(LoadRequest(str(tiny_models["llama"]), precision, "cpu"))
+    requests = [GenerationRequest(p, mode="raw", max_new_tokens=12, ignore_eos=True) for p in PROMPTS]
+    events, final = batched(loaded, requests)
+    steps = [e for e in events if isinstance(e, BatchStep)]
+    assert len(steps) == 12 and steps[0].active == len(PROMPTS)
+    assert all(s.kv_cache_bytes == s.kv_cache_bytes_predicted for s in steps)
+    for request, sequence in zip(requests, final.sequences):
+        single = batched(loaded, [request])[1].sequences[0].token_ids
+        assert sequence.token_ids == single and sequence.tokens == 12
+        if precision == "fp32-fast":
+            assert sequence.token_ids == alone(loaded, request)
+    assert final.aggregate_tokens_per_s > 0 and final.kv_cache_bytes == max(s.kv_cache_bytes for s in steps)
+    for i, sequence in enumerate(final.sequences):
+        assert "".join(step.texts[i] for step in steps) == sequence.text
