@@ -119,7 +119,7 @@ class EngineCore:
 
     def kv_bytes(self) -> int:
         """Bytes the cache holds for every running request (measured by the runner)."""
-        return sum(self.runner.kv_bytes(r.rid) for r in self.running if r.sampler is not None)
+        return sum(self.runner.kv_bytes(r.rid) for r in self.running)
 
     def run(self) -> Iterator[GenerationEvent]:
         while not self.idle:
@@ -136,7 +136,7 @@ class EngineCore:
             # unless its last token left half a character: one more token completes it (and ends it)
             if r.cancel.cancelled and not (r.detok is not None and r.detok.pending):
                 events.append(self._finish(r, "cancelled"))
-        self._admit(began)
+        self._admit()
         decoding = [r for r in self.running if r.next_token is not None]
         budget = self.settings.token_budget - len(decoding)
         chunks: list[tuple[_Request, int]] = []
@@ -179,7 +179,7 @@ class EngineCore:
         self.steps += 1
         return events
 
-    def _admit(self, now: float) -> None:
+    def _admit(self) -> None:
         budget = self.settings.kv_budget_bytes
         while self.waiting and len(self.running) < self.settings.max_batch:
             r = self.waiting[0]
