@@ -25,10 +25,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from engine.cancel import CancelToken
+from engine.decoding import PREFILL_CHUNK, SeenTokens, finished_event, stop_reason, top_scores
 from engine.detokenize import IncrementalDetokenizer
 from engine.errors import InvalidRequestError, non_finite_message
 from engine.events import Alternative, Finished, GenerationEvent, Prefilled, StepCompleted, TokenGenerated
-from engine.decoding import PREFILL_CHUNK, SeenTokens, finished_event, stop_reason, top_scores
 from engine.memory import MemoryProbe
 from engine.request import GenerationRequest
 from engine.sampling import make_sampler
@@ -219,17 +219,17 @@ class EngineCore:
         plain_greedy = request.sampling.greedy and request.sampling.repetition_penalty == 1.0
         with torch.inference_mode():
             scores = logits.float()
+            log_total = float(torch.logsumexp(scores, dim=-1))
+            if not math.isfinite(log_total):  # before sampling: a sampler given NaN fails without saying why
+                message = non_finite_message(loaded.info.precision, loaded.info.name, len(r.tokens))
+                return events + [self._finish(r, "error", error=message)]
             if top_k:
                 ids, values = top_scores(scores, top_k)
             if plain_greedy and top_k >= 2 and values[0] > values[1]:
                 token = ids[0]
             else:
                 token = r.sampler(scores, r.seen.all())
-            log_total = float(torch.logsumexp(scores, dim=-1))
             chosen = float(scores[token]) - log_total
-        if not math.isfinite(log_total):
-            message = non_finite_message(loaded.info.precision, loaded.info.name, len(r.tokens))
-            return events + [self._finish(r, "error", error=message)]
         alternatives = (tuple(Alternative(i, loaded.token_text(i), v - log_total) for i, v in zip(ids, values))
                         if top_k else ())
         r.tokens.append(token)

@@ -55,6 +55,24 @@ def test_non_finite_scores_stop_the_run_and_keep_it(tiny_llama, tmp_path):
     assert record.tokens == 3 and record.extra["error"] == message
 
 
+def test_sampling_from_non_finite_scores_says_why(tiny_llama, tmp_path):
+    """The check comes before the sampler, which would otherwise fail on NaN without a reason."""
+    from engine.sampling import SamplingParams
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "nan-norm"
+    shutil.copytree(tiny_llama, folder)
+    weights = load_file(folder / "model.safetensors")
+    weights[next(k for k in weights if k.endswith("model.norm.weight"))][0] = float("nan")  # every score NaN
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    loaded = load_model(LoadRequest(str(folder), "fp32", "cpu"))
+    sampled = GenerationRequest(PROMPT, mode="raw", max_new_tokens=4, sampling=SamplingParams(temperature=0.8, seed=1))
+    with pytest.raises(NonFiniteError, match="NaN") as caught:
+        list(loaded.generate(sampled))
+    assert caught.value.finished.tokens == 0
+
+
 def test_batched_and_sweep_paths_refuse_non_finite_scores(tiny_llama, tmp_path):
     from engine.batch import stream_batch
 
