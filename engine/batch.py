@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from engine.cancel import CancelToken
+from engine.decoding import PREFILL_CHUNK, stop_reason
 from engine.detokenize import IncrementalDetokenizer
 from engine.errors import (
     EngineError,
@@ -36,7 +37,6 @@ from engine.events import (
     StepCompleted,
     TokenGenerated,
 )
-from engine.decoding import PREFILL_CHUNK, stop_reason
 from engine.kv import cache_bytes
 from engine.memory import MemoryProbe
 from engine.request import GenerationRequest
@@ -133,24 +133,31 @@ def _run_on_core(loaded: "LoadedModel", request: GenerationRequest, prompts: lis
         index=i, reason=f.reason, tokens=f.tokens, prompt_tokens=f.prompt_tokens, ttft_s=f.ttft_s,
         mean_token_latency_s=f.decode_s / (f.tokens - 1) if f.tokens > 1 else None, token_ids=f.token_ids,
         text=f.text) for i, f in sorted(finals.items()))
-    decode_s = sum(latencies[1:])
+    yield _batch_finished(results, latencies[0] if latencies else 0.0, latencies, core.start, core.probe,
+                          fullest.kv_cache_bytes if fullest else 0,
+                          fullest.kv_cache_bytes_predicted if fullest else 0,
+                          any(r.reason == "cancelled" for r in results))
+
+
+def _batch_finished(results: tuple[SequenceResult, ...], prefill_s: float, step_latencies: list[float],
+                    start: float, probe: MemoryProbe, kv: int, kv_predicted: int | None,
+                    cancelled: bool) -> BatchFinished:
+    """A batch's totals from its sequences and step times (the first step reads the prompts)."""
+    decode_s = sum(step_latencies[1:])
     decode_tokens = sum(max(0, r.tokens - 1) for r in results)
     generated = sum(r.tokens for r in results)
-    total = time.perf_counter() - core.start
-    peak_device = core.probe.peak_device()
-    yield BatchFinished(
-        batch=batch, sequences=results, prefill_s=latencies[0] if latencies else 0.0, total_s=total,
-        generated_tokens=generated,
+    total = time.perf_counter() - start
+    peak_device = probe.peak_device()
+    return BatchFinished(
+        batch=len(results), sequences=results, prefill_s=prefill_s, total_s=total, generated_tokens=generated,
         aggregate_tokens_per_s=decode_tokens / decode_s if decode_tokens and decode_s > 0 else None,
         end_to_end_tokens_per_s=generated / total if generated and total > 0 else None,
         mean_ttft_s=_mean([r.ttft_s for r in results if r.ttft_s is not None]),
         mean_per_token_latency_s=_mean([r.mean_token_latency_s for r in results
                                         if r.mean_token_latency_s is not None]),
-        peak_memory_bytes=peak_device if peak_device is not None else core.probe.peak_rss,
-        peak_rss_bytes=core.probe.peak_rss,
-        kv_cache_bytes=fullest.kv_cache_bytes if fullest else 0,
-        kv_cache_bytes_predicted=fullest.kv_cache_bytes_predicted if fullest else 0,
-        cancelled=any(r.reason == "cancelled" for r in results),
+        peak_memory_bytes=peak_device if peak_device is not None else probe.peak_rss,
+        peak_rss_bytes=probe.peak_rss, kv_cache_bytes=kv, kv_cache_bytes_predicted=kv_predicted,
+        cancelled=cancelled,
     )
 
 
@@ -197,23 +204,8 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompts: list[list[i
         for seq in sequences:
             if seq.reason is None:
                 seq.reason = "cancelled"
-        results = tuple(seq.result() for seq in sequences)
-        decode_s = sum(step_latencies[1:])
-        decode_tokens = sum(max(0, r.tokens - 1) for r in results)
-        generated = sum(r.tokens for r in results)
-        total = time.perf_counter() - start
-        peak_device = probe.peak_device()
-        return BatchFinished(
-            batch=batch, sequences=results, prefill_s=prefill_s, total_s=total, generated_tokens=generated,
-            aggregate_tokens_per_s=decode_tokens / decode_s if decode_tokens and decode_s > 0 else None,
-            end_to_end_tokens_per_s=generated / total if generated and total > 0 else None,
-            mean_ttft_s=_mean([r.ttft_s for r in results if r.ttft_s is not None]),
-            mean_per_token_latency_s=_mean([r.mean_token_latency_s for r in results
-                                            if r.mean_token_latency_s is not None]),
-            peak_memory_bytes=peak_device if peak_device is not None else probe.peak_rss,
-            peak_rss_bytes=probe.peak_rss, kv_cache_bytes=kv,
-            kv_cache_bytes_predicted=loaded.predicted_kv_bytes(in_cache, batch), cancelled=cancelled,
-        )
+        return _batch_finished(tuple(seq.result() for seq in sequences), prefill_s, step_latencies, start, probe,
+                               kv, loaded.predicted_kv_bytes(in_cache, batch), cancelled)
 
     for chunk in range(0, width, PREFILL_CHUNK):
         if cancel.cancelled:

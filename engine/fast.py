@@ -173,6 +173,13 @@ class FastDecoder:
         return FastRunner(self, capacity)
 
 
+def _rotary_tables(d: "FastDecoder", capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary cos and sin of every position of a cache, [1, 1, capacity, head_dim] each."""
+    positions = torch.arange(capacity, device=d.device).unsqueeze(0)
+    cos, sin = d.rotary(torch.zeros(1, dtype=d.dtype, device=d.device), positions)
+    return cos.unsqueeze(1), sin.unsqueeze(1)
+
+
 def _rms(x: torch.Tensor, norm, eps: float) -> torch.Tensor:
     """transformers' Llama RMSNorm (in fp32, back to the input's dtype, times the weight) as one op."""
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
@@ -199,9 +206,7 @@ class FastRunner:
         for old, new in zip(self.keys + self.values, keys + values):
             new[:, :, :self.length] = old[:, :, :self.length]
         self.keys, self.values, self.capacity = keys, values, capacity
-        positions = torch.arange(capacity, device=d.device).unsqueeze(0)
-        cos, sin = d.rotary(torch.zeros(1, dtype=d.dtype, device=d.device), positions)
-        self.cos, self.sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, capacity, head_dim]
+        self.cos, self.sin = _rotary_tables(d, capacity)
 
     def kv_bytes(self) -> int:
         """Bytes of the cache slots holding tokens (the rest is reserved, see ``reserved_bytes``)."""
@@ -381,9 +386,7 @@ class SlotCache:
             new[:used, :, :longest] = old[:used, :, :longest]
         self.keys, self.values = keys, values
         if capacity != self.capacity:
-            positions = torch.arange(capacity, device=d.device).unsqueeze(0)
-            cos, sin = d.rotary(torch.zeros(1, dtype=d.dtype, device=d.device), positions)
-            self.cos, self.sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            self.cos, self.sin = _rotary_tables(d, capacity)
         self.slots, self.capacity = slots, capacity
 
     def _room(self, tokens: int) -> None:

@@ -65,14 +65,21 @@ def hardware_for(device: str, device_name: str) -> str:
     return "this-machine"
 
 
-def record_from(info: Loaded, finished: Finished, kind: str = "single", batch: int = 1, **extra) -> RunRecord:
-    return RunRecord(
-        kind=kind, when=time.strftime("%Y-%m-%dT%H:%M:%S"), model=info.name,
+def _model_fields(info: Loaded) -> dict:
+    """The fields of a record that describe the model it ran on, and when."""
+    return dict(
+        when=time.strftime("%Y-%m-%dT%H:%M:%S"), model=info.name,
         model_ref=info.path if info.source != "default" else "default", precision=info.precision, device=info.device,
         device_name=info.device_name, hardware=hardware_for(info.device, info.device_name), parameters=info.parameters,
-        weights_bytes=info.weights_bytes, kv_cache_bytes=finished.kv_cache_bytes,
-        kv_bytes_per_token=info.kv_bytes_per_token, prompt_tokens=finished.prompt_tokens, tokens=finished.tokens,
-        batch=batch, decode_tokens_per_s=finished.decode_tokens_per_s, ttft_s=finished.ttft_s,
+        weights_bytes=info.weights_bytes, kv_bytes_per_token=info.kv_bytes_per_token,
+    )
+
+
+def record_from(info: Loaded, finished: Finished, kind: str = "single", batch: int = 1, **extra) -> RunRecord:
+    return RunRecord(
+        kind=kind, **_model_fields(info), kv_cache_bytes=finished.kv_cache_bytes,
+        prompt_tokens=finished.prompt_tokens, tokens=finished.tokens, batch=batch,
+        decode_tokens_per_s=finished.decode_tokens_per_s, ttft_s=finished.ttft_s,
         peak_memory_bytes=finished.peak_memory_bytes, extra=extra,
     )
 
@@ -104,11 +111,7 @@ def record_point(info: Loaded, point, prompt_tokens: int, steps=()) -> RunRecord
     fields, the aggregate and every other figure of the point in ``extra``."""
     per_request = point.aggregate_tokens_per_s / point.batch if point.aggregate_tokens_per_s else None
     return RunRecord(
-        kind="sweep", when=time.strftime("%Y-%m-%dT%H:%M:%S"), model=info.name,
-        model_ref=info.path if info.source != "default" else "default", precision=info.precision,
-        device=info.device, device_name=info.device_name, hardware=hardware_for(info.device, info.device_name),
-        parameters=info.parameters, weights_bytes=info.weights_bytes, kv_cache_bytes=point.kv_cache_bytes,
-        kv_bytes_per_token=info.kv_bytes_per_token, prompt_tokens=prompt_tokens,
+        kind="sweep", **_model_fields(info), kv_cache_bytes=point.kv_cache_bytes, prompt_tokens=prompt_tokens,
         tokens=point.generated_tokens // point.batch, batch=point.batch, decode_tokens_per_s=per_request,
         ttft_s=point.mean_ttft_s, peak_memory_bytes=point.peak_memory_bytes,
         extra={"aggregate_tokens_per_s": point.aggregate_tokens_per_s, "point": asdict(point),

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.cancel import CancelToken
+from engine.decoding import PREFILL_CHUNK, finished_event, stop_reason, top_scores
 from engine.detokenize import IncrementalDetokenizer
 from engine.errors import (
     EngineError,
@@ -35,7 +36,6 @@ from engine.errors import (
     non_finite_message,
 )
 from engine.events import Alternative, DraftVerified, Finished, GenerationEvent, Prefilled, TokenGenerated
-from engine.decoding import PREFILL_CHUNK, finished_event, stop_reason, top_scores
 from engine.kv import cache_bytes
 from engine.memory import MemoryProbe
 from engine.precision import PRECISIONS
