@@ -36,6 +36,7 @@ from engine.threads import adapt as adapt_threads
 
 if TYPE_CHECKING:
     from engine.model import LoadedModel
+    from engine.speculative import Speculation
 
 
 @dataclass(frozen=True)
@@ -76,14 +77,17 @@ class _Request:
 class EngineCore:
     """Submit requests, then call :meth:`step` (or iterate :meth:`run`) until :attr:`idle`."""
 
-    def __init__(self, loaded: "LoadedModel", settings: CoreSettings | None = None, runner=None) -> None:
+    def __init__(self, loaded: "LoadedModel", settings: CoreSettings | None = None, runner=None,
+                 speculation: "Speculation | None" = None) -> None:
         from engine.runners import batch_runner_for
 
         self.loaded = loaded
         self.settings = settings or CoreSettings()
         if self.settings.token_budget < 1 or self.settings.max_batch < 1:
             raise InvalidRequestError("The token budget and the batch size must be at least 1.")
-        self.runner = runner if runner is not None else batch_runner_for(loaded)
+        self.speculation = speculation
+        """The speculative decode step (engine/speculative.py), or ``None``: one token per step."""
+        self.runner = runner if runner is not None else batch_runner_for(loaded, rollback=speculation is not None)
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.reserved = 0
@@ -123,19 +127,23 @@ class EngineCore:
 
     def run(self) -> Iterator[GenerationEvent]:
         while not self.idle:
-            yield from self.step()
+            yield from self._step()
 
     # -- one step ------------------------------------------------------------------------
     def step(self) -> list[GenerationEvent]:
+        return list(self._step())
+
+    def _step(self) -> Iterator[GenerationEvent]:
+        """One step's events, made as they are consumed: a speculative step's tokens one by one,
+        so a cancel pressed while one is shown stops before the next."""
         import torch
 
         adapt_threads()
         began = time.perf_counter()
-        events: list[GenerationEvent] = []
         for r in [*self.waiting, *self.running]:  # cancelled between steps: gone before this one,
             # unless its last token left half a character: one more token completes it (and ends it)
             if r.cancel.cancelled and not (r.detok is not None and r.detok.pending):
-                events.append(self._finish(r, "cancelled"))
+                yield self._finish(r, "cancelled")
         self._admit()
         decoding = [r for r in self.running if r.next_token is not None]
         budget = self.settings.token_budget - len(decoding)
@@ -157,10 +165,12 @@ class EngineCore:
                 ids = torch.tensor([r.prompt[r.prefilled:r.prefilled + size]], dtype=torch.long,
                                    device=self.loaded.device)
                 out = self.runner.prefill(r.rid, ids)
+                if self.speculation is not None:
+                    self.speculation.prefill(r.rid, ids)
                 r.prefilled += size
                 if r.prefilled == len(r.prompt):
                     logits[r.rid] = out
-            if decoding:
+            if decoding and self.speculation is None:
                 out = self.runner.decode([r.rid for r in decoding], [r.next_token for r in decoding])
                 for row, r in enumerate(decoding):
                     logits[r.rid] = out[row]
@@ -168,16 +178,49 @@ class EngineCore:
         now = time.perf_counter()
         for r in list(self.running):
             if r.rid in logits:
-                events.extend(self._token(r, logits[r.rid], began, now, memory))
+                yield from self._token(r, logits[r.rid], began, now, memory)
+        if self.speculation is not None:
+            for r in decoding:
+                if r in self.running:
+                    yield from self._speculate(r)
+            now = time.perf_counter()
         kv = self.kv_bytes()
         predicted = [self.loaded.predicted_kv_bytes(r.prefilled + max(0, len(r.tokens) - 1)) for r in self.running]
-        events.append(StepCompleted(
-            step=self.steps, batch=len(logits), decode_tokens=len(decoding),
-            prefill_tokens=sum(size for _, size in chunks), waiting=len(self.waiting), running=len(self.running),
-            kv_cache_bytes=kv, kv_cache_bytes_predicted=None if None in predicted else sum(predicted),
-            step_s=now - began, elapsed_s=now - self.start, memory=memory))
+        yield StepCompleted(
+            step=self.steps, batch=len(logits) + (len(decoding) if self.speculation is not None else 0),
+            decode_tokens=len(decoding), prefill_tokens=sum(size for _, size in chunks), waiting=len(self.waiting),
+            running=len(self.running), kv_cache_bytes=kv,
+            kv_cache_bytes_predicted=None if None in predicted else sum(predicted),
+            step_s=now - began, elapsed_s=now - self.start, memory=memory)
         self.steps += 1
-        return events
+
+    def _speculate(self, r: _Request) -> Iterator[GenerationEvent]:
+        """A speculative step of ``r`` (engine/speculative.py): the draft's guesses, checked by the
+        target in one pass; its tokens share the step's time (a stop charges the rest to the last)."""
+        started = time.perf_counter()
+        room = r.request.max_new_tokens - len(r.tokens)
+        context = self.loaded.info.context_length
+        if context is not None:
+            room = min(room, context - len(r.prompt) - len(r.tokens))
+        result = self.speculation.step(self.runner, r.rid, r.prompt + r.tokens, room, started)
+        now = time.perf_counter()
+        if result.verified is not None:
+            yield replace(result.verified, elapsed_s=now - r.arrived)
+        memory = self.probe.sample()
+        emitted = result.tokens
+        share = (now - started) / max(1, len(emitted))
+        for j, (token, scores, drafted) in enumerate(emitted):
+            later = len(emitted) - 1 - j
+            yield from self._token(r, scores, started, now, memory, token=token, drafted=drafted, latency=share,
+                                   unused=share * later, ahead=later)
+            if r not in self.running:  # it stopped at this token
+                return
+            if r.cancel.cancelled and not r.detok.pending:
+                yield self._finish(r, "cancelled")
+                return
+        if not result.finite:
+            message = non_finite_message(self.loaded.info.precision, self.loaded.info.name, len(r.tokens))
+            yield self._finish(r, "error", error=message)
 
     def _admit(self) -> None:
         budget = self.settings.kv_budget_bytes
@@ -194,23 +237,29 @@ class EngineCore:
             # alone, the cache is sized for the whole answer at once (no copies as it grows);
             # in a batch every slot shares the capacity, so it grows only as far as needed
             self.runner.add(r.rid, r.longest if self.settings.max_batch == 1 else len(r.prompt) + 1)
+            if self.speculation is not None:
+                self.speculation.add(r.rid, r.request, r.longest)
             self.running.append(r)
             self.reserved += r.reserve
 
-    def _token(self, r: _Request, logits, began: float, now: float, memory) -> list[GenerationEvent]:
-        """The token after ``logits`` for ``r``: its events, and its end if it stops here.
+    def _token(self, r: _Request, logits, began: float, now: float, memory, token: int | None = None,
+               drafted: bool | None = None, latency: float | None = None, unused: float = 0.0,
+               ahead: int = 0) -> Iterator[GenerationEvent]:
+        """The token after ``logits`` for ``r`` (sampled here, or ``token``, chosen by a
+        speculative step): its events, and its end if it stops here.
 
         Latency, as on the single-request path, is the engine's own time: the first token's is
         the time since submission (queueing and prompt), a later token's the step that made it
-        (what the consumer does between steps is not the model's time)."""
+        (what the consumer does between steps is not the model's time), or ``latency`` given,
+        plus ``unused`` if the request stops here (the time of a step's tokens it won't emit).
+        ``ahead``: tokens after this one that the step already put in the cache (accepted guesses)."""
         import torch
 
         loaded, request = self.loaded, r.request
-        events: list[GenerationEvent] = []
         n_prompt = len(r.prompt)
         if not r.tokens:
             prefill_s = now - (r.prefill_started or now)
-            events.append(Prefilled(
+            yield (Prefilled(
                 prompt_tokens=n_prompt, prefill_s=prefill_s,
                 prefill_tokens_per_s=n_prompt / prefill_s if prefill_s > 0 else 0.0,
                 kv_cache_bytes=self.runner.kv_bytes(r.rid), kv_cache_bytes_predicted=loaded.predicted_kv_bytes(n_prompt),
@@ -222,10 +271,13 @@ class EngineCore:
             log_total = float(torch.logsumexp(scores, dim=-1))
             if not math.isfinite(log_total):  # before sampling: a sampler given NaN fails without saying why
                 message = non_finite_message(loaded.info.precision, loaded.info.name, len(r.tokens))
-                return events + [self._finish(r, "error", error=message)]
+                yield self._finish(r, "error", error=message)
+                return
             if top_k:
                 ids, values = top_scores(scores, top_k)
-            if plain_greedy and top_k >= 2 and values[0] > values[1]:
+            if token is not None:
+                pass
+            elif plain_greedy and top_k >= 2 and values[0] > values[1]:
                 token = ids[0]
             else:
                 token = r.sampler(scores, r.seen.all())
@@ -241,31 +293,41 @@ class EngineCore:
                                           n_prompt + len(r.tokens), context, r.cancel)
         if reason is not None:
             piece += r.detok.flush()
-        latency = now - (began if len(r.tokens) > 1 else r.arrived)
+        if drafted is None and self.speculation is not None:
+            drafted = False  # the first token, from the target's prefill
+        if latency is None or len(r.tokens) == 1:
+            latency = now - (began if len(r.tokens) > 1 else r.arrived)
+        if reason is not None:
+            latency += unused
         r.latencies.append(latency)
         r.next_token = token
-        in_cache = n_prompt + len(r.tokens) - 1
-        events.append(TokenGenerated(
+        in_cache = n_prompt + len(r.tokens) - 1 + ahead
+        yield (TokenGenerated(
             index=len(r.tokens) - 1, token_id=token, text=piece, logprob=chosen, top_alternatives=alternatives,
-            latency_s=latency, elapsed_s=now - r.arrived, kv_cache_bytes=self.runner.kv_bytes(r.rid),
+            latency_s=latency, elapsed_s=time.perf_counter() - r.arrived, kv_cache_bytes=self.runner.kv_bytes(r.rid),
             kv_cache_bytes_predicted=loaded.predicted_kv_bytes(in_cache), memory=memory,
-            special=token in self._special, request_id=r.rid))
+            special=token in self._special, drafted=drafted, request_id=r.rid))
         if reason is not None:
-            events.append(self._finish(r, reason, stop_string))
-        return events
+            yield self._finish(r, reason, stop_string)
 
     def _finish(self, r: _Request, reason: str, stop_string: str | None = None, error: str | None = None) -> Finished:
         """End ``r`` now: its totals, and its cache freed before the next step."""
         admitted = r.sampler is not None
-        kv = self.runner.kv_bytes(r.rid) if admitted else 0
         in_cache = (r.prefilled + max(0, len(r.tokens) - 1)) if admitted else 0
+        if admitted and self.speculation is not None:
+            self.runner.crop(r.rid, in_cache)  # it stopped part-way through a step's accepted guesses
+        kv = self.runner.kv_bytes(r.rid) if admitted else 0
+        counts = {}
         if admitted:
             self.running.remove(r)
             self.runner.remove(r.rid)
             self.reserved -= r.reserve
+            if self.speculation is not None:
+                counts = self.speculation.counts(r.rid)
+                self.speculation.remove(r.rid)
         else:
             self.waiting.remove(r)
         text = r.detok.text if r.detok is not None else ""
         event = finished_event(reason, r.tokens, r.latencies, len(r.prompt), r.arrived, self.probe, kv,
-                               self.loaded.predicted_kv_bytes(in_cache), text, stop_string)
+                               self.loaded.predicted_kv_bytes(in_cache), text, stop_string, **counts)
         return replace(event, request_id=r.rid, error=error)

@@ -173,6 +173,7 @@ class DraftVerified:
     verify_s: float
     """Time the target took to check them (one forward pass over all of them)."""
     elapsed_s: float
+    request_id: int = 0
 
 
 GenerationEvent = Union[Prefilled, TokenGenerated, DraftVerified, Finished]

@@ -15,6 +15,7 @@ read where they already say so; the reference precisions run every model.
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -259,9 +260,11 @@ def _rest_of_layer(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, attended
 
 
 def _forward(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_layer: list[torch.Tensor],
-             cos_table: torch.Tensor, sin_table: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+             cos_table: torch.Tensor, sin_table: torch.Tensor, ids: torch.Tensor, start: int,
+             rows: int = 1) -> torch.Tensor:
     """One forward pass of ``ids`` at positions ``start…``: writes their keys and values into the
-    cache, returns the logits after the last one (the eager step, prefill and decode)."""
+    cache, returns the logits after the last one (the eager step, prefill and decode), or after
+    each of the last ``rows`` ([rows, vocab]: speculation's verify pass)."""
     count = ids.shape[1]
     end = start + count
     cos, sin = cos_table[:, :, start:end], sin_table[:, :, start:end]
@@ -276,7 +279,8 @@ def _forward(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_laye
         attended = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
                                                   scale=layer.scaling, enable_gqa=d.kv_heads != d.heads)
         hidden = _rest_of_layer(d, layer, hidden, attended)
-    return d.head(d.norm(hidden[:, -1:]))[0, -1]
+    logits = d.head(d.norm(hidden[:, -rows:]))[0]
+    return logits[-1] if rows == 1 else logits
 
 
 def _decode_step(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_layer: list[torch.Tensor],
@@ -430,14 +434,15 @@ class SlotCache:
     def kv_bytes(self, seq: int) -> int:
         return self.per_token_bytes * self.length(seq)
 
-    def prefill(self, seq: int, ids: torch.Tensor) -> torch.Tensor:
-        """Put ``ids`` ([1, n]) into ``seq``'s cache; the logits after the last of them."""
+    def prefill(self, seq: int, ids: torch.Tensor, rows: int = 1) -> torch.Tensor:
+        """Put ``ids`` ([1, n]) into ``seq``'s cache; the logits after the last of them ([vocab]),
+        or after each of the last ``rows`` ([rows, vocab])."""
         start = self.length(seq)
         self._room(start + ids.shape[1])
         slot = self.slot_of[seq]
-        rows = slice(slot, slot + 1)
-        logits = _forward(self.d, [k[rows] for k in self.keys], [v[rows] for v in self.values], self.cos, self.sin,
-                          ids, start)
+        mine = slice(slot, slot + 1)
+        logits = _forward(self.d, [k[mine] for k in self.keys], [v[mine] for v in self.values], self.cos, self.sin,
+                          ids, start, rows)
         self.lengths[slot] = start + ids.shape[1]
         return logits
 
@@ -477,6 +482,16 @@ class SlotCache:
         """Forget ``seq``'s tokens after the first ``length`` (speculation rolls back)."""
         slot = self.slot_of[seq]
         self.lengths[slot] = min(self.lengths[slot], length)
+
+
+def early_exit_decoder(d: FastDecoder, layers: int) -> FastDecoder:
+    """A view of ``d`` that runs only its first ``layers`` layers, then the final norm and the
+    head (speculation's early-exit draft on the fast path). It shares every weight with ``d``;
+    it runs the eager step (the compiled one is the whole model's)."""
+    view = copy.copy(d)
+    view.layers = d.layers[:layers]
+    view.compiled, view.compiled_capacities, view._compile_thread = None, frozenset(), None
+    return view
 
 
 def attach(loaded: "LoadedModel") -> str | None:

@@ -22,33 +22,36 @@ from engine.request import GenerationRequest
 
 if TYPE_CHECKING:
     from engine.model import LoadedModel
+    from engine.speculative import Speculation
 
 __all__ = ["PREFILL_CHUNK", "stream"]
 
 
 def stream(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int],
-           cancel: CancelToken) -> Iterator[GenerationEvent]:
+           cancel: CancelToken, speculation: "Speculation | None" = None) -> Iterator[GenerationEvent]:
+    """``speculation``: decode with a draft (engine/speculative.py) instead of a token per step."""
     try:
-        yield from _run(loaded, request, prompt_ids, cancel)
+        yield from _run(loaded, request, prompt_ids, cancel, speculation)
     except EngineError:
         raise
     except Exception as exc:
         if is_out_of_memory(exc):
-            raise OutOfMemoryError(
-                f"Out of memory on {loaded.device} while generating: shorten the prompt or answer, "
-                "or pick a smaller precision."
-            ) from exc
-        raise EngineError(f"Generation failed: {type(exc).__name__}: {exc}") from exc
+            hint = ("use a smaller draft or fewer draft tokens" if speculation is not None else
+                    "shorten the prompt or answer, or pick a smaller precision")
+            raise OutOfMemoryError(f"Out of memory on {loaded.device} while generating: {hint}.") from exc
+        what = "Speculative decoding" if speculation is not None else "Generation"
+        raise EngineError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int],
-         cancel: CancelToken) -> Iterator[GenerationEvent]:
+         cancel: CancelToken, speculation) -> Iterator[GenerationEvent]:
     """The request alone in a core of its own: the prompt in chunks of :data:`PREFILL_CHUNK`
-    (cancel is checked between them), then a token per step."""
+    (cancel is checked between them), then a token per step (or a speculative step's tokens)."""
     from engine.core import CoreSettings, EngineCore
 
     chunk = PREFILL_CHUNK  # read now: tests and callers may change it
-    core = EngineCore(loaded, CoreSettings(token_budget=chunk + 1, max_batch=1, prefill_chunk=chunk))
+    core = EngineCore(loaded, CoreSettings(token_budget=chunk + 1, max_batch=1, prefill_chunk=chunk),
+                      speculation=speculation)
     core.submit(request, cancel, prompt_ids)
     for event in core.run():
         if isinstance(event, StepCompleted):

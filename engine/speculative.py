@@ -18,30 +18,17 @@ target's own first K layers with its final norm and head ("early exit": no extra
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.cancel import CancelToken
-from engine.decoding import PREFILL_CHUNK, finished_event, stop_reason, top_scores
-from engine.detokenize import IncrementalDetokenizer
-from engine.errors import (
-    EngineError,
-    InvalidRequestError,
-    NonFiniteError,
-    OutOfMemoryError,
-    is_out_of_memory,
-    non_finite_message,
-)
-from engine.events import Alternative, DraftVerified, Finished, GenerationEvent, Prefilled, TokenGenerated
-from engine.kv import cache_bytes
-from engine.memory import MemoryProbe
+from engine.errors import EngineError, InvalidRequestError
+from engine.events import DraftVerified, Finished, GenerationEvent, Prefilled, TokenGenerated
 from engine.precision import PRECISIONS
 from engine.request import GenerationRequest
-from engine.sampling import apply_repetition_penalty, argmax, distribution
-from engine.threads import adapt as adapt_threads
+from engine.sampling import SamplingParams, apply_repetition_penalty, argmax, distribution
 
 if TYPE_CHECKING:
     import torch
@@ -87,11 +74,24 @@ class Draft:
     """The model that proposes tokens: its own loaded model, or a view of the target's layers."""
 
     def __init__(self, model, spec: DraftSpec, loaded: "LoadedModel | None" = None,
-                 supports_logits_to_keep: bool = True) -> None:
+                 supports_logits_to_keep: bool = True, fast=None) -> None:
         self.model = model
         self.spec = spec
         self.loaded = loaded
         self.supports_logits_to_keep = loaded.supports_logits_to_keep if loaded else supports_logits_to_keep
+        self.fast = loaded.fast if loaded is not None else fast
+        """The fast path's decoder the draft runs on (its own, or a view of the target's), if any."""
+
+    def runner(self):
+        """A fresh engine-core runner for the draft: the fast path's slot cache where the draft
+        has one, else transformers' forward (caches that can roll back)."""
+        from engine.runners import ReferenceBatchRunner
+
+        if self.fast is not None:
+            from engine.fast import SlotCache
+
+            return SlotCache(self.fast)
+        return ReferenceBatchRunner(self.model, self.supports_logits_to_keep, rollback=True)
 
     @property
     def label(self) -> str:
@@ -103,7 +103,7 @@ class Draft:
         return self.loaded.info.weights_bytes if self.loaded else 0
 
     def close(self) -> None:
-        self.model = None
+        self.model = self.fast = None
         if self.loaded is not None:
             self.loaded.close()
 
@@ -150,8 +150,13 @@ def early_exit_model(model, layers: int):
 def load_draft(spec: DraftSpec, target: "LoadedModel", progress: Callable | None = None,
                cancel: CancelToken | None = None) -> Draft:
     if spec.kind == "early-exit":
-        return Draft(early_exit_model(target.model, spec.layers), spec,
-                     supports_logits_to_keep=target.supports_logits_to_keep)
+        view = early_exit_model(target.model, spec.layers)
+        fast = None
+        if target.fast is not None:
+            from engine.fast import early_exit_decoder
+
+            fast = early_exit_decoder(target.fast, spec.layers)
+        return Draft(view, spec, supports_logits_to_keep=target.supports_logits_to_keep, fast=fast)
     from engine.loading import LoadRequest, load_model
 
     loaded = load_model(LoadRequest(spec.model, spec.precision, str(target.device)), progress=progress, cancel=cancel)
@@ -165,169 +170,117 @@ def load_draft(spec: DraftSpec, target: "LoadedModel", progress: Callable | None
 
 def stream_speculative(target: "LoadedModel", draft: Draft, request: GenerationRequest, draft_tokens: int,
                        cancel: CancelToken | None = None) -> Iterator[GenerationEvent]:
-    """Like :meth:`LoadedModel.generate`, with :class:`DraftVerified` events between the tokens."""
+    """Like :meth:`LoadedModel.generate`, with :class:`DraftVerified` events between the tokens:
+    the request alone in an engine core whose decode step is :class:`Speculation`'s."""
+    from engine.generate import stream
+
     if target.model is None or draft.model is None:
         raise EngineError("The model or its draft was unloaded: load it again.")
-    if not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
-        raise InvalidRequestError(f"Draft tokens per step must be from 1 to {MAX_DRAFT_TOKENS}, not {draft_tokens!r}.")
+    speculation = Speculation(target, draft, draft_tokens)
     request = request.validated()
-    prompt_ids = target.encode(request)
-    return _guarded(target, draft, request, prompt_ids, draft_tokens, cancel or CancelToken())
+    return stream(target, request, target.encode(request), cancel or CancelToken(), speculation)
 
 
-def _guarded(target, draft, request, prompt_ids, draft_tokens, cancel) -> Iterator[GenerationEvent]:
-    try:
-        yield from _run(target, draft, request, prompt_ids, draft_tokens, cancel)
-    except EngineError:
-        raise
-    except Exception as exc:
-        if is_out_of_memory(exc):
-            raise OutOfMemoryError(f"Out of memory on {target.device} during speculative decoding: "
-                                   "use a smaller draft or fewer tokens.") from exc
-        raise EngineError(f"Speculative decoding failed: {type(exc).__name__}: {exc}") from exc
+@dataclass
+class _Sequence:
+    """One request's speculation state."""
+
+    params: SamplingParams
+    generator: "torch.Generator | None"
+    length: int = 0
+    """Tokens in the draft's cache."""
+    drafted: int = 0
+    accepted: int = 0
+    step: int = 0
 
 
-def _run(target: "LoadedModel", draft: Draft, request: GenerationRequest, prompt_ids: list[int],
-         draft_tokens: int, cancel: CancelToken) -> Iterator[GenerationEvent]:
-    import torch
-    from transformers import DynamicCache
+@dataclass(frozen=True)
+class Verified:
+    """What one speculative step of a request gives: the tokens to emit, each with the target's
+    scores before it and whether the draft proposed it, and the step's :class:`DraftVerified`
+    (``None`` when there was no room to draft). ``finite``: false when the target's scores
+    went NaN/inf at the token after the emitted ones."""
 
-    model, draft_model, device = target.model, draft.model, target.device
-    params = request.sampling
-    exact_greedy = params.greedy and params.repetition_penalty == 1.0
-    generator = None
-    if not params.greedy:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
-    context = target.info.context_length
-    eos = frozenset() if request.ignore_eos else target.eos_ids
-    special = frozenset(target.tokenizer.all_special_ids)
-    keep = {"logits_to_keep": 1} if target.supports_logits_to_keep else {}
-    draft_keep = {"logits_to_keep": 1} if draft.supports_logits_to_keep else {}
-    top_k = request.top_alternatives
-    detok = IncrementalDetokenizer(target.tokenizer)
-    probe = MemoryProbe(device)
-    predicted = target.predicted_kv_bytes
-    n_prompt = len(prompt_ids)
-    committed = list(prompt_ids)
-    tokens: list[int] = []
-    latencies: list[float] = []
-    drafted_total = accepted_total = 0
+    tokens: list[tuple[int, "torch.Tensor", bool]]
+    verified: DraftVerified | None
+    finite: bool = True
 
-    width = None
 
-    def fit(scores: "torch.Tensor") -> "torch.Tensor":
-        """Draft scores over the target's vocabulary: models sharing a tokenizer may pad their
-        output layers to different widths (Qwen2.5 0.5B: 151,936; 7B: 152,064)."""
-        if width is None or scores.numel() == width:
-            return scores
-        if scores.numel() > width:
-            return scores[:width]
-        return torch.cat([scores, scores.new_full((width - scores.numel(),), float("-inf"))])
+class Speculation:
+    """The engine core's speculative decode step (engine/core.py): for each generating request
+    the draft proposes up to ``draft_tokens`` tokens one at a time on its own runner, the target
+    runner checks them in one forward pass, and both caches roll back to what was kept. The
+    draft reads every prompt with the target, so its share is part of the TTFT."""
 
-    def ids_tensor(ids: list[int]) -> "torch.Tensor":
-        return torch.tensor([ids], dtype=torch.long, device=device)
+    def __init__(self, target: "LoadedModel", draft: Draft, draft_tokens: int) -> None:
+        if not isinstance(draft_tokens, int) or isinstance(draft_tokens, bool) \
+                or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
+            raise InvalidRequestError(
+                f"Draft tokens per step must be from 1 to {MAX_DRAFT_TOKENS}, not {draft_tokens!r}.")
+        self.target, self.draft, self.draft_tokens = target, draft, draft_tokens
+        self.runner = draft.runner()
+        head = target.model.get_output_embeddings()
+        self.width = getattr(head, "out_features", None) or target.model.config.get_text_config().vocab_size
+        self.sequences: dict[int, _Sequence] = {}
 
-    def seen(extra: list[int] = ()) -> "torch.Tensor":
-        return torch.tensor(committed + list(extra), dtype=torch.long, device=device)
+    # -- the core's hooks --------------------------------------------------------------
+    def add(self, seq: int, request: GenerationRequest, tokens: int) -> None:
+        import torch
 
-    def pick(scores: "torch.Tensor", extra: list[int] = ()) -> int:
-        """The token the plain sampler would choose after ``committed + extra``."""
-        if exact_greedy:
-            return argmax(scores)
-        if params.greedy:
-            return argmax(apply_repetition_penalty(scores, seen(extra), params.repetition_penalty))
-        return int(torch.multinomial(distribution(params, scores, seen(extra)), 1, generator=generator))
+        params = request.sampling
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device=self.target.device)
+            generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
+        self.runner.add(seq, tokens)
+        self.sequences[seq] = _Sequence(params, generator)
 
-    def finished(reason, stop_string=None) -> Finished:
-        return finished_event(reason, tokens, latencies, n_prompt, start, probe, cache_bytes(target_cache),
-                              predicted(len(committed) - 1), detok.text, stop_string,
-                              drafted_tokens=drafted_total, accepted_tokens=accepted_total)
+    def remove(self, seq: int) -> None:
+        if self.sequences.pop(seq, None) is not None:
+            self.runner.remove(seq)
 
-    def emit(token: int, scores: "torch.Tensor", latency: float, drafted: bool | None, unused: float = 0.0):
-        """The TokenGenerated for ``token`` and the reason to stop after it (or None). ``unused``:
-        time of the step's later tokens, charged to this one if the generation stops here."""
-        with torch.inference_mode():
-            log_total = float(torch.logsumexp(scores, dim=-1))
-            alternatives = ()
-            if top_k:
-                ids, values = top_scores(scores, top_k)
-                alternatives = tuple(Alternative(i, target.token_text(i), v - log_total) for i, v in zip(ids, values))
-            chosen = float(scores[token]) - log_total
-        if not math.isfinite(log_total):
-            raise NonFiniteError(non_finite_message(target.info.precision, target.info.name, len(tokens)),
-                                 finished("error"))
-        tokens.append(token)
-        committed.append(token)
-        piece = detok.add(token)
-        reason, stop_string = stop_reason(token, piece, detok.text, request, eos, len(tokens), len(committed),
-                                          context, cancel)
-        if reason is not None:
-            piece += detok.flush()
-            latency += unused
-        latencies.append(latency)
-        in_cache = min(target_length, len(committed) - 1)
-        event = TokenGenerated(
-            index=len(tokens) - 1, token_id=token, text=piece, logprob=chosen, top_alternatives=alternatives,
-            latency_s=latency, elapsed_s=time.perf_counter() - start, kv_cache_bytes=cache_bytes(target_cache),
-            kv_cache_bytes_predicted=predicted(in_cache), memory=probe.sample(), special=token in special,
-            drafted=drafted,
-        )
-        return event, reason, stop_string
+    def prefill(self, seq: int, ids: "torch.Tensor") -> None:
+        self.runner.prefill(seq, ids)
+        self.sequences[seq].length += ids.shape[1]
 
-    adapt_threads(force=True)
-    probe.reset_peak()
-    probe.sample()
-    start = time.perf_counter()
-    target_cache = DynamicCache(config=model.config)
-    target_cache.activate_past_recording()  # sliding-window layers keep what a rollback needs
-    draft_cache = DynamicCache(config=draft_model.config)
-    draft_cache.activate_past_recording()
-    target_length = draft_length = 0
-    prompt = ids_tensor(prompt_ids)
-    # the prompt goes through the target and the draft alike (the draft's share is part of the TTFT)
-    for chunk in range(0, n_prompt, PREFILL_CHUNK):
-        if cancel.cancelled:
-            yield finished("cancelled")
-            return
-        with torch.inference_mode():
-            out = model(input_ids=prompt[:, chunk:chunk + PREFILL_CHUNK], cache=target_cache, use_cache=True, **keep)
-            draft_model(input_ids=prompt[:, chunk:chunk + PREFILL_CHUNK], cache=draft_cache, use_cache=True,
-                        **draft_keep)
-        target_length = draft_length = min(n_prompt, chunk + PREFILL_CHUNK)
-    prefill_s = time.perf_counter() - start
-    yield Prefilled(prompt_tokens=n_prompt, prefill_s=prefill_s,
-                    prefill_tokens_per_s=n_prompt / prefill_s if prefill_s > 0 else 0.0,
-                    kv_cache_bytes=cache_bytes(target_cache), kv_cache_bytes_predicted=predicted(n_prompt),
-                    memory=probe.sample())
-    resumed = time.perf_counter()  # the consumer's time with Prefilled is not the model's
-    with torch.inference_mode():
-        scores = out.logits[0, -1].float()
-        width = scores.numel()
-        first = pick(scores)
-    event, reason, stop_string = emit(first, scores, prefill_s + time.perf_counter() - resumed, False)
-    yield event
-    if reason is not None:
-        yield finished(reason, stop_string)
-        return
+    def counts(self, seq: int) -> dict:
+        state = self.sequences.get(seq)
+        return {"drafted_tokens": state.drafted if state else 0, "accepted_tokens": state.accepted if state else 0}
 
-    step = 0
-    step_start = time.perf_counter()
-    while True:
-        adapt_threads()
-        room = request.max_new_tokens - len(tokens) - 1  # the target always adds one token of its own
-        if context is not None:
-            room = min(room, context - len(committed) - 1)
-        n = max(0, min(draft_tokens, room))
+    def step(self, target_runner, seq: int, committed: list[int], room: int, started: float) -> Verified:
+        """One speculative step of ``seq``, whose tokens so far are ``committed`` (its last one
+        not yet in the target's cache); ``room``: tokens it may still get."""
+        import torch
+
+        state = self.sequences[seq]
+        params, generator = state.params, state.generator
+        device = self.target.device
+        exact_greedy = params.greedy and params.repetition_penalty == 1.0
+
+        def ids_tensor(ids: list[int]) -> "torch.Tensor":
+            return torch.tensor([ids], dtype=torch.long, device=device)
+
+        def seen(extra: list[int]) -> "torch.Tensor":
+            return torch.tensor(committed + extra, dtype=torch.long, device=device)
+
+        def pick(scores: "torch.Tensor", extra: list[int]) -> int:
+            """The token the plain sampler would choose after ``committed + extra``."""
+            if exact_greedy:
+                return argmax(scores)
+            if params.greedy:
+                return argmax(apply_repetition_penalty(scores, seen(extra), params.repetition_penalty))
+            return int(torch.multinomial(distribution(params, scores, seen(extra)), 1, generator=generator))
+
+        n = max(0, min(self.draft_tokens, room - 1))  # the target always adds one token of its own
         drafted: list[int] = []
         draft_probs: list["torch.Tensor"] = []
+        cached = len(committed) - 1  # in the target's cache
         with torch.inference_mode():
             if n:
-                out = draft_model(input_ids=ids_tensor(committed[draft_length:]), cache=draft_cache, use_cache=True,
-                                  **draft_keep)
-                draft_length = len(committed)
+                scores = self.runner.prefill(seq, ids_tensor(committed[state.length:]))
+                state.length = len(committed)
                 for j in range(n):
-                    scores = fit(out.logits[0, -1].float())
+                    scores = self._fit(scores.float())
                     if params.greedy:
                         drafted.append(pick(scores, drafted))
                     else:
@@ -335,17 +288,17 @@ def _run(target: "LoadedModel", draft: Draft, request: GenerationRequest, prompt
                         draft_probs.append(q)
                         drafted.append(int(torch.multinomial(q, 1, generator=generator)))
                     if j < n - 1:
-                        out = draft_model(input_ids=ids_tensor(drafted[-1:]), cache=draft_cache, use_cache=True,
-                                          **draft_keep)
-                        draft_length += 1
-            draft_s = time.perf_counter() - step_start
+                        scores = self.runner.prefill(seq, ids_tensor(drafted[-1:]))
+                        state.length += 1
+            draft_s = time.perf_counter() - started
             verify_start = time.perf_counter()
-            feed = committed[target_length:] + drafted
-            verify_keep = {"logits_to_keep": n + 1} if target.supports_logits_to_keep else {}
-            out = model(input_ids=ids_tensor(feed), cache=target_cache, use_cache=True, **verify_keep)
-            rows = out.logits[0, -(n + 1):].float()
+            rows = target_runner.prefill(seq, ids_tensor(committed[-1:] + drafted), rows=n + 1)
+            rows = rows.float().view(n + 1, -1)
+            finite = torch.isfinite(torch.logsumexp(rows, dim=-1)).tolist()
             accepted, own = 0, None
             for j in range(n):
+                if not finite[j]:
+                    break
                 if params.greedy:
                     choice = pick(rows[j], drafted[:j])
                     if choice == drafted[j]:
@@ -363,36 +316,41 @@ def _run(target: "LoadedModel", draft: Draft, request: GenerationRequest, prompt
                 residual = residual if float(residual.sum()) > 0 else p
                 own = int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
                 break
-            if own is None:
+            ok = finite[accepted]
+            if own is None and ok:
                 own = pick(rows[n], drafted)
-            # roll both caches back to what was kept
-            target_length = len(committed) + accepted
-            target_cache.crop(-(len(committed) + n - target_length))
+            # roll both caches back to what was kept: the accepted guesses (the target's own token
+            # goes in with the next step)
+            target_runner.crop(seq, cached + 1 + accepted)
             if n:
-                kept = len(committed) + min(accepted, n - 1)
-                draft_cache.crop(-(draft_length - kept))
-                draft_length = kept
+                state.length = min(state.length, len(committed) + min(accepted, n - 1))
+                self.runner.crop(seq, state.length)
             verify_s = time.perf_counter() - verify_start
-        drafted_total += n
-        accepted_total += accepted
-        now = time.perf_counter()
+        state.drafted += n
+        state.accepted += accepted
+        verified = None
         if n:
-            yield DraftVerified(step=step, drafted_ids=tuple(drafted),
-                                drafted_text=tuple(target.token_text(t) for t in drafted), accepted=accepted,
-                                draft_s=draft_s, verify_s=verify_s, elapsed_s=now - start)
-        step += 1
-        emitted = drafted[:accepted] + [own]
-        share = (now - step_start) / len(emitted)
-        for j, token in enumerate(emitted):
-            event, reason, stop_string = emit(token, rows[j], share, j < accepted,
-                                              unused=share * (len(emitted) - 1 - j))
-            yield event
-            if reason is None and cancel.cancelled and not detok.pending:
-                reason = "cancelled"
-            if reason is not None:
-                yield finished(reason, stop_string)
-                return
-        step_start = time.perf_counter()
+            verified = DraftVerified(step=state.step, drafted_ids=tuple(drafted),
+                                     drafted_text=tuple(self.target.token_text(t) for t in drafted),
+                                     accepted=accepted, draft_s=draft_s, verify_s=verify_s, elapsed_s=0.0,
+                                     request_id=seq)
+        state.step += 1
+        tokens = [(token, rows[j], True) for j, token in enumerate(drafted[:accepted])]
+        if ok:
+            tokens.append((own, rows[accepted], False))
+        return Verified(tokens, verified, ok)
+
+    def _fit(self, scores: "torch.Tensor") -> "torch.Tensor":
+        """Draft scores over the target's vocabulary: models sharing a tokenizer may pad their
+        output layers to different widths (Qwen2.5 0.5B: 151,936; 7B: 152,064)."""
+        import torch
+
+        width = self.width
+        if width is None or scores.numel() == width:
+            return scores
+        if scores.numel() > width:
+            return scores[:width]
+        return torch.cat([scores, scores.new_full((width - scores.numel(),), float("-inf"))])
 
 
 def speculative_report(target: "LoadedModel", draft: Draft, request: GenerationRequest, draft_tokens: int,

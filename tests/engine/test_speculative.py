@@ -4,7 +4,7 @@ import pytest
 
 from engine.cancel import CancelToken
 from engine.errors import InvalidRequestError
-from engine.events import DraftVerified, Finished, TokenGenerated
+from engine.events import DraftVerified, Finished, StepCompleted, TokenGenerated
 from engine.loading import LoadRequest, load_model
 from engine.request import GenerationRequest
 from engine.sampling import SamplingParams
@@ -104,6 +104,7 @@ def test_limits_and_stops_are_exact(loaded_llama):
         request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=limit, ignore_eos=True)
         final = check_counts(list(stream_speculative(loaded_llama, draft, request, 4)))
         assert final.tokens == limit and final.reason == "length"
+        assert final.kv_cache_bytes == final.kv_cache_bytes_predicted
 
 
 def test_cancel_stops_between_tokens(loaded_llama):
@@ -193,3 +194,79 @@ def test_a_draft_with_a_wider_output_layer(tiny_models, loaded_llama, byte_token
                                 sampling=SamplingParams(temperature=1.0, seed=1))
     final = check_counts(list(stream_speculative(loaded_llama, draft, sampled, 3)))
     assert all(t < config.vocab_size for t in final.token_ids)
+
+
+@pytest.mark.parametrize("precision", ["fp32-fast", "int8-fast", "int4-fast"])
+def test_speculation_runs_on_the_fast_runner(tiny_models, precision):
+    """On a fast precision both the target's verify pass and an early-exit draft run on the fast
+    path's slot caches (not transformers' forward), and greedy output is the fast path's own."""
+    from engine.fast import SlotCache
+    from engine.speculative import Speculation
+
+    loaded = load_model(LoadRequest(str(tiny_models["llama"]), precision, "cpu"))
+    draft = load_draft(DraftSpec("early-exit", layers=1), loaded)
+    assert isinstance(Speculation(loaded, draft, 3).runner, SlotCache)
+    request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=20, ignore_eos=True, top_alternatives=2)
+    alone = [e for e in loaded.generate(request) if isinstance(e, TokenGenerated)]
+
+    def same_as_alone(final):
+        """fp32 and int8 (a kernel that treats each row alike): token for token. int4's kernel
+        computes several rows (the verify pass) a little differently from one (a plain step),
+        so the answers agree up to a token where plain decoding had a near-tie."""
+        got = list(final.token_ids)
+        if precision != "int4-fast":
+            return got == [e.token_id for e in alone]
+        for event, token in zip(alone, got):
+            if event.token_id != token:
+                first, second = event.top_alternatives
+                return second.logprob > first.logprob - 0.1
+        return True
+
+    final = check_counts(list(stream_speculative(loaded, draft, request, 3)))
+    assert same_as_alone(final) and final.drafted_tokens > 0
+    assert final.kv_cache_bytes == final.kv_cache_bytes_predicted
+    # a draft loaded at a fast precision of its own runs on its own slot cache
+    own = load_draft(parse_draft(f"{tiny_models['llama']}:int8-fast", precision), loaded)
+    assert isinstance(own.runner(), SlotCache)
+    assert same_as_alone(check_counts(list(stream_speculative(loaded, own, request, 4))))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp32-fast"])
+def test_requests_speculating_together_in_one_core_get_their_solo_answers(tiny_models, precision):
+    from engine.core import CoreSettings, EngineCore
+    from engine.speculative import Speculation
+
+    loaded = load_model(LoadRequest(str(tiny_models["llama"]), precision, "cpu"))
+    draft = load_draft(DraftSpec("early-exit", layers=1), loaded)
+    requests = [GenerationRequest(p, mode="raw", max_new_tokens=n, ignore_eos=True)
+                for p, n in ((PROMPT, 9), ("fox " * 20, 14), ("A", 5))]
+    core = EngineCore(loaded, CoreSettings(token_budget=16, prefill_chunk=8), speculation=Speculation(loaded, draft, 3))
+    ids = [core.submit(r) for r in requests]
+    tokens = {rid: [] for rid in ids}
+    finals = {}
+    for event in core.run():
+        if isinstance(event, TokenGenerated):
+            tokens[event.request_id].append(event.token_id)
+            assert event.kv_cache_bytes == event.kv_cache_bytes_predicted
+        elif isinstance(event, Finished):
+            finals[event.request_id] = event
+        elif isinstance(event, StepCompleted):  # the caches hold exactly what was kept, every step
+            assert event.kv_cache_bytes == event.kv_cache_bytes_predicted
+    for rid, request in zip(ids, requests):
+        assert tokens[rid] == list(plain(loaded, request).token_ids)
+        assert finals[rid].drafted_tokens > 0
+        assert finals[rid].kv_cache_bytes == finals[rid].kv_cache_bytes_predicted
+    assert core.kv_bytes() == 0 and len(core.runner) == 0 and len(core.speculation.runner) == 0
+
+
+def test_non_finite_scores_stop_a_speculative_run_with_its_tokens(tiny_llama, tmp_path):
+    from engine.errors import NonFiniteError
+    from tests.engine.test_honesty import _nan_after
+
+    folder, request, before = _nan_after(tiny_llama, tmp_path, steps=3)
+    loaded = load_model(LoadRequest(str(folder), "fp32", "cpu"))
+    draft = load_draft(DraftSpec("early-exit", layers=1), loaded)
+    with pytest.raises(NonFiniteError, match="NaN") as caught:
+        list(stream_speculative(loaded, draft, request, 4))
+    partial = caught.value.finished
+    assert partial.reason == "error" and list(partial.token_ids) == before
