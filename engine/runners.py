@@ -18,13 +18,15 @@ if TYPE_CHECKING:
 
 
 class ReferenceBatchRunner:
-    """The engine core's reference runner: transformers' forward with one DynamicCache per
-    sequence. A decode step runs the sequences one after another, so each sees exactly what it
-    would alone (every architecture, sliding windows included), without batching's speed-up;
-    the fast runner (engine/fast.py ``SlotCache``) runs them in one forward pass.
+    """The engine core's reference runner: transformers' forward over a DynamicCache, every
+    architecture (sliding windows included). A request reads its prompt into a cache of its
+    own; once two or more are decoding they join one batched cache (each row left-padded to the
+    longest, an attention mask hiding the pads, positions counting only real tokens, as
+    ``model.generate`` batches), so a decode step is one forward pass for all; a request that
+    ends leaves the batch and the padding no row needs any more is dropped.
 
-    ``rollback``: the caches keep what a sliding-window layer would drop until :meth:`crop`
-    says how much of it stays (speculation rolls rejected guesses back)."""
+    ``rollback`` (speculation): every request keeps its own cache, whose sliding-window layers
+    keep what they would drop until :meth:`crop` says how much of it stays."""
 
     def __init__(self, model, supports_logits_to_keep: bool = True, rollback: bool = False) -> None:
         self.model = model
@@ -32,6 +34,12 @@ class ReferenceBatchRunner:
         self.rollback = rollback
         self.caches: dict[int, object] = {}
         self.lengths: dict[int, int] = {}
+        self.group = None
+        """The batched cache of the requests decoding together (``None`` until two do)."""
+        self.rows: list[int] = []
+        """The request of each of its rows."""
+        self.mask = None
+        """[rows, width]: 1 where a row has a real token, 0 for its padding."""
 
     def add(self, seq: int, tokens: int = 0) -> None:
         from transformers import DynamicCache
@@ -43,6 +51,8 @@ class ReferenceBatchRunner:
 
     def remove(self, seq: int) -> None:
         del self.caches[seq], self.lengths[seq]
+        if seq in self.rows:
+            self._leave(seq)
 
     def prefill(self, seq: int, ids: "torch.Tensor", rows: int = 1) -> "torch.Tensor":
         """Put ``ids`` ([1, n]) into ``seq``'s cache; the scores after the last of them
@@ -56,11 +66,83 @@ class ReferenceBatchRunner:
         import torch
 
         device = self.model.device
-        rows = [self.prefill(seq, torch.tensor([[token]], device=device)) for seq, token in zip(seqs, tokens)]
-        return torch.stack(rows)
+        if self.rollback or (len(seqs) == 1 and seqs[0] not in self.rows):
+            rows = [self.prefill(seq, torch.tensor([[token]], device=device)) for seq, token in zip(seqs, tokens)]
+            return torch.stack(rows)
+        for seq in seqs:
+            if seq not in self.rows:
+                self._join(seq)
+        feed = dict(zip(seqs, tokens))
+        ids = torch.tensor([[feed.get(seq, 0)] for seq in self.rows], dtype=torch.long, device=device)
+        fed = torch.tensor([[seq in feed] for seq in self.rows], dtype=self.mask.dtype, device=device)
+        mask = torch.cat([self.mask, fed], dim=1)
+        positions = torch.tensor([[self.lengths[seq]] for seq in self.rows], dtype=torch.long, device=device)
+        keep = {"logits_to_keep": 1} if self.keeps_logits else {}
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.group,
+                            use_cache=True, **keep).logits[:, -1]
+        self.mask = mask
+        for seq in seqs:
+            self.lengths[seq] += 1
+        index = {seq: row for row, seq in enumerate(self.rows)}
+        order = [index[seq] for seq in seqs]
+        return logits if order == list(range(len(self.rows))) else logits[order]
+
+    def _join(self, seq: int) -> None:
+        """Move ``seq``'s own cache into the batched one, both left-padded to the longer."""
+        import torch
+
+        cache, length = self.caches[seq], self.lengths[seq]
+        self.caches[seq] = None
+        device = self.model.device
+        if self.group is None:
+            self.group, self.rows = cache, [seq]
+            self.mask = torch.ones((1, length), dtype=torch.long, device=device)
+            return
+        width = max(self.mask.shape[1], length)
+        for mine, theirs in zip(self.group.layers, cache.layers):
+            held = width if not getattr(mine, "is_sliding", False) else min(width, mine.sliding_window - 1)
+            mine.keys = torch.cat([_left_pad(mine.keys, held), _left_pad(theirs.keys, held)])
+            mine.values = torch.cat([_left_pad(mine.values, held), _left_pad(theirs.values, held)])
+            if getattr(mine, "is_sliding", False):
+                mine.cumulative_length = width
+        old = torch.nn.functional.pad(self.mask, (width - self.mask.shape[1], 0))
+        new = torch.zeros((1, width), dtype=old.dtype, device=device)
+        new[0, width - length:] = 1
+        self.mask = torch.cat([old, new])
+        self.rows.append(seq)
+
+    def _leave(self, seq: int) -> None:
+        """Drop ``seq``'s row, then the leading columns that are padding in every row left."""
+        import torch
+
+        row = self.rows.index(seq)
+        self.rows.pop(row)
+        if not self.rows:
+            self.group = self.mask = None
+            return
+        keep = torch.tensor([i for i in range(len(self.rows) + 1) if i != row], device=self.mask.device)
+        self.group.batch_select_indices(keep)
+        self.mask = self.mask.index_select(0, keep)
+        unused = int((self.mask.sum(dim=0) == 0).int().cumprod(0).sum())
+        if unused:
+            width = self.mask.shape[1] - unused
+            self.mask = self.mask[:, unused:]
+            for layer in self.group.layers:
+                if getattr(layer, "is_sliding", False):
+                    layer.cumulative_length = width
+                held = min(layer.keys.shape[2], width)
+                layer.keys, layer.values = layer.keys[:, :, -held:], layer.values[:, :, -held:]
 
     def kv_bytes(self, seq: int) -> int:
-        return cache_bytes(self.caches[seq])
+        """Bytes of ``seq``'s own tokens in the cache (a batched row's padding is not its)."""
+        if seq not in self.rows:
+            return cache_bytes(self.caches[seq])
+        length, total = self.lengths[seq], 0
+        for layer in self.group.layers:
+            keys = layer.keys
+            held = min(length, layer.sliding_window - 1) if getattr(layer, "is_sliding", False) else length
+            total += 2 * held * keys.shape[1] * keys.shape[3] * keys.element_size()
+        return total
 
     def length(self, seq: int) -> int:
         """Tokens ``seq`` has been given (a sliding-window layer may hold fewer)."""
@@ -75,6 +157,16 @@ class ReferenceBatchRunner:
         their window (so this is called even when nothing is forgotten)."""
         self.caches[seq].crop(-(self.lengths[seq] - length))
         self.lengths[seq] = min(self.lengths[seq], length)
+
+
+def _left_pad(tensor: "torch.Tensor", width: int) -> "torch.Tensor":
+    """``tensor`` [batch, heads, tokens, dim] with zeros before its tokens, to ``width`` tokens."""
+    import torch
+
+    extra = width - tensor.shape[2]
+    if extra <= 0:
+        return tensor[:, :, -width:] if extra < 0 else tensor
+    return torch.cat([tensor.new_zeros(tensor.shape[0], tensor.shape[1], extra, tensor.shape[3]), tensor], dim=2)
 
 
 def batch_runner_for(loaded: "LoadedModel", rollback: bool = False):

@@ -38,10 +38,12 @@ def test_batched_greedy_equals_each_prompt_alone(tiny_models, arch):
     # every sequence's text is its pieces joined
     for i, sequence in enumerate(final.sequences):
         assert "".join(step.texts[i] for step in steps) == sequence.text
-    # measured KV equals the prediction (B × padded length) at every step
+    # measured KV equals the prediction at every step; the fullest step holds each prompt and 18
+    # answer tokens (in the last one all end, and their caches are freed at once)
     assert all(step.kv_cache_bytes == step.kv_cache_bytes_predicted for step in steps)
-    assert steps[-1].kv_cache_bytes == loaded.predicted_kv_bytes(
-        max(len(loaded.encode(r)) for r in requests) + 19, len(requests))
+    assert final.kv_cache_bytes == steps[-2].kv_cache_bytes == sum(
+        loaded.predicted_kv_bytes(len(loaded.encode(r)) + 18) for r in requests)
+    assert steps[-1].kv_cache_bytes == 0
 
 
 def test_each_sequence_stops_on_its_own(default_fp32):
@@ -107,8 +109,9 @@ def test_sweep_measures_each_batch_size(loaded_llama, tmp_path, monkeypatch):
     assert [p.batch for p in points] == [1, 2, 4] and seen == points and not skipped
     for point in points:
         assert point.generated_tokens == 6 * point.batch
+        # the fullest step: every sequence's prompt and 4 answer tokens (all end in the next, freed)
         assert point.kv_cache_bytes == point.kv_cache_bytes_predicted == loaded_llama.predicted_kv_bytes(
-            len(loaded_llama.encode(request)) + 5, point.batch)
+            len(loaded_llama.encode(request)) + 4, point.batch)
         assert point.aggregate_tokens_per_s > 0 and point.mean_per_token_latency_s > 0
     assert points[2].predicted_extra_bytes > points[0].predicted_extra_bytes
     # the points land in the run history, where the cost explorer reads them
