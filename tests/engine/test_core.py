@@ -24,6 +24,7 @@ def drive(loaded, plan, settings=None, check_kv=True):
     """Run ``plan`` — (arrival step, request, cancel at step or None) — through one core; return
     each request's tokens and final event, checking the cache against its prediction each step."""
     core = EngineCore(loaded, settings or CoreSettings(token_budget=24, prefill_chunk=16))
+    drive.batched = 0  # the most requests the reference runner decoded in one batched cache
     pending = sorted(enumerate(plan), key=lambda item: item[1][0])
     ids, cancels, tokens, finals = {}, {}, {}, {}
     step = 0
@@ -36,7 +37,9 @@ def drive(loaded, plan, settings=None, check_kv=True):
         for index, (cancel, at) in cancels.items():
             if at is not None and at == step:
                 cancel.cancel()
-        for event in core.step():
+        events = core.step()
+        drive.batched = max(drive.batched, len(getattr(core.runner, "rows", ())))
+        for event in events:
             if isinstance(event, TokenGenerated):
                 tokens[event.request_id].append(event.token_id)
                 if check_kv:
@@ -71,6 +74,7 @@ def test_every_request_gets_its_solo_answer_on_the_reference_runner(tiny_models,
     loaded = load_model(LoadRequest(str(tiny_models[arch]), "fp32", "cpu"))
     plan = random_plan(seed=hash(arch) % 1000)
     got, finals = drive(loaded, plan)
+    assert drive.batched >= 3  # requests joined (and left) one batched cache
     for (_, request, cancel_at), tokens, final in zip(plan, got, finals):
         alone = solo(loaded, request)
         if cancel_at is None:
