@@ -273,7 +273,7 @@ class CompareWindow(QMainWindow):
             lane.configure(self.lanes[0].spec())
         lane.finished.connect(self._on_lane_finished)
         lane.load_ended.connect(self._on_lane_load_ended)
-        lane.session.scored.connect(lambda ids, scores, lane=lane: self._on_scored(lane, ids, scores))
+        lane.scored.connect(self._on_scored)
         lane.state_changed.connect(self._update_state)
         self.lanes.append(lane)
         self.lane_row.addWidget(lane, 1)
@@ -391,7 +391,7 @@ class CompareWindow(QMainWindow):
         self._scores_pending = {lane.index for lane in self.lanes if lane.loaded is not None}
         for lane in self.lanes:
             if lane.loaded is not None:
-                lane.session.score_requested.emit(self.request, list(reference.token_ids))
+                lane.score(self.request, reference.token_ids)
         if not self._scores_pending:
             self._finish_run()
 
@@ -403,11 +403,11 @@ class CompareWindow(QMainWindow):
             self._finish_run()
 
     def _finish_run(self) -> None:
-        from app.main_window import remember
+        from engine import history
 
         for lane in self.lanes:
             if lane.run.finished is not None:
-                remember(lane.loaded, lane.run.finished, "compare", tokens=lane.run.tokens, error=lane.run.error)
+                history.remember(lane.loaded, lane.run.finished, "compare", tokens=lane.run.tokens, error=lane.run.error)
         self.running = False
         self.timer.stop()
         self._redraw()

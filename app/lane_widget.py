@@ -25,7 +25,8 @@ from app.model_panel import _compact
 from app.run_buffer import RunBuffer
 from app.worker import ModelSession
 from engine.compare import LaneRun, LaneSpec
-from engine.events import Finished, Loaded, Prefilled
+from engine.events import Finished, Loaded, Prefilled, TokenGenerated
+from engine.jobs import GenerateJob, ScoreJob
 from engine.loading import LoadRequest
 from engine.precision import PRECISIONS
 from engine.request import GenerationRequest
@@ -41,6 +42,7 @@ class LaneWidget(QFrame):
     finished = Signal(object)  # the lane, when its generation ended (well or not)
     load_ended = Signal(object)  # the lane, when a load (or its memory check) ended, loaded or not
     state_changed = Signal()
+    scored = Signal(object, object, object)  # the lane, prompt ids, lane 1's answer scored by its model | None
 
     def __init__(self, index: int, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -56,6 +58,8 @@ class LaneWidget(QFrame):
         """What the loaded model was loaded with: a run uses it only while the controls still show it."""
         self._load_request: LoadRequest | None = None
         self.loading = self.generating = False
+        self.job: int | None = None  # the session's id of this lane's generation
+        self.score_job: int | None = None
         self.read_only = False
         self._rendered = 0  # tokens already in the output view
 
@@ -125,10 +129,9 @@ class LaneWidget(QFrame):
         s.loaded.connect(self._on_loaded)
         s.load_failed.connect(self._on_load_failed)
         s.unloaded.connect(self._on_unloaded)
-        s.prefilled.connect(self._on_prefilled)
-        s.tokens_generated.connect(self._on_tokens)
-        s.generation_finished.connect(self._on_finished)
-        s.generation_failed.connect(self._on_failed)
+        s.job_events.connect(self._on_job_events)
+        s.job_finished.connect(self._on_job_finished)
+        s.job_failed.connect(self._on_job_failed)
         for combo in (self.source, self.precision, self.device):
             combo.currentIndexChanged.connect(self._show_idle_status)
         self.source.editTextChanged.connect(self._show_idle_status)
@@ -262,29 +265,50 @@ class LaneWidget(QFrame):
         self._rendered = 0
         self.generating = True
         self._update_state()
-        self.session.generate(request)
+        self.job = self.session.submit(GenerateJob(request))
 
     def stop(self) -> None:
-        self.session.stop()
+        self.session.cancel(self.job)
 
-    @Slot(object)
-    def _on_prefilled(self, event: Prefilled) -> None:
-        self.run.events.append(event)
-        self.buffer.prefilled = event
+    def score(self, request: GenerationRequest, token_ids) -> None:
+        """Score ``token_ids`` (lane 1's answer) after ``request``'s prompt with this lane's model;
+        ``scored`` follows."""
+        self.score_job = self.session.submit(ScoreJob(request, tuple(token_ids)))
 
-    @Slot(object)
-    def _on_tokens(self, events) -> None:
+    @Slot(int, object)
+    def _on_job_events(self, job_id: int, events) -> None:
+        if job_id != self.job:
+            return
         self.run.events.extend(events)
-        self.buffer.extend(events)
+        for event in events:
+            if isinstance(event, Prefilled):
+                self.buffer.prefilled = event
+        self.buffer.extend(e for e in events if isinstance(e, TokenGenerated))
 
-    @Slot(object)
+    @Slot(int, object)
+    def _on_job_finished(self, job_id: int, result) -> None:
+        if job_id == self.score_job:
+            self.score_job = None
+            self.scored.emit(self, list(result.prompt_ids), None if result.logprobs is None else list(result.logprobs))
+        elif job_id == self.job:
+            self.job = None
+            self._on_finished(result)
+
+    @Slot(int, object)
+    def _on_job_failed(self, job_id: int, exc) -> None:
+        if job_id == self.score_job:
+            self.score_job = None
+            self.scored.emit(self, [], None)
+        elif job_id == self.job:
+            self.job = None
+            self._on_failed(exc)
+
     def _on_finished(self, event: Finished) -> None:
         self.run.events.append(event)
         self.buffer.finished = event
         self.buffer.version += 1
         self._end()
 
-    @Slot(object)
     def _on_failed(self, exc) -> None:
         self.run.error = str(exc) or type(exc).__name__
         partial = getattr(exc, "finished", None)  # NaN scores: the answer so far is kept, marked failed

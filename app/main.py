@@ -63,8 +63,8 @@ def self_check(window, app, path: str) -> None:
 
     window.session.loaded.connect(on_loaded)
     window.session.load_failed.connect(fail)
-    window.session.generation_finished.connect(on_finished)
-    window.session.generation_failed.connect(fail)
+    window.generation_finished.connect(on_finished)
+    window.generation_failed.connect(fail)
 
 
 def settings():

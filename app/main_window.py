@@ -6,7 +6,7 @@ import logging
 import os
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Slot
+from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Signal, Slot
 from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QDockWidget,
@@ -28,30 +28,13 @@ from app.run_buffer import RunBuffer
 from app.screen import fit_screen
 from app.transcript import Transcript
 from app.worker import ModelSession
+from engine import history
 from engine.events import Finished, Loaded, LoadProgress, Prefilled, TokenGenerated
+from engine.jobs import GenerateJob
 from engine.units import format_bytes, format_rate, format_seconds
 
 log = logging.getLogger(__name__)
 
-
-def remember(info: Loaded | None, finished: Finished, kind: str, transcript: str | None = None,
-             tokens=(), error: str | None = None) -> None:
-    """Add a finished run to the history (for the cost explorer and File → Run history, which
-    shows ``transcript``, Markdown, and redraws the plots from the ``tokens``' figures); never let
-    that fail a run. ``error``: the run ended in one (it is kept, marked failed)."""
-    from engine import history
-
-    if info is None or finished.tokens == 0:
-        return
-    extra = {"transcript_markdown": transcript} if transcript else {}
-    if tokens:
-        extra["series"] = history.series_from(tokens)
-    if error:
-        extra["error"] = error
-    try:
-        history.save(history.record_from(info, finished, kind, **extra))
-    except OSError as exc:
-        log.warning("could not save the run to the history: %s", exc)
 
 def _scrolling(panel: QWidget) -> QWidget:
     """``panel`` in a vertical scroll area as wide as the panel needs (never cut on the right)."""
@@ -77,6 +60,9 @@ PACES = (  # share of a CPU core the GUI thread may spend redrawing while the mo
 
 
 class MainWindow(QMainWindow):
+    generation_finished = Signal(object)  # Finished: this window's answer ended (after the window updated)
+    generation_failed = Signal(object)  # Exception: it failed (a partial run, if any, rides on it)
+
     def __init__(self, settings: QSettings, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("mainWindow")
@@ -95,7 +81,7 @@ class MainWindow(QMainWindow):
         self._loading_default = False
         self._load_request = None  # what the load in progress was asked for
         self._generate_after_load: str | None = None  # a prompt waiting for the panel's choice to load
-        self.tool_running = False  # the speed-ups window is using the model
+        self.job: int | None = None  # the session's id of this window's generation
 
         self.session = ModelSession("main", self)
         self.output = OutputView(self.transcript)
@@ -137,11 +123,11 @@ class MainWindow(QMainWindow):
         worker.loaded.connect(self._on_loaded)
         worker.load_failed.connect(self._on_load_failed)
         worker.unloaded.connect(self._on_unloaded)
-        worker.generation_started.connect(self._on_generation_started)
-        worker.prefilled.connect(self._on_prefilled)
-        worker.tokens_generated.connect(self._on_tokens_generated)
-        worker.generation_finished.connect(self._on_generation_finished)
-        worker.generation_failed.connect(self._on_generation_failed)
+        worker.job_started.connect(self._on_job_started)
+        worker.job_events.connect(self._on_job_events)
+        worker.job_finished.connect(self._on_job_finished)
+        worker.job_failed.connect(self._on_job_failed)
+        worker.queue_changed.connect(self._on_queue_changed)
         worker.compile_started.connect(self._on_compile_started)
         worker.compile_finished.connect(self._on_compile_finished)
         self.model_panel.load_clicked.connect(self.load)
@@ -274,9 +260,8 @@ class MainWindow(QMainWindow):
 
         if self.speedups is None:
             self.speedups = SpeedupWindow(self.session, self._request_for_tool)
-            self.speedups.running_changed.connect(self._on_tool_running)
         self.speedups.set_model(self.loaded)
-        self.speedups.set_blocked(self.loading or self.generating)
+        self.speedups.set_loading(self.loading)
         self.speedups.show()
         self.speedups.raise_()
         return self.speedups
@@ -284,11 +269,13 @@ class MainWindow(QMainWindow):
     def _request_for_tool(self, prompt: str):
         return self.generation_panel.request_for(prompt, ())
 
-    def _on_tool_running(self, running: bool) -> None:
-        self.tool_running = running
+    def _on_queue_changed(self) -> None:
+        """Another window's job (a sweep, speculative decoding) may hold the model: the model panel
+        waits for the queue to empty; a prompt sent now waits its turn, and says so."""
         self._update_state()
-        if not running and self.costs is not None:
-            self.costs.reload_history()
+        if self.job is not None and self.job in self.session.waiting():
+            running = self.session.describe(self.session.running)
+            self.statusBar().showMessage(f"Waiting for the {running or 'job before it'} to finish…")
 
     @Slot()
     def _fit_prompt(self) -> None:
@@ -341,7 +328,7 @@ class MainWindow(QMainWindow):
 
     @Slot(object)
     def load(self, request) -> None:
-        if self.loading or self.generating or self.tool_running:
+        if self.loading or self.generating or self.session.busy:
             return
         self.loading = True
         self._loading_default = request.model == "default"
@@ -352,18 +339,24 @@ class MainWindow(QMainWindow):
 
     @Slot()
     def unload(self) -> None:
-        if not self.loading and not self.generating and not self.tool_running:
+        if not self.loading and not self.generating and not self.session.busy:
             self.session.unload()
 
     @Slot(str)
     def generate(self, text: str) -> None:
-        if self.loaded is None or self.loading or self.generating or self.tool_running:
+        if self.loaded is None or self.loading or self.generating:
             return
         if not text.strip():
             self.prompt.show_message("The prompt is empty: type something for the model to answer.", "error")
             return
         if self.model_panel.pending():
             # never answer with the old model while the panel shows another: load the choice first
+            if self.session.busy:
+                running = self.session.describe(self.session.running) or "job"
+                self.prompt.show_message(f"The Model panel shows another model than the one loaded, and the "
+                                         f"{running} is using the loaded one: wait for it to end (or stop it), "
+                                         "then Generate loads your choice.", "error")
+                return
             self._generate_after_load = text
             request = self.model_panel.request()
             self.load(request)
@@ -384,12 +377,13 @@ class MainWindow(QMainWindow):
         self._update_state()
         self.budget.reset()
         self.timer.start()
-        self.session.generate(request)
+        self.job = self.session.submit(GenerateJob(request))
+        self._on_queue_changed()  # it may wait behind another window's job
 
     @Slot()
     def stop(self) -> None:
         if self.generating:
-            self.session.stop()
+            self.session.cancel(self.job)
 
     @Slot()
     def clear_conversation(self) -> None:
@@ -515,31 +509,48 @@ class MainWindow(QMainWindow):
         self._update_state()
         self._update_status()
 
-    @Slot()
-    def _on_generation_started(self) -> None:
-        self.statusBar().showMessage("Generating…")
+    @Slot(int)
+    def _on_job_started(self, job_id: int) -> None:
+        if job_id == self.job:
+            self.statusBar().showMessage("Generating…")
 
-    @Slot(object)
-    def _on_prefilled(self, event: Prefilled) -> None:
-        self.buffer.prefilled = event
-
-    @Slot(object)
-    def _on_tokens_generated(self, events: tuple[TokenGenerated, ...]) -> None:
+    @Slot(int, object)
+    def _on_job_events(self, job_id: int, events: tuple) -> None:
+        if job_id != self.job:
+            return
+        tokens = [e for e in events if isinstance(e, TokenGenerated)]
         for event in events:
+            if isinstance(event, Prefilled):
+                self.buffer.prefilled = event
+        for event in tokens:
             self.transcript.add_token(event)
-        self.buffer.extend(events)
+        self.buffer.extend(tokens)
 
-    @Slot(object)
+    @Slot(int, object)
+    def _on_job_finished(self, job_id: int, result) -> None:
+        if job_id != self.job:
+            if self.costs is not None:  # a sweep or speculative run joined the history
+                self.costs.reload_history()
+            return
+        self.job = None
+        self._on_generation_finished(result)
+
+    @Slot(int, object)
+    def _on_job_failed(self, job_id: int, exc: Exception) -> None:
+        if job_id == self.job:
+            self.job = None
+            self._on_generation_failed(exc)
+
     def _on_generation_finished(self, event: Finished) -> None:
         self.transcript.finish(event)
         self.buffer.finished = event
         self.buffer.version += 1
-        remember(self.loaded, event, "single", self.transcript.to_markdown(), self._answer_tokens())
+        history.remember(self.loaded, event, "single", self.transcript.to_markdown(), self._answer_tokens())
         self._end_generation()
         rate = format_rate(event.decode_tokens_per_s)
         self.statusBar().showMessage(f"Done: {event.tokens} tokens, {rate}, stopped: {event.reason}", 8000)
+        self.generation_finished.emit(event)
 
-    @Slot(object)
     def _on_generation_failed(self, exc: Exception) -> None:
         message = str(exc) or type(exc).__name__
         partial = getattr(exc, "finished", None)  # e.g. NaN scores: the run up to there is kept, marked failed
@@ -548,11 +559,12 @@ class MainWindow(QMainWindow):
             self.buffer.version += 1
         self.transcript.fail(message)
         if partial is not None:
-            remember(self.loaded, partial, "single", self.transcript.to_markdown(), self._answer_tokens(),
+            history.remember(self.loaded, partial, "single", self.transcript.to_markdown(), self._answer_tokens(),
                      error=message)
         self._end_generation()
         self.statusBar().showMessage("Generation failed (see the message under the prompt)", 8000)
         self.prompt.show_message(message, "error")
+        self.generation_failed.emit(exc)
 
     def _answer_tokens(self) -> list:
         turn = self.transcript.current
@@ -584,11 +596,10 @@ class MainWindow(QMainWindow):
 
     def _update_state(self) -> None:
         self.model_panel.set_loading(self.loading, loaded=self.loaded is not None)
-        self.model_panel.setEnabled(not self.tool_running)
-        self.prompt.set_state(can_generate=self.loaded is not None and not self.loading and not self.tool_running,
-                              generating=self.generating)
+        self.model_panel.setEnabled(not self.session.busy or self.generating)
+        self.prompt.set_state(can_generate=self.loaded is not None and not self.loading, generating=self.generating)
         if self.speedups is not None:
-            self.speedups.set_blocked(self.loading or self.generating)
+            self.speedups.set_loading(self.loading)
 
     def _update_status(self) -> None:
         info, buffer = self.loaded, self.buffer

@@ -35,6 +35,7 @@ from PySide6.QtWidgets import (
 from app.live_plots import PlotPanel
 from app.screen import fit_screen
 from engine.events import BatchStep, DraftVerified, Loaded, Prefilled, TokenGenerated
+from engine.jobs import SpeculateJob, SweepJob, Tagged
 from engine.units import format_bytes, format_rate, format_seconds
 
 REFRESH_MS = 50
@@ -77,7 +78,6 @@ class _Controls(QWidget):
 class SpeedupWindow(QMainWindow):
     """Batching sweep and speculative decoding on the main window's loaded model."""
 
-    running_changed = Signal(bool)
     updated = Signal()  # after a redraw (tests wait on it)
 
     def __init__(self, session, request_for, parent: QWidget | None = None) -> None:
@@ -88,8 +88,9 @@ class SpeedupWindow(QMainWindow):
         self.session = session
         self.request_for = request_for
         self.info: Loaded | None = None
-        self.blocked = False  # the main window is busy with the same model
-        self.running: str | None = None  # "sweep" | "speculative"
+        self.loading = False  # the main window is loading a model into the session
+        self.running: str | None = None  # "sweep" | "speculative", from submitted until it ends
+        self.job: int | None = None  # its id in the session's queue
         self._dirty = False
         self._step_text = ""
         self._plain_tokens = 0
@@ -105,13 +106,11 @@ class SpeedupWindow(QMainWindow):
 
         session.loaded.connect(self.set_model)
         session.unloaded.connect(lambda: self.set_model(None))
-        session.sweep_stepped.connect(self._on_sweep_step)
-        session.sweep_point.connect(self._on_sweep_point)
-        session.sweep_finished.connect(self._on_sweep_finished)
-        session.sweep_failed.connect(self._on_failed)
-        session.speculation_events.connect(self._on_speculation_events)
-        session.speculation_finished.connect(self._on_speculation_finished)
-        session.speculation_failed.connect(self._on_failed)
+        session.job_started.connect(self._on_job_started)
+        session.job_events.connect(self._on_job_events)
+        session.job_finished.connect(self._on_job_finished)
+        session.job_failed.connect(self._on_job_failed)
+        session.queue_changed.connect(self._on_queue_changed)
         self.resize(fit_screen(1200, 780))
         self._update_state()
 
@@ -205,7 +204,8 @@ class SpeedupWindow(QMainWindow):
             panel.reset_view()
         self._set_running("sweep")
         self.sweep_controls.status.setText(f"Running batch {sizes[0]} …")
-        self.session.sweep(request, sizes)
+        self.job = self.session.submit(SweepJob(request, tuple(sizes)))
+        self._on_queue_changed()
 
     def _on_sweep_step(self, batch: int, step: BatchStep) -> None:
         self._step_text = (f"Batch {batch}: step {step.step + 1}, {step.active} sequences active, "
@@ -388,7 +388,8 @@ class SpeedupWindow(QMainWindow):
         self._set_running("speculative")
         compare = self.compare_plain.isChecked()
         self.spec_controls.status.setText("Decoding plainly first …" if compare else "Loading the draft …")
-        self.session.speculate(request, self.draft_text(), self.draft_tokens.value(), compare)
+        self.job = self.session.submit(SpeculateJob(request, self.draft_text(), self.draft_tokens.value(), compare))
+        self._on_queue_changed()  # it may wait behind another job
 
     def _on_speculation_events(self, run: str, events) -> None:
         if run == "plain":
@@ -474,6 +475,53 @@ class SpeedupWindow(QMainWindow):
         self.spec_summary.setText("<br>".join(lines))
         self.spec_controls.status.setText(f"Finished ({result['finish_reason']}).")
 
+    # -- the session's jobs ----------------------------------------------------------
+    def _on_job_started(self, job_id: int) -> None:
+        if job_id == self.job:
+            controls = self.sweep_controls if self.running == "sweep" else self.spec_controls
+            if controls.status.text().startswith("Waiting"):
+                controls.status.setText("Running …")
+
+    def _on_job_events(self, job_id: int, events: tuple) -> None:
+        if job_id != self.job:
+            return
+        if self.running == "sweep":
+            for event in events:
+                if isinstance(event, Tagged):
+                    self._on_sweep_step(event.tag, event.event)
+                else:
+                    self._on_sweep_point(event)
+            return
+        run, batch = None, []
+        for event in events:  # runs of the same part ("plain", "speculative") together
+            if event.tag != run and batch:
+                self._on_speculation_events(run, batch)
+                batch = []
+            run = event.tag
+            batch.append(event.event)
+        if batch:
+            self._on_speculation_events(run, batch)
+
+    def _on_job_finished(self, job_id: int, result) -> None:
+        if job_id != self.job:
+            return
+        self.job = None
+        if self.running == "sweep":
+            self._on_sweep_finished(list(result.points), list(result.skipped))
+        else:
+            self._on_speculation_finished(result)
+
+    def _on_job_failed(self, job_id: int, exc) -> None:
+        if job_id == self.job:
+            self.job = None
+            self._on_failed(exc)
+
+    def _on_queue_changed(self) -> None:
+        if self.job is not None and self.job in self.session.waiting():
+            controls = self.sweep_controls if self.running == "sweep" else self.spec_controls
+            running = self.session.describe(self.session.running) or "job before it"
+            controls.status.setText(f"Waiting for the {running} to finish …")
+
     # -- shared -----------------------------------------------------------------------
     @Slot()
     def refresh(self) -> None:
@@ -490,8 +538,11 @@ class SpeedupWindow(QMainWindow):
         if self.info is None:
             status.setText("Load a model in the main window first.")
             return False
-        if self.blocked or self.running:
-            status.setText("The model is busy: wait for the current generation to end.")
+        if self.loading:
+            status.setText("The model is loading: wait for it to be ready.")
+            return False
+        if self.running:
+            status.setText("This window's run is still going: stop it or wait for it to end.")
             return False
         return True
 
@@ -514,12 +565,11 @@ class SpeedupWindow(QMainWindow):
         else:
             self.timer.stop()
         self._update_state()
-        self.running_changed.emit(what is not None)
 
     @Slot()
     def stop(self) -> None:
         if self.running:
-            self.session.stop()
+            self.session.cancel(self.job)
 
     def set_model(self, info: Loaded | None) -> None:
         self.info = info
@@ -531,12 +581,12 @@ class SpeedupWindow(QMainWindow):
         self.setWindowTitle(f"Inference Workbench — Batching and speculative decoding — {title}")
         self._update_state()
 
-    def set_blocked(self, blocked: bool) -> None:
-        self.blocked = blocked
+    def set_loading(self, loading: bool) -> None:
+        self.loading = loading
         self._update_state()
 
     def _update_state(self) -> None:
-        idle = self.info is not None and not self.blocked and self.running is None
+        idle = self.info is not None and not self.loading and self.running is None
         self.sweep_controls.run.setEnabled(idle)
         self.spec_controls.run.setEnabled(idle)
         self.sweep_controls.stop.setEnabled(self.running == "sweep")

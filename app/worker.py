@@ -15,7 +15,7 @@ from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.cancel import CancelToken
 from engine.errors import EngineError
-from engine.events import Finished, Prefilled, TokenGenerated
+from engine.events import BatchStep, DraftVerified, TokenGenerated
 
 
 BATCH_S = 0.02
@@ -30,27 +30,18 @@ class EngineWorker(QObject):
     loaded = Signal(object)  # Loaded
     load_failed = Signal(object)  # Exception
     unloaded = Signal()
-    generation_started = Signal()
-    prefilled = Signal(object)  # Prefilled
-    tokens_generated = Signal(object)  # tuple[TokenGenerated, ...], in order
-    generation_finished = Signal(object)  # Finished
-    generation_failed = Signal(object)  # Exception
     predicted = Signal(object, object)  # LoadRequest, MemoryPrediction | None
-    scored = Signal(object, object)  # prompt ids, teacher-forced logprobs | None
-    sweep_stepped = Signal(object, object)  # batch size, BatchStep
-    sweep_point = Signal(object)  # SweepPoint
-    sweep_finished = Signal(object, object)  # list[SweepPoint], list[SweepSkip]
-    sweep_failed = Signal(object)  # Exception
-    speculation_events = Signal(object, object)  # "plain" | "speculative", tuple of events in order
-    speculation_finished = Signal(object)  # the report dict
-    speculation_failed = Signal(object)  # Exception
+    job_started = Signal(int)  # job id
+    job_events = Signal(int, object)  # job id, tuple of its events in order
+    job_finished = Signal(int, object)  # job id, its result
+    job_failed = Signal(int, object)  # job id, Exception
     compile_started = Signal()
     compile_finished = Signal(object)  # engine.fast.CompileReport (emitted from the compile thread)
 
     def __init__(self) -> None:
         super().__init__()  # no parent: moveToThread needs a parentless object
         self._model = None
-        self._draft = None
+        self._kept: dict = {}  # what jobs keep between them (a speculative draft)
 
     @Slot()
     def probe(self) -> None:
@@ -102,20 +93,6 @@ class EngineWorker(QObject):
             prediction = None
         self.predicted.emit(request, prediction)
 
-    @Slot(object, object)
-    def score(self, request, token_ids) -> None:
-        """Teacher-force ``token_ids`` after ``request``'s prompt with this model."""
-        from engine.compare import teacher_forced_logprobs
-
-        if self._model is None:
-            self.scored.emit([], None)
-            return
-        try:
-            prompt_ids = self._model.encode(request)
-            self.scored.emit(prompt_ids, teacher_forced_logprobs(self._model, prompt_ids, list(token_ids)))
-        except Exception:
-            self.scored.emit([], None)
-
     @Slot()
     def drop_draft(self) -> None:
         """Free the speculative draft (its window closed); the model stays."""
@@ -142,130 +119,73 @@ class EngineWorker(QObject):
             model.close()
 
     def _drop_draft(self) -> None:
-        if self._draft is not None:
-            draft, self._draft = self._draft, None
+        draft = self._kept.pop("draft", None)
+        if draft is not None:
             draft.close()
 
-    @Slot(object, object, object)
-    def sweep(self, request, batches, cancel: CancelToken) -> None:
-        """Batch sizes in turn; each point joins the run history for the cost explorer."""
-        from engine.events import BatchStep
-        from engine.sweep import record_points, run_sweep
+    @Slot(int, object, object)
+    def run_job(self, job_id: int, job, cancel: CancelToken) -> None:
+        """Run one job of engine/jobs.py: its events cross to the GUI thread in batches, its
+        result (or its error) once at the end."""
+        from engine.jobs import JobContext
 
         if self._model is None:
-            self.sweep_failed.emit(EngineError("No model is loaded: load one first."))
+            self.job_failed.emit(job_id, EngineError("No model is loaded: load one first."))
             return
-        sent = [0.0]
-        steps: dict[int, list] = {}
-
-        def on_event(batch: int, event) -> None:
-            if not isinstance(event, BatchStep):
-                return
-            steps.setdefault(batch, []).append(event)
-            now = time.perf_counter()
-            if now - sent[0] >= BATCH_S:
-                sent[0] = now
-                self.sweep_stepped.emit(batch, event)
-
-        try:
-            points, skipped = run_sweep(self._model, request, batches, cancel, on_event=on_event,
-                                        on_point=self.sweep_point.emit)
-            if points:
-                try:
-                    record_points(self._model, points, len(self._model.encode(request)), steps)
-                except OSError:
-                    pass  # the history is a convenience: a read-only data folder must not fail the sweep
-        except Exception as exc:
-            self.sweep_failed.emit(exc)
-            return
-        self.sweep_finished.emit(points, skipped)
-
-    @Slot(object, object, object, object, object)
-    def speculate(self, request, draft_text, draft_tokens, compare_plain, cancel: CancelToken) -> None:
-        """Speculative decoding with ``draft_text`` as the draft (kept loaded for the next run)."""
-        from engine.speculative import load_draft, parse_draft, speculative_report
-
-        if self._model is None:
-            self.speculation_failed.emit(EngineError("No model is loaded: load one first."))
-            return
+        self.job_started.emit(job_id)
         pending: list = []
-        state = {"run": None, "sent": time.perf_counter()}
+        sent = [time.perf_counter()]
 
         def flush() -> None:
             if pending:
-                self.speculation_events.emit(state["run"], tuple(pending))
+                self.job_events.emit(job_id, tuple(pending))
                 pending.clear()
+            sent[0] = time.perf_counter()
 
-        def on_event(run: str, event) -> None:
-            if run != state["run"]:
-                flush()
-                state["run"] = run
+        def emit(event) -> None:
             pending.append(event)
-            now = time.perf_counter()
-            if now - state["sent"] >= BATCH_S or isinstance(event, (Finished, Prefilled)):
+            # streams of tokens and steps go in batches; a rarer event (the prompt read, a point
+            # measured) goes at once
+            if not _streamed(event) or time.perf_counter() - sent[0] >= BATCH_S:
                 flush()
-                state["sent"] = now
 
         try:
-            spec = parse_draft(draft_text, self._model.info.precision)
-            if self._draft is None or self._draft.spec != spec:
-                self._drop_draft()
-                self._draft = load_draft(spec, self._model, cancel=cancel)
-            result = speculative_report(self._model, self._draft, request, draft_tokens, compare_plain, cancel,
-                                        on_event, record=True)
-        except Exception as exc:
+            result = job.run(JobContext(self._model, cancel, emit, self._kept))
+        except Exception as exc:  # errors cross the thread as data
             flush()
-            self.speculation_failed.emit(exc)
+            self.job_failed.emit(job_id, exc)
             return
         flush()
-        self.speculation_finished.emit(result)
+        self.job_finished.emit(job_id, result)
 
-    @Slot(object, object)
-    def generate(self, request, cancel: CancelToken) -> None:
-        if self._model is None:
-            self.generation_failed.emit(EngineError("No model is loaded: load one first."))
-            return
-        self.generation_started.emit()
-        batch: list[TokenGenerated] = []
-        sent = time.perf_counter()
-        try:
-            for event in self._model.generate(request, cancel):
-                if isinstance(event, TokenGenerated):
-                    batch.append(event)
-                    now = time.perf_counter()
-                    if now - sent >= BATCH_S:
-                        self.tokens_generated.emit(tuple(batch))
-                        batch.clear()
-                        sent = now
-                elif isinstance(event, Prefilled):
-                    self.prefilled.emit(event)
-                elif isinstance(event, Finished):
-                    if batch:
-                        self.tokens_generated.emit(tuple(batch))
-                        batch.clear()
-                    self.generation_finished.emit(event)
-        except Exception as exc:
-            if batch:
-                self.tokens_generated.emit(tuple(batch))
-            self.generation_failed.emit(exc)
+
+def _streamed(event) -> bool:
+    """Tokens and batch steps: many a second, so they travel in batches."""
+    from engine.jobs import Tagged
+
+    inner = event.event if isinstance(event, Tagged) else event
+    return isinstance(inner, (TokenGenerated, BatchStep, DraftVerified))
 
 
 class ModelSession(QObject):
-    """The GUI's handle on one worker thread: load, generate, stop, unload, shut down.
+    """The GUI's handle on one model's worker thread: load, unload, and a queue of jobs.
+
+    Windows :meth:`submit` jobs (engine/jobs.py) and get an id; jobs run one at a time in the
+    order submitted, and the session says which runs and which wait (``queue_changed``), so a
+    window never has to keep another out of the engine: a job submitted while another runs
+    waits, visibly. ``job_started / job_events / job_finished / job_failed`` carry the id; a
+    window listens for its own ids.
 
     It lives in the GUI thread and re-emits the worker's signals as its own, so whatever
     connects to a session (widgets, tests) runs in the GUI thread, even a plain function.
     """
 
     load_requested = Signal(object, object)
-    generate_requested = Signal(object, object)
+    job_requested = Signal(int, object, object)
     unload_requested = Signal()
     drop_draft_requested = Signal()
     probe_requested = Signal()
     predict_requested = Signal(object)
-    score_requested = Signal(object, object)
-    sweep_requested = Signal(object, object, object)
-    speculate_requested = Signal(object, object, object, object, object)
 
     devices_found = Signal(object)
     models_found = Signal(object)
@@ -273,20 +193,12 @@ class ModelSession(QObject):
     loaded = Signal(object)
     load_failed = Signal(object)
     unloaded = Signal()
-    generation_started = Signal()
-    prefilled = Signal(object)
-    tokens_generated = Signal(object)
-    generation_finished = Signal(object)
-    generation_failed = Signal(object)
     predicted = Signal(object, object)
-    scored = Signal(object, object)
-    sweep_stepped = Signal(object, object)
-    sweep_point = Signal(object)
-    sweep_finished = Signal(object, object)
-    sweep_failed = Signal(object)
-    speculation_events = Signal(object, object)
-    speculation_finished = Signal(object)
-    speculation_failed = Signal(object)
+    job_started = Signal(int)
+    job_events = Signal(int, object)
+    job_finished = Signal(int, object)
+    job_failed = Signal(int, object)
+    queue_changed = Signal()
     compile_started = Signal()
     compile_finished = Signal(object)
 
@@ -297,26 +209,67 @@ class ModelSession(QObject):
         self.worker = EngineWorker()
         self.worker.moveToThread(self.thread)
         self.load_requested.connect(self.worker.load)
-        self.generate_requested.connect(self.worker.generate)
+        self.job_requested.connect(self.worker.run_job)
         self.unload_requested.connect(self.worker.unload)
         self.drop_draft_requested.connect(self.worker.drop_draft)
         self.probe_requested.connect(self.worker.probe)
         self.predict_requested.connect(self.worker.predict)
-        self.score_requested.connect(self.worker.score)
-        self.sweep_requested.connect(self.worker.sweep)
-        self.speculate_requested.connect(self.worker.speculate)
         for name in ("devices_found", "models_found", "load_progressed", "loaded", "load_failed", "unloaded",
-                     "generation_started", "prefilled", "tokens_generated", "generation_finished",
-                     "generation_failed", "predicted", "scored", "sweep_stepped", "sweep_point", "sweep_finished",
-                     "sweep_failed", "speculation_events", "speculation_finished", "speculation_failed",
-                     "compile_started", "compile_finished"):
+                     "predicted", "job_events", "compile_started", "compile_finished"):
             # signal to signal, across threads: queued into this (the GUI) thread
             getattr(self.worker, name).connect(getattr(self, name))
+        self.worker.job_started.connect(self._on_started)
+        self.worker.job_finished.connect(lambda job_id, result: self._on_ended(job_id, self.job_finished, result))
+        self.worker.job_failed.connect(lambda job_id, exc: self._on_ended(job_id, self.job_failed, exc))
         self.thread.finished.connect(self.worker.deleteLater)
         self._load_cancel: CancelToken | None = None
-        self._generation_cancel: CancelToken | None = None
+        self._next_job = 1
+        self.jobs: dict[int, tuple[object, CancelToken]] = {}
+        """Jobs not yet ended: id → (job, its cancel token)."""
+        self.running: int | None = None
+        """The id of the job running now."""
         self.thread.start()
 
+    # -- jobs ------------------------------------------------------------------------
+    def submit(self, job) -> int:
+        """Queue ``job``; returns its id. It starts when the jobs before it have ended."""
+        job_id, self._next_job = self._next_job, self._next_job + 1
+        cancel = CancelToken()
+        self.jobs[job_id] = (job, cancel)
+        self.job_requested.emit(job_id, job, cancel)
+        self.queue_changed.emit()
+        return job_id
+
+    def cancel(self, job_id: int | None) -> None:
+        """Stop a job (running: at its next token; waiting: it ends as soon as it starts)."""
+        if job_id in self.jobs:
+            self.jobs[job_id][1].cancel()
+
+    def waiting(self) -> list[int]:
+        """Ids of the jobs waiting for the running one, in order."""
+        return [job_id for job_id in self.jobs if job_id != self.running]
+
+    @property
+    def busy(self) -> bool:
+        """A job runs or waits."""
+        return bool(self.jobs)
+
+    def describe(self, job_id: int | None) -> str:
+        return type(self.jobs[job_id][0]).kind if job_id in self.jobs else ""
+
+    def _on_started(self, job_id: int) -> None:
+        self.running = job_id
+        self.queue_changed.emit()
+        self.job_started.emit(job_id)
+
+    def _on_ended(self, job_id: int, signal, payload) -> None:
+        self.jobs.pop(job_id, None)
+        if self.running == job_id:
+            self.running = None
+        signal.emit(job_id, payload)
+        self.queue_changed.emit()
+
+    # -- the model -------------------------------------------------------------------
     def load(self, request) -> None:
         self._load_cancel = CancelToken()
         self.load_requested.emit(request, self._load_cancel)
@@ -325,31 +278,14 @@ class ModelSession(QObject):
         if self._load_cancel is not None:
             self._load_cancel.cancel()
 
-    def generate(self, request) -> None:
-        self._generation_cancel = CancelToken()
-        self.generate_requested.emit(request, self._generation_cancel)
-
-    def stop(self) -> None:
-        if self._generation_cancel is not None:
-            self._generation_cancel.cancel()
-
-    def sweep(self, request, batches) -> None:
-        """Run a batch-size sweep; :meth:`stop` ends it."""
-        self._generation_cancel = CancelToken()
-        self.sweep_requested.emit(request, list(batches), self._generation_cancel)
-
-    def speculate(self, request, draft: str, draft_tokens: int, compare_plain: bool) -> None:
-        """Speculative decoding (after plain decoding when ``compare_plain``); :meth:`stop` ends it."""
-        self._generation_cancel = CancelToken()
-        self.speculate_requested.emit(request, draft, draft_tokens, compare_plain, self._generation_cancel)
-
     def unload(self) -> None:
         self.unload_requested.emit()
 
     def shutdown(self, timeout_ms: int = 2000) -> bool:
-        """Cancel whatever runs, end the thread; ``False`` if it did not end in time."""
+        """Cancel whatever runs or waits, end the thread; ``False`` if it did not end in time."""
         self.cancel_load()
-        self.stop()
+        for _, cancel in self.jobs.values():
+            cancel.cancel()
         self.thread.quit()
         if not self.thread.wait(timeout_ms):
             return False

@@ -88,7 +88,7 @@ def main() -> int:
         app.quit()
 
     window.session.loaded.connect(on_loaded)
-    window.session.generation_finished.connect(on_finished)
+    window.generation_finished.connect(on_finished)
     window.session.load_failed.connect(lambda exc: (print(f"error: {exc}"), app.exit(1)))
     window.model_panel.choose(LoadRequest(str(folder), "fp32", "cpu"))  # as a user would: the panel shows what runs
     window.load(window.model_panel.request())

@@ -84,9 +84,9 @@ def main() -> int:
         app.exit(1)
 
     window.session.loaded.connect(on_loaded)
-    window.session.generation_finished.connect(on_finished)
+    window.generation_finished.connect(on_finished)
     window.session.load_failed.connect(on_failed)
-    window.session.generation_failed.connect(on_failed)
+    window.generation_failed.connect(on_failed)
     window.model_panel.choose(LoadRequest("default", args.precision, "cpu"))  # as a user would: the panel shows what runs
     window.load(window.model_panel.request())
     return app.exec()

@@ -68,7 +68,7 @@ def main() -> None:
         window.prompt.editor.setPlainText(PROMPT)
         cpu, wall, frames = time.thread_time(), time.perf_counter(), window.plots.redraws
         window.generate(PROMPT)
-        finished = wait_for(window.session.generation_finished)
+        finished = wait_for(window.generation_finished)
         seconds = time.perf_counter() - wall
         gui_cpu.append((time.thread_time() - cpu) / seconds)
         frame_rate.append((window.plots.redraws - frames) / seconds)

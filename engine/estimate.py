@@ -62,7 +62,7 @@ def count_parameters(config) -> ParameterCount:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from engine.serial import exclusive
+    from engine.load_lock import exclusive
 
     with exclusive():  # init_empty_weights patches torch for the whole process
         with init_empty_weights():

@@ -8,9 +8,10 @@ arithmetic: norms, projections (optionally weight-only int8/int4, engine/quantiz
 rotary embedding, attention over a static cache written in place, the MLP, the head.
 
 It emits exactly the events of the reference path (the engine core, engine/core.py, drives both
-through a runner: :class:`SlotCache` here); fp32 and bf16 give the reference path's greedy tokens (tested). A model it can't
-run is refused with a clear message, from the config or the GGUF header before any weight is
-read where they already say so; the reference precisions run every model.
+through a runner: :class:`SlotCache` here); fp32 and bf16 give the reference path's greedy
+tokens (tested). A model it can't run is refused with a clear message (no silent fall-back),
+from the config or the GGUF header before any weight is read where they already say so; the
+reference precisions run every model.
 """
 
 from __future__ import annotations
@@ -20,13 +21,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch.nn import functional as F
 
-if TYPE_CHECKING:
-    from engine.model import LoadedModel
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 MIN_CAPACITY = 256
@@ -97,8 +95,8 @@ class _Layer:
 
 
 class FastDecoder:
-    """Holds the model's modules (fusing some of them in place); makes one
-    :class:`FastRunner` per generation."""
+    """Holds the model's modules (fusing some of them in place) and the compiled decode step;
+    the caches that run it are :class:`SlotCache` (the engine core's runner)."""
 
     def __init__(self, model) -> None:
         reason = unsupported_reason(model)
@@ -170,9 +168,6 @@ class FastDecoder:
         if self._compile_thread is not None:
             self._compile_thread.join(timeout)
 
-    def runner(self, capacity: int) -> "FastRunner":
-        return FastRunner(self, capacity)
-
 
 def _rotary_tables(d: "FastDecoder", capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary cos and sin of every position of a cache, [1, 1, capacity, head_dim] each."""
@@ -187,8 +182,8 @@ def _rms(x: torch.Tensor, norm, eps: float) -> torch.Tensor:
 
 
 class FastRunner:
-    """One generation: a static KV cache (grown by doubling if the answer outruns it) and the
-    rotary cos/sin for every position in it, computed once."""
+    """One sequence's static KV cache (grown by doubling if it is outgrown) and the rotary
+    cos/sin for every position in it: what the background compile runs the step on."""
 
     def __init__(self, decoder: FastDecoder, capacity: int) -> None:
         self.d = decoder
@@ -213,9 +208,6 @@ class FastRunner:
         """Bytes of the cache slots holding tokens (the rest is reserved, see ``reserved_bytes``)."""
         per_token = 2 * len(self.d.layers) * self.d.kv_heads * self.d.head_dim * self.keys[0].element_size()
         return per_token * self.length
-
-    def reserved_bytes(self) -> int:
-        return sum(t.nbytes for t in self.keys + self.values)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits after the last of ``ids`` ([1, n]); the n tokens join the cache."""
@@ -492,11 +484,3 @@ def early_exit_decoder(d: FastDecoder, layers: int) -> FastDecoder:
     view.layers = d.layers[:layers]
     view.compiled, view.compiled_capacities, view._compile_thread = None, frozenset(), None
     return view
-
-
-def attach(loaded: "LoadedModel") -> str | None:
-    """Give ``loaded`` the fast path if its model can take it; the reason if not."""
-    reason = unsupported_reason(loaded.model)
-    if reason is None:
-        loaded.fast = FastDecoder(loaded.model)
-    return reason

@@ -7,6 +7,7 @@ never leaves a half record among the others.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
@@ -14,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine.events import Finished, Loaded
+
+log = logging.getLogger(__name__)
 
 
 def history_dir() -> Path:
@@ -140,3 +143,22 @@ def load_all(folder: Path | None = None) -> list[RunRecord]:
         except (OSError, ValueError, TypeError):
             continue
     return records
+
+
+def remember(info: Loaded | None, finished: Finished, kind: str, transcript: str | None = None,
+             tokens=(), error: str | None = None) -> None:
+    """Add a finished run to the history (for the cost explorer and File → Run history, which
+    shows ``transcript``, Markdown, and redraws the plots from the ``tokens``' figures); a
+    history that can't be written never fails a run (it is logged). ``error``: the run ended in
+    one (it is kept, marked failed)."""
+    if info is None or finished.tokens == 0:
+        return
+    extra = {"transcript_markdown": transcript} if transcript else {}
+    if tokens:
+        extra["series"] = series_from(tokens)
+    if error:
+        extra["error"] = error
+    try:
+        save(record_from(info, finished, kind, **extra))
+    except OSError as exc:
+        log.warning("could not save the run to the history: %s", exc)

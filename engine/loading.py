@@ -27,7 +27,7 @@ from engine.kv import KVLayout, kv_layout
 from engine.model import LoadedModel
 from engine.precision import Precision, dtype_bytes, get_precision
 from engine.progress import ProgressReporter, reporting
-from engine.serial import exclusive
+from engine.load_lock import exclusive
 
 
 @dataclass(frozen=True)
@@ -172,22 +172,16 @@ def _prepare_fast(model, precision: Precision, name: str, reporter: ProgressRepo
         raise UnsupportedPrecisionError(f"{name} can't use {precision.name}: {reason}. Choose fp32, bf16, int8 or "
                                         "nf4 (the reference path runs every model).")
     reporter.report("quantize", 0, 0, f"Preparing the fast path ({precision.label})")
+    import torch
+
     model._workbench_parameters = count_parameters(model)  # the quantized weights become buffers
-    with torch_inference():
+    with torch.inference_mode():
         quantize_linears(model, precision.scheme)
     if precision.scheme in ("int8", "int4"):
-        import torch
-
         for param in model.parameters():  # embeddings, norms, biases: bf16 like the activations
             if param.dtype == torch.float32:  # (buffers such as rotary frequencies stay fp32)
                 param.data = param.data.to(torch.bfloat16)
     return fast.FastDecoder(model)
-
-
-def torch_inference():
-    import torch
-
-    return torch.inference_mode()
 
 
 def _typed_load_error(exc: BaseException, name: str, precision: str, device) -> BaseException:

@@ -103,7 +103,7 @@ def generate(qtbot, window, prompt, max_tokens=20, ignore_eos=True, wait=True):
     if not wait:
         window.prompt.generate_button.click()
         return None
-    with qtbot.waitSignal(window.session.generation_finished, timeout=300_000) as blocker:
+    with qtbot.waitSignal(window.generation_finished, timeout=300_000) as blocker:
         window.prompt.generate_button.click()
     qtbot.waitUntil(lambda: not window.generating)
     return blocker.args[0]

@@ -143,7 +143,7 @@ def test_out_of_memory_while_generating(qtbot, window, tiny_llama, monkeypatch):
         return original(self, seq, ids)
 
     monkeypatch.setattr(engine.runners.ReferenceBatchRunner, "prefill", runs_out)
-    with qtbot.waitSignal(window.session.generation_failed, timeout=60_000):
+    with qtbot.waitSignal(window.generation_failed, timeout=60_000):
         generate(qtbot, window, "fox", max_tokens=10, wait=False)
     qtbot.waitUntil(lambda: not window.generating)
     assert "Out of memory" in window.prompt.message.text()
@@ -188,8 +188,8 @@ def test_emoji_cjk_and_rtl_prompts(qtbot, window, tiny_llama, prompt):
 def test_rapid_generate_and_stop(qtbot, window, tiny_llama):
     load(qtbot, window, tiny_llama)
     finished, failed = [], []
-    window.session.generation_finished.connect(finished.append)
-    window.session.generation_failed.connect(failed.append)
+    window.generation_finished.connect(finished.append)
+    window.generation_failed.connect(failed.append)
     window.generation_panel.max_tokens.setValue(100_000)
     window.generation_panel.ignore_eos.setChecked(True)
     for _ in range(100):

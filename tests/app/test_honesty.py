@@ -77,7 +77,7 @@ def test_chat_without_a_template_fails_and_the_status_bar_says_so(qtbot, window,
     load(qtbot, window, folder)
     window.generation_panel.mode.setCurrentIndex(window.generation_panel.mode.findData("chat"))
     window.prompt.editor.setPlainText("hello")
-    with qtbot.waitSignal(window.session.generation_failed, timeout=60_000):
+    with qtbot.waitSignal(window.generation_failed, timeout=60_000):
         window.prompt.generate_button.click()
     qtbot.waitUntil(lambda: not window.generating)
     assert "Generating" not in window.statusBar().currentMessage()
@@ -89,7 +89,7 @@ def test_nan_stops_the_run_with_a_message_and_the_run_is_kept_as_failed(qtbot, w
     folder, request, before = _nan_after(tiny_llama, tmp_path, steps=3)
     load(qtbot, window, folder)
     window.generation_panel.mode.setCurrentIndex(window.generation_panel.mode.findData("raw"))
-    with qtbot.waitSignal(window.session.generation_failed, timeout=60_000):
+    with qtbot.waitSignal(window.generation_failed, timeout=60_000):
         generate(qtbot, window, request.prompt, max_tokens=8, wait=False)
     qtbot.waitUntil(lambda: not window.generating)
     message = window.prompt.message.text()

@@ -7,6 +7,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication, QTextCursor
 from PySide6.QtWidgets import QMessageBox
 
+from engine.events import TokenGenerated
 from tests.app.conftest import generate, load
 
 
@@ -34,8 +35,9 @@ def test_text_grows_token_by_token_and_plots_hold_a_point_per_token(qtbot, windo
     window.set_redraw_budget(0.25)  # "smooth": redraw on most ticks, so the growth is visible
     lengths, tokens_seen = [], []
     batches = []
-    window.session.tokens_generated.connect(lambda events: batches.append(len(events)))
-    window.session.tokens_generated.connect(lambda events: tokens_seen.extend(e.index for e in events))
+    window.session.job_events.connect(lambda job, events: batches.append(len(events)))
+    window.session.job_events.connect(
+        lambda job, events: tokens_seen.extend(e.index for e in events if isinstance(e, TokenGenerated)))
     window.timer.timeout.connect(lambda: lengths.append(len(window.output.toPlainText())))
     finished = generate(qtbot, window, "The quick brown fox", max_tokens=200)
     assert finished.tokens == 200 and tokens_seen == list(range(200))
@@ -63,7 +65,7 @@ def test_stop_mid_generation(qtbot, window, slow_tiny):
     load(qtbot, window, slow_tiny)
     generate(qtbot, window, "fox", max_tokens=100_000, wait=False)
     qtbot.waitUntil(lambda: window.buffer.count >= 5, timeout=60_000)
-    with qtbot.waitSignal(window.session.generation_finished, timeout=30_000) as blocker:
+    with qtbot.waitSignal(window.generation_finished, timeout=30_000) as blocker:
         qtbot.keyClick(window.prompt.editor, Qt.Key_Escape)
     finished = blocker.args[0]
     assert finished.reason == "cancelled" and 5 <= finished.tokens < 100_000
@@ -126,7 +128,7 @@ def test_generation_error_shows_in_the_message_area(qtbot, window, tiny_llama):
     load(qtbot, window, tiny_llama)
     window.generation_panel.mode.setCurrentIndex(window.generation_panel.mode.findData("raw"))
     window.prompt.editor.setPlainText("fox " * 400)  # longer than the 256-token context
-    with qtbot.waitSignal(window.session.generation_failed, timeout=60_000):
+    with qtbot.waitSignal(window.generation_failed, timeout=60_000):
         window.prompt.generate_button.click()
     qtbot.waitUntil(lambda: not window.generating)
     assert "context window" in window.prompt.message.text()
@@ -138,7 +140,7 @@ def test_chat_history_and_clear(qtbot, window, tiny_llama):
     generate(qtbot, window, "first question", max_tokens=3)
     first_answer = window.transcript.last_answer()
     sent = []
-    window.session.generate_requested.connect(lambda request, cancel: sent.append(request))
+    window.session.job_requested.connect(lambda job_id, job, cancel: sent.append(job.request))
     generate(qtbot, window, "second question", max_tokens=3)
     history = sent[0].history
     assert [(m.role, m.content) for m in history] == [("user", "first question"), ("assistant", first_answer)]

@@ -16,14 +16,13 @@ def speedups(qtbot, window, tiny_llama, tmp_path, monkeypatch):
 def test_sweep_fills_the_table_and_plots_and_lands_in_history(qtbot, window, speedups):
     speedups.batches.setText("1,2,4")
     speedups.sweep_tokens.setValue(6)
-    with qtbot.waitSignal(window.session.sweep_finished, timeout=120_000) as blocker:
+    with qtbot.waitSignal(window.session.job_finished, timeout=120_000) as blocker:
         speedups.sweep_controls.run.click()
-        # while it runs, the main window can't generate or load the same model
-        assert window.tool_running and not window.prompt.generate_button.isEnabled()
-        assert not window.model_panel.isEnabled()
-    points, skipped = blocker.args
+        # while it runs, the main window can't load another model (a prompt would wait its turn)
+        assert window.session.busy and not window.model_panel.isEnabled()
+    points, skipped = blocker.args[1].points, blocker.args[1].skipped
     assert [p.batch for p in points] == [1, 2, 4] and not skipped
-    qtbot.waitUntil(lambda: not window.tool_running)
+    qtbot.waitUntil(lambda: not window.session.busy)
     assert window.prompt.generate_button.isEnabled() and window.model_panel.isEnabled()
     assert speedups.sweep_table.rowCount() == 3
     assert speedups.sweep_table.item(2, 0).text() == "4"
@@ -44,9 +43,9 @@ def test_speculative_run_marks_tokens_and_reports_the_speedup(qtbot, window, spe
     assert speedups.draft_text() == "early-exit:1"  # the tiny llama has 2 layers
     speedups.spec_tokens.setValue(16)
     speedups.draft_tokens.setValue(3)
-    with qtbot.waitSignal(window.session.speculation_finished, timeout=120_000) as blocker:
+    with qtbot.waitSignal(window.session.job_finished, timeout=120_000) as blocker:
         speedups.spec_controls.run.click()
-    result = blocker.args[0]
+    result = blocker.args[1]
     qtbot.waitUntil(lambda: speedups.running is None)
     assert result["draft"] == "early-exit:1" and result["same_tokens_as_plain"] is True
     assert "speedup_vs_plain" in result
@@ -82,30 +81,37 @@ def test_busy_model_and_bad_input_are_refused_with_a_message(qtbot, window, spee
     speedups.spec_controls.run.click()
     assert "Name the draft model" in speedups.spec_controls.status.text()
     speedups.draft_model.setText("/no/such/model")
-    with qtbot.waitSignal(window.session.speculation_failed, timeout=60_000):
+    with qtbot.waitSignal(window.session.job_failed, timeout=60_000):
         speedups.spec_controls.run.click()
     assert "no/such/model" in speedups.spec_controls.status.text()
     assert speedups.spec_controls.run.isEnabled()
-    # a generation in the main window blocks the speed-ups until it ends
+    # a run asked for while the main window generates waits its turn, and says so
     generate(qtbot, window, "fox", max_tokens=100_000, wait=False)
-    qtbot.waitUntil(lambda: window.generating)
-    assert not speedups.spec_controls.run.isEnabled()
-    with qtbot.waitSignal(window.session.generation_finished, timeout=30_000):
+    qtbot.waitUntil(lambda: window.session.running == window.job)
+    speedups.draft_kind.setCurrentIndex(0)
+    speedups.spec_tokens.setValue(4)
+    speedups.spec_controls.run.click()
+    waiting = speedups.job
+    assert waiting in window.session.waiting()
+    assert speedups.spec_controls.status.text() == "Waiting for the generation to finish …"
+    with qtbot.waitSignal(window.session.job_finished, timeout=60_000,
+                          check_params_cb=lambda job, result: job == waiting):
         window.stop()
     qtbot.waitUntil(lambda: speedups.spec_controls.run.isEnabled())
+    assert speedups.result["draft"] == "early-exit:1"
 
 
 def test_stop_ends_a_sweep(qtbot, window, speedups):
     speedups.batches.setText("1,2")
     speedups.sweep_tokens.setValue(4000)
     stepped = []
-    window.session.sweep_stepped.connect(lambda batch, step: stepped.append(step))
-    with qtbot.waitSignal(window.session.sweep_finished, timeout=120_000) as blocker:
+    window.session.job_events.connect(lambda job, events: stepped.extend(events))
+    with qtbot.waitSignal(window.session.job_finished, timeout=120_000) as blocker:
         speedups.sweep_controls.run.click()
         qtbot.waitUntil(lambda: len(stepped) >= 2, timeout=60_000)
         speedups.sweep_controls.stop.click()
-    points, _ = blocker.args
-    assert points == []  # the cancelled batch is no measurement
+    points = blocker.args[1].points
+    assert points == ()  # the cancelled batch is no measurement
     qtbot.waitUntil(lambda: speedups.sweep_controls.run.isEnabled())
     assert window.prompt.generate_button.isEnabled()
 

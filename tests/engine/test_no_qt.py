@@ -32,16 +32,16 @@ def test_a_generation_loads_no_qt(tiny_llama):
     assert result.stdout.strip().splitlines()[-1:] in ([], [""])
 
 
-def _engine_imports() -> dict[str, set[str]]:
-    """engine module → the engine modules (and top-level packages) it imports anywhere in its
+def _imports(package: str = "engine") -> dict[str, set[str]]:
+    """module of ``package`` → the modules (and top-level packages) it imports anywhere in its
     code (function-level imports too), leaving out ``if TYPE_CHECKING:`` blocks, which never run."""
     import ast
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2] / "engine"
+    root = Path(__file__).resolve().parents[2] / package
     graph: dict[str, set[str]] = {}
     for path in root.rglob("*.py"):
-        name = ".".join(("engine",) + path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        name = ".".join((package,) + path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
         tree = ast.parse(path.read_text(encoding="utf-8"))
         skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
                    and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
@@ -52,19 +52,16 @@ def _engine_imports() -> dict[str, set[str]]:
                 continue
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 found.add(node.module)
-                if node.module == "engine":
-                    found |= {f"engine.{alias.name}" for alias in node.names}
+                if node.module in ("engine", "app"):
+                    found |= {f"{node.module}.{alias.name}" for alias in node.names}
             elif isinstance(node, ast.Import):
                 found |= {alias.name for alias in node.names}
         graph[name] = found
     return graph
 
 
-def test_engine_imports_neither_the_app_nor_itself_in_a_cycle():
-    graph = _engine_imports()
-    outside = {name: sorted(m for m in deps if m.split(".")[0] in ("app", "PySide6", "pyqtgraph", "shiboken6"))
-               for name, deps in graph.items()}
-    assert not any(outside.values()), {k: v for k, v in outside.items() if v}
+def _cycles(graph: dict[str, set[str]]) -> list[str]:
+    """The modules of ``graph`` that import themselves through others."""
     edges = {name: {d for d in deps if d in graph and d != name} for name, deps in graph.items()}
 
     def reaches(start: str, goal: str) -> bool:
@@ -78,5 +75,18 @@ def test_engine_imports_neither_the_app_nor_itself_in_a_cycle():
                     todo.append(nxt)
         return False
 
-    cycles = sorted(name for name in graph if reaches(name, name))
+    return sorted(name for name in graph if reaches(name, name))
+
+
+def test_engine_imports_neither_the_app_nor_itself_in_a_cycle():
+    graph = _imports("engine")
+    outside = {name: sorted(m for m in deps if m.split(".")[0] in ("app", "PySide6", "pyqtgraph", "shiboken6"))
+               for name, deps in graph.items()}
+    assert not any(outside.values()), {k: v for k, v in outside.items() if v}
+    cycles = _cycles(graph)
     assert not cycles, f"engine modules in an import cycle: {cycles}"
+
+
+def test_the_app_has_no_import_cycles():
+    cycles = _cycles(_imports("app"))
+    assert not cycles, f"app modules in an import cycle: {cycles}"

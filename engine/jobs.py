@@ -1,0 +1,147 @@
+"""The kinds of work a loaded model does for the app, one small frozen dataclass each.
+
+A job runs in the model's engine thread with a :class:`JobContext`: the model, the job's cancel
+token, ``emit`` for its events as they happen (batched to the GUI by the worker) and ``keep``, a
+place for what should outlive one job (a speculative draft). ``run`` returns the job's typed
+result or raises. The app's session (app/worker.py) queues jobs per model and knows nothing of
+their kinds: a new kind of job is a new class here, and nothing else changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from engine.cancel import CancelToken
+from engine.events import BatchStep, Finished
+from engine.request import GenerationRequest
+
+if TYPE_CHECKING:
+    from engine.model import LoadedModel
+    from engine.sweep import SweepPoint, SweepSkip
+
+
+@dataclass
+class JobContext:
+    model: "LoadedModel"
+    cancel: CancelToken
+    emit: Callable[[object], None]
+    keep: dict = field(default_factory=dict)
+    """Kept by the worker from one job to the next while the model stays loaded."""
+
+
+@dataclass(frozen=True)
+class Tagged:
+    """An event of one part of a job (``tag``: which), e.g. a sweep's batch size or the plain
+    run before a speculative one."""
+
+    tag: object
+    event: object
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    """One answer, token by token: emits ``Prefilled``, ``TokenGenerated``…; returns the
+    ``Finished`` (a run that stops on non-finite scores raises ``NonFiniteError``, which carries
+    the run so far)."""
+
+    request: GenerationRequest
+    kind: ClassVar[str] = "generation"
+
+    def run(self, ctx: JobContext) -> Finished:
+        final = None
+        for event in ctx.model.generate(self.request, ctx.cancel):
+            if isinstance(event, Finished):
+                final = event
+            else:
+                ctx.emit(event)
+        return final
+
+
+@dataclass(frozen=True)
+class Scored:
+    prompt_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None
+    """``None``: the model could not score these tokens (another tokenizer's ids, say)."""
+
+
+@dataclass(frozen=True)
+class ScoreJob:
+    """Teacher-force ``token_ids`` after the request's prompt: each token's log-probability
+    under this model (a comparison lane scoring lane 1's answer)."""
+
+    request: GenerationRequest
+    token_ids: tuple[int, ...]
+    kind: ClassVar[str] = "scoring"
+
+    def run(self, ctx: JobContext) -> Scored:
+        from engine.compare import teacher_forced_logprobs
+
+        prompt_ids = ctx.model.encode(self.request)
+        try:
+            scores = teacher_forced_logprobs(ctx.model, prompt_ids, list(self.token_ids))
+        except Exception:  # noqa: BLE001 - a score is a bonus figure: its absence is shown, not fatal
+            return Scored(tuple(prompt_ids), None)
+        return Scored(tuple(prompt_ids), tuple(scores))
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    points: tuple["SweepPoint", ...]
+    skipped: tuple["SweepSkip", ...]
+
+
+@dataclass(frozen=True)
+class SweepJob:
+    """Batch sizes in turn (engine/sweep.py): emits ``Tagged(batch, BatchStep)`` and each
+    ``SweepPoint`` as it is measured; the points join the run history for the cost explorer."""
+
+    request: GenerationRequest
+    batches: tuple[int, ...]
+    kind: ClassVar[str] = "sweep"
+
+    def run(self, ctx: JobContext) -> SweepResult:
+        from engine.sweep import record_points, run_sweep
+
+        steps: dict[int, list] = {}
+
+        def on_event(batch: int, event) -> None:
+            if isinstance(event, BatchStep):
+                steps.setdefault(batch, []).append(event)
+                ctx.emit(Tagged(batch, event))
+
+        points, skipped = run_sweep(ctx.model, self.request, self.batches, ctx.cancel, on_event=on_event,
+                                    on_point=ctx.emit)
+        if points:
+            try:
+                record_points(ctx.model, points, len(ctx.model.encode(self.request)), steps)
+            except OSError:
+                pass  # the history is a convenience: a read-only data folder must not fail the sweep
+        return SweepResult(tuple(points), tuple(skipped))
+
+
+@dataclass(frozen=True)
+class SpeculateJob:
+    """Speculative decoding with ``draft`` (kept loaded for the next job), after plain decoding of
+    the same request when ``compare_plain``: emits ``Tagged("plain" | "speculative", event)``;
+    returns the report (engine/speculative.py)."""
+
+    request: GenerationRequest
+    draft: str
+    draft_tokens: int
+    compare_plain: bool = False
+    kind: ClassVar[str] = "speculative decoding"
+
+    def run(self, ctx: JobContext) -> dict:
+        from engine.speculative import load_draft, parse_draft, speculative_report
+
+        spec = parse_draft(self.draft, ctx.model.info.precision)
+        draft = ctx.keep.get("draft")
+        if draft is None or draft.spec != spec:
+            if draft is not None:
+                draft.close()
+            ctx.keep.pop("draft", None)
+            ctx.keep["draft"] = draft = load_draft(spec, ctx.model, cancel=ctx.cancel)
+        return speculative_report(ctx.model, draft, self.request, self.draft_tokens, self.compare_plain, ctx.cancel,
+                                  lambda run, event: ctx.emit(Tagged(run, event)), record=True)

@@ -1,0 +1,90 @@
+"""One model's job queue: jobs submitted together run one at a time, in order, each ending once
+with its events complete; a waiting job can be cancelled; the session says what runs and waits."""
+
+from engine.events import BatchStep, Finished, Prefilled, TokenGenerated
+from engine.jobs import GenerateJob, ScoreJob, Scored, SweepJob, SweepResult, Tagged
+from engine.loading import LoadRequest
+from engine.request import GenerationRequest
+from engine.sweep import SweepPoint
+
+
+def _session(qtbot, tiny_llama):
+    from app.worker import ModelSession
+
+    session = ModelSession("test")
+    with qtbot.waitSignal(session.loaded, timeout=60_000):
+        session.load(LoadRequest(str(tiny_llama), "fp32", "cpu"))
+    return session
+
+
+def _record(session):
+    log = []
+    session.job_started.connect(lambda job: log.append(("started", job)))
+    session.job_events.connect(lambda job, events: log.append(("events", job, events)))
+    session.job_finished.connect(lambda job, result: log.append(("finished", job, result)))
+    session.job_failed.connect(lambda job, exc: log.append(("failed", job, exc)))
+    return log
+
+
+def test_a_generation_a_comparison_and_a_sweep_queued_on_one_model(qtbot, tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path))
+    session = _session(qtbot, tiny_llama)
+    log = _record(session)
+    request = GenerationRequest("The quick brown fox", mode="raw", max_new_tokens=12, ignore_eos=True)
+    answer = GenerateJob(request)
+    lanes = [GenerateJob(request), ScoreJob(request, (5, 6, 7))]  # a comparison lane: its answer, then scoring
+    sweep = SweepJob(GenerationRequest("fox", mode="raw", max_new_tokens=3, ignore_eos=True), (1, 2))
+    ids = [session.submit(job) for job in (answer, *lanes, sweep)]
+    assert session.busy and session.waiting()[-3:] == ids[1:]
+    with qtbot.waitSignal(session.job_finished, timeout=120_000, check_params_cb=lambda job, _: job == ids[-1]):
+        pass
+    assert not session.busy and session.running is None
+    # started, then its events, then ended: each job once, one after another, in the order submitted
+    order = [(entry[0], entry[1]) for entry in log if entry[0] != "events"]
+    assert order == [(kind, job) for job in ids for kind in ("started", "finished")]
+    for job_id in ids[:2]:  # a generation's events: the prompt read, then every token in order
+        events = [e for entry in log if entry[0] == "events" and entry[1] == job_id for e in entry[2]]
+        final = next(entry[2] for entry in log if entry[0] == "finished" and entry[1] == job_id)
+        assert isinstance(events[0], Prefilled) and isinstance(final, Finished)
+        tokens = [e for e in events[1:] if isinstance(e, TokenGenerated)]
+        assert [t.index for t in tokens] == list(range(12)) and len(events) == 13
+        assert tuple(t.token_id for t in tokens) == final.token_ids
+    scored = next(entry[2] for entry in log if entry[0] == "finished" and entry[1] == ids[2])
+    assert isinstance(scored, Scored) and len(scored.logprobs) == 3
+    result = next(entry[2] for entry in log if entry[0] == "finished" and entry[1] == ids[3])
+    assert isinstance(result, SweepResult) and [p.batch for p in result.points] == [1, 2]
+    sweep_events = [e for entry in log if entry[0] == "events" and entry[1] == ids[3] for e in entry[2]]
+    assert [e for e in sweep_events if isinstance(e, SweepPoint)] == list(result.points)
+    steps = [e for e in sweep_events if isinstance(e, Tagged)]
+    assert all(isinstance(e.event, BatchStep) for e in steps) and {e.tag for e in steps} == {1, 2}
+    assert session.shutdown()
+
+
+def test_a_cancelled_waiting_job_ends_without_running_and_the_next_one_runs(qtbot, tiny_llama):
+    session = _session(qtbot, tiny_llama)
+    log = _record(session)
+    long = GenerationRequest("fox", mode="raw", max_new_tokens=100_000, ignore_eos=True)
+    short = GenerationRequest("fox", mode="raw", max_new_tokens=3, ignore_eos=True)
+    first, second, third = (session.submit(GenerateJob(r)) for r in (long, short, short))
+    qtbot.waitUntil(lambda: session.running == first, timeout=30_000)
+    assert session.describe(first) == "generation" and session.waiting() == [second, third]
+    session.cancel(second)
+    session.cancel(first)
+    with qtbot.waitSignal(session.job_finished, timeout=60_000, check_params_cb=lambda job, _: job == third):
+        pass
+    results = {entry[1]: entry[2] for entry in log if entry[0] == "finished"}
+    assert results[first].reason == "cancelled"
+    assert results[second].reason == "cancelled" and results[second].tokens == 0
+    assert results[third].reason == "length" and results[third].tokens == 3
+    assert session.shutdown()
+
+
+def test_a_job_without_a_model_fails_with_a_message(qtbot):
+    from app.worker import ModelSession
+
+    session = ModelSession("empty")
+    with qtbot.waitSignal(session.job_failed, timeout=10_000) as blocker:
+        job = session.submit(GenerateJob(GenerationRequest("fox", mode="raw")))
+    assert blocker.args[0] == job and "No model is loaded" in str(blocker.args[1])
+    assert not session.busy
+    assert session.shutdown()
