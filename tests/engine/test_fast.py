@@ -4,6 +4,7 @@ import torch
 from engine.errors import UnsupportedPrecisionError
 from engine.estimate import config_for, count_parameters, weights_bytes
 from engine.events import Finished, Prefilled, TokenGenerated
+from engine.fast import SlotCache
 from engine.loading import LoadRequest, load_model
 from engine.quantize import Int4WeightOnlyLinear, Int8WeightOnlyLinear, quantize_linears
 from engine.request import GenerationRequest
@@ -107,14 +108,16 @@ def test_unsupported_models_and_devices_are_refused_clearly(tiny_models):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("precision", ["fp32-fast", "int8-fast", "int4-fast"])
 def test_fused_layers_leave_the_model_itself_working(long_models, arch, precision):
-    """q/k/v and gate/up are fused for the fast path, their weights turned into views of the
-    fused ones; transformers' own forward (batching, speculation, teacher forcing use it) must
+    """q/k/v and gate/up are fused for the fast path (engine/fast.py, here its slot cache), their
+    weights turned into views of the fused ones; transformers' own forward (batching, speculation, teacher forcing use it) must
     still compute the same thing."""
     loaded = load_model(LoadRequest(str(long_models[arch]), precision, "cpu"))
     ids = torch.tensor([loaded.encode(GenerationRequest(PROMPT, mode="raw"))])
     with torch.inference_mode():
         theirs = loaded.model(input_ids=ids).logits[0, -1].float()
-        ours = loaded.fast.runner(64).forward(ids).float()
+        cache = SlotCache(loaded.fast)
+        cache.add(0, ids.shape[1])
+        ours = cache.prefill(0, ids).float()
     assert torch.allclose(ours, theirs, atol=2e-2 * float(theirs.abs().max()))
     assert int(ours.argmax()) == int(theirs.argmax())
 
