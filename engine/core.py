@@ -104,6 +104,7 @@ class EngineCore:
         """Queue a request; returns its id. Raises now for a bad request (empty, over-long prompt)."""
         request = request.validated()
         prompt = list(prompt_ids) if prompt_ids is not None else self.loaded.encode(request)
+        self.loaded.check_prompt(prompt)  # token ids given by the caller too
         context = self.loaded.info.context_length
         longest = len(prompt) + request.max_new_tokens if context is None else min(
             len(prompt) + request.max_new_tokens, context)

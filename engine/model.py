@@ -44,13 +44,17 @@ class LoadedModel:
         """The prompt's token ids; raises if the prompt is empty or longer than the context."""
         request = request.validated()
         ids = encode_prompt(self.tokenizer, request)
+        self.check_prompt(ids)
+        return ids
+
+    def check_prompt(self, ids: list[int]) -> None:
+        """Raise if ``ids`` leave no room to answer in the context window."""
         limit = self.info.context_length
         if limit is not None and len(ids) >= limit:
             raise PromptTooLongError(
                 f"The prompt is {len(ids)} tokens but {self.info.name} reads at most {limit} "
                 "(its context window), and needs room to answer: shorten it."
             )
-        return ids
 
     def generate(self, request: GenerationRequest, cancel: CancelToken | None = None) -> Iterator[GenerationEvent]:
         """Validate and tokenize now (errors raise here), then stream the events."""

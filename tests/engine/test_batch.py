@@ -98,6 +98,9 @@ def test_bad_batches_are_refused(loaded_llama):
         list(stream_batch(loaded_llama, request, []))
     with pytest.raises(InvalidRequestError):
         list(stream_batch(loaded_llama, request, [[1, 2], []]))
+    context = loaded_llama.info.context_length  # a prompt with no room left to answer in
+    with pytest.raises(InvalidRequestError, match="context window"):
+        list(stream_batch(loaded_llama, request, [[5] * context, [5, 6]]))
     with pytest.raises(InvalidRequestError):
         run_sweep(loaded_llama, request, [0, 2])
 
