@@ -25,7 +25,7 @@ from app.model_panel import _compact
 from app.run_buffer import RunBuffer
 from app.worker import ModelSession
 from engine.compare import LaneRun, LaneSpec
-from engine.events import Finished, Loaded, Prefilled, TokenGenerated
+from engine.events import Finished, Loaded
 from engine.jobs import GenerateJob, ScoreJob
 from engine.loading import LoadRequest
 from engine.precision import PRECISIONS
@@ -280,10 +280,7 @@ class LaneWidget(QFrame):
         if job_id != self.job:
             return
         self.run.events.extend(events)
-        for event in events:
-            if isinstance(event, Prefilled):
-                self.buffer.prefilled = event
-        self.buffer.extend(e for e in events if isinstance(e, TokenGenerated))
+        self.buffer.extend(events)
 
     @Slot(int, object)
     def _on_job_finished(self, job_id: int, result) -> None:

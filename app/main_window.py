@@ -29,7 +29,7 @@ from app.screen import fit_screen
 from app.transcript import Transcript
 from app.worker import ModelSession
 from engine import history
-from engine.events import Finished, Loaded, LoadProgress, Prefilled, TokenGenerated
+from engine.events import Finished, Loaded, LoadProgress, TokenGenerated
 from engine.jobs import GenerateJob
 from engine.units import format_bytes, format_rate, format_seconds
 
@@ -518,13 +518,10 @@ class MainWindow(QMainWindow):
     def _on_job_events(self, job_id: int, events: tuple) -> None:
         if job_id != self.job:
             return
-        tokens = [e for e in events if isinstance(e, TokenGenerated)]
         for event in events:
-            if isinstance(event, Prefilled):
-                self.buffer.prefilled = event
-        for event in tokens:
-            self.transcript.add_token(event)
-        self.buffer.extend(tokens)
+            if isinstance(event, TokenGenerated):
+                self.transcript.add_token(event)
+        self.buffer.extend(events)
 
     @Slot(int, object)
     def _on_job_finished(self, job_id: int, result) -> None:

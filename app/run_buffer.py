@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.events import Finished, Prefilled
+from engine.events import Finished, Prefilled, TokenGenerated
 
 _FIELDS = ("latency_s", "elapsed_s", "kv_bytes", "kv_predicted", "rss", "device_allocated",
            "device_reserved", "device_peak")
@@ -42,8 +42,13 @@ class RunBuffer:
             self._columns[name] = grown
 
     def extend(self, events) -> None:
-        """Append a batch of tokens, one column at a time."""
+        """Append a batch of a generation's events: its tokens, one column at a time (a
+        ``Prefilled`` among them is kept as :attr:`prefilled`; other events are not the buffer's)."""
         events = list(events)
+        for event in events:
+            if isinstance(event, Prefilled):
+                self.prefilled = event
+        events = [e for e in events if isinstance(e, TokenGenerated)]
         if not events:
             return
         while self.count + len(events) > self._capacity:

@@ -16,6 +16,7 @@ from PySide6.QtCore import QObject, QThread, Signal, Slot
 from engine.cancel import CancelToken
 from engine.errors import EngineError
 from engine.events import BatchStep, DraftVerified, TokenGenerated
+from engine.jobs import JobContext, Tagged
 
 
 BATCH_S = 0.02
@@ -127,8 +128,6 @@ class EngineWorker(QObject):
     def run_job(self, job_id: int, job, cancel: CancelToken) -> None:
         """Run one job of engine/jobs.py: its events cross to the GUI thread in batches, its
         result (or its error) once at the end."""
-        from engine.jobs import JobContext
-
         if self._model is None:
             self.job_failed.emit(job_id, EngineError("No model is loaded: load one first."))
             return
@@ -161,8 +160,6 @@ class EngineWorker(QObject):
 
 def _streamed(event) -> bool:
     """Tokens and batch steps: many a second, so they travel in batches."""
-    from engine.jobs import Tagged
-
     inner = event.event if isinstance(event, Tagged) else event
     return isinstance(inner, (TokenGenerated, BatchStep, DraftVerified))
 

@@ -276,12 +276,11 @@ class EngineCore:
                 return
             if top_k:
                 ids, values = top_scores(scores, top_k)
-            if token is not None:
-                pass
-            elif plain_greedy and top_k >= 2 and values[0] > values[1]:
-                token = ids[0]
-            else:
-                token = r.sampler(scores, r.seen.all())
+            if token is None:  # not already chosen by a speculative step
+                if plain_greedy and top_k >= 2 and values[0] > values[1]:
+                    token = ids[0]
+                else:
+                    token = r.sampler(scores, r.seen.all())
             chosen = float(scores[token]) - log_total
         alternatives = (tuple(Alternative(i, loaded.token_text(i), v - log_total) for i, v in zip(ids, values))
                         if top_k else ())

@@ -136,7 +136,7 @@ class FastDecoder:
             for capacity in capacities:
                 if cancelled():
                     break
-                scratch = FastRunner(self, capacity)
+                scratch = SlotCache(self, slots=1, capacity=capacity)  # one sequence, as a step runs
                 with torch.inference_mode():
                     for position in range(2):  # a second call confirms no recompilation is pending
                         step(self, scratch.keys, scratch.values, scratch.cos, scratch.sin, token,
@@ -179,49 +179,6 @@ def _rotary_tables(d: "FastDecoder", capacity: int) -> tuple[torch.Tensor, torch
 def _rms(x: torch.Tensor, norm, eps: float) -> torch.Tensor:
     """transformers' Llama RMSNorm (in fp32, back to the input's dtype, times the weight) as one op."""
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-class FastRunner:
-    """One sequence's static KV cache (grown by doubling if it is outgrown) and the rotary
-    cos/sin for every position in it: what the background compile runs the step on."""
-
-    def __init__(self, decoder: FastDecoder, capacity: int) -> None:
-        self.d = decoder
-        self.length = 0
-        self.capacity = 0
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self._grow(_bucket(min(capacity, 1 << 16)))
-
-    def _grow(self, capacity: int) -> None:
-        d = self.d
-        shape = (1, d.kv_heads, capacity, d.head_dim)
-        # zeros, not empty: the compiled step masks unwritten slots, and 0 × NaN garbage would be NaN
-        keys = [torch.zeros(shape, dtype=d.dtype, device=d.device) for _ in d.layers]
-        values = [torch.zeros(shape, dtype=d.dtype, device=d.device) for _ in d.layers]
-        for old, new in zip(self.keys + self.values, keys + values):
-            new[:, :, :self.length] = old[:, :, :self.length]
-        self.keys, self.values, self.capacity = keys, values, capacity
-        self.cos, self.sin = _rotary_tables(d, capacity)
-
-    def kv_bytes(self) -> int:
-        """Bytes of the cache slots holding tokens (the rest is reserved, see ``reserved_bytes``)."""
-        per_token = 2 * len(self.d.layers) * self.d.kv_heads * self.d.head_dim * self.keys[0].element_size()
-        return per_token * self.length
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logits after the last of ``ids`` ([1, n]); the n tokens join the cache."""
-        count = ids.shape[1]
-        end = self.length + count
-        if end > self.capacity:
-            self._grow(_bucket(end))
-        if count == 1 and self.capacity in self.d.compiled_capacities:
-            position = torch.tensor([self.length], device=self.d.device)
-            logits = self.d.compiled(self.d, self.keys, self.values, self.cos, self.sin, ids, position)
-        else:
-            logits = _forward(self.d, self.keys, self.values, self.cos, self.sin, ids, self.length)
-        self.length = end
-        return logits
 
 
 def _attention_inputs(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor,

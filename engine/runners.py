@@ -169,10 +169,16 @@ def _left_pad(tensor: "torch.Tensor", width: int) -> "torch.Tensor":
     return torch.cat([tensor.new_zeros(tensor.shape[0], tensor.shape[1], extra, tensor.shape[3]), tensor], dim=2)
 
 
-def batch_runner_for(loaded: "LoadedModel", rollback: bool = False):
-    """The engine core's runner for ``loaded``: the fast path's slot cache, or the reference runner."""
-    if loaded.fast is not None:
+def runner_for(model, fast=None, supports_logits_to_keep: bool = True, rollback: bool = False):
+    """An engine-core runner: the fast path's slot cache over ``fast`` (a ``FastDecoder``) where
+    there is one, else the reference runner over ``model``."""
+    if fast is not None:
         from engine.fast import SlotCache
 
-        return SlotCache(loaded.fast)
-    return ReferenceBatchRunner(loaded.model, loaded.supports_logits_to_keep, rollback)
+        return SlotCache(fast)
+    return ReferenceBatchRunner(model, supports_logits_to_keep, rollback)
+
+
+def batch_runner_for(loaded: "LoadedModel", rollback: bool = False):
+    """The engine core's runner for ``loaded``."""
+    return runner_for(loaded.model, loaded.fast, loaded.supports_logits_to_keep, rollback)

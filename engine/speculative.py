@@ -85,13 +85,9 @@ class Draft:
     def runner(self):
         """A fresh engine-core runner for the draft: the fast path's slot cache where the draft
         has one, else transformers' forward (caches that can roll back)."""
-        from engine.runners import ReferenceBatchRunner
+        from engine.runners import runner_for
 
-        if self.fast is not None:
-            from engine.fast import SlotCache
-
-            return SlotCache(self.fast)
-        return ReferenceBatchRunner(self.model, self.supports_logits_to_keep, rollback=True)
+        return runner_for(self.model, self.fast, self.supports_logits_to_keep, rollback=True)
 
     @property
     def label(self) -> str:
