@@ -82,6 +82,8 @@ class ComparePlots:
                                 "they share one process).", "memory", "time since request (s)")
         self.panels = {"speed": self.speed, "latency": self.latency, "kv": self.kv, "memory": self.memory}
         self._curves: dict[tuple[str, int], object] = {}
+        self._drawn: tuple = ()  # (run, version) of each lane it shows
+        self.redraws = 0
 
     def _curve(self, name: str, lane: LaneWidget):
         key = (name, lane.index)
@@ -91,17 +93,25 @@ class ComparePlots:
             self._curves[key] = panel.plot.plot([], [], pen=_pen_for(lane.colour))
         return self._curves[key]
 
-    def refresh(self, lanes: list[LaneWidget]) -> None:
-        for panel in self.panels.values():
-            panel.reset_view()
+    def refresh(self, lanes: list[LaneWidget]) -> bool:
+        """Redraw when a lane's run changed (returns whether it did); the views start over only
+        when a new comparison starts, so the axes grow in steps as the plots do in the main window."""
+        state = tuple((id(lane.run), lane.run.version) for lane in lanes)
+        if state == self._drawn:
+            return False
+        if [s[0] for s in state] != [s[0] for s in self._drawn]:
+            for panel in self.panels.values():
+                panel.reset_view()
+        self._drawn = state
+        self.redraws += 1
         top = {"speed": 0.0, "latency": 0.0, "kv": 0.0, "memory": 0.0}
         longest, longest_time = 0, 0.0
-        kv_unit = binary_unit(max((float(np.nanmax(l.buffer.column("kv_bytes"))) for l in lanes if l.buffer.count),
+        kv_unit = binary_unit(max((float(np.nanmax(l.run.column("kv_bytes"))) for l in lanes if l.run.count),
                                   default=0.0))
-        mem_unit = binary_unit(max((float(np.nanmax(l.buffer.column("rss"))) for l in lanes if l.buffer.has("rss")),
+        mem_unit = binary_unit(max((float(np.nanmax(l.run.column("rss"))) for l in lanes if l.run.has("rss")),
                                    default=0.0))
         for lane in lanes:
-            buffer = lane.buffer
+            buffer = lane.run
             x = buffer.index()
             n = buffer.count
             if n < 1:
@@ -128,6 +138,7 @@ class ComparePlots:
         for name in ("speed", "latency", "kv"):
             self.panels[name].fit(longest, top[name], kv_unit[1] if name == "kv" else "")
         self.memory.fit(longest_time, top["memory"], mem_unit[1])
+        return True
 
     def point_counts(self, lane: LaneWidget) -> dict[str, int]:
         counts = {}
@@ -160,7 +171,7 @@ class CompareWindow(QMainWindow):
         self.schedule = "fair"
         self._queue: list[LaneWidget] = []
         self._scores_pending: set[int] = set()
-        self.summary: list[dict] = []
+        self.summary: list[compare.LaneSummary] = []
         self._run_after_load: GenerationRequest | None = None  # a run waiting for lanes to (re)load
 
         self.prompt = QPlainTextEdit()
@@ -421,14 +432,14 @@ class CompareWindow(QMainWindow):
         self.table.setRowCount(len(self.summary))
         for row, values in enumerate(self.summary):
             for column, (key, _) in enumerate(COLUMNS):
-                item = QTableWidgetItem(cell_text(key, values[key]))
+                item = QTableWidgetItem(cell_text(key, getattr(values, key)))
                 if key == "label":
                     item.setForeground(_colour(self.lanes[row].colour))
                 self.table.setItem(row, column, item)
         self.table.resizeColumnsToContents()
         reference = runs[0].finished
         for lane, values in zip(self.lanes, self.summary):
-            same_tokens = values["token_agreement"] is not None
+            same_tokens = values.token_agreement is not None
             lane.show_divergence(list(reference.token_ids) if reference is not None and same_tokens else None)
 
     # -- redraw ------------------------------------------------------------------------
@@ -461,7 +472,7 @@ class CompareWindow(QMainWindow):
         try:
             data = self.record()
             target.write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
-            compare.write_csv(target.with_suffix(".csv"), data["summary"])
+            compare.write_csv(target.with_suffix(".csv"), self.summary)
             written = [target, target.with_suffix(".csv")]
             for name, panel in self.plots.panels.items():
                 png = target.with_name(f"{target.stem}-{name}.png")

@@ -22,7 +22,6 @@ from PySide6.QtWidgets import (
 )
 
 from app.model_panel import _compact
-from app.run_buffer import RunBuffer
 from app.worker import ModelSession
 from engine.compare import LaneRun, LaneSpec
 from engine.events import Finished, Loaded
@@ -51,7 +50,6 @@ class LaneWidget(QFrame):
         self.index = index
         self.colour = LANE_COLOURS[index % len(LANE_COLOURS)]
         self.session = ModelSession(f"lane{index + 1}", self)
-        self.buffer = RunBuffer()
         self.run = LaneRun(LaneSpec())
         self.loaded: Loaded | None = None
         self.loaded_request: LoadRequest | None = None
@@ -259,7 +257,6 @@ class LaneWidget(QFrame):
             request = replace(request, sampling=replace(spec.sampling, seed=request.sampling.seed))
         self.run = LaneRun(spec, loaded=_asdict(self.loaded))
         self._set_status(self._loaded_text())  # not a failure of an earlier run
-        self.buffer.reset(self.loaded.weights_bytes if self.loaded else None)
         self.output.clear()
         self.metrics.setText("")
         self._rendered = 0
@@ -279,8 +276,7 @@ class LaneWidget(QFrame):
     def _on_job_events(self, job_id: int, events) -> None:
         if job_id != self.job:
             return
-        self.run.events.extend(events)
-        self.buffer.extend(events)
+        self.run.extend(events)
 
     @Slot(int, object)
     def _on_job_finished(self, job_id: int, result) -> None:
@@ -301,18 +297,12 @@ class LaneWidget(QFrame):
             self._on_failed(exc)
 
     def _on_finished(self, event: Finished) -> None:
-        self.run.events.append(event)
-        self.buffer.finished = event
-        self.buffer.version += 1
+        self.run.finish(event)
         self._end()
 
     def _on_failed(self, exc) -> None:
-        self.run.error = str(exc) or type(exc).__name__
-        partial = getattr(exc, "finished", None)  # NaN scores: the answer so far is kept, marked failed
-        if partial is not None:
-            self.run.events.append(partial)
-            self.buffer.finished = partial
-            self.buffer.version += 1
+        # NaN scores: the answer so far is kept, marked failed
+        self.run.fail(str(exc) or type(exc).__name__, getattr(exc, "finished", None))
         self._set_status(f"Failed: {self.run.error}", error=True)
         self._end()
 
@@ -334,7 +324,7 @@ class LaneWidget(QFrame):
             self.output.verticalScrollBar().setValue(self.output.verticalScrollBar().maximum())
         done = self.run.finished
         ttft = tokens[0].latency_s if tokens else None
-        rate = done.decode_tokens_per_s if done else self.buffer.decode_tokens_per_s()
+        rate = done.decode_tokens_per_s if done else self.run.decode_tokens_per_s()
         self.metrics.setText(f"TTFT {format_seconds(ttft)} · {format_rate(rate)} · {len(tokens)} tokens"
                              + (f" · stopped: {done.reason}" if done else ""))
 
@@ -374,9 +364,6 @@ class LaneWidget(QFrame):
         self.run = run
         info = run.loaded or {}
         self.loaded = None
-        self.buffer.reset(info.get("weights_bytes"))
-        self.buffer.extend(run.tokens)
-        self.buffer.finished = run.finished
         self.status.setText(f"saved run · {info.get('name', run.spec.model)} · {run.spec.precision} on "
                             f"{info.get('device', run.spec.device)}" + (f" · error: {run.error}" if run.error else ""))
         self.output.clear()

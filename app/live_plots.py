@@ -1,6 +1,6 @@
 """Four live plots: tokens/sec, per-token latency, KV-cache bytes, memory.
 
-They redraw from a :class:`RunBuffer` when a timer asks (about 20 times a second), never
+They redraw from a :class:`Run` when a timer asks (about 20 times a second), never
 per token, and cheaply, because on a 2-core machine every millisecond the GUI thread
 spends is taken from the model's matrix multiplies:
 
@@ -23,7 +23,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import QGraphicsView, QLabel, QVBoxLayout, QWidget
 
-from app.run_buffer import RunBuffer
+from engine.runs import Run
 from engine.units import binary_unit
 
 pg.setConfigOptions(antialias=False, background=None)
@@ -129,7 +129,7 @@ class PlotPanel(QWidget):
 
 
 class LivePlots:
-    """Owns the four plot panels and redraws them from a RunBuffer."""
+    """Owns the four plot panels and redraws them from a Run."""
 
     def __init__(self) -> None:
         self.speed = PlotPanel(
@@ -167,27 +167,28 @@ class LivePlots:
         self._weights.setVisible(False)
         self.memory.plot.addItem(self._weights)
         self.memory.add_legend("weights", "muted", "╍╍")
-        self._drawn: dict[str, int] = {}  # plot name -> buffer version it shows
+        self._drawn: dict[str, tuple] = {}  # plot name -> (run, version) it shows
         self._titles: dict[PlotPanel, str | None] = {}
         self.redraws = 0
 
-    def refresh(self, buffer: RunBuffer, only: str | None = None) -> bool:
+    def refresh(self, buffer: Run, only: str | None = None) -> bool:
         """Redraw from the buffer: every plot, or ``only`` one of them (the window cycles through
         them while generating, so one tick pays for one plot). Returns whether anything changed."""
         names = [only] if only else list(self.panels)
-        if all(self._drawn.get(name) == buffer.version for name in names):
+        state = (id(buffer), buffer.version)
+        if all(self._drawn.get(name) == state for name in names):
             return False
         if buffer.count == 0:
             for panel in self.panels.values():
                 panel.reset_view()
         for name in names:
-            if self._drawn.get(name) != buffer.version:
-                self._drawn[name] = buffer.version
+            if self._drawn.get(name) != state:
+                self._drawn[name] = state
                 getattr(self, f"_draw_{name}")(buffer)
         self.redraws += 1
         return True
 
-    def _draw_speed(self, buffer: RunBuffer) -> None:
+    def _draw_speed(self, buffer: Run) -> None:
         """Speed per decode step; the first token's "speed" is 1/TTFT, shown in the title instead."""
         x, n = buffer.index(), buffer.count
         speed_now = buffer.tokens_per_s()[1:]
@@ -196,7 +197,7 @@ class LivePlots:
         self._set_title(self.speed, buffer)
         self.speed.fit(n, float(np.nanmax(speed_now)) if n > 1 else 0.0)
 
-    def _draw_latency(self, buffer: RunBuffer) -> None:
+    def _draw_latency(self, buffer: Run) -> None:
         """Latency of each decode step; the first token's (the TTFT) is in the title. A few spikes
         (the machine busy elsewhere for a moment) don't flatten the rest: the view stops at
         :data:`SPIKE_FACTOR` × the 95th percentile and the title says what lies above."""
@@ -213,13 +214,13 @@ class LivePlots:
         self._set_title(self.latency, buffer, note)
         self.latency.fit(n, top, shrink=True)
 
-    def _set_title(self, panel: PlotPanel, buffer: RunBuffer, note: str = "") -> None:
+    def _set_title(self, panel: PlotPanel, buffer: Run, note: str = "") -> None:
         title = f"time to first token: {buffer.column('latency_s')[0] * 1000:.0f} ms{note}" if buffer.count else None
         if self._titles.get(panel) != title:  # a title change re-lays-out the plot
             self._titles[panel] = title
             panel.plot.setTitle(title, size="9pt")
 
-    def _draw_kv(self, buffer: RunBuffer) -> None:
+    def _draw_kv(self, buffer: Run) -> None:
         """KV-cache bytes in binary units: the predicted line, and measured dots over it."""
         x, n = buffer.index(), buffer.count
         kv = buffer.column("kv_bytes")
@@ -232,7 +233,7 @@ class LivePlots:
         self._kv_predicted.setData(x, buffer.column("kv_predicted") / divisor, connect="finite")
         self.kv.fit(n, largest / divisor, unit)
 
-    def _draw_memory(self, buffer: RunBuffer) -> None:
+    def _draw_memory(self, buffer: Run) -> None:
         """Memory over time: RSS, device memory where there is a GPU, the weights as a baseline."""
         n = buffer.count
         elapsed = buffer.column("elapsed_s")

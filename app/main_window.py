@@ -24,12 +24,12 @@ from app.live_plots import LivePlots
 from app.model_panel import ModelPanel
 from app.output_view import OutputView
 from app.prompt_box import PromptBox
-from app.run_buffer import RunBuffer
 from app.screen import fit_screen
 from app.transcript import Transcript
 from app.worker import ModelSession
 from engine import history
-from engine.events import Finished, Loaded, LoadProgress, TokenGenerated
+from engine.events import Finished, Loaded, LoadProgress
+from engine.runs import Run
 from engine.jobs import GenerateJob
 from engine.units import format_bytes, format_rate, format_seconds
 
@@ -69,7 +69,7 @@ class MainWindow(QMainWindow):
         self.setWindowTitle("Inference Workbench")
         self.settings = settings
         self.transcript = Transcript()
-        self.buffer = RunBuffer()
+        self.run = Run()  # the answer being shown: the current turn's run, read by the plots and the status bar
         self.loaded: Loaded | None = None
         self.loading = False
         self.generating = False
@@ -369,8 +369,7 @@ class MainWindow(QMainWindow):
         self.transcript.mode = request.mode
         self.transcript.system_prompt = request.system_prompt
         self.transcript.add_user(text)
-        self.transcript.start_answer()
-        self.buffer.reset(self.loaded.weights_bytes)
+        self.run = self.transcript.start_answer(self.loaded.weights_bytes).run
         self.generating = True
         self.prompt.show_message("")
         self.prompt.editor.clear()
@@ -390,7 +389,7 @@ class MainWindow(QMainWindow):
         if self.generating:
             return
         self.transcript.clear()
-        self.buffer.reset(self.loaded.weights_bytes if self.loaded else None)
+        self.run = Run(self.loaded.weights_bytes if self.loaded else None)
         self.output.rerender()
         self._final_refresh()
 
@@ -518,10 +517,7 @@ class MainWindow(QMainWindow):
     def _on_job_events(self, job_id: int, events: tuple) -> None:
         if job_id != self.job:
             return
-        for event in events:
-            if isinstance(event, TokenGenerated):
-                self.transcript.add_token(event)
-        self.buffer.extend(events)
+        self.run.extend(events)
 
     @Slot(int, object)
     def _on_job_finished(self, job_id: int, result) -> None:
@@ -539,9 +535,7 @@ class MainWindow(QMainWindow):
             self._on_generation_failed(exc)
 
     def _on_generation_finished(self, event: Finished) -> None:
-        self.transcript.finish(event)
-        self.buffer.finished = event
-        self.buffer.version += 1
+        self.run.finish(event)
         history.remember(self.loaded, event, "single", self.transcript.to_markdown(), self._answer_tokens())
         self._end_generation()
         rate = format_rate(event.decode_tokens_per_s)
@@ -551,10 +545,7 @@ class MainWindow(QMainWindow):
     def _on_generation_failed(self, exc: Exception) -> None:
         message = str(exc) or type(exc).__name__
         partial = getattr(exc, "finished", None)  # e.g. NaN scores: the run up to there is kept, marked failed
-        if partial is not None:
-            self.buffer.finished = partial
-            self.buffer.version += 1
-        self.transcript.fail(message)
+        self.run.fail(message, partial)
         if partial is not None:
             history.remember(self.loaded, partial, "single", self.transcript.to_markdown(), self._answer_tokens(),
                      error=message)
@@ -564,8 +555,7 @@ class MainWindow(QMainWindow):
         self.generation_failed.emit(exc)
 
     def _answer_tokens(self) -> list:
-        turn = self.transcript.current
-        return list(turn.tokens) if turn is not None else []
+        return list(self.run.tokens)
 
     def _end_generation(self) -> None:
         self.generating = False
@@ -582,13 +572,13 @@ class MainWindow(QMainWindow):
             self.budget.begin()
             self.output.sync()
             self._plot_turn = (self._plot_turn + 1) % len(self.plots.panels)
-            self.plots.refresh(self.buffer, only=list(self.plots.panels)[self._plot_turn])
+            self.plots.refresh(self.run, only=list(self.plots.panels)[self._plot_turn])
             self._update_status()
             QTimer.singleShot(0, self.budget.end)  # runs after the paint events this redraw posted
 
     def _final_refresh(self) -> None:
         self.output.sync()
-        self.plots.refresh(self.buffer)
+        self.plots.refresh(self.run)
         self._update_status()
 
     def _update_state(self) -> None:
@@ -599,19 +589,14 @@ class MainWindow(QMainWindow):
             self.speedups.set_loading(self.loading)
 
     def _update_status(self) -> None:
-        info, buffer = self.loaded, self.buffer
-        finished = buffer.finished
-        ttft = buffer.column("latency_s")[0] if buffer.count else None
-        kv = buffer.column("kv_bytes")[-1] if buffer.count else None
-        peak = finished.peak_memory_bytes if finished else (
-            float(max(buffer.column("rss"))) if buffer.has("rss") else None)
+        info, run = self.loaded, self.run
         values = {
             "device": f"device: {info.device}" if info else "no model",
-            "ttft": f"TTFT {format_seconds(ttft)}",
-            "speed": f"decode {format_rate(buffer.decode_tokens_per_s())}",
-            "tokens": f"{buffer.count} tokens",
-            "kv": f"KV {format_bytes(kv)}",
-            "peak": f"peak {format_bytes(peak)}",
+            "ttft": f"TTFT {format_seconds(run.ttft_s())}",
+            "speed": f"decode {format_rate(run.decode_tokens_per_s())}",
+            "tokens": f"{run.count} tokens",
+            "kv": f"KV {format_bytes(run.kv_bytes())}",
+            "peak": f"peak {format_bytes(run.peak_memory_bytes())}",
         }
         for key, text in values.items():
             self.status[key].setText(text)

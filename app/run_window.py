@@ -7,9 +7,9 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QGridLayout, QSplitter, QTextBrowser, QVBoxLayout, QWidget
 
 from app.live_plots import LivePlots
-from app.run_buffer import RunBuffer
 from app.screen import fit_screen
 from engine.history import RunRecord
+from engine.runs import Run
 from engine.units import format_bytes, format_rate, format_seconds
 
 
@@ -59,7 +59,7 @@ class RunWindow(QWidget):
         self.details = QTextBrowser()
         self.details.setObjectName("runDetails")
         self.details.setMarkdown(describe(record))
-        self.buffer = RunBuffer.from_series(record.extra.get("series") or {}, record.weights_bytes)
+        self.run = Run.from_series(record.extra.get("series") or {}, record.weights_bytes)
         self.plots = LivePlots()
         if record.batch > 1:
             for panel in self.plots.panels.values():
@@ -74,5 +74,5 @@ class RunWindow(QWidget):
         split.setStretchFactor(1, 2)
         split.setSizes([460, 940])
         QVBoxLayout(self).addWidget(split)
-        self.plots.refresh(self.buffer)
+        self.plots.refresh(self.run)
         self.resize(fit_screen(1400, 800))

@@ -8,6 +8,7 @@ the window's ~20 Hz timer, never per event.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal, Slot
@@ -37,6 +38,9 @@ from app.screen import fit_screen
 from engine.events import BatchStep, DraftVerified, Loaded, Prefilled, TokenGenerated
 from engine.jobs import SpeculateJob, SweepJob, Tagged
 from engine.units import format_bytes, format_rate, format_seconds
+
+if TYPE_CHECKING:
+    from engine.speculative import SpeculativeReport
 
 REFRESH_MS = 50
 DEFAULT_PROMPT = "Explain microservices in simple terms."
@@ -94,7 +98,7 @@ class SpeedupWindow(QMainWindow):
         self._dirty = False
         self._step_text = ""
         self._plain_tokens = 0
-        self.result: dict | None = None
+        self.result: SpeculativeReport | None = None
 
         self.tabs = QTabWidget()
         self.tabs.addTab(self._build_batching(), "Batching")
@@ -446,34 +450,34 @@ class SpeedupWindow(QMainWindow):
         self.acceptance_plot.fit(len(steps), 0, "%")
         self.acceptance_plot.item.setYRange(0, 105, padding=0)
 
-    def _on_speculation_finished(self, result: dict) -> None:
+    def _on_speculation_finished(self, result: SpeculativeReport) -> None:
         self._set_running(None)
         self.refresh()
         self.result = result
-        rate = result.get("acceptance_rate")
+        rate = result.acceptance_rate
         steps = [s for s in self._steps if s.drafted_ids]
         draft_s = sum(s.draft_s for s in steps)
         verify_s = sum(s.verify_s for s in steps)
-        lines = [f"<b>{result['draft']}</b>, N = {result['draft_tokens_per_step']}: "
-                 f"{result['accepted_tokens']} of {result['drafted_tokens']} drafted tokens accepted "
+        lines = [f"<b>{result.draft}</b>, N = {result.draft_tokens_per_step}: "
+                 f"{result.accepted_tokens} of {result.drafted_tokens} drafted tokens accepted "
                  f"({'n/a' if rate is None else f'{100 * rate:.0f}%'}), "
-                 f"{(len(result['token_ids']) - 1) / len(steps) if steps else 0:.2f} tokens per target pass."]
+                 f"{(len(result.finished.token_ids) - 1) / len(steps) if steps else 0:.2f} tokens per target pass."]
         if steps:
             lines.append(f"Time per step: draft {format_seconds(draft_s / len(steps))}, "
                          f"target check {format_seconds(verify_s / len(steps))}.")
-        speed = result.get("decode_tokens_per_s")
-        if "speedup_vs_plain" in result:
-            speedup = result["speedup_vs_plain"]
-            lines.append(f"Speculative {format_rate(speed)} against plain {format_rate(result['plain_decode_tokens_per_s'])}"
+        speed = result.finished.decode_tokens_per_s
+        if result.plain is not None:
+            speedup = result.speedup_vs_plain
+            lines.append(f"Speculative {format_rate(speed)} against plain {format_rate(result.plain_decode_tokens_per_s)}"
                          f" → <b>{'n/a' if speedup is None else f'{speedup:.2f}×'}</b>"
-                         + (" (same tokens as plain decoding)" if result["same_tokens_as_plain"] else
+                         + (" (same tokens as plain decoding)" if result.same_tokens_as_plain else
                             " (sampled, so the tokens differ from the plain run)"))
         else:
             lines.append(f"Speculative decoding: {format_rate(speed)}.")
-        if result.get("draft_weights_bytes"):
-            lines.append(f"The draft's weights take {format_bytes(result['draft_weights_bytes'])} more memory.")
+        if result.draft_weights_bytes:
+            lines.append(f"The draft's weights take {format_bytes(result.draft_weights_bytes)} more memory.")
         self.spec_summary.setText("<br>".join(lines))
-        self.spec_controls.status.setText(f"Finished ({result['finish_reason']}).")
+        self.spec_controls.status.setText(f"Finished ({result.finished.reason}).")
 
     # -- the session's jobs ----------------------------------------------------------
     def _on_job_started(self, job_id: int) -> None:

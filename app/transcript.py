@@ -11,21 +11,32 @@ from datetime import datetime, timezone
 
 from engine.events import Finished, Loaded, TokenGenerated
 from engine.request import ChatMessage
+from engine.runs import Run
 
 
 @dataclass
 class Turn:
-    role: str  # "system", "user" or "assistant"
+    """A user's prompt (``text``) or the model's answer (its :class:`Run`, the one the plots read)."""
+
+    role: str  # "user" or "assistant"
     text: str = ""
-    tokens: list[TokenGenerated] = field(default_factory=list)
-    finished: Finished | None = None
-    error: str | None = None
+    run: Run = field(default_factory=Run)
+
+    @property
+    def tokens(self) -> list[TokenGenerated]:
+        return self.run.tokens
+
+    @property
+    def finished(self) -> Finished | None:
+        return self.run.finished
+
+    @property
+    def error(self) -> str | None:
+        return self.run.error
 
     def answer_text(self) -> str:
         """The answer without special tokens (end-of-turn markers and the like)."""
-        if self.role != "assistant":
-            return self.text
-        return "".join(t.text for t in self.tokens if not t.special)
+        return self.run.text if self.role == "assistant" else self.text
 
 
 class Transcript:
@@ -43,28 +54,14 @@ class Transcript:
         self.turns.append(turn)
         return turn
 
-    def start_answer(self) -> Turn:
-        turn = Turn("assistant")
+    def start_answer(self, weights_bytes: int | None = None) -> Turn:
+        turn = Turn("assistant", run=Run(weights_bytes))
         self.turns.append(turn)
         return turn
 
     @property
     def current(self) -> Turn | None:
         return self.turns[-1] if self.turns and self.turns[-1].role == "assistant" else None
-
-    def add_token(self, event: TokenGenerated) -> None:
-        turn = self.current
-        if turn is not None:
-            turn.tokens.append(event)
-            turn.text += event.text
-
-    def finish(self, event: Finished) -> None:
-        if self.current is not None:
-            self.current.finished = event
-
-    def fail(self, message: str) -> None:
-        if self.current is not None:
-            self.current.error = message
 
     def history(self) -> tuple[ChatMessage, ...]:
         """Earlier complete exchanges, for the next chat request."""

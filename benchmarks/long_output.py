@@ -50,7 +50,7 @@ def main() -> int:
 
     def tick() -> None:
         now = time.perf_counter()
-        gaps.append((window.buffer.count, (now - last[0]) * 1000 - 5))
+        gaps.append((window.run.count, (now - last[0]) * 1000 - 5))
         last[0] = now
 
     probe.timeout.connect(tick)

@@ -72,7 +72,7 @@ def main() -> None:
         seconds = time.perf_counter() - wall
         gui_cpu.append((time.thread_time() - cpu) / seconds)
         frame_rate.append((window.plots.redraws - frames) / seconds)
-        return finished.decode_tokens_per_s, list(window.buffer.column("latency_s")[1:])
+        return finished.decode_tokens_per_s, list(window.run.column("latency_s")[1:])
 
     def headless(precision: str) -> tuple[float, list[float]]:
         out = scratch / "bench.json"

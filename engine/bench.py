@@ -13,9 +13,10 @@ from importlib import metadata
 
 import engine
 from engine.cancel import CancelToken
-from engine.events import Finished, GenerationEvent, Prefilled, TokenGenerated
+from engine.events import GenerationEvent, Loaded
 from engine.model import LoadedModel
 from engine.request import GenerationRequest
+from engine.runs import Run
 
 _PACKAGES = ("torch", "transformers", "accelerate", "bitsandbytes", "gguf", "safetensors",
              "huggingface_hub", "tokenizers", "numpy", "psutil")
@@ -32,28 +33,27 @@ def versions() -> dict[str, str | None]:
     return found
 
 
+def measure(events, weights_bytes: int | None = None,
+            on_event: Callable[[GenerationEvent], None] | None = None) -> Run:
+    """Consume a generation's events into a :class:`Run`, passing each to ``on_event``."""
+    measured = Run(weights_bytes)
+    for event in events:
+        if on_event is not None:
+            on_event(event)
+        measured.extend([event])
+    assert measured.finished is not None, "the stream always ends with Finished"
+    return measured
+
+
 def run(loaded: LoadedModel, request: GenerationRequest, cancel: CancelToken | None = None,
         on_event: Callable[[GenerationEvent], None] | None = None) -> dict:
     """Generate, passing each event to ``on_event``; return the bench report."""
-    prefilled: Prefilled | None = None
-    tokens: list[TokenGenerated] = []
-    finished: Finished | None = None
-    for event in loaded.generate(request, cancel):
-        if on_event is not None:
-            on_event(event)
-        if isinstance(event, TokenGenerated):
-            tokens.append(event)
-        elif isinstance(event, Prefilled):
-            prefilled = event
-        elif isinstance(event, Finished):
-            finished = event
-    assert finished is not None, "the stream always ends with Finished"
-    return report(loaded, request, prefilled, tokens, finished)
+    return report(loaded.info, request, measure(loaded.generate(request, cancel), loaded.info.weights_bytes, on_event))
 
 
-def report(loaded: LoadedModel, request: GenerationRequest, prefilled: Prefilled | None,
-           tokens: list[TokenGenerated], finished: Finished) -> dict:
-    info = loaded.info
+def report(info: Loaded, request: GenerationRequest, measured: Run) -> dict:
+    """The bench JSON of one finished run of ``info``'s model."""
+    prefilled, tokens, finished = measured.prefilled, measured.tokens, measured.finished
     finished_fields = {k: v for k, v in asdict(finished).items() if k not in ("token_ids", "text")}
     return {
         "model": info.name,

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from engine.errors import EngineError, InvalidRequestError
@@ -229,8 +230,9 @@ def _bench(args) -> int:
                 if run == "speculative" or not args.quiet:
                     on_event(event)
 
-            result = speculative_report(loaded, draft, request, args.draft_tokens, args.compare_plain, cancel,
+            report = speculative_report(loaded, draft, request, args.draft_tokens, args.compare_plain, cancel,
                                         on_run_event)
+            result = {**bench.report(loaded.info, request, report.run), **report.summary()}
     except KeyboardInterrupt:
         cancel.cancel()
         raise
@@ -238,7 +240,7 @@ def _bench(args) -> int:
         print()
     print(summary(result))
     if draft is not None:
-        print(speculative_summary(result))
+        print(speculative_summary(report))
     if compiled is not None:
         result["compile_s"] = compiled.seconds
         result["compiled"] = not compiled.error
@@ -247,15 +249,15 @@ def _bench(args) -> int:
     return 0
 
 
-def speculative_summary(result: dict) -> str:
-    rate = result["acceptance_rate"]
-    line = (f"draft    {result['draft']}: {result['accepted_tokens']}/{result['drafted_tokens']} drafted tokens "
-            f"accepted ({'—' if rate is None else f'{100 * rate:.0f}%'}), {result['draft_tokens_per_step']} per step")
-    if "speedup_vs_plain" in result:
-        speedup = result["speedup_vs_plain"]
-        line += (f"\nplain    {format_rate(result['plain_decode_tokens_per_s'])} decode → speed-up "
+def speculative_summary(report) -> str:
+    rate = report.acceptance_rate
+    line = (f"draft    {report.draft}: {report.accepted_tokens}/{report.drafted_tokens} drafted tokens "
+            f"accepted ({'—' if rate is None else f'{100 * rate:.0f}%'}), {report.draft_tokens_per_step} per step")
+    if report.plain is not None:
+        speedup = report.speedup_vs_plain
+        line += (f"\nplain    {format_rate(report.plain_decode_tokens_per_s)} decode → speed-up "
                  f"{'—' if speedup is None else f'{speedup:.2f}×'}"
-                 f"{'' if result['same_tokens_as_plain'] else ' (sampled: the tokens differ from the plain run)'}")
+                 f"{'' if report.same_tokens_as_plain else ' (sampled: the tokens differ from the plain run)'}")
     return line
 
 
@@ -341,16 +343,17 @@ def _compare(args) -> int:
 
     runs = compare.run_comparison(specs, request, args.schedule, on_event)
     result = compare.to_record(runs, request, args.schedule)  # the report, plus every event: reopens in the app
-    print("\n" + compare_table(result["summary"]))
+    rows = compare.summary_rows(runs)
+    print("\n" + compare_table(rows))
     if args.json is not None:
         _write_json(args.json, result)
     if args.csv is not None:
-        compare.write_csv(args.csv, result["summary"])
+        compare.write_csv(args.csv, rows)
         print(f"table    {args.csv}")
     return 0
 
 
-def compare_table(rows: list[dict]) -> str:
+def compare_table(rows: list) -> str:
     """The summary as aligned text columns."""
     def pct(value):
         return "—" if value is None else f"{100 * value:.1f}%"
@@ -358,7 +361,8 @@ def compare_table(rows: list[dict]) -> str:
     header = ("lane", "load", "weights", "peak", "TTFT", "tok/s", "p50", "p95", "tokens", "KV", "agree",
               "diverge@", "|Δlogp|", "stop")
     lines = [header]
-    for r in rows:
+    for row in rows:
+        r = asdict(row)
         lines.append((
             f"{r['lane']} {r['label']}", format_seconds(r["load_s"]), format_bytes(r["weights_bytes"]),
             format_bytes(r["peak_memory_bytes"]), format_seconds(r["ttft_s"]), format_rate(r["decode_tokens_per_s"], ""),

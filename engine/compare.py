@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from engine.bench import report as bench_report
 from engine.bench import versions
 from engine.cancel import CancelToken
 from engine.errors import InvalidRequestError
-from engine.events import Finished, Prefilled, TokenGenerated
+from engine.events import Loaded
 from engine.request import GenerationRequest
+from engine.runs import Run
 from engine.sampling import SamplingParams
 
 SCHEDULES = ("fair", "concurrent")
@@ -82,25 +83,21 @@ def teacher_forced_logprobs(loaded, prompt_ids: Sequence[int], token_ids: Sequen
     return picked.squeeze(1).tolist()
 
 
-@dataclass
-class LaneRun:
-    """One lane's run: what it was, everything it emitted, and what it scored."""
+class LaneRun(Run):
+    """One lane's run (its events and series, as every run): what the lane was, the model it
+    loaded, and lane 1's answer scored by its model."""
 
-    spec: LaneSpec
-    loaded: dict | None = None
-    events: list = field(default_factory=list)
-    prompt_ids: list[int] = field(default_factory=list)
-    reference_scores: list[float] | None = None
-    """Lane 1's answer scored by this lane's model."""
-    error: str | None = None
+    def __init__(self, spec: LaneSpec, loaded: dict | None = None) -> None:
+        super().__init__(None if loaded is None else loaded.get("weights_bytes"))
+        self.spec = spec
+        self.loaded = loaded
+        self.prompt_ids: list[int] = []
+        self.reference_scores: list[float] | None = None
+        """Lane 1's answer scored by this lane's model."""
 
-    @property
-    def finished(self) -> Finished | None:
-        return next((e for e in reversed(self.events) if isinstance(e, Finished)), None)
-
-    @property
-    def tokens(self) -> list[TokenGenerated]:
-        return [e for e in self.events if isinstance(e, TokenGenerated)]
+    def set_loaded(self, loaded: dict) -> None:
+        self.loaded = loaded
+        self.weights_bytes = loaded.get("weights_bytes")
 
 
 def lane_metrics(reference: LaneRun, lane: LaneRun) -> dict:
@@ -116,57 +113,55 @@ def lane_metrics(reference: LaneRun, lane: LaneRun) -> dict:
     return {"token_agreement": share, "first_divergence": first, "mean_abs_logprob_delta": delta}
 
 
-def latency_stats(tokens: Sequence[TokenGenerated]) -> dict:
-    """Mean, p50 and p95 of the decode steps (the first token's latency is the TTFT)."""
-    steps = sorted(t.latency_s for t in tokens[1:])
-    if not steps:
-        return {"latency_mean_s": None, "latency_p50_s": None, "latency_p95_s": None}
+@dataclass(frozen=True)
+class LaneSummary:
+    """One lane's row of the comparison's summary: the table, the CSV and the JSON's ``summary``."""
 
-    def pct(q: float) -> float:
-        return steps[min(len(steps) - 1, int(q * len(steps)))]
+    lane: int
+    label: str
+    load_s: float | None
+    weights_bytes: int | None
+    peak_memory_bytes: int | None
+    ttft_s: float | None
+    decode_tokens_per_s: float | None
+    latency_mean_s: float | None
+    latency_p50_s: float | None
+    latency_p95_s: float | None
+    tokens: int | None
+    kv_cache_bytes: int | None
+    finish_reason: str | None
+    token_agreement: float | None
+    first_divergence: int | None
+    mean_abs_logprob_delta: float | None
 
-    return {"latency_mean_s": sum(steps) / len(steps), "latency_p50_s": pct(0.5), "latency_p95_s": pct(0.95)}
 
-
-def summary_rows(runs: Sequence[LaneRun]) -> list[dict]:
-    """One row per lane: what the summary table and the CSV show."""
+def summary_rows(runs: Sequence[LaneRun]) -> list[LaneSummary]:
+    """One row per lane, against lane 1."""
     rows = []
     for index, lane in enumerate(runs):
         done, info = lane.finished, lane.loaded or {}
-        row = {
-            "lane": index + 1, "label": lane.spec.label, "load_s": info.get("load_s"),
-            "weights_bytes": info.get("weights_bytes"),
-            "peak_memory_bytes": done.peak_memory_bytes if done else None,
-            "ttft_s": done.ttft_s if done else None,
-            "decode_tokens_per_s": done.decode_tokens_per_s if done else None,
-            **latency_stats(lane.tokens),
-            "tokens": done.tokens if done else None,
-            "kv_cache_bytes": done.kv_cache_bytes if done else None,
-            "finish_reason": done.reason if done else (f"error: {lane.error}" if lane.error else None),
+        rows.append(LaneSummary(
+            lane=index + 1, label=lane.spec.label, load_s=info.get("load_s"), weights_bytes=info.get("weights_bytes"),
+            peak_memory_bytes=done.peak_memory_bytes if done else None,
+            ttft_s=done.ttft_s if done else None,
+            decode_tokens_per_s=done.decode_tokens_per_s if done else None,
+            **lane.latency_stats(),
+            tokens=done.tokens if done else None,
+            kv_cache_bytes=done.kv_cache_bytes if done else None,
+            finish_reason=done.reason if done else (f"error: {lane.error}" if lane.error else None),
             **lane_metrics(runs[0], lane),
-        }
-        rows.append(row)
+        ))
     return rows
-
-
-class _Stub:
-    """What :func:`engine.bench.report` reads of a loaded model, from a saved Loaded dict."""
-
-    def __init__(self, loaded: dict) -> None:
-        from engine.events import Loaded
-
-        self.info = Loaded(**loaded)
 
 
 def lane_report(lane: LaneRun, request: GenerationRequest, reference: LaneRun) -> dict:
     """The bench JSON keys of one lane, plus the comparison keys."""
-    prefilled = next((e for e in lane.events if isinstance(e, Prefilled)), None)
     data = {"lane": lane.spec.label, "spec": {**asdict(lane.spec), "sampling": None if lane.spec.sampling is None
                                               else asdict(lane.spec.sampling)}}
     if lane.loaded is not None and lane.finished is not None:
-        data.update(bench_report(_Stub(lane.loaded), request, prefilled, lane.tokens, lane.finished))
+        data.update(bench_report(Loaded(**lane.loaded), request, lane))
         data.pop("versions", None)
-    data.update(latency_stats(lane.tokens))
+    data.update(lane.latency_stats())
     data.update(lane_metrics(reference, lane))
     data["error"] = lane.error
     return data
@@ -212,9 +207,10 @@ def from_record(data: dict) -> tuple[list[LaneRun], GenerationRequest, str]:
     for item in data["runs"]:
         spec = dict(item["spec"])
         spec["sampling"] = None if spec.get("sampling") is None else SamplingParams(**spec["sampling"])
-        runs.append(LaneRun(spec=LaneSpec(**spec), loaded=item["loaded"],
-                            events=[event_from_dict(e) for e in item["events"]], prompt_ids=list(item["prompt_ids"]),
-                            reference_scores=item["reference_scores"], error=item["error"]))
+        run = LaneRun(LaneSpec(**spec), item["loaded"])
+        run.extend(event_from_dict(e) for e in item["events"])
+        run.prompt_ids, run.reference_scores, run.error = list(item["prompt_ids"]), item["reference_scores"], item["error"]
+        runs.append(run)
     return runs, request_from_dict(data["request"]), data["schedule"]
 
 
@@ -224,7 +220,7 @@ def report(runs: Sequence[LaneRun], request: GenerationRequest, schedule: str) -
         "schedule": schedule,
         "request": request_to_dict(request),
         "lanes": [lane_report(lane, request, runs[0]) for lane in runs],
-        "summary": summary_rows(runs),
+        "summary": [asdict(row) for row in summary_rows(runs)],
         "versions": versions(),
     }
 
@@ -258,7 +254,7 @@ def run_comparison(specs: Sequence[LaneSpec], request: GenerationRequest, schedu
         spec = runs[index].spec
         loaded = load_model(LoadRequest(spec.model, spec.precision, spec.device),
                             progress=lambda event: emit(index, event), cancel=cancel)
-        runs[index].loaded = asdict(loaded.info)
+        runs[index].set_loaded(asdict(loaded.info))
         emit(index, loaded.info)
         return loaded
 
@@ -267,7 +263,7 @@ def run_comparison(specs: Sequence[LaneSpec], request: GenerationRequest, schedu
         wanted = lane_request(run.spec)
         run.prompt_ids = loaded.encode(wanted)
         for event in loaded.generate(wanted, cancel):
-            run.events.append(event)
+            run.extend([event])
             emit(index, event)
 
     def score(index: int, loaded) -> None:
@@ -312,13 +308,13 @@ def run_comparison(specs: Sequence[LaneSpec], request: GenerationRequest, schedu
     return runs
 
 
-def write_csv(path, rows: Sequence[dict]) -> None:
+def write_csv(path, rows: Sequence[LaneSummary]) -> None:
     import csv
     from pathlib import Path
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(fh, fieldnames=list(asdict(rows[0])))
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(asdict(row) for row in rows)

@@ -38,15 +38,19 @@ def test_identical_lanes_agree_completely(qtbot, compare, tiny_llama, schedule):
     configure(compare, [LaneSpec(str(tiny_llama), "fp32", "cpu")] * 3)
     load_all(qtbot, compare)
     run(qtbot, compare, schedule=schedule)
-    assert [row["token_agreement"] for row in compare.summary] == [1.0, 1.0, 1.0]
-    assert [row["first_divergence"] for row in compare.summary] == [None, None, None]
-    assert [row["mean_abs_logprob_delta"] for row in compare.summary] == [0.0, 0.0, 0.0]
+    assert [row.token_agreement for row in compare.summary] == [1.0, 1.0, 1.0]
+    assert [row.first_divergence for row in compare.summary] == [None, None, None]
+    assert [row.mean_abs_logprob_delta for row in compare.summary] == [0.0, 0.0, 0.0]
     agreement = [title for _, title in COLUMNS].index("Agreement")
     assert [row[agreement] for row in table_text(compare)] == ["100.0%"] * 3
     for lane in compare.lanes:
         assert lane.run.finished.tokens == 10
         assert compare.plots.point_counts(lane)["kv"] == 10
         assert lane.output.toPlainText() == compare.lanes[0].output.toPlainText()
+    # the plots redraw only when a lane's run changed
+    redraws = compare.plots.redraws
+    compare._redraw()
+    assert compare.plots.redraws == redraws
 
 
 def test_divergent_lane_is_highlighted(qtbot, compare, tiny_llama):
@@ -54,8 +58,8 @@ def test_divergent_lane_is_highlighted(qtbot, compare, tiny_llama):
     load_all(qtbot, compare)
     run(qtbot, compare, tokens=16)
     row = compare.summary[1]
-    assert row["mean_abs_logprob_delta"] > 0
-    if row["first_divergence"] is not None:
+    assert row.mean_abs_logprob_delta > 0
+    if row.first_divergence is not None:
         from PySide6.QtGui import QTextCursor
 
         doc = compare.lanes[1].output.document()

@@ -96,7 +96,7 @@ def test_nan_stops_the_run_with_a_message_and_the_run_is_kept_as_failed(qtbot, w
     assert "NaN" in message and "fp32" in message
     turn = window.transcript.current
     assert turn.error == message and [t.token_id for t in turn.tokens] == before
-    assert window.buffer.finished.reason == "error" and window.buffer.count == 3
+    assert window.run.finished.reason == "error" and window.run.count == 3
     [record] = [r for r in history.load_all() if r.kind == "single"]
     assert record.extra["error"] == message and record.tokens == 3
     assert "failed" in window.statusBar().currentMessage()
@@ -111,7 +111,7 @@ def test_a_lane_changed_after_loading_reloads_before_the_run(qtbot, compare, tin
     run(qtbot, compare, tokens=4)  # one click: reloads lane 2, then runs
     assert compare.lanes[1].loaded_request.model == qwen
     assert compare.lanes[1].run.loaded["path"] == compare.lanes[1].loaded.path
-    assert compare.summary[1]["label"].startswith(qwen)
+    assert compare.summary[1].label.startswith(qwen)
     assert compare.message.text() == ""  # no "load first" left behind
     assert [lane.run.finished.tokens for lane in compare.lanes] == [4, 4]
 
@@ -153,7 +153,7 @@ def test_history_reopens_the_plots_and_transcript(qtbot, window, tiny_llama):
     qtbot.addWidget(opened)
     assert opened.plots.point_counts()["latency"] == finished.tokens - 1  # the first token's is the TTFT
     assert opened.plots.point_counts()["kv_predicted"] == finished.tokens
-    assert opened.buffer.column("latency_s")[0] == pytest.approx(finished.ttft_s)
+    assert opened.run.column("latency_s")[0] == pytest.approx(finished.ttft_s)
     assert finished.text.strip()[:10] in opened.details.toPlainText()
     rect = dialog.table.visualItemRect(dialog.table.item(0, 0))
     qtbot.mouseClick(dialog.table.viewport(), Qt.LeftButton, pos=rect.center())  # a double-click is
@@ -184,7 +184,7 @@ def test_history_lists_sweeps_with_their_aggregate_and_speculative_runs(qtbot, l
     speculative = dialog.open_record(0)
     qtbot.addWidget(speculative)
     assert "accepted" in speculative.details.toPlainText()
-    assert speculative.plots.point_counts()["kv_predicted"] == len(report["token_ids"])
+    assert speculative.plots.point_counts()["kv_predicted"] == len(report.finished.token_ids)
     sweep = dialog.open_record(1)
     qtbot.addWidget(sweep)
     assert sweep.plots.point_counts()["kv_predicted"] == len(steps[2])
@@ -193,11 +193,11 @@ def test_history_lists_sweeps_with_their_aggregate_and_speculative_runs(qtbot, l
 
 def test_one_latency_spike_does_not_flatten_the_plot(qtbot):
     from app.live_plots import LivePlots
-    from app.run_buffer import RunBuffer
+    from engine.runs import Run
 
     latency = [0.2] + [0.05 + 0.001 * (i % 7) for i in range(99)]
     latency[60] = 2.0  # the machine busy elsewhere for two seconds
-    buffer = RunBuffer.from_series({"latency_s": latency, "elapsed_s": list(range(100)),
+    buffer = Run.from_series({"latency_s": latency, "elapsed_s": list(range(100)),
                                     "kv_bytes": [1024.0] * 100})
     plots = LivePlots()
     for panel in plots.panels.values():

@@ -47,6 +47,8 @@ def test_text_grows_token_by_token_and_plots_hold_a_point_per_token(qtbot, windo
     assert lengths == sorted(lengths) and len(steps) >= 3, lengths
     answer = window.transcript.turns[-1]
     assert len(answer.tokens) == 200
+    # one store: the transcript's answer is the run the plots and the status bar read, each token kept once
+    assert answer.run is window.run and window.run.events.count(window.run.tokens[5]) == 1
     assert visible(answer.answer_text()) in visible(window.output.toPlainText())
     counts = window.plots.point_counts()
     # every token is a point; speed and latency plot the 199 decode steps, the TTFT is their title;
@@ -64,7 +66,7 @@ def test_text_grows_token_by_token_and_plots_hold_a_point_per_token(qtbot, windo
 def test_stop_mid_generation(qtbot, window, slow_tiny):
     load(qtbot, window, slow_tiny)
     generate(qtbot, window, "fox", max_tokens=100_000, wait=False)
-    qtbot.waitUntil(lambda: window.buffer.count >= 5, timeout=60_000)
+    qtbot.waitUntil(lambda: window.run.count >= 5, timeout=60_000)
     with qtbot.waitSignal(window.generation_finished, timeout=30_000) as blocker:
         qtbot.keyClick(window.prompt.editor, Qt.Key_Escape)
     finished = blocker.args[0]
@@ -218,7 +220,7 @@ def test_close_during_generation_stops_the_worker(qtbot, app_factory, slow_tiny)
     window = app_factory()
     load(qtbot, window, slow_tiny)
     generate(qtbot, window, "fox", max_tokens=100_000, wait=False)
-    qtbot.waitUntil(lambda: window.buffer.count >= 3, timeout=60_000)
+    qtbot.waitUntil(lambda: window.run.count >= 3, timeout=60_000)
     window.close()
     assert window.session.thread.isFinished()
 

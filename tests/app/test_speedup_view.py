@@ -47,10 +47,10 @@ def test_speculative_run_marks_tokens_and_reports_the_speedup(qtbot, window, spe
         speedups.spec_controls.run.click()
     result = blocker.args[1]
     qtbot.waitUntil(lambda: speedups.running is None)
-    assert result["draft"] == "early-exit:1" and result["same_tokens_as_plain"] is True
-    assert "speedup_vs_plain" in result
+    assert result.draft == "early-exit:1" and result.same_tokens_as_plain is True
+    assert result.plain is not None and result.speedup_vs_plain is not None
     summary = speedups.spec_summary.text()
-    assert f"{result['accepted_tokens']} of {result['drafted_tokens']} drafted tokens accepted" in summary
+    assert f"{result.accepted_tokens} of {result.drafted_tokens} drafted tokens accepted" in summary
     assert "against plain" in summary
     # the acceptance plot has one dot per verification step
     x, y = speedups.step_curve.getData()
@@ -67,8 +67,8 @@ def test_speculative_run_marks_tokens_and_reports_the_speedup(qtbot, window, spe
             shaded += fragment.charFormat().background().style() != 0
             it += 1
         block = block.next()
-    rejected = result["drafted_tokens"] - result["accepted_tokens"]
-    assert (struck > 0) == (rejected > 0) and (shaded > 0) == (result["accepted_tokens"] > 0)
+    rejected = result.drafted_tokens - result.accepted_tokens
+    assert (struck > 0) == (rejected > 0) and (shaded > 0) == (result.accepted_tokens > 0)
 
 
 def test_busy_model_and_bad_input_are_refused_with_a_message(qtbot, window, speedups, slow_tiny):
@@ -98,7 +98,7 @@ def test_busy_model_and_bad_input_are_refused_with_a_message(qtbot, window, spee
                           check_params_cb=lambda job, result: job == waiting):
         window.stop()
     qtbot.waitUntil(lambda: speedups.spec_controls.run.isEnabled())
-    assert speedups.result["draft"] == "early-exit:1"
+    assert speedups.result.draft == "early-exit:1"
 
 
 def test_stop_ends_a_sweep(qtbot, window, speedups):
