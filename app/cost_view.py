@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.background import Background
 from app.live_plots import PlotPanel
 from app.screen import fit_screen
 from engine import costs, hardware
@@ -59,8 +60,12 @@ class CostWindow(QMainWindow):
         self._config = None
         self._count = None
         self._config_ref = None
+        self._configs: dict[str, tuple] = {}  # model ref -> (config or None, its parameter count)
+        self._reading: set[str] = set()  # refs whose config is being read off the GUI thread
+        self.background = Background(self)
         self.estimate: costs.Estimate | None = None
         self.records: list[RunRecord] = []
+        self.profiles: dict[str, hardware.Hardware] = {}
 
         self.model = QComboBox()
         self.model.setEditable(True)
@@ -174,10 +179,15 @@ class CostWindow(QMainWindow):
 
     # -- inputs --------------------------------------------------------------------------
     def reload_hardware(self) -> None:
+        """Read the profiles off the GUI thread: "this machine" is measured (a few seconds) the
+        first time on a new computer."""
+        self.background.submit(hardware.profiles, self._show_profiles, self._show_failure)
+
+    def _show_profiles(self, profiles) -> None:
         current = self.hardware.currentData()
         self.hardware.blockSignals(True)
         self.hardware.clear()
-        self.profiles = {p.id: p for p in hardware.profiles()}
+        self.profiles = {p.id: p for p in profiles}
         for profile in self.profiles.values():
             self.hardware.addItem(profile.name, profile.id)
         index = self.hardware.findData(current or hardware.THIS_MACHINE)
@@ -186,8 +196,14 @@ class CostWindow(QMainWindow):
         self.schedule_update()
 
     def reload_history(self) -> None:
-        self.records = load_all()
+        self.background.submit(load_all, self._show_history, self._show_failure)
+
+    def _show_history(self, records: list[RunRecord]) -> None:
+        self.records = records
         self.schedule_update()
+
+    def _show_failure(self, exc: BaseException) -> None:
+        self.numbers.setText(f"<span style='color:#c0392b'>{exc}</span>")
 
     def set_model(self, ref: str, precision: str | None = None) -> None:
         index = self.model.findData(ref)
@@ -208,13 +224,24 @@ class CostWindow(QMainWindow):
             self._pending.start()
 
     # -- the model of costs ---------------------------------------------------------------
-    def _config_for_current(self):
+    def _config_for_current(self) -> bool:
+        """Whether the current model's config is known (it may be None: not on this machine);
+        if not, it is being read off the GUI thread and the view updates when it arrives."""
         ref = self.model_ref()
-        if ref != self._config_ref:
+        if ref in self._configs:
             self._config_ref = ref
-            self._config = config_for(ref)
-            self._count = count_parameters(self._config) if self._config is not None else None
-        return self._config
+            self._config, self._count = self._configs[ref]
+            return True
+        if ref not in self._reading:
+            self._reading.add(ref)
+            self.background.submit(lambda: _read_config(ref), lambda found: self._config_read(ref, found),
+                                   lambda exc: self._config_read(ref, (None, None)))
+        return False
+
+    def _config_read(self, ref: str, found: tuple) -> None:
+        self._reading.discard(ref)
+        self._configs[ref] = found
+        self.schedule_update()
 
     @Slot()
     def update_view(self) -> None:
@@ -222,7 +249,13 @@ class CostWindow(QMainWindow):
         batch = BATCHES[self.batch.value()]
         self.context_label.setText(f"{context:,} tokens")
         self.batch_label.setText(f"{batch}")
-        config = self._config_for_current()
+        if not self.profiles or not self._config_for_current():
+            waiting = [] if self.profiles else ["measuring this machine (a few seconds, the first time)"]
+            if self.model_ref() in self._reading:
+                waiting.append(f"reading the config of {self.model_ref()}")
+            self.numbers.setText("<i>" + "; ".join(waiting).capitalize() + "…</i>")
+            return
+        config = self._config
         if config is None:
             self.estimate = None
             self.numbers.setText(f"<span style='color:#c0392b'>No config for {self.model_ref()!r} on this machine: "
@@ -419,6 +452,13 @@ class CostWindow(QMainWindow):
             for profile_id, values in dialog.changes().items():
                 hardware.save_edit(profile_id, **values)
             self.reload_hardware()
+
+
+def _read_config(ref: str) -> tuple:
+    """A model's config and parameter count (imports transformers, builds it on the meta device
+    under the load lock: never on the GUI thread)."""
+    config = config_for(ref)
+    return config, (count_parameters(config) if config is not None else None)
 
 
 class HardwareDialog(QDialog):

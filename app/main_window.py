@@ -62,6 +62,7 @@ PACES = (  # share of a CPU core the GUI thread may spend redrawing while the mo
 class MainWindow(QMainWindow):
     generation_finished = Signal(object)  # Finished: this window's answer ended (after the window updated)
     generation_failed = Signal(object)  # Exception: it failed (a partial run, if any, rides on it)
+    history_opened = Signal(object)  # the history dialog, once its records are in its table
 
     def __init__(self, settings: QSettings, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -251,6 +252,7 @@ class MainWindow(QMainWindow):
 
         dialog = HistoryDialog(self)
         dialog.setAttribute(Qt.WA_DeleteOnClose)
+        dialog.ready.connect(lambda: self.history_opened.emit(dialog))
         dialog.open()
         return dialog
 

@@ -98,10 +98,12 @@ def test_finished_runs_reopen_from_the_history(qtbot, window, tiny_llama, tmp_pa
     load(qtbot, window, tiny_llama)
     first = generate(qtbot, window, "first question", max_tokens=3)
     generate(qtbot, window, "second question", max_tokens=4)
-    dialog = window.open_history()
+    with qtbot.waitSignal(window.history_opened, timeout=30_000) as opened:
+        window.open_history()
+    dialog = opened.args[0]
     qtbot.addWidget(dialog)
-    assert dialog.table.rowCount() == 2
-    assert dialog.table.item(0, 6).text() == "4" and dialog.table.item(1, 6).text() == "3"  # newest first
+    assert dialog.model.rowCount() == 2
+    assert dialog.cell(0, 6) == "4" and dialog.cell(1, 6) == "3"  # newest first
     dialog.table.selectRow(1)
     dialog.show_record(1)
     text = dialog.details.toPlainText()

@@ -145,9 +145,11 @@ def test_closing_compare_frees_its_lanes_models(qtbot, window, tiny_llama):
 def test_history_reopens_the_plots_and_transcript(qtbot, window, tiny_llama):
     load(qtbot, window, tiny_llama)
     finished = generate(qtbot, window, "fox", max_tokens=7)
-    dialog = window.open_history()
+    with qtbot.waitSignal(window.history_opened, timeout=30_000) as shown:
+        window.open_history()
+    dialog = shown.args[0]
     qtbot.addWidget(dialog)
-    assert dialog.table.item(0, 1).text() == "single"
+    assert dialog.cell(0, 1) == "single"
     qtbot.keyClick(dialog, Qt.Key_Return)  # Enter opens the selected run
     [opened] = dialog.opened
     qtbot.addWidget(opened)
@@ -155,7 +157,7 @@ def test_history_reopens_the_plots_and_transcript(qtbot, window, tiny_llama):
     assert opened.plots.point_counts()["kv_predicted"] == finished.tokens
     assert opened.run.column("latency_s")[0] == pytest.approx(finished.ttft_s)
     assert finished.text.strip()[:10] in opened.details.toPlainText()
-    rect = dialog.table.visualItemRect(dialog.table.item(0, 0))
+    rect = dialog.table.visualRect(dialog.model.index(0, 0))
     qtbot.mouseClick(dialog.table.viewport(), Qt.LeftButton, pos=rect.center())  # a double-click is
     qtbot.mouseDClick(dialog.table.viewport(), Qt.LeftButton, pos=rect.center())  # a press, then the second
     assert len(dialog.opened) == 2
@@ -177,10 +179,11 @@ def test_history_lists_sweeps_with_their_aggregate_and_speculative_runs(qtbot, l
     report = speculative_report(loaded_llama, draft, request, 2, record=True)
     dialog = HistoryDialog()
     qtbot.addWidget(dialog)
-    kinds = [dialog.table.item(r, 1).text() for r in range(dialog.table.rowCount())]
+    qtbot.waitSignal(dialog.ready, timeout=30_000).wait()
+    kinds = [dialog.cell(r, 1) for r in range(dialog.model.rowCount())]
     assert kinds == ["speculative", "sweep"]
     aggregate = COLUMNS.index("aggregate tok/s")
-    assert dialog.table.item(1, aggregate).text().startswith(f"{points[0].aggregate_tokens_per_s:.1f}")
+    assert dialog.cell(1, aggregate).startswith(f"{points[0].aggregate_tokens_per_s:.1f}")
     speculative = dialog.open_record(0)
     qtbot.addWidget(speculative)
     assert "accepted" in speculative.details.toPlainText()
