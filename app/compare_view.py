@@ -29,14 +29,14 @@ from PySide6.QtWidgets import (
 )
 
 from app.frame_budget import FrameBudget
-from app.lane_widget import LaneWidget
-from app.live_plots import ROLLING_WINDOW, PlotPanel
+from app.widgets.lane_widget import LaneWidget
+from app.widgets.live_plots import ROLLING_WINDOW, PlotPanel
 from app.screen import fit_screen
-from engine import compare
-from engine.compare import LaneSpec
+from engine.measure import compare
+from engine.measure.compare import LaneSpec
 from engine.errors import EngineError
 from engine.request import GenerationRequest
-from engine.sampling import SamplingParams
+from engine.generation.sampling import SamplingParams
 from engine.units import binary_unit, format_bytes, format_rate, format_seconds
 
 LADDER = ("fp32", "bf16", "int8", "nf4")
@@ -414,7 +414,7 @@ class CompareWindow(QMainWindow):
             self._finish_run()
 
     def _finish_run(self) -> None:
-        from engine import history
+        from engine.storage import history
 
         for lane in self.lanes:
             if lane.run.finished is not None:

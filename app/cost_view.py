@@ -28,13 +28,14 @@ from PySide6.QtWidgets import (
 )
 
 from app.background import Background
-from app.live_plots import PlotPanel
+from app.widgets.live_plots import PlotPanel
 from app.screen import fit_screen
-from engine import costs, hardware
-from engine.costs import ALL_PRECISIONS, KV_DTYPES
+from engine.estimates import costs
+from engine.estimates import hardware
+from engine.estimates.costs import ALL_PRECISIONS, KV_DTYPES
 from engine.errors import EngineError
-from engine.estimate import config_for, count_parameters, shipped_models
-from engine.history import RunRecord, load_all
+from engine.estimates.estimate import config_for, count_parameters, shipped_models
+from engine.storage.history import RunRecord, load_all
 from engine.units import format_bytes, format_count
 
 CONTEXTS = [2 ** k for k in range(7, 18)]  # 128 … 131072
@@ -381,13 +382,16 @@ class CostWindow(QMainWindow):
             self.speed_plot.plot.removeItem(item)
         self._run_labels = []
         by_batch: dict[int, list[tuple[float, float]]] = {}
+        ceilings: dict[tuple, float] = {}  # one estimate per (precision, context, batch), however many runs share it
         for r in runs:
             if not r.decode_tokens_per_s:
                 continue
-            ceiling = costs.estimate(config, profile, r.precision if r.precision in ALL_PRECISIONS else "bf16",
-                                     self.kv_dtype.currentData(), max(r.context, 1), r.batch, None, "", self._count)
+            key = (r.precision if r.precision in ALL_PRECISIONS else "bf16", max(r.context, 1), r.batch)
+            if key not in ceilings:
+                ceilings[key] = costs.estimate(config, profile, key[0], self.kv_dtype.currentData(), key[1], key[2],
+                                               None, "", self._count).decode_tokens_per_s_ceiling
             rate = r.decode_tokens_per_s * r.batch
-            by_batch.setdefault(r.batch, []).append((100 * rate / ceiling.decode_tokens_per_s_ceiling, rate))
+            by_batch.setdefault(r.batch, []).append((100 * rate / ceilings[key], rate))
         for i, (batch, shares) in enumerate(sorted(by_batch.items())):
             values = sorted(share for share, _ in shares)
             text = f"{float(np.median(values)):.0f}%"

@@ -13,7 +13,7 @@ CLI_COMMANDS = ("bench", "compare", "sweep", "estimate", "hardware", "models")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.precision import PRECISIONS
+    from engine.models.precision import PRECISIONS
 
     parser = argparse.ArgumentParser(
         prog="inference-workbench",

@@ -19,15 +19,15 @@ from PySide6.QtWidgets import (
 )
 
 from app.frame_budget import FrameBudget
-from app.generation_panel import GenerationPanel
-from app.live_plots import LivePlots
-from app.model_panel import ModelPanel
-from app.output_view import OutputView
-from app.prompt_box import PromptBox
+from app.widgets.generation_panel import GenerationPanel
+from app.widgets.live_plots import LivePlots
+from app.widgets.model_panel import ModelPanel
+from app.widgets.output_view import OutputView
+from app.widgets.prompt_box import PromptBox
 from app.screen import fit_screen
 from app.transcript import Transcript
 from app.worker import ModelSession
-from engine import history
+from engine.storage import history
 from engine.events import Finished, Loaded, LoadProgress
 from engine.runs import Run
 from engine.jobs import GenerateJob
@@ -208,7 +208,7 @@ class MainWindow(QMainWindow):
     def open_compare(self):
         """The Compare window, its lane 1 set to the model chosen here."""
         from app.compare_view import CompareWindow
-        from engine.compare import LaneSpec
+        from engine.measure.compare import LaneSpec
 
         if self.compare is None:
             self.compare = CompareWindow()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.paths import resource_dir
+from engine.storage.paths import resource_dir
 
 
 def icon_path(size: int | None = None) -> Path:

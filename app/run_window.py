@@ -6,9 +6,9 @@ from __future__ import annotations
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QGridLayout, QSplitter, QTextBrowser, QVBoxLayout, QWidget
 
-from app.live_plots import LivePlots
+from app.widgets.live_plots import LivePlots
 from app.screen import fit_screen
-from engine.history import RunRecord
+from engine.storage.history import RunRecord
 from engine.runs import Run
 from engine.units import format_bytes, format_rate, format_seconds
 

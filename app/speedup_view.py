@@ -33,14 +33,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.live_plots import PlotPanel
+from app.widgets.live_plots import PlotPanel
 from app.screen import fit_screen
 from engine.events import BatchStep, DraftVerified, Loaded, Prefilled, TokenGenerated
 from engine.jobs import SpeculateJob, SweepJob, Tagged
 from engine.units import format_bytes, format_rate, format_seconds
 
 if TYPE_CHECKING:
-    from engine.speculative import SpeculativeReport
+    from engine.generation.speculative import SpeculativeReport
 
 REFRESH_MS = 50
 DEFAULT_PROMPT = "Explain microservices in simple terms."

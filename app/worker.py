@@ -13,7 +13,7 @@ import time
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from engine.cancel import CancelToken
+from engine.generation.cancel import CancelToken
 from engine.errors import EngineError
 from engine.events import BatchStep, DraftVerified, TokenGenerated
 from engine.jobs import JobContext, Tagged
@@ -37,7 +37,7 @@ class EngineWorker(QObject):
     job_finished = Signal(int, object)  # job id, its result
     job_failed = Signal(int, object)  # job id, Exception
     compile_started = Signal()
-    compile_finished = Signal(object)  # engine.fast.CompileReport (emitted from the compile thread)
+    compile_finished = Signal(object)  # engine.generation.fast.CompileReport (emitted from the compile thread)
 
     def __init__(self) -> None:
         super().__init__()  # no parent: moveToThread needs a parentless object
@@ -47,8 +47,8 @@ class EngineWorker(QObject):
     @Slot()
     def probe(self) -> None:
         """Find devices and cached models here, so the GUI thread never imports torch."""
-        from engine.devices import available_devices
-        from engine.sources import list_models
+        from engine.models.devices import available_devices
+        from engine.models.sources import list_models
 
         self.devices_found.emit(available_devices())
         try:
@@ -61,9 +61,9 @@ class EngineWorker(QObject):
         """Load ``request``; the model loaded now stays loaded and usable until the new one is
         ready, so a failed or cancelled load loses nothing (unless memory is too short to hold
         both: then it is unloaded first, and the progress says so)."""
-        from engine.estimate import fits_beside_loaded
+        from engine.estimates.estimate import fits_beside_loaded
         from engine.events import LoadProgress
-        from engine.loading import load_model
+        from engine.models.loading import load_model
 
         if self._model is not None and not fits_beside_loaded(request.model, request.precision, request.device):
             self.load_progressed.emit(LoadProgress("unload", 0, 0, f"Not enough free memory to keep "
@@ -85,7 +85,7 @@ class EngineWorker(QObject):
     @Slot(object)
     def predict(self, request) -> None:
         """Memory this load would need (from the config on disk), before loading anything."""
-        from engine.estimate import config_for, predict
+        from engine.estimates.estimate import config_for, predict
 
         try:
             config = config_for(request.model)
@@ -98,7 +98,7 @@ class EngineWorker(QObject):
     def drop_draft(self) -> None:
         """Free the speculative draft (its window closed); the model stays."""
         self._drop_draft()
-        from engine.model import release_free_memory
+        from engine.models.model import release_free_memory
 
         release_free_memory()
 

@@ -5,7 +5,7 @@ this runs, round after round and interleaved so drift lands on all alike:
 
 - quiet: nothing else running;
 - busy, adaptive: a busy loop pinned to the last CPU, the engine choosing its thread count
-  as it goes (engine/threads.py: the cores other processes leave free);
+  as it goes (engine/generation/threads.py: the cores other processes leave free);
 - busy, fixed: the same busy loop, the thread count held at PyTorch's start-up value (what
   the engine did before it adapted).
 
@@ -31,7 +31,7 @@ import time
 import torch
 
 from engine.events import TokenGenerated
-from engine.loading import LoadRequest, load_model
+from engine.models.loading import LoadRequest, load_model
 from engine.request import GenerationRequest
 
 PROMPT = "Explain microservices in simple terms."
@@ -77,7 +77,7 @@ def main() -> int:
         print(f"loading {name} …", flush=True)
         loaded = load_model(LoadRequest("default", name.removesuffix("+compiled"), "cpu"))
         if name.endswith("+compiled"):
-            from engine.fast import _bucket
+            from engine.generation.fast import _bucket
 
             report = loaded.fast.compile(capacities=(_bucket(len(loaded.encode(request)) + args.tokens),))
             print(f"  compiled in {report.seconds:.1f} s" + (f" — failed: {report.error}" if report.error else ""))

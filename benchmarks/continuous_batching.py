@@ -25,9 +25,9 @@ import time
 
 import numpy as np
 
-from engine.core import CoreSettings, EngineCore
+from engine.generation.core import CoreSettings, EngineCore
 from engine.events import Finished, TokenGenerated
-from engine.loading import LoadRequest, load_model
+from engine.models.loading import LoadRequest, load_model
 from engine.request import GenerationRequest
 
 PROMPTS = ["Explain microservices in simple terms.", "What is a KV cache?", "Name three primary colours.",

@@ -20,7 +20,7 @@ import json, time
 t0 = time.perf_counter()
 import torch, transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: F401
-from engine.loading import LoadRequest, load_model
+from engine.models.loading import LoadRequest, load_model
 imports = time.perf_counter() - t0
 t1 = time.perf_counter()
 loaded = load_model(LoadRequest("default", {precision!r}, "cpu"))
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32")
     args = parser.parse_args()
 
-    from engine import default_model
+    from engine.models import default_model
 
     default_model.ensure()  # the one-time fetch + conversion is not what we measure
     rows = []

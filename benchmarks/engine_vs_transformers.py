@@ -27,9 +27,9 @@ import time
 
 import torch
 
-from engine.bench import versions
+from engine.measure.bench import versions
 from engine.events import TokenGenerated
-from engine.loading import LoadRequest, load_model
+from engine.models.loading import LoadRequest, load_model
 from engine.request import GenerationRequest
 
 PROMPT = "Explain microservices in simple terms."

@@ -27,9 +27,9 @@ import time
 
 import torch
 
-from engine.bench import versions
+from engine.measure.bench import versions
 from engine.events import TokenGenerated
-from engine.loading import LoadRequest, load_model
+from engine.models.loading import LoadRequest, load_model
 from engine.request import GenerationRequest
 from engine_vs_transformers import _Clock  # benchmarks/ is on the path when run as a script
 
@@ -61,7 +61,7 @@ def make_engine(name: str, tokens: int, gguf_q8: str | None):
     if name.startswith("llama.cpp-"):
         from llama_cpp import Llama
 
-        from engine import default_model
+        from engine.models import default_model
 
         default_model.ensure()  # fetched and checked, GGUF kept in the cache
         path = gguf_q8 if name.endswith("q8_0") else str(default_model.gguf_path())
@@ -80,7 +80,7 @@ def make_engine(name: str, tokens: int, gguf_q8: str | None):
         return run, os.path.getsize(path)
     loaded = load_model(LoadRequest("default", name.removesuffix("+compiled"), "cpu"))
     if name.endswith("+compiled"):
-        from engine.fast import _bucket
+        from engine.generation.fast import _bucket
 
         report = loaded.fast.compile(capacities=(_bucket(len(loaded.encode(request)) + tokens),))
         print(f"  compiled in {report.seconds:.1f} s" + (f" — failed: {report.error}" if report.error else ""))
@@ -99,7 +99,7 @@ def main() -> int:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
 
-    from engine.hardware import this_machine
+    from engine.estimates.hardware import this_machine
 
     bandwidth = this_machine().bandwidth_bytes_per_s
     names = [n.strip() for n in args.engines.split(",") if n.strip()]

@@ -32,7 +32,7 @@ def main() -> int:
 
     from app.main import create_app
     from app.main_window import MainWindow
-    from engine.loading import LoadRequest
+    from engine.models.loading import LoadRequest
     from tests.tiny import build_model_folder, byte_level_tokenizer
 
     scratch = Path(tempfile.mkdtemp(prefix="iw-long-"))

@@ -16,7 +16,7 @@ import argparse
 import gguf
 import numpy as np
 
-from engine import default_model
+from engine.models import default_model
 
 REQUANTIZED = (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q5_1,
                gguf.GGMLQuantizationType.Q5_0)

@@ -34,7 +34,7 @@ def main() -> int:
 
     from app.main import create_app
     from app.main_window import MainWindow
-    from engine.loading import LoadRequest
+    from engine.models.loading import LoadRequest
 
     app = create_app([])
     settings = QSettings(str(Path(tempfile.mkdtemp()) / "soak.ini"), QSettings.IniFormat)

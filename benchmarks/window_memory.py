@@ -39,7 +39,7 @@ def main() -> int:
 
     from app.main import create_app, settings
     from app.main_window import MainWindow
-    from engine.compare import parse_lane
+    from engine.measure.compare import parse_lane
 
     app = create_app([])
     window = MainWindow(settings())

@@ -45,7 +45,7 @@ def main() -> None:
     QSettings.setPath(QSettings.IniFormat, QSettings.UserScope, str(scratch))
     from app.main import create_app, settings
     from app.main_window import MainWindow
-    from engine.loading import LoadRequest
+    from engine.models.loading import LoadRequest
 
     app = create_app([])
     window = MainWindow(settings())

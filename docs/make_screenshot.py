@@ -204,7 +204,7 @@ def compare_shot(app, args) -> int:
     from PySide6.QtCore import QTimer
 
     from app.compare_view import CompareWindow
-    from engine.compare import LaneSpec
+    from engine.measure.compare import LaneSpec
 
     window = CompareWindow()
     window.resize(*(args.screen or (1800, 1050)))

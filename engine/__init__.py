@@ -13,7 +13,7 @@ def _compiled_code_in_the_user_cache() -> None:
     import os
 
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        from engine.paths import cache_dir
+        from engine.storage.paths import cache_dir
 
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 

@@ -50,7 +50,7 @@ def _add_request_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.precision import PRECISIONS
+    from engine.models.precision import PRECISIONS
 
     parser = _Parser(prog="inference-workbench",
                      description="See what happens behind an LLM API call, measured live.")
@@ -144,7 +144,7 @@ class _LoadPrinter:
 
 def _request(args):
     from engine.request import GenerationRequest
-    from engine.sampling import SamplingParams
+    from engine.generation.sampling import SamplingParams
 
     if args.greedy and args.temperature not in (None, 0):
         raise InvalidRequestError("--greedy and --temperature > 0 contradict each other.")
@@ -164,16 +164,16 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _bench(args) -> int:
-    from engine import bench
-    from engine.cancel import CancelToken
+    from engine.measure import bench
+    from engine.generation.cancel import CancelToken
     from engine.events import TokenGenerated
-    from engine.loading import LoadRequest, load_model
+    from engine.models.loading import LoadRequest, load_model
 
     request = _request(args)
     if args.compare_plain and not args.draft:
         raise InvalidRequestError("--compare-plain compares with speculative decoding: add --draft.")
     if args.draft:
-        from engine.speculative import MAX_DRAFT_TOKENS
+        from engine.generation.speculative import MAX_DRAFT_TOKENS
 
         if not 1 <= args.draft_tokens <= MAX_DRAFT_TOKENS:
             raise InvalidRequestError(f"--draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}.")
@@ -190,7 +190,7 @@ def _bench(args) -> int:
     if args.compile:
         if loaded.fast is None:
             raise InvalidRequestError("--compile needs a fast-path precision (fp32-fast, bf16-fast, int8-fast, int4-fast).")
-        from engine.fast import _bucket
+        from engine.generation.fast import _bucket
 
         print("Compiling the decode step …", file=sys.stderr, flush=True)
         size = _bucket(len(loaded.encode(request)) + request.max_new_tokens)
@@ -202,7 +202,7 @@ def _bench(args) -> int:
                   file=sys.stderr)
     draft = None
     if args.draft:
-        from engine.speculative import load_draft, parse_draft
+        from engine.generation.speculative import load_draft, parse_draft
 
         spec = parse_draft(args.draft, args.precision)
         print(f"Draft {spec.label} …", file=sys.stderr, flush=True)
@@ -218,7 +218,7 @@ def _bench(args) -> int:
         if draft is None:
             result = bench.run(loaded, request, cancel, on_event)
         else:
-            from engine.speculative import speculative_report
+            from engine.generation.speculative import speculative_report
 
             def on_run_event(run: str, event) -> None:
                 if run == "plain" and isinstance(event, TokenGenerated) and event.index == 0:
@@ -262,10 +262,10 @@ def speculative_summary(report) -> str:
 
 
 def _sweep(args) -> int:
-    from engine.cancel import CancelToken
+    from engine.generation.cancel import CancelToken
     from engine.events import BatchFinished
-    from engine.loading import LoadRequest, load_model
-    from engine.sweep import record_points, run_sweep
+    from engine.models.loading import LoadRequest, load_model
+    from engine.measure.sweep import record_points, run_sweep
 
     try:
         batches = [int(b) for b in str(args.batch).split(",") if b.strip()]
@@ -304,7 +304,7 @@ def _sweep(args) -> int:
     if points and not args.no_history:
         record_points(loaded, points, prompt_tokens)
     if args.json is not None:
-        from engine import bench
+        from engine.measure import bench
 
         info = loaded.info
         _write_json(args.json, {
@@ -321,7 +321,7 @@ def _sweep(args) -> int:
 
 
 def _compare(args) -> int:
-    from engine import compare
+    from engine.measure import compare
     from engine.events import TokenGenerated
 
     if not 1 <= len(args.lane) <= 4:
@@ -407,8 +407,9 @@ def summary(r: dict) -> str:
 
 
 def _estimate(args) -> int:
-    from engine import costs, hardware
-    from engine.estimate import config_for
+    from engine.estimates import costs
+    from engine.estimates import hardware
+    from engine.estimates.estimate import config_for
 
     config = config_for(args.model)
     if config is None:
@@ -425,7 +426,7 @@ def _estimate(args) -> int:
 
 
 def _shipped() -> list[str]:
-    from engine.estimate import shipped_models
+    from engine.estimates.estimate import shipped_models
 
     return shipped_models()
 
@@ -455,7 +456,7 @@ def estimate_summary(e, hw) -> str:
 
 
 def _hardware(args) -> int:
-    from engine import hardware
+    from engine.estimates import hardware
 
     found = hardware.profiles(measure=args.measure)
     if args.json:
@@ -470,7 +471,7 @@ def _hardware(args) -> int:
 
 
 def _models(args) -> int:
-    from engine.sources import list_models
+    from engine.models.sources import list_models
 
     for entry in list_models():
         size = format_bytes(entry.size_bytes) if entry.size_bytes else ""

@@ -123,7 +123,7 @@ class TokenGenerated:
     accepted it, ``False`` when the target produced it (a correction or the bonus token);
     ``None`` in plain decoding."""
     request_id: int = 0
-    """Which request of the engine core (engine/core.py) this token belongs to; 0 outside it."""
+    """Which request of the engine core (engine/generation/core.py) this token belongs to; 0 outside it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +241,7 @@ BatchEvent = Union[BatchStep, BatchFinished]
 @dataclass(frozen=True, slots=True)
 class StepCompleted:
     """The engine core ran one step: some requests' decode tokens and some prompt chunks in
-    one go (engine/core.py). What the traffic plots read."""
+    one go (engine/generation/core.py). What the traffic plots read."""
 
     step: int
     batch: int

@@ -13,13 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from engine.cancel import CancelToken
+from engine.generation.cancel import CancelToken
 from engine.events import BatchStep, Finished
 from engine.request import GenerationRequest
 
 if TYPE_CHECKING:
-    from engine.model import LoadedModel
-    from engine.sweep import SweepPoint, SweepSkip
+    from engine.models.model import LoadedModel
+    from engine.measure.sweep import SweepPoint, SweepSkip
 
 
 @dataclass
@@ -76,7 +76,7 @@ class ScoreJob:
     kind: ClassVar[str] = "scoring"
 
     def run(self, ctx: JobContext) -> Scored:
-        from engine.compare import teacher_forced_logprobs
+        from engine.measure.compare import teacher_forced_logprobs
 
         prompt_ids = ctx.model.encode(self.request)
         try:
@@ -94,7 +94,7 @@ class SweepResult:
 
 @dataclass(frozen=True)
 class SweepJob:
-    """Batch sizes in turn (engine/sweep.py): emits ``Tagged(batch, BatchStep)`` and each
+    """Batch sizes in turn (engine/measure/sweep.py): emits ``Tagged(batch, BatchStep)`` and each
     ``SweepPoint`` as it is measured; the points join the run history for the cost explorer."""
 
     request: GenerationRequest
@@ -102,7 +102,7 @@ class SweepJob:
     kind: ClassVar[str] = "sweep"
 
     def run(self, ctx: JobContext) -> SweepResult:
-        from engine.sweep import record_points, run_sweep
+        from engine.measure.sweep import record_points, run_sweep
 
         steps: dict[int, list] = {}
 
@@ -125,7 +125,7 @@ class SweepJob:
 class SpeculateJob:
     """Speculative decoding with ``draft`` (kept loaded for the next job), after plain decoding of
     the same request when ``compare_plain``: emits ``Tagged("plain" | "speculative", event)``;
-    returns the report (engine/speculative.py)."""
+    returns the report (engine/generation/speculative.py)."""
 
     request: GenerationRequest
     draft: str
@@ -134,7 +134,7 @@ class SpeculateJob:
     kind: ClassVar[str] = "speculative decoding"
 
     def run(self, ctx: JobContext) -> dict:
-        from engine.speculative import load_draft, parse_draft, speculative_report
+        from engine.generation.speculative import load_draft, parse_draft, speculative_report
 
         spec = parse_draft(self.draft, ctx.model.info.precision)
         draft = ctx.keep.get("draft")

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from engine.cancel import CancelToken
+from engine.generation.cancel import CancelToken
 from engine.errors import CancelledError
 from engine.events import LoadProgress
 

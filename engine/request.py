@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams
+from engine.generation.sampling import SamplingParams
 
 MAX_NEW_TOKENS = 10_000_000
 

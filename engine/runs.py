@@ -17,7 +17,7 @@ from engine.events import Finished, Prefilled, TokenGenerated
 
 COLUMNS = ("latency_s", "elapsed_s", "kv_bytes", "kv_predicted", "rss", "device_allocated",
            "device_reserved", "device_peak")
-"""Per-token columns, named as :func:`engine.history.series_from` saves them."""
+"""Per-token columns, named as :func:`engine.storage.history.series_from` saves them."""
 
 
 def _row(event: TokenGenerated) -> tuple:
@@ -95,7 +95,7 @@ class Run:
 
     @classmethod
     def from_series(cls, series: dict, weights_bytes: int | None = None) -> "Run":
-        """A run holding a saved run's columns (``engine.history.series_from``), without its events;
+        """A run holding a saved run's columns (``engine.storage.history.series_from``), without its events;
         unknown names are ignored."""
         count = max((len(v) for k, v in series.items() if k in COLUMNS), default=0)
         run = cls(weights_bytes, max(1024, count))

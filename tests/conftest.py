@@ -48,7 +48,7 @@ def tiny_llama(tiny_models) -> Path:
 
 @pytest.fixture(scope="session")
 def loaded_llama(tiny_llama):
-    from engine.loading import LoadRequest, load_model
+    from engine.models.loading import LoadRequest, load_model
 
     return load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"))
 
@@ -56,7 +56,7 @@ def loaded_llama(tiny_llama):
 @pytest.fixture(scope="session")
 def default_model_folder() -> Path:
     """The real default model, fetched and converted once into the user cache."""
-    from engine import default_model
+    from engine.models import default_model
 
     return default_model.ensure()
 
@@ -64,14 +64,14 @@ def default_model_folder() -> Path:
 @pytest.fixture(scope="session")
 def default_gguf(default_model_folder) -> Path:
     """The default model's original GGUF file in the user cache."""
-    from engine import default_model
+    from engine.models import default_model
 
     return default_model.gguf_path()
 
 
 @pytest.fixture(scope="session")
 def default_fp32(default_model_folder):
-    from engine.loading import LoadRequest, load_model
+    from engine.models.loading import LoadRequest, load_model
 
     return load_model(LoadRequest("default", "fp32", "cpu"))
 

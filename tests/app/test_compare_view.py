@@ -3,7 +3,7 @@ import json
 import pytest
 
 from app.compare_view import COLUMNS, CompareWindow
-from engine.compare import LaneSpec
+from engine.measure.compare import LaneSpec
 
 
 def configure(compare, specs):
@@ -108,9 +108,9 @@ def test_quantization_ladder(compare, tiny_llama):
 
 
 def test_memory_guard_asks_before_loading(qtbot, compare, tiny_llama, monkeypatch):
-    import engine.estimate
+    import engine.estimates.estimate
 
-    monkeypatch.setattr(engine.estimate, "available_bytes", lambda device: 1024)
+    monkeypatch.setattr(engine.estimates.estimate, "available_bytes", lambda device: 1024)
     lane = compare.lanes[0]
     lane.configure(LaneSpec(str(tiny_llama), "fp32", "cpu"))
     lane.load()

@@ -6,7 +6,7 @@ from app.cost_view import BATCHES, CONTEXTS, CostWindow
 @pytest.fixture
 def costs_window(qtbot, tmp_path, monkeypatch, isolated_cache, _no_dangling_threads_or_timers):
     from app.main import create_app
-    from engine import hardware
+    from engine.estimates import hardware
 
     monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path / "data"))
     monkeypatch.setenv("INFERENCE_WORKBENCH_CONFIG", str(tmp_path / "config"))
@@ -55,7 +55,7 @@ def test_compute_region_appears_at_short_context(qtbot, costs_window):
 
 
 def test_measured_runs_land_on_the_charts(qtbot, costs_window, loaded_llama, tiny_llama):
-    from engine import history
+    from engine.storage import history
     from engine.request import GenerationRequest
 
     finished = list(loaded_llama.generate(GenerationRequest("fox", mode="raw", max_new_tokens=6, ignore_eos=True)))[-1]

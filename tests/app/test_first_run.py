@@ -2,9 +2,9 @@
 
 from PySide6.QtWidgets import QMessageBox
 
-from engine import default_model
+from engine.models import default_model
 from engine.errors import DownloadError
-from engine.loading import LoadRequest
+from engine.models.loading import LoadRequest
 
 TOTAL = 98 << 20
 
@@ -66,7 +66,7 @@ def test_cancel_in_the_dialog_stops_the_fetch(qtbot, window, isolated_cache, mon
 
 
 def test_code_running_formats_need_an_explicit_opt_in(qtbot, window, monkeypatch):
-    from app.model_panel import ModelPanel
+    from app.widgets.model_panel import ModelPanel
 
     panel = window.model_panel
     asked = []

@@ -116,12 +116,12 @@ def test_unreadable_weights_name_the_permission_problem(qtbot, window, tiny_llam
 
 
 def test_out_of_memory_while_loading(qtbot, window, tiny_llama, monkeypatch):
-    import engine.loading
+    import engine.models.loading
 
     def no_memory(model, device):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 123456789 bytes")
 
-    monkeypatch.setattr(engine.loading, "_warm_up", no_memory)
+    monkeypatch.setattr(engine.models.loading, "_warm_up", no_memory)
     text = fails_to_load(qtbot, window, tiny_llama)
     assert "Not enough memory" in text
     monkeypatch.undo()
@@ -129,11 +129,11 @@ def test_out_of_memory_while_loading(qtbot, window, tiny_llama, monkeypatch):
 
 
 def test_out_of_memory_while_generating(qtbot, window, tiny_llama, monkeypatch):
-    import engine.generate
-    import engine.runners
+    import engine.generation.generate
+    import engine.generation.runners
 
     load(qtbot, window, tiny_llama)
-    original = engine.runners.ReferenceBatchRunner.prefill
+    original = engine.generation.runners.ReferenceBatchRunner.prefill
     calls = []
 
     def runs_out(self, seq, ids):
@@ -142,7 +142,7 @@ def test_out_of_memory_while_generating(qtbot, window, tiny_llama, monkeypatch):
             raise RuntimeError("CPU out of memory")
         return original(self, seq, ids)
 
-    monkeypatch.setattr(engine.runners.ReferenceBatchRunner, "prefill", runs_out)
+    monkeypatch.setattr(engine.generation.runners.ReferenceBatchRunner, "prefill", runs_out)
     with qtbot.waitSignal(window.generation_failed, timeout=60_000):
         generate(qtbot, window, "fox", max_tokens=10, wait=False)
     qtbot.waitUntil(lambda: not window.generating)
@@ -152,19 +152,19 @@ def test_out_of_memory_while_generating(qtbot, window, tiny_llama, monkeypatch):
 
 
 def test_cancel_during_prefill_then_generate(loaded_llama, monkeypatch):
-    import engine.generate
-    import engine.runners
-    from engine.cancel import CancelToken
+    import engine.generation.generate
+    import engine.generation.runners
+    from engine.generation.cancel import CancelToken
 
     cancel = CancelToken()
-    original = engine.runners.ReferenceBatchRunner.prefill
-    monkeypatch.setattr(engine.generate, "PREFILL_CHUNK", 7)
+    original = engine.generation.runners.ReferenceBatchRunner.prefill
+    monkeypatch.setattr(engine.generation.generate, "PREFILL_CHUNK", 7)
 
     def cancels(self, seq, ids):
         cancel.cancel()  # pressed while the first chunk runs
         return original(self, seq, ids)
 
-    monkeypatch.setattr(engine.runners.ReferenceBatchRunner, "prefill", cancels)
+    monkeypatch.setattr(engine.generation.runners.ReferenceBatchRunner, "prefill", cancels)
     events = list(loaded_llama.generate(GenerationRequest("a prompt of a few chunks " * 3, mode="raw"), cancel))
     assert len(events) == 1 and isinstance(events[0], Finished)
     assert events[0].reason == "cancelled" and events[0].tokens == 0
@@ -210,8 +210,8 @@ def test_rapid_generate_and_stop(qtbot, window, tiny_llama):
 
 
 def test_close_during_fetch(qtbot, app_factory, isolated_cache, monkeypatch):
-    from engine import default_model
-    from engine.loading import LoadRequest
+    from engine.models import default_model
+    from engine.models.loading import LoadRequest
     from tests.app.test_first_run import fake_download
 
     window = app_factory()
@@ -224,7 +224,7 @@ def test_close_during_fetch(qtbot, app_factory, isolated_cache, monkeypatch):
 
 
 def test_corrupt_history_files_are_skipped(tmp_path, monkeypatch):
-    from engine import history
+    from engine.storage import history
 
     monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path))
     folder = history.history_dir()
@@ -240,14 +240,14 @@ def test_close_during_prefill(qtbot, app_factory, tiny_llama, monkeypatch):
     it at the next chunk and the thread stops in time."""
     import threading
 
-    import engine.generate
-    import engine.runners
+    import engine.generation.generate
+    import engine.generation.runners
 
     window = app_factory()
     load(qtbot, window, tiny_llama)
     inside = threading.Event()
-    original = engine.runners.ReferenceBatchRunner.prefill
-    monkeypatch.setattr(engine.generate, "PREFILL_CHUNK", 4)
+    original = engine.generation.runners.ReferenceBatchRunner.prefill
+    monkeypatch.setattr(engine.generation.generate, "PREFILL_CHUNK", 4)
 
     def slow_prefill(self, seq, ids):
         if ids.shape[1] > 1:  # a prefill chunk: wait (up to 5 s) for the close to cancel us
@@ -259,7 +259,7 @@ def test_close_during_prefill(qtbot, app_factory, tiny_llama, monkeypatch):
                 threading.Event().wait(0.01)
         return original(self, seq, ids)
 
-    monkeypatch.setattr(engine.runners.ReferenceBatchRunner, "prefill", slow_prefill)
+    monkeypatch.setattr(engine.generation.runners.ReferenceBatchRunner, "prefill", slow_prefill)
     generate(qtbot, window, "a prompt long enough for several chunks", max_tokens=50, wait=False)
     qtbot.waitUntil(inside.is_set, timeout=30_000)
     window.close()

@@ -8,8 +8,8 @@ import shutil
 import pytest
 from PySide6.QtCore import Qt
 
-from engine import history
-from engine.compare import LaneSpec
+from engine.storage import history
+from engine.measure.compare import LaneSpec
 from tests.app.conftest import dismiss_load_error, generate, load
 from tests.app.test_compare_view import configure, load_all, run
 from tests.engine.test_honesty import _nan_after
@@ -167,8 +167,8 @@ def test_history_lists_sweeps_with_their_aggregate_and_speculative_runs(qtbot, l
     from app.history_view import COLUMNS, HistoryDialog
     from engine.events import BatchStep
     from engine.request import GenerationRequest
-    from engine.speculative import load_draft, parse_draft, speculative_report
-    from engine.sweep import record_points, run_sweep
+    from engine.generation.speculative import load_draft, parse_draft, speculative_report
+    from engine.measure.sweep import record_points, run_sweep
 
     request = GenerationRequest("The quick brown fox", mode="raw", max_new_tokens=5, ignore_eos=True)
     steps = {}
@@ -195,7 +195,7 @@ def test_history_lists_sweeps_with_their_aggregate_and_speculative_runs(qtbot, l
 
 
 def test_one_latency_spike_does_not_flatten_the_plot(qtbot):
-    from app.live_plots import LivePlots
+    from app.widgets.live_plots import LivePlots
     from engine.runs import Run
 
     latency = [0.2] + [0.05 + 0.001 * (i % 7) for i in range(99)]

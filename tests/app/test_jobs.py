@@ -3,9 +3,9 @@ with its events complete; a waiting job can be cancelled; the session says what 
 
 from engine.events import BatchStep, Finished, Prefilled, TokenGenerated
 from engine.jobs import GenerateJob, ScoreJob, Scored, SweepJob, SweepResult, Tagged
-from engine.loading import LoadRequest
+from engine.models.loading import LoadRequest
 from engine.request import GenerationRequest
-from engine.sweep import SweepPoint
+from engine.measure.sweep import SweepPoint
 
 
 def _session(qtbot, tiny_llama):

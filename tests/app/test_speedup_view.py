@@ -33,7 +33,7 @@ def test_sweep_fills_the_table_and_plots_and_lands_in_history(qtbot, window, spe
     _, kv = speedups.kv_curve.getData()
     assert kv[-1] == pytest.approx(points[-1].kv_cache_bytes / 2**20)
     assert "tokens/sec of batch 1" in speedups.sweep_controls.status.text()
-    from engine.history import load_all
+    from engine.storage.history import load_all
 
     assert sorted(r.batch for r in load_all() if r.kind == "sweep") == [1, 2, 4]
 

@@ -2,14 +2,14 @@ import json
 
 import pytest
 
-from engine.batch import stream_batch
-from engine.cancel import CancelToken
+from engine.measure.batch import stream_batch
+from engine.generation.cancel import CancelToken
 from engine.errors import InvalidRequestError
 from engine.events import BatchFinished, BatchStep, Finished
-from engine.loading import LoadRequest, load_model
+from engine.models.loading import LoadRequest, load_model
 from engine.request import GenerationRequest
-from engine.sampling import SamplingParams
-from engine.sweep import SweepPoint, record_points, run_sweep
+from engine.generation.sampling import SamplingParams
+from engine.measure.sweep import SweepPoint, record_points, run_sweep
 
 PROMPTS = ("The quick brown fox", "Hi", "A longer prompt, so the others need left padding 😀", "abc abc abc")
 
@@ -120,7 +120,7 @@ def test_sweep_measures_each_batch_size(loaded_llama, tmp_path, monkeypatch):
     # the points land in the run history, where the cost explorer reads them
     monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path))
     record_points(loaded_llama, points, len(loaded_llama.encode(request)))
-    from engine.history import load_all
+    from engine.storage.history import load_all
 
     records = load_all()
     assert sorted(r.batch for r in records) == [1, 2, 4] and {r.kind for r in records} == {"sweep"}
@@ -130,7 +130,7 @@ def test_sweep_measures_each_batch_size(loaded_llama, tmp_path, monkeypatch):
 
 def test_sweep_stops_before_a_batch_that_would_not_fit(loaded_llama):
     request = GenerationRequest("fox", mode="raw", max_new_tokens=6, ignore_eos=True)
-    from engine.sweep import predicted_extra_bytes
+    from engine.measure.sweep import predicted_extra_bytes
 
     prompt = len(loaded_llama.encode(request))
     room = int(predicted_extra_bytes(loaded_llama, 2, prompt, 6) / 0.8) + 1  # batch 2 fits, 4 does not

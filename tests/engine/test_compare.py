@@ -5,11 +5,11 @@ import threading
 
 import pytest
 
-from engine.compare import LaneSpec, agreement, parse_lane, report, run_comparison, teacher_forced_logprobs
+from engine.measure.compare import LaneSpec, agreement, parse_lane, report, run_comparison, teacher_forced_logprobs
 from engine.errors import InvalidRequestError
 from engine.events import Loaded, TokenGenerated
 from engine.request import GenerationRequest
-from engine.serialize import event_from_dict, event_to_dict
+from engine.storage.serialize import event_from_dict, event_to_dict
 
 REQUEST = GenerationRequest("The quick brown fox", mode="raw", max_new_tokens=12, ignore_eos=True)
 

@@ -6,11 +6,11 @@ import zlib
 
 import pytest
 
-from engine.cancel import CancelToken
-from engine.core import CoreSettings, EngineCore
+from engine.generation.cancel import CancelToken
+from engine.generation.core import CoreSettings, EngineCore
 from engine.errors import InvalidRequestError
 from engine.events import Finished, Prefilled, StepCompleted, TokenGenerated
-from engine.loading import LoadRequest, load_model
+from engine.models.loading import LoadRequest, load_model
 from engine.request import GenerationRequest
 from tests.tiny import CORPUS
 

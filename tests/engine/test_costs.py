@@ -4,9 +4,10 @@ import sys
 
 import pytest
 
-from engine import costs, hardware
-from engine.estimate import config_for, count_parameters
-from engine.hardware import Hardware
+from engine.estimates import costs
+from engine.estimates import hardware
+from engine.estimates.estimate import config_for, count_parameters
+from engine.estimates.hardware import Hardware
 
 FLAT = Hardware(id="flat", name="test", kind="gpu", memory_bytes=80 * 2 ** 30, bandwidth_bytes_per_s=1e12,
                 bf16_flops=1e15, usd_per_hour=3.6, watts=500)

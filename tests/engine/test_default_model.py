@@ -6,13 +6,13 @@ import zipfile
 import pytest
 import torch
 
-from engine import default_model
-from engine.cancel import CancelToken
-from engine.detokenize import IncrementalDetokenizer
+from engine.models import default_model
+from engine.generation.cancel import CancelToken
+from engine.generation.detokenize import IncrementalDetokenizer
 from engine.errors import CancelledError, CorruptModelError, IntegrityError
 from engine.events import TokenGenerated
-from engine.gguf_files import read_provenance
-from engine.loading import LoadRequest, load_model
+from engine.models.gguf_files import read_provenance
+from engine.models.loading import LoadRequest, load_model
 from engine.request import GenerationRequest
 
 pytestmark = pytest.mark.default_model
@@ -132,7 +132,7 @@ def test_cancel_during_download_leaves_nothing(isolated_cache):
 def test_an_interrupted_conversion_leaves_nothing_behind(default_gguf, isolated_cache, tmp_path, monkeypatch):
     from transformers import PreTrainedModel
 
-    from engine.gguf_files import converted_dir_for
+    from engine.models.gguf_files import converted_dir_for
 
     gguf = shutil.copy(default_gguf, tmp_path / "interrupted.gguf")
 
@@ -152,7 +152,7 @@ def test_a_bundle_downloads_without_pip(tmp_path, monkeypatch):
     file:// stand-ins), downloaded in chunks with byte progress."""
     import json
 
-    from engine import default_model
+    from engine.models import default_model
     from engine.errors import DownloadError
     from engine.progress import ProgressReporter
 

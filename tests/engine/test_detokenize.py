@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from engine.detokenize import IncrementalDetokenizer
+from engine.generation.detokenize import IncrementalDetokenizer
 
 TEXTS = [
     "Hello world",

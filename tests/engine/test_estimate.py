@@ -1,7 +1,7 @@
 import pytest
 
-from engine.estimate import config_for, count_parameters, predict, weights_bytes
-from engine.loading import LoadRequest, load_model
+from engine.estimates.estimate import config_for, count_parameters, predict, weights_bytes
+from engine.models.loading import LoadRequest, load_model
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "nf4"])

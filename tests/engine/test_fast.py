@@ -2,11 +2,11 @@ import pytest
 import torch
 
 from engine.errors import UnsupportedPrecisionError
-from engine.estimate import config_for, count_parameters, weights_bytes
+from engine.estimates.estimate import config_for, count_parameters, weights_bytes
 from engine.events import Finished, Prefilled, TokenGenerated
-from engine.fast import SlotCache
-from engine.loading import LoadRequest, load_model
-from engine.quantize import Int4WeightOnlyLinear, Int8WeightOnlyLinear, quantize_linears
+from engine.generation.fast import SlotCache
+from engine.models.loading import LoadRequest, load_model
+from engine.models.quantize import Int4WeightOnlyLinear, Int8WeightOnlyLinear, quantize_linears
 from engine.request import GenerationRequest
 
 PROMPT = "The quick brown fox 😀 jumps"
@@ -49,7 +49,7 @@ def test_fast_path_gives_the_reference_tokens_and_events(long_models, arch, prec
 
 
 def test_fast_int8_and_int4_on_the_default_model(default_model_folder):
-    from engine.compare import teacher_forced_logprobs
+    from engine.measure.compare import teacher_forced_logprobs
 
     reference = load_model(LoadRequest("default", "fp32", "cpu"))
     request = GenerationRequest("Explain microservices in simple terms.", max_new_tokens=32)
@@ -99,7 +99,7 @@ def test_unsupported_models_and_devices_are_refused_clearly(tiny_models):
         load_model(LoadRequest(str(tiny_models["gpt2"]), "int8-fast", "cpu"))
     with pytest.raises(UnsupportedPrecisionError, match="sliding-window"):
         load_model(LoadRequest(str(tiny_models["mistral"]), "int8-fast", "cpu"))
-    from engine.precision import get_precision
+    from engine.models.precision import get_precision
 
     with pytest.raises(UnsupportedPrecisionError, match="CPU"):
         get_precision("int4-fast").check_device("cuda")
@@ -108,7 +108,7 @@ def test_unsupported_models_and_devices_are_refused_clearly(tiny_models):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("precision", ["fp32-fast", "int8-fast", "int4-fast"])
 def test_fused_layers_leave_the_model_itself_working(long_models, arch, precision):
-    """q/k/v and gate/up are fused for the fast path (engine/fast.py, here its slot cache), their
+    """q/k/v and gate/up are fused for the fast path (engine/generation/fast.py, here its slot cache), their
     weights turned into views of the fused ones; transformers' own forward (batching, speculation, teacher forcing use it) must
     still compute the same thing."""
     loaded = load_model(LoadRequest(str(long_models[arch]), precision, "cpu"))

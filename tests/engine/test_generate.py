@@ -4,12 +4,12 @@ import threading
 import pytest
 import torch
 
-from engine.cancel import CancelToken
+from engine.generation.cancel import CancelToken
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.events import Finished, Prefilled, TokenGenerated
-from engine.loading import LoadRequest, load_model
+from engine.models.loading import LoadRequest, load_model
 from engine.request import ChatMessage, GenerationRequest, encode_prompt
-from engine.sampling import SamplingParams
+from engine.generation.sampling import SamplingParams
 
 PROMPT = "The quick brown fox 😀 jumps"
 
@@ -218,7 +218,7 @@ def test_bad_requests_raise_before_any_event(loaded_llama, request_kwargs, match
 
 
 def test_long_prompt_prefills_in_chunks_and_matches_one_pass(loaded_llama, monkeypatch):
-    import engine.generate as gen
+    import engine.generation.generate as gen
 
     request = GenerationRequest("fox jumps over " * 20, mode="raw", max_new_tokens=8, ignore_eos=True)
     whole = [t.token_id for t in tokens_of(loaded_llama.generate(request))]

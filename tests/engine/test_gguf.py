@@ -1,8 +1,8 @@
 import pytest
 
 from engine.errors import CorruptModelError, ModelNotFoundError
-from engine.gguf_files import summarize_gguf
-from engine.loading import LoadRequest, load_model
+from engine.models.gguf_files import summarize_gguf
+from engine.models.loading import LoadRequest, load_model
 from tests.tiny import write_gguf
 
 

@@ -1,4 +1,4 @@
-from engine import history
+from engine.storage import history
 from engine.request import GenerationRequest
 
 

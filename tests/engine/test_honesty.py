@@ -7,10 +7,10 @@ import shutil
 import pytest
 import torch
 
-from engine import history
+from engine.storage import history
 from engine.errors import NonFiniteError, UnsupportedPrecisionError
 from engine.events import TokenGenerated
-from engine.loading import LoadRequest, load_model
+from engine.models.loading import LoadRequest, load_model
 from engine.request import GenerationRequest
 from tests.tiny import write_gguf
 
@@ -57,7 +57,7 @@ def test_non_finite_scores_stop_the_run_and_keep_it(tiny_llama, tmp_path):
 
 def test_sampling_from_non_finite_scores_says_why(tiny_llama, tmp_path):
     """The check comes before the sampler, which would otherwise fail on NaN without a reason."""
-    from engine.sampling import SamplingParams
+    from engine.generation.sampling import SamplingParams
 
     from safetensors.torch import load_file, save_file
 
@@ -74,7 +74,7 @@ def test_sampling_from_non_finite_scores_says_why(tiny_llama, tmp_path):
 
 
 def test_batched_and_sweep_paths_refuse_non_finite_scores(tiny_llama, tmp_path):
-    from engine.batch import stream_batch
+    from engine.measure.batch import stream_batch
 
     folder, request, _ = _nan_after(tiny_llama, tmp_path, steps=2)
     loaded = load_model(LoadRequest(str(folder), "fp32", "cpu"))
@@ -85,7 +85,7 @@ def test_batched_and_sweep_paths_refuse_non_finite_scores(tiny_llama, tmp_path):
 
 @pytest.mark.parametrize("precision", ["int8-fast", "int4-fast", "fp32-fast", "bf16-fast"])
 def test_fast_precision_refused_from_the_gguf_header_before_converting(tmp_path, isolated_cache, precision):
-    from engine.gguf_files import converted_dir_for
+    from engine.models.gguf_files import converted_dir_for
 
     path = write_gguf(tmp_path / "tiny-gemma3.gguf", "gemma3")
     stages = []
@@ -104,7 +104,7 @@ def test_fast_precision_refused_from_the_config_before_reading_weights(tiny_mode
 
 
 def test_a_load_that_does_not_fit_beside_the_current_model(tiny_llama, monkeypatch):
-    from engine import estimate
+    from engine.estimates import estimate
 
     assert estimate.fits_beside_loaded(str(tiny_llama), "fp32", "cpu")
     monkeypatch.setattr(estimate, "available_bytes", lambda device: 1024)

@@ -1,8 +1,8 @@
 import pytest
 
 from engine.events import Finished, TokenGenerated
-from engine.kv import KVLayout, kv_layout
-from engine.loading import LoadRequest, load_model
+from engine.generation.kv import KVLayout, kv_layout
+from engine.models.loading import LoadRequest, load_model
 from engine.request import GenerationRequest
 from tests.conftest import ARCHITECTURES
 
@@ -50,7 +50,7 @@ def test_unknown_layouts_are_not_guessed():
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_measured_kv_bytes_match_prediction_every_token(tiny_models, arch, precision):
     """Past the sliding windows (12 for mistral, 10 for gemma2) and through a chunked prefill."""
-    import engine.generate as gen
+    import engine.generation.generate as gen
 
     loaded = load_model(LoadRequest(str(tiny_models[arch]), precision, "cpu"))
     request = GenerationRequest("The quick brown fox jumps over the lazy dog. " * 3, mode="raw",

@@ -4,7 +4,7 @@ import shutil
 import pytest
 import torch
 
-from engine.cancel import CancelToken
+from engine.generation.cancel import CancelToken
 from engine.errors import (
     CancelledError,
     CorruptModelError,
@@ -15,8 +15,8 @@ from engine.errors import (
     UnsupportedPrecisionError,
 )
 from engine.events import TokenGenerated
-from engine.loading import LoadRequest, load_model
-from engine.precision import PRECISIONS, get_precision
+from engine.models.loading import LoadRequest, load_model
+from engine.models.precision import PRECISIONS, get_precision
 from engine.request import GenerationRequest
 
 

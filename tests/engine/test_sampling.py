@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams, apply_repetition_penalty, filter_scores, make_sampler
+from engine.generation.sampling import SamplingParams, apply_repetition_penalty, filter_scores, make_sampler
 
 NO_HISTORY = torch.empty(0, dtype=torch.long)
 

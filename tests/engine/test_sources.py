@@ -6,9 +6,9 @@ import pytest
 
 from engine.errors import HubModelUnavailableError, ModelNotFoundError, NotAModelError
 from engine.events import TokenGenerated
-from engine.loading import LoadRequest, load_model
+from engine.models.loading import LoadRequest, load_model
 from engine.request import GenerationRequest
-from engine.sources import classify, list_models, resolve
+from engine.models.sources import classify, list_models, resolve
 
 
 def make_hub_cache(cache: Path, repo_id: str, source: Path, revision: str = "0" * 40) -> Path:
@@ -95,7 +95,7 @@ def test_an_unreadable_file_is_a_permission_problem(tiny_llama, tmp_path, monkey
     import os
     import shutil
 
-    from engine import sources
+    from engine.models import sources
     from engine.errors import NotAModelError
 
     folder = tmp_path / "locked"

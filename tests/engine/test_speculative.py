@@ -2,13 +2,13 @@ import json
 
 import pytest
 
-from engine.cancel import CancelToken
+from engine.generation.cancel import CancelToken
 from engine.errors import InvalidRequestError
 from engine.events import DraftVerified, Finished, StepCompleted, TokenGenerated
-from engine.loading import LoadRequest, load_model
+from engine.models.loading import LoadRequest, load_model
 from engine.request import GenerationRequest
-from engine.sampling import SamplingParams
-from engine.speculative import DraftSpec, early_exit_model, load_draft, parse_draft, stream_speculative
+from engine.generation.sampling import SamplingParams
+from engine.generation.speculative import DraftSpec, early_exit_model, load_draft, parse_draft, stream_speculative
 
 PROMPT = "The quick brown fox 😀 jumps"
 
@@ -200,8 +200,8 @@ def test_a_draft_with_a_wider_output_layer(tiny_models, loaded_llama, byte_token
 def test_speculation_runs_on_the_fast_runner(tiny_models, precision):
     """On a fast precision both the target's verify pass and an early-exit draft run on the fast
     path's slot caches (not transformers' forward), and greedy output is the fast path's own."""
-    from engine.fast import SlotCache
-    from engine.speculative import Speculation
+    from engine.generation.fast import SlotCache
+    from engine.generation.speculative import Speculation
 
     loaded = load_model(LoadRequest(str(tiny_models["llama"]), precision, "cpu"))
     draft = load_draft(DraftSpec("early-exit", layers=1), loaded)
@@ -233,8 +233,8 @@ def test_speculation_runs_on_the_fast_runner(tiny_models, precision):
 
 @pytest.mark.parametrize("precision", ["fp32", "fp32-fast"])
 def test_requests_speculating_together_in_one_core_get_their_solo_answers(tiny_models, precision):
-    from engine.core import CoreSettings, EngineCore
-    from engine.speculative import Speculation
+    from engine.generation.core import CoreSettings, EngineCore
+    from engine.generation.speculative import Speculation
 
     loaded = load_model(LoadRequest(str(tiny_models["llama"]), precision, "cpu"))
     draft = load_draft(DraftSpec("early-exit", layers=1), loaded)

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from engine.threads import adapt, choose
+from engine.generation.threads import adapt, choose
 
 
 def test_choose_gives_up_only_cores_others_really_use():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 
-from engine.cancel import CancelToken
+from engine.generation.cancel import CancelToken
 
 _LOCK = threading.RLock()
 

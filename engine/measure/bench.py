@@ -12,9 +12,9 @@ from dataclasses import asdict
 from importlib import metadata
 
 import engine
-from engine.cancel import CancelToken
+from engine.generation.cancel import CancelToken
 from engine.events import GenerationEvent, Loaded
-from engine.model import LoadedModel
+from engine.models.model import LoadedModel
 from engine.request import GenerationRequest
 from engine.runs import Run
 

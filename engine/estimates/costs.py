@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from engine.estimate import ParameterCount, count_parameters, weights_bytes
+from engine.estimates.estimate import ParameterCount, count_parameters, weights_bytes
 from engine.errors import InvalidRequestError
-from engine.hardware import Hardware
-from engine.kv import kv_layout
-from engine.precision import PRECISIONS
+from engine.estimates.hardware import Hardware
+from engine.generation.kv import kv_layout
+from engine.models.precision import PRECISIONS
 
 GGUF_BITS = {  # bits per weight of llama.cpp's block formats, scales included
     "q8_0": 8.5, "q6_k": 6.5625, "q5_k": 5.5, "q4_k": 4.5, "q4_1": 5.0, "q4_0": 4.5, "q3_k": 3.4375, "q2_k": 2.625,

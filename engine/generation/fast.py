@@ -4,10 +4,10 @@ transformers' forward is general: per layer it builds masks, dispatches attentio
 concatenates a growing cache and checks options, and on two CPU cores that bookkeeping is a
 large share of a small model's decode step. For the architectures it knows (Llama, Qwen2,
 Mistral without a window in play) this path runs the same modules' weights with only the
-arithmetic: norms, projections (optionally weight-only int8/int4, engine/quantize.py),
+arithmetic: norms, projections (optionally weight-only int8/int4, engine/models/quantize.py),
 rotary embedding, attention over a static cache written in place, the MLP, the head.
 
-It emits exactly the events of the reference path (the engine core, engine/core.py, drives both
+It emits exactly the events of the reference path (the engine core, engine/generation/core.py, drives both
 through a runner: :class:`SlotCache` here); fp32 and bf16 give the reference path's greedy
 tokens (tested). A model it can't run is refused with a clear message (no silent fall-back),
 from the config or the GGUF header before any weight is read where they already say so; the
@@ -79,7 +79,7 @@ class _Layer:
     """One decoder layer's pieces, with q/k/v and gate/up fused where the scheme allows."""
 
     def __init__(self, layer) -> None:
-        from engine.quantize import fuse_rows
+        from engine.models.quantize import fuse_rows
 
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm

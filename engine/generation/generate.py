@@ -1,4 +1,4 @@
-"""One generation: a single request through the engine core (engine/core.py), as a stream of events.
+"""One generation: a single request through the engine core (engine/generation/core.py), as a stream of events.
 
 Our own loop rather than ``model.generate()`` with a streamer, so every token comes with
 what it cost (latency, KV bytes measured and predicted, memory) and a cancel flag is
@@ -14,22 +14,22 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from engine.cancel import CancelToken
-from engine.decoding import PREFILL_CHUNK
+from engine.generation.cancel import CancelToken
+from engine.generation.decoding import PREFILL_CHUNK
 from engine.errors import EngineError, NonFiniteError, OutOfMemoryError, is_out_of_memory
 from engine.events import Finished, GenerationEvent, StepCompleted
 from engine.request import GenerationRequest
 
 if TYPE_CHECKING:
-    from engine.model import LoadedModel
-    from engine.speculative import Speculation
+    from engine.models.model import LoadedModel
+    from engine.generation.speculative import Speculation
 
 __all__ = ["PREFILL_CHUNK", "stream"]
 
 
 def stream(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int],
            cancel: CancelToken, speculation: "Speculation | None" = None) -> Iterator[GenerationEvent]:
-    """``speculation``: decode with a draft (engine/speculative.py) instead of a token per step."""
+    """``speculation``: decode with a draft (engine/generation/speculative.py) instead of a token per step."""
     try:
         yield from _run(loaded, request, prompt_ids, cancel, speculation)
     except EngineError:
@@ -47,7 +47,7 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int
          cancel: CancelToken, speculation) -> Iterator[GenerationEvent]:
     """The request alone in a core of its own: the prompt in chunks of :data:`PREFILL_CHUNK`
     (cancel is checked between them), then a token per step (or a speculative step's tokens)."""
-    from engine.core import CoreSettings, EngineCore
+    from engine.generation.core import CoreSettings, EngineCore
 
     chunk = PREFILL_CHUNK  # read now: tests and callers may change it
     core = EngineCore(loaded, CoreSettings(token_budget=chunk + 1, max_batch=1, prefill_chunk=chunk),

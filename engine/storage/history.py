@@ -110,7 +110,7 @@ def series_from(tokens) -> dict[str, list]:
 
 
 def record_point(info: Loaded, point, prompt_tokens: int, steps=()) -> RunRecord:
-    """A batch-sweep point (``engine.sweep.SweepPoint``): per-request figures in the common
+    """A batch-sweep point (``engine.measure.sweep.SweepPoint``): per-request figures in the common
     fields, the aggregate and every other figure of the point in ``extra``."""
     per_request = point.aggregate_tokens_per_s / point.batch if point.aggregate_tokens_per_s else None
     return RunRecord(

@@ -11,7 +11,7 @@ Each request carries its own sampling settings, stop rules and cancel flag, and 
 events as a generation alone (:class:`Prefilled`, :class:`TokenGenerated`, :class:`Finished`,
 each with its ``request_id``); every step adds a :class:`StepCompleted` for the traffic plots.
 
-The forward passes belong to a runner (engine/runners.py): the reference runner (transformers,
+The forward passes belong to a runner (engine/generation/runners.py): the reference runner (transformers,
 one cache per request, one after another) or the fast path's slot cache (one batched step).
 """
 
@@ -24,19 +24,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from engine.cancel import CancelToken
-from engine.decoding import PREFILL_CHUNK, SeenTokens, finished_event, stop_reason, top_scores
-from engine.detokenize import IncrementalDetokenizer
+from engine.generation.cancel import CancelToken
+from engine.generation.decoding import PREFILL_CHUNK, SeenTokens, finished_event, stop_reason, top_scores
+from engine.generation.detokenize import IncrementalDetokenizer
 from engine.errors import InvalidRequestError, non_finite_message
 from engine.events import Alternative, Finished, GenerationEvent, Prefilled, StepCompleted, TokenGenerated
-from engine.memory import MemoryProbe
+from engine.measure.memory import MemoryProbe
 from engine.request import GenerationRequest
-from engine.sampling import make_sampler
-from engine.threads import adapt as adapt_threads
+from engine.generation.sampling import make_sampler
+from engine.generation.threads import adapt as adapt_threads
 
 if TYPE_CHECKING:
-    from engine.model import LoadedModel
-    from engine.speculative import Speculation
+    from engine.models.model import LoadedModel
+    from engine.generation.speculative import Speculation
 
 
 @dataclass(frozen=True)
@@ -79,14 +79,14 @@ class EngineCore:
 
     def __init__(self, loaded: "LoadedModel", settings: CoreSettings | None = None, runner=None,
                  speculation: "Speculation | None" = None) -> None:
-        from engine.runners import batch_runner_for
+        from engine.generation.runners import batch_runner_for
 
         self.loaded = loaded
         self.settings = settings or CoreSettings()
         if self.settings.token_budget < 1 or self.settings.max_batch < 1:
             raise InvalidRequestError("The token budget and the batch size must be at least 1.")
         self.speculation = speculation
-        """The speculative decode step (engine/speculative.py), or ``None``: one token per step."""
+        """The speculative decode step (engine/generation/speculative.py), or ``None``: one token per step."""
         self.runner = runner if runner is not None else batch_runner_for(loaded, rollback=speculation is not None)
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
@@ -196,7 +196,7 @@ class EngineCore:
         self.steps += 1
 
     def _speculate(self, r: _Request) -> Iterator[GenerationEvent]:
-        """A speculative step of ``r`` (engine/speculative.py): the draft's guesses, checked by the
+        """A speculative step of ``r`` (engine/generation/speculative.py): the draft's guesses, checked by the
         target in one pass; its tokens share the step's time (a stop charges the rest to the last)."""
         started = time.perf_counter()
         room = r.request.max_new_tokens - len(r.tokens)

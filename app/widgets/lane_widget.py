@@ -21,15 +21,15 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.model_panel import _compact
+from app.widgets.model_panel import _compact
 from app.worker import ModelSession
-from engine.compare import LaneRun, LaneSpec
+from engine.measure.compare import LaneRun, LaneSpec
 from engine.events import Finished, Loaded
 from engine.jobs import GenerateJob, ScoreJob
-from engine.loading import LoadRequest
-from engine.precision import PRECISIONS
+from engine.models.loading import LoadRequest
+from engine.models.precision import PRECISIONS
 from engine.request import GenerationRequest
-from engine.sampling import SamplingParams
+from engine.generation.sampling import SamplingParams
 from engine.units import format_bytes, format_rate, format_seconds
 
 LANE_COLOURS = ("#2d7dd2", "#e67e22", "#27ae60", "#8e44ad")

@@ -13,7 +13,7 @@ precision follow what the loaders actually store:
 
 bitsandbytes leaves the output head (``lm_head``) unquantized, so it counts as "other".
 
-The fast path's int8 / int4 (engine/quantize.py) quantize every linear layer, the head
+The fast path's int8 / int4 (engine/models/quantize.py) quantize every linear layer, the head
 included (a head tied to the embeddings gets its own quantized copy; the table stays bf16):
 int8 at 1 byte plus a bf16 scale per row, int4 at ½ byte plus a bf16 scale and zero per
 group of 32 inputs, its head in int8. Its fp32 / bf16 store every parameter as the plain
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from engine.kv import kv_layout
-from engine.paths import resource_dir
-from engine.precision import get_precision
+from engine.generation.kv import kv_layout
+from engine.storage.paths import resource_dir
+from engine.models.precision import get_precision
 
 BNB_BLOCK = 64
 """bitsandbytes' 4-bit block size (its default; we don't change it)."""
@@ -62,7 +62,7 @@ def count_parameters(config) -> ParameterCount:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from engine.load_lock import exclusive
+    from engine.models.load_lock import exclusive
 
     with exclusive():  # init_empty_weights patches torch for the whole process
         with init_empty_weights():
@@ -91,7 +91,7 @@ def weights_bytes(count: ParameterCount, precision: str, device_type: str = "cpu
     if name in ("bf16", "fp16", "bf16-fast"):
         return 2 * count.total
     if name in ("int8-fast", "int4-fast"):
-        head = count.head + 2 * count.head_rows  # int8 under both (see engine/quantize.py)
+        head = count.head + 2 * count.head_rows  # int8 under both (see engine/models/quantize.py)
         if name == "int8-fast":
             quantized = count.linear + 2 * count.linear_rows + head
         else:
@@ -130,7 +130,8 @@ def config_for(ref: str):
     """
     from transformers import AutoConfig
 
-    from engine import default_model, sources
+    from engine.models import default_model
+    from engine.models import sources
 
     try:
         kind, value = sources.classify(ref)
@@ -144,7 +145,7 @@ def config_for(ref: str):
     elif kind == "folder":
         folder = Path(value)
     elif kind == "gguf":
-        from engine.gguf_files import converted_dir_for, is_converted
+        from engine.models.gguf_files import converted_dir_for, is_converted
 
         converted = converted_dir_for(Path(value))
         folder = converted if is_converted(converted) else None
@@ -205,8 +206,8 @@ def available_bytes(device: str) -> int | None:
 
 def predict(config, precision: str, device: str = "cpu", context_tokens: int = 2048) -> MemoryPrediction:
     """Weights + KV cache for ``context_tokens`` tokens, against free memory on ``device``."""
-    from engine.devices import resolve_device
-    from engine.precision import dtype_bytes
+    from engine.models.devices import resolve_device
+    from engine.models.precision import dtype_bytes
 
     count = count_parameters(config)
     weights = weights_bytes(count, precision, device.split(":")[0])

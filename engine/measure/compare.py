@@ -19,14 +19,14 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from engine.bench import report as bench_report
-from engine.bench import versions
-from engine.cancel import CancelToken
+from engine.measure.bench import report as bench_report
+from engine.measure.bench import versions
+from engine.generation.cancel import CancelToken
 from engine.errors import InvalidRequestError
 from engine.events import Loaded
 from engine.request import GenerationRequest
 from engine.runs import Run
-from engine.sampling import SamplingParams
+from engine.generation.sampling import SamplingParams
 
 SCHEDULES = ("fair", "concurrent")
 
@@ -47,7 +47,7 @@ class LaneSpec:
 def parse_lane(text: str) -> LaneSpec:
     """``MODEL:PRECISION[:DEVICE]``; the model part may itself contain ':' (a Windows path)."""
     parts = text.rsplit(":", 2)
-    from engine.precision import PRECISIONS
+    from engine.models.precision import PRECISIONS
 
     if len(parts) >= 2 and parts[-1] in PRECISIONS:
         return LaneSpec(model=":".join(parts[:-1]), precision=parts[-1])
@@ -185,7 +185,7 @@ FORMAT = "inference-workbench/compare"
 def to_record(runs: Sequence[LaneRun], request: GenerationRequest, schedule: str) -> dict:
     """Everything needed to show the run again without any model: the report (the headless
     JSON contract) plus every event of every lane."""
-    from engine.serialize import event_to_dict
+    from engine.storage.serialize import event_to_dict
 
     data = report(runs, request, schedule)
     data["format"] = FORMAT
@@ -199,7 +199,7 @@ def to_record(runs: Sequence[LaneRun], request: GenerationRequest, schedule: str
 
 
 def from_record(data: dict) -> tuple[list[LaneRun], GenerationRequest, str]:
-    from engine.serialize import event_from_dict
+    from engine.storage.serialize import event_from_dict
 
     if data.get("format") != FORMAT:
         raise InvalidRequestError("This file is not a saved comparison of Inference Workbench.")
@@ -234,7 +234,7 @@ def run_comparison(specs: Sequence[LaneSpec], request: GenerationRequest, schedu
     timings don't disturb each other. ``concurrent``: all loaded, all generating at once, each
     in its own thread, to show contention.
     """
-    from engine.loading import LoadRequest, load_model
+    from engine.models.loading import LoadRequest, load_model
 
     if not 1 <= len(specs) <= 4:
         raise InvalidRequestError("A comparison has 1 to 4 lanes.")

@@ -96,8 +96,8 @@ class BitsAndBytesPrecision(Precision):
 
 @dataclass(frozen=True)
 class FastPrecision(Precision):
-    """The fast path (engine/fast.py): a lean decoder over a static KV cache, with weight-only
-    int8 / int4 linears (engine/quantize.py) or plain fp32 / bf16 weights. CPU only for now:
+    """The fast path (engine/generation/fast.py): a lean decoder over a static KV cache, with weight-only
+    int8 / int4 linears (engine/models/quantize.py) or plain fp32 / bf16 weights. CPU only for now:
     the int8/int4 kernels it uses are PyTorch's CPU ones."""
 
     scheme: str = "int8"

@@ -5,7 +5,7 @@ at batch B the same read makes B tokens, so until compute runs out the aggregate
 grows almost B-fold while each request's own speed barely drops. The cost is memory: each
 sequence has its own KV cache.
 
-Every prompt is a request of the engine core (engine/core.py), all submitted together: the
+Every prompt is a request of the engine core (engine/generation/core.py), all submitted together: the
 core reads the prompts, then decodes one token for every sequence per step in one forward
 pass (the fast path's slot cache, or transformers' forward over a left-padded batched cache),
 so each sequence's greedy tokens equal those of running it alone. A finished sequence (end
@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from engine.cancel import CancelToken
+from engine.generation.cancel import CancelToken
 from engine.errors import (
     EngineError,
     InvalidRequestError,
@@ -35,11 +35,11 @@ from engine.events import (
     StepCompleted,
     TokenGenerated,
 )
-from engine.memory import MemoryProbe
+from engine.measure.memory import MemoryProbe
 from engine.request import GenerationRequest
 
 if TYPE_CHECKING:
-    from engine.model import LoadedModel
+    from engine.models.model import LoadedModel
 
 
 def stream_batch(loaded: "LoadedModel", request: GenerationRequest, prompts: list[list[int]],
@@ -69,7 +69,7 @@ def _run_on_core(loaded: "LoadedModel", request: GenerationRequest, prompts: lis
     every prompt a request, all read in the first step as the reference batch reads them
     together, then one step per token. A sequence that ends leaves the batch (its cache freed);
     the batch's figures are those of its fullest step."""
-    from engine.core import CoreSettings, EngineCore
+    from engine.generation.core import CoreSettings, EngineCore
 
     batch = len(prompts)
     core = EngineCore(loaded, CoreSettings(token_budget=sum(len(p) for p in prompts) + batch, max_batch=batch,

@@ -7,11 +7,11 @@ import gc
 import inspect
 from collections.abc import Iterator
 
-from engine.cancel import CancelToken
+from engine.generation.cancel import CancelToken
 from engine.errors import EngineError, PromptTooLongError
 from engine.events import GenerationEvent, Loaded
-from engine.kv import KVLayout
-from engine.precision import Precision, dtype_bytes
+from engine.generation.kv import KVLayout
+from engine.models.precision import Precision, dtype_bytes
 from engine.request import GenerationRequest, encode_prompt
 
 
@@ -31,7 +31,7 @@ class LoadedModel:
         self.eos_ids = _eos_ids(model, tokenizer)
         self._token_texts: dict[int, str] = {}
         self.fast = None
-        """The fast path's decoder (engine/fast.py) when the precision asked for it."""
+        """The fast path's decoder (engine/generation/fast.py) when the precision asked for it."""
 
     def token_text(self, token_id: int) -> str:
         """How one token reads on its own (cached: alternatives repeat a lot)."""
@@ -58,7 +58,7 @@ class LoadedModel:
 
     def generate(self, request: GenerationRequest, cancel: CancelToken | None = None) -> Iterator[GenerationEvent]:
         """Validate and tokenize now (errors raise here), then stream the events."""
-        from engine.generate import stream
+        from engine.generation.generate import stream
 
         if self.model is None:
             raise EngineError("This model was unloaded: load it again to generate.")

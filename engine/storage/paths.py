@@ -26,4 +26,4 @@ def resource_dir() -> Path:
     bundled = getattr(sys, "_MEIPASS", None)
     if bundled:
         return Path(bundled) / "resources"
-    return Path(__file__).resolve().parent.parent / "resources"
+    return Path(__file__).resolve().parents[2] / "resources"

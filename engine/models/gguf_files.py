@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import CorruptModelError, EngineError, ModelNotFoundError, NotAModelError
-from engine.paths import cache_dir
+from engine.storage.paths import cache_dir
 from engine.progress import ProgressReporter, reporting
 
 PROVENANCE = "workbench-source.json"

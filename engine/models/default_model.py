@@ -20,8 +20,8 @@ import zipfile
 from pathlib import Path
 
 from engine.errors import CancelledError, DownloadError, IntegrityError
-from engine.gguf_files import convert_gguf, is_converted
-from engine.paths import cache_dir
+from engine.models.gguf_files import convert_gguf, is_converted
+from engine.storage.paths import cache_dir
 from engine.progress import ProgressReporter
 
 NAME = "SmolLM2-135M-Instruct"

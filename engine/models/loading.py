@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine import sources
-from engine.cancel import CancelToken
-from engine.devices import device_name, resolve_device
+from engine.models import sources
+from engine.generation.cancel import CancelToken
+from engine.models.devices import device_name, resolve_device
 from engine.errors import (
     CorruptModelError,
     EngineError,
@@ -23,11 +23,11 @@ from engine.errors import (
     is_out_of_memory,
 )
 from engine.events import Loaded, LoadProgress
-from engine.kv import KVLayout, kv_layout
-from engine.model import LoadedModel
-from engine.precision import Precision, dtype_bytes, get_precision
+from engine.generation.kv import KVLayout, kv_layout
+from engine.models.model import LoadedModel
+from engine.models.precision import Precision, dtype_bytes, get_precision
 from engine.progress import ProgressReporter, reporting
-from engine.load_lock import exclusive
+from engine.models.load_lock import exclusive
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def model_type_on_disk(ref: str) -> str | None:
     import json
     from pathlib import Path
 
-    from engine.gguf_files import summarize_gguf
+    from engine.models.gguf_files import summarize_gguf
 
     kind, value = sources.classify(ref)
     if kind == "default":
@@ -104,12 +104,12 @@ def model_type_on_disk(ref: str) -> str | None:
 def preflight(request: LoadRequest, precision: Precision) -> None:
     """Refuse what the header already rules out, before any download, conversion or weight read:
     a fast-path precision for an architecture the fast path doesn't run."""
-    from engine.precision import FastPrecision
+    from engine.models.precision import FastPrecision
 
     if not isinstance(precision, FastPrecision):
         return
     from engine.errors import UnsupportedPrecisionError
-    from engine.fast import unsupported_type_reason
+    from engine.generation.fast import unsupported_type_reason
 
     model_type = model_type_on_disk(request.model)
     reason = unsupported_type_reason(model_type) if model_type else None
@@ -159,13 +159,13 @@ def _load(request: LoadRequest, reporter: ProgressReporter, precision: Precision
 
 def _prepare_fast(model, precision: Precision, name: str, reporter: ProgressReporter):
     """For a fast-path precision: quantize the linears in place and build the decoder."""
-    from engine.precision import FastPrecision
+    from engine.models.precision import FastPrecision
 
     if not isinstance(precision, FastPrecision):
         return None
-    from engine import fast
+    from engine.generation import fast
     from engine.errors import UnsupportedPrecisionError
-    from engine.quantize import quantize_linears
+    from engine.models.quantize import quantize_linears
 
     reason = fast.unsupported_reason(model)
     if reason:

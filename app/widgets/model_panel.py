@@ -19,8 +19,8 @@ from PySide6.QtWidgets import (
 )
 
 from engine.events import Loaded, LoadProgress
-from engine.loading import LoadRequest
-from engine.precision import PRECISIONS
+from engine.models.loading import LoadRequest
+from engine.models.precision import PRECISIONS
 from engine.units import format_bytes, format_count, format_seconds
 
 _FACTS = ("Model", "Format", "Precision", "Device", "Hardware", "Weights", "Load time", "Architecture", "Parameters",

@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from engine.paths import cache_dir, resource_dir
+from engine.storage.paths import cache_dir, resource_dir
 
 THIS_MACHINE = "this-machine"
 
@@ -93,7 +93,7 @@ def get(profile_id: str) -> Hardware:
 def _fingerprint() -> str:
     import torch
 
-    from engine.devices import _cpu_model
+    from engine.models.devices import _cpu_model
 
     return f"{_cpu_model()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}"
 
@@ -116,7 +116,7 @@ def this_machine(measure: bool = False) -> Hardware:
         measured = {"fingerprint": fingerprint, **measure_cpu(), "measured_at": time.strftime("%Y-%m-%d %H:%M")}
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(measured, indent=2), encoding="utf-8")
-    from engine.devices import _cpu_model
+    from engine.models.devices import _cpu_model
 
     return Hardware(
         id=THIS_MACHINE, name=f"This machine: {_cpu_model()} ({platform.machine()})", kind="cpu",

@@ -1,7 +1,7 @@
 """Where a model comes from: ``default``, a local folder, a ``.gguf`` file, or a hub id.
 
 Every source ends as a local Hugging Face-style folder (config, safetensors, tokenizer)
-that :mod:`engine.loading` reads; GGUF files are converted into such a folder once.
+that :mod:`engine.models.loading` reads; GGUF files are converted into such a folder once.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import default_model
+from engine.models import default_model
 from engine.errors import (
     CorruptModelError,
     HubModelUnavailableError,
@@ -19,7 +19,7 @@ from engine.errors import (
     NotAModelError,
     UnsafeCheckpointError,
 )
-from engine.gguf_files import ensure_converted, read_provenance
+from engine.models.gguf_files import ensure_converted, read_provenance
 from engine.progress import ProgressReporter
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")

@@ -15,9 +15,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.model_panel import _compact
+from app.widgets.model_panel import _compact
 from engine.request import ChatMessage, GenerationRequest
-from engine.sampling import SamplingParams
+from engine.generation.sampling import SamplingParams
 
 STOP_SEPARATOR = " | "
 

@@ -23,18 +23,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.cancel import CancelToken
+from engine.generation.cancel import CancelToken
 from engine.errors import EngineError, InvalidRequestError
 from engine.events import DraftVerified, Finished, GenerationEvent
-from engine.precision import PRECISIONS
+from engine.models.precision import PRECISIONS
 from engine.request import GenerationRequest
 from engine.runs import Run
-from engine.sampling import SamplingParams, apply_repetition_penalty, argmax, distribution
+from engine.generation.sampling import SamplingParams, apply_repetition_penalty, argmax, distribution
 
 if TYPE_CHECKING:
     import torch
 
-    from engine.model import LoadedModel
+    from engine.models.model import LoadedModel
 
 MAX_DRAFT_TOKENS = 16
 
@@ -86,7 +86,7 @@ class Draft:
     def runner(self):
         """A fresh engine-core runner for the draft: the fast path's slot cache where the draft
         has one, else transformers' forward (caches that can roll back)."""
-        from engine.runners import runner_for
+        from engine.generation.runners import runner_for
 
         return runner_for(self.model, self.fast, self.supports_logits_to_keep, rollback=True)
 
@@ -150,11 +150,11 @@ def load_draft(spec: DraftSpec, target: "LoadedModel", progress: Callable | None
         view = early_exit_model(target.model, spec.layers)
         fast = None
         if target.fast is not None:
-            from engine.fast import early_exit_decoder
+            from engine.generation.fast import early_exit_decoder
 
             fast = early_exit_decoder(target.fast, spec.layers)
         return Draft(view, spec, supports_logits_to_keep=target.supports_logits_to_keep, fast=fast)
-    from engine.loading import LoadRequest, load_model
+    from engine.models.loading import LoadRequest, load_model
 
     loaded = load_model(LoadRequest(spec.model, spec.precision, str(target.device)), progress=progress, cancel=cancel)
     if loaded.tokenizer.get_vocab() != target.tokenizer.get_vocab():
@@ -169,7 +169,7 @@ def stream_speculative(target: "LoadedModel", draft: Draft, request: GenerationR
                        cancel: CancelToken | None = None) -> Iterator[GenerationEvent]:
     """Like :meth:`LoadedModel.generate`, with :class:`DraftVerified` events between the tokens:
     the request alone in an engine core whose decode step is :class:`Speculation`'s."""
-    from engine.generate import stream
+    from engine.generation.generate import stream
 
     if target.model is None or draft.model is None:
         raise EngineError("The model or its draft was unloaded: load it again.")
@@ -204,7 +204,7 @@ class Verified:
 
 
 class Speculation:
-    """The engine core's speculative decode step (engine/core.py): for each generating request
+    """The engine core's speculative decode step (engine/generation/core.py): for each generating request
     the draft proposes up to ``draft_tokens`` tokens one at a time on its own runner, the target
     runner checks them in one forward pass, and both caches roll back to what was kept. The
     draft reads every prompt with the target, so its share is part of the TTFT."""
@@ -417,7 +417,7 @@ def speculative_report(target: "LoadedModel", draft: Draft, request: GenerationR
                        record: bool = False) -> SpeculativeReport:
     """Run ``request`` with speculative decoding (after plain decoding of it when ``compare_plain``)
     and report. ``record``: keep the run in the history (a read-only data folder doesn't fail the run)."""
-    from engine import bench
+    from engine.measure import bench
 
     def passing(run: str):
         return (lambda e: on_event(run, e)) if on_event else None
@@ -429,7 +429,7 @@ def speculative_report(target: "LoadedModel", draft: Draft, request: GenerationR
     result = SpeculativeReport(draft.label, draft_tokens, draft.weights_bytes, measured, plain)
     final = measured.finished
     if record and final.tokens:
-        from engine import history
+        from engine.storage import history
 
         try:
             history.save(history.record_from(target.info, final, "speculative", series=history.series_from(measured.tokens),

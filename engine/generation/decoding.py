@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from engine.cancel import CancelToken
+from engine.generation.cancel import CancelToken
 from engine.events import Finished
-from engine.memory import MemoryProbe
+from engine.measure.memory import MemoryProbe
 from engine.request import GenerationRequest
 
 if TYPE_CHECKING:

@@ -1,0 +1,1 @@
+"""Widgets the windows share: plots, lanes, the output view, prompt box and panels."""

@@ -1,0 +1,1 @@
+"""Predictions from a config: parameter counts, weights/KV/activation bytes, hardware profiles and the speed/cost ceilings."""

@@ -1,0 +1,1 @@
+"""Workloads that measure: bench reports, batching sweeps, comparisons, process/device memory."""

@@ -1,0 +1,1 @@
+"""What is kept on disk: the run history, event serialization, data and cache folders."""
