@@ -258,7 +258,7 @@ class MainWindow(QMainWindow):
 
     def open_speedups(self):
         """Batching sweep and speculative decoding on the model loaded here."""
-        from app.speedup_view import SpeedupWindow
+        from app.speedup_window import SpeedupWindow
 
         if self.speedups is None:
             self.speedups = SpeedupWindow(self.session, self._request_for_tool)

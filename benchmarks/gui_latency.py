@@ -196,9 +196,9 @@ def main() -> int:
 
     speedups = window.open_speedups()
     settle()
-    speedups.batches.setText("1,4,8")
-    speedups.sweep_tokens.setValue(args.tokens)
-    measure("sweep runs", speedups.sweep_controls.run.click, window.session.job_finished)
+    speedups.batching.batches.setText("1,4,8")
+    speedups.batching.sweep_tokens.setValue(args.tokens)
+    measure("sweep runs", speedups.batching.controls.run.click, window.session.job_finished)
 
     compare = window.open_compare()
     while len(compare.lanes) < 2:

@@ -122,17 +122,28 @@ def speedups_shot(app, args, window) -> int:
     def on_loaded(info) -> None:
         view = ui['view'] = window.open_speedups()
         view.resize(*(args.screen or (1700, 900)))
-        view.batches.setText("1,2,4,8,16")
-        view.sweep_tokens.setValue(32)
-        view.sweep_controls.run.click()
+        view.batching.batches.setText("1,2,4,8,16")
+        view.batching.sweep_tokens.setValue(32)
+        view.batching.controls.run.click()
 
-    def on_swept(points, skipped) -> None:
-        QTimer.singleShot(300, after_sweep)
+    def on_job_finished(job_id, result) -> None:
+        view = ui['view']
+        if job_id == getattr(view.batching, "last_job", None):
+            QTimer.singleShot(300, after_sweep)
+        elif job_id == getattr(view.speculative, "last_job", None):
+            QTimer.singleShot(300, finish)
+
+    def on_job_started(job_id) -> None:  # which tool's job it is, for on_job_finished
+        view = ui.get('view')
+        for tool in (view.batching, view.speculative) if view else ():
+            if tool.job == job_id:
+                tool.last_job = job_id
 
     def after_sweep() -> None:
         save("batching.png")
         view = ui['view']
         view.tabs.setCurrentIndex(1)
+        view = view.speculative
         kind, _, value = args.draft.partition(":")
         if kind == "early-exit":
             view.draft_kind.setCurrentIndex(0)
@@ -142,10 +153,7 @@ def speedups_shot(app, args, window) -> int:
             view.draft_precision.setCurrentIndex(view.draft_precision.findData(value))
         view.spec_tokens.setValue(64)
         view.draft_tokens.setValue(3)
-        view.spec_controls.run.click()
-
-    def on_speculated(result) -> None:
-        QTimer.singleShot(300, finish)
+        view.controls.run.click()
 
     def finish() -> None:
         save("speculative.png")
@@ -159,10 +167,10 @@ def speedups_shot(app, args, window) -> int:
         app.quit()
 
     window.session.loaded.connect(on_loaded)
-    window.session.sweep_finished.connect(on_swept)
-    window.session.speculation_finished.connect(on_speculated)
-    for signal in (window.session.load_failed, window.session.sweep_failed, window.session.speculation_failed):
-        signal.connect(on_failed)
+    window.session.job_started.connect(on_job_started)
+    window.session.job_finished.connect(on_job_finished)
+    window.session.load_failed.connect(on_failed)
+    window.session.job_failed.connect(lambda job_id, exc: on_failed(exc))
     window.show()
     QTimer.singleShot(0, window.start)
     app.exec()
@@ -176,7 +184,7 @@ def speedups_shot(app, args, window) -> int:
 def costs_shot(app, args) -> int:
     from PySide6.QtCore import QTimer
 
-    from app.cost_view import BATCHES, CONTEXTS, CostWindow
+    from app.cost_window import BATCHES, CONTEXTS, CostWindow
 
     window = CostWindow()
     window.resize(*(args.screen or (1700, 1000)))
@@ -203,7 +211,7 @@ def costs_shot(app, args) -> int:
 def compare_shot(app, args) -> int:
     from PySide6.QtCore import QTimer
 
-    from app.compare_view import CompareWindow
+    from app.compare_window import CompareWindow
     from engine.measure.compare import LaneSpec
 
     window = CompareWindow()

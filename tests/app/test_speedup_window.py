@@ -14,25 +14,25 @@ def speedups(qtbot, window, tiny_llama, tmp_path, monkeypatch):
 
 
 def test_sweep_fills_the_table_and_plots_and_lands_in_history(qtbot, window, speedups):
-    speedups.batches.setText("1,2,4")
-    speedups.sweep_tokens.setValue(6)
+    speedups.batching.batches.setText("1,2,4")
+    speedups.batching.sweep_tokens.setValue(6)
     with qtbot.waitSignal(window.session.job_finished, timeout=120_000) as blocker:
-        speedups.sweep_controls.run.click()
+        speedups.batching.controls.run.click()
         # while it runs, the main window can't load another model (a prompt would wait its turn)
         assert window.session.busy and not window.model_panel.isEnabled()
     points, skipped = blocker.args[1].points, blocker.args[1].skipped
     assert [p.batch for p in points] == [1, 2, 4] and not skipped
     qtbot.waitUntil(lambda: not window.session.busy)
     assert window.prompt.generate_button.isEnabled() and window.model_panel.isEnabled()
-    assert speedups.sweep_table.rowCount() == 3
-    assert speedups.sweep_table.item(2, 0).text() == "4"
-    x, y = speedups.speed_curve.getData()
+    assert speedups.batching.sweep_table.rowCount() == 3
+    assert speedups.batching.sweep_table.item(2, 0).text() == "4"
+    x, y = speedups.batching.speed_curve.getData()
     assert list(x) == [1, 2, 4] and list(y) == [p.aggregate_tokens_per_s for p in points]
-    x, _ = speedups.tradeoff_curve.getData()
-    assert len(x) == 3 and [label.textItem.toPlainText() for label in speedups._labels] == ["B=1", "B=2", "B=4"]
-    _, kv = speedups.kv_curve.getData()
+    x, _ = speedups.batching.tradeoff_curve.getData()
+    assert len(x) == 3 and [label.textItem.toPlainText() for label in speedups.batching._labels] == ["B=1", "B=2", "B=4"]
+    _, kv = speedups.batching.kv_curve.getData()
     assert kv[-1] == pytest.approx(points[-1].kv_cache_bytes / 2**20)
-    assert "tokens/sec of batch 1" in speedups.sweep_controls.status.text()
+    assert "tokens/sec of batch 1" in speedups.batching.controls.status.text()
     from engine.storage.history import load_all
 
     assert sorted(r.batch for r in load_all() if r.kind == "sweep") == [1, 2, 4]
@@ -40,23 +40,23 @@ def test_sweep_fills_the_table_and_plots_and_lands_in_history(qtbot, window, spe
 
 def test_speculative_run_marks_tokens_and_reports_the_speedup(qtbot, window, speedups):
     speedups.tabs.setCurrentIndex(1)
-    assert speedups.draft_text() == "early-exit:1"  # the tiny llama has 2 layers
-    speedups.spec_tokens.setValue(16)
-    speedups.draft_tokens.setValue(3)
+    assert speedups.speculative.draft_text() == "early-exit:1"  # the tiny llama has 2 layers
+    speedups.speculative.spec_tokens.setValue(16)
+    speedups.speculative.draft_tokens.setValue(3)
     with qtbot.waitSignal(window.session.job_finished, timeout=120_000) as blocker:
-        speedups.spec_controls.run.click()
+        speedups.speculative.controls.run.click()
     result = blocker.args[1]
-    qtbot.waitUntil(lambda: speedups.running is None)
+    qtbot.waitUntil(lambda: not speedups.speculative.running)
     assert result.draft == "early-exit:1" and result.same_tokens_as_plain is True
     assert result.plain is not None and result.speedup_vs_plain is not None
-    summary = speedups.spec_summary.text()
+    summary = speedups.speculative.spec_summary.text()
     assert f"{result.accepted_tokens} of {result.drafted_tokens} drafted tokens accepted" in summary
     assert "against plain" in summary
     # the acceptance plot has one dot per verification step
-    x, y = speedups.step_curve.getData()
-    assert len(x) == len(speedups._steps) > 0 and all(0 <= v <= 100 for v in y)
+    x, y = speedups.speculative.step_curve.getData()
+    assert len(x) == len(speedups.speculative._steps) > 0 and all(0 <= v <= 100 for v in y)
     # accepted tokens are shaded, rejected guesses struck through, in the text
-    document = speedups.spec_output.document()
+    document = speedups.speculative.spec_output.document()
     struck = shaded = 0
     block = document.begin()
     while block.isValid():
@@ -72,47 +72,47 @@ def test_speculative_run_marks_tokens_and_reports_the_speedup(qtbot, window, spe
 
 
 def test_busy_model_and_bad_input_are_refused_with_a_message(qtbot, window, speedups, slow_tiny):
-    speedups.batches.setText("1,x")
-    speedups.sweep_controls.run.click()
-    assert "whole numbers" in speedups.sweep_controls.status.text() and speedups.running is None
+    speedups.batching.batches.setText("1,x")
+    speedups.batching.controls.run.click()
+    assert "whole numbers" in speedups.batching.controls.status.text() and not speedups.batching.running
     speedups.tabs.setCurrentIndex(1)
-    speedups.draft_kind.setCurrentIndex(2)
-    speedups.draft_model.setText("")
-    speedups.spec_controls.run.click()
-    assert "Name the draft model" in speedups.spec_controls.status.text()
-    speedups.draft_model.setText("/no/such/model")
+    speedups.speculative.draft_kind.setCurrentIndex(2)
+    speedups.speculative.draft_model.setText("")
+    speedups.speculative.controls.run.click()
+    assert "Name the draft model" in speedups.speculative.controls.status.text()
+    speedups.speculative.draft_model.setText("/no/such/model")
     with qtbot.waitSignal(window.session.job_failed, timeout=60_000):
-        speedups.spec_controls.run.click()
-    assert "no/such/model" in speedups.spec_controls.status.text()
-    assert speedups.spec_controls.run.isEnabled()
+        speedups.speculative.controls.run.click()
+    assert "no/such/model" in speedups.speculative.controls.status.text()
+    assert speedups.speculative.controls.run.isEnabled()
     # a run asked for while the main window generates waits its turn, and says so
     generate(qtbot, window, "fox", max_tokens=100_000, wait=False)
     qtbot.waitUntil(lambda: window.session.running == window.job)
-    speedups.draft_kind.setCurrentIndex(0)
-    speedups.spec_tokens.setValue(4)
-    speedups.spec_controls.run.click()
-    waiting = speedups.job
+    speedups.speculative.draft_kind.setCurrentIndex(0)
+    speedups.speculative.spec_tokens.setValue(4)
+    speedups.speculative.controls.run.click()
+    waiting = speedups.speculative.job
     assert waiting in window.session.waiting()
-    assert speedups.spec_controls.status.text() == "Waiting for the generation to finish …"
+    assert speedups.speculative.controls.status.text() == "Waiting for the generation to finish …"
     with qtbot.waitSignal(window.session.job_finished, timeout=60_000,
                           check_params_cb=lambda job, result: job == waiting):
         window.stop()
-    qtbot.waitUntil(lambda: speedups.spec_controls.run.isEnabled())
-    assert speedups.result.draft == "early-exit:1"
+    qtbot.waitUntil(lambda: speedups.speculative.controls.run.isEnabled())
+    assert speedups.speculative.result.draft == "early-exit:1"
 
 
 def test_stop_ends_a_sweep(qtbot, window, speedups):
-    speedups.batches.setText("1,2")
-    speedups.sweep_tokens.setValue(4000)
+    speedups.batching.batches.setText("1,2")
+    speedups.batching.sweep_tokens.setValue(4000)
     stepped = []
     window.session.job_events.connect(lambda job, events: stepped.extend(events))
     with qtbot.waitSignal(window.session.job_finished, timeout=120_000) as blocker:
-        speedups.sweep_controls.run.click()
+        speedups.batching.controls.run.click()
         qtbot.waitUntil(lambda: len(stepped) >= 2, timeout=60_000)
-        speedups.sweep_controls.stop.click()
+        speedups.batching.controls.stop.click()
     points = blocker.args[1].points
     assert points == ()  # the cancelled batch is no measurement
-    qtbot.waitUntil(lambda: speedups.sweep_controls.run.isEnabled())
+    qtbot.waitUntil(lambda: speedups.batching.controls.run.isEnabled())
     assert window.prompt.generate_button.isEnabled()
 
 
@@ -124,16 +124,16 @@ def test_rejected_guesses_render_even_when_events_arrive_in_separate_batches(qtb
                               latency_s=0.01, elapsed_s=0.01, kv_cache_bytes=0, kv_cache_bytes_predicted=0,
                               memory=MemorySample(None, "cpu"), drafted=drafted)
 
-    speedups.running = "speculative"
+    speedups.speculative.running = True
     batches = [(token(0, "In", False), DraftVerified(0, (1, 2, 3), (" a", " big", " cat"), 1, 0.01, 0.01, 0.02)),
                (token(1, " a", True),), (token(2, " small", False),)]
     for events in batches:  # the worker cuts batches by time: a verification and its tokens may part
-        speedups._on_speculation_events("speculative", events)
-        speedups.refresh()
-    speedups.running = None
-    assert speedups.spec_output.toPlainText() == "In a big cat small"
+        speedups.speculative._on_speculation_events("speculative", events)
+        speedups.speculative.refresh()
+    speedups.speculative.running = False
+    assert speedups.speculative.spec_output.toPlainText() == "In a big cat small"
     fragments = []
-    block = speedups.spec_output.document().begin()
+    block = speedups.speculative.spec_output.document().begin()
     it = block.begin()
     while not it.atEnd():
         fragment = it.fragment()
