@@ -7,11 +7,10 @@ import os
 from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Signal, Slot
-from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QKeySequence, QShortcut
+from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QDockWidget,
     QFileDialog,
-    QLabel,
     QMainWindow,
     QMessageBox,
     QSplitter,
@@ -19,19 +18,23 @@ from PySide6.QtWidgets import (
 )
 
 from app.frame_budget import FrameBudget
+from app.load_feedback import LoadFeedback
+from app.main_menus import build_menus
+from app.screen import fit_screen
+from app.tool_windows import ToolWindows
+from app.transcript import Transcript
 from app.widgets.generation_panel import GenerationPanel
 from app.widgets.live_plots import LivePlots
 from app.widgets.model_panel import ModelPanel
 from app.widgets.output_view import OutputView
 from app.widgets.prompt_box import PromptBox
-from app.screen import fit_screen
-from app.transcript import Transcript
+from app.widgets.status_line import StatusLine
 from app.worker import ModelSession
-from engine.storage import history
-from engine.events import Finished, Loaded, LoadProgress
-from engine.runs import Run
+from engine.events import Finished, Loaded
 from engine.jobs import GenerateJob
-from engine.units import format_bytes, format_rate, format_seconds
+from engine.runs import Run
+from engine.storage import history
+from engine.units import format_rate, format_seconds
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +65,6 @@ PACES = (  # share of a CPU core the GUI thread may spend redrawing while the mo
 class MainWindow(QMainWindow):
     generation_finished = Signal(object)  # Finished: this window's answer ended (after the window updated)
     generation_failed = Signal(object)  # Exception: it failed (a partial run, if any, rides on it)
-    history_opened = Signal(object)  # the history dialog, once its records are in its table
 
     def __init__(self, settings: QSettings, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -75,10 +77,9 @@ class MainWindow(QMainWindow):
         self.loading = False
         self.generating = False
         self._error_box: QMessageBox | None = None
-        self.compare = None
-        self.costs = None
-        self.speedups = None
-        self.fetch_dialog = None  # the first run's download of the default model
+        self.tools = ToolWindows(self)
+        self.history_opened = self.tools.history_opened
+        self.feedback = LoadFeedback(self)
         self._loading_default = False
         self._load_request = None  # what the load in progress was asked for
         self._generate_after_load: str | None = None  # a prompt waiting for the panel's choice to load
@@ -113,14 +114,14 @@ class MainWindow(QMainWindow):
         self.timer.setInterval(REFRESH_MS)
         self.budget = FrameBudget(DEFAULT_BUDGET)
         self._plot_turn = 0
-        self._build_status_bar()
-        self._build_menus()
+        self.status = StatusLine(self.statusBar())
+        build_menus(self, PACES)
         self.timer.timeout.connect(self._on_refresh)
 
         worker = self.session
         worker.devices_found.connect(self._on_devices_found)
         worker.models_found.connect(self._on_models_found)
-        worker.load_progressed.connect(self._on_load_progressed)
+        worker.load_progressed.connect(self.feedback.on_progress)
         worker.loaded.connect(self._on_loaded)
         worker.load_failed.connect(self._on_load_failed)
         worker.unloaded.connect(self._on_unloaded)
@@ -129,8 +130,8 @@ class MainWindow(QMainWindow):
         worker.job_finished.connect(self._on_job_finished)
         worker.job_failed.connect(self._on_job_failed)
         worker.queue_changed.connect(self._on_queue_changed)
-        worker.compile_started.connect(self._on_compile_started)
-        worker.compile_finished.connect(self._on_compile_finished)
+        worker.compile_started.connect(self.feedback.on_compile_started)
+        worker.compile_finished.connect(self.feedback.on_compile_finished)
         self.model_panel.load_clicked.connect(self.load)
         self.model_panel.unload_clicked.connect(self.unload)
         self.model_panel.cancel_clicked.connect(self.session.cancel_load)
@@ -153,122 +154,35 @@ class MainWindow(QMainWindow):
         self.addDockWidget(area, dock)
         self._docks[key] = dock
 
-    def _build_status_bar(self) -> None:
-        self.status: dict[str, QLabel] = {}
-        widths = {"device": "device: cuda:0", "ttft": "TTFT 1000.0 ms", "speed": "decode 1000.0 tok/s",
-                  "tokens": "100000 tokens", "kv": "KV 1000.0 MiB", "peak": "peak 1000.0 MiB"}
-        for key in ("device", "ttft", "speed", "tokens", "kv", "peak"):
-            label = QLabel("")
-            label.setObjectName(f"status_{key}")
-            # a fixed width: a label that changes size re-lays-out (and repaints) the window
-            label.setMinimumWidth(label.fontMetrics().horizontalAdvance(widths[key]) + 12)
-            self.statusBar().addPermanentWidget(label)
-            self.status[key] = label
-        self._update_status()
-
-    def _build_menus(self) -> None:
-        file_menu = self.menuBar().addMenu("&File")
-        save = QAction("&Save transcript…", self, shortcut=QKeySequence.Save, triggered=self.save_transcript)
-        file_menu.addAction(save)
-        file_menu.addAction(QAction("Run &history…", self, shortcut="Ctrl+H", triggered=self.open_history))
-        file_menu.addSeparator()
-        file_menu.addAction(QAction("&Quit", self, shortcut=QKeySequence.Quit, triggered=self.close))
-        view = self.menuBar().addMenu("&View")
-        view.addAction(QAction("&Compare models and precisions…", self, shortcut="Ctrl+K",
-                               triggered=self.open_compare))
-        view.addAction(QAction("Cost &explorer…", self, shortcut="Ctrl+E", triggered=self.open_costs))
-        view.addAction(QAction("&Batching and speculative decoding…", self, shortcut="Ctrl+B",
-                               triggered=self.open_speedups))
-        view.addSeparator()
-        self.show_tokens_action = QAction("Show &tokens", self, checkable=True, shortcut="Ctrl+T")
-        self.show_tokens_action.toggled.connect(self.output.set_show_tokens)
-        view.addAction(self.show_tokens_action)
-        view.addSeparator()
-        for dock in self._docks.values():
-            view.addAction(dock.toggleViewAction())
-        view.addSeparator()
-        view.addAction(QAction("&Reset layout", self, triggered=lambda: self.restoreState(self._default_state)))
-        view.addSeparator()
-        pace = view.addMenu("Redraw while &generating")
-        self.pace_actions: dict[float, QAction] = {}
-        group = QActionGroup(self)
-        for budget, label in PACES:
-            action = QAction(label, self, checkable=True)
-            action.triggered.connect(lambda checked, b=budget: self.set_redraw_budget(b))
-            group.addAction(action)
-            pace.addAction(action)
-            self.pace_actions[budget] = action
-
     def _default_sizes(self) -> None:
         """First start: plots get most of the width, the conversation the middle."""
         width = self.width()
         self.resizeDocks([self._docks["model"], self._docks["speed"], self._docks["kv"]],
                          [int(width * 0.26), int(width * 0.24), int(width * 0.24)], Qt.Horizontal)
 
+    # -- the other windows -------------------------------------------------------------
     def open_compare(self):
-        """The Compare window, its lane 1 set to the model chosen here."""
-        from app.compare_view import CompareWindow
-        from engine.measure.compare import LaneSpec
-
-        if self.compare is None:
-            self.compare = CompareWindow()
-            self.compare.closed.connect(self._on_compare_closed)
-            request = self.model_panel.request()
-            self.compare.lanes[0].configure(LaneSpec(request.model, request.precision, request.device))
-            self.compare.lanes[1].configure(LaneSpec(request.model, "nf4", request.device))
-        self.compare.show()
-        self.compare.raise_()
-        return self.compare
-
-    @Slot()
-    def _on_compare_closed(self) -> None:
-        """Its lanes' models were freed on close; a later View → Compare starts afresh."""
-        window, self.compare = self.compare, None
-        if window is not None:
-            window.deleteLater()
+        return self.tools.open_compare()
 
     def open_costs(self):
-        """The Cost explorer, showing the model and precision chosen here."""
-        from PySide6.QtWidgets import QApplication
-
-        from app.cost_view import CostWindow
-
-        if self.costs is None:
-            QApplication.setOverrideCursor(Qt.WaitCursor)  # first use measures this machine (a few seconds)
-            try:
-                self.costs = CostWindow()
-            finally:
-                QApplication.restoreOverrideCursor()
-        request = self.model_panel.request()
-        self.costs.set_model(request.model, request.precision)
-        self.costs.reload_history()
-        self.costs.show()
-        self.costs.raise_()
-        return self.costs
+        return self.tools.open_costs()
 
     def open_history(self):
-        """Every finished run (kept in the user data folder), reopened read-only."""
-        from app.history_view import HistoryDialog
-
-        dialog = HistoryDialog(self)
-        dialog.setAttribute(Qt.WA_DeleteOnClose)
-        dialog.ready.connect(lambda: self.history_opened.emit(dialog))
-        dialog.open()
-        return dialog
+        return self.tools.open_history()
 
     def open_speedups(self):
-        """Batching sweep and speculative decoding on the model loaded here."""
-        from app.speedup_window import SpeedupWindow
+        return self.tools.open_speedups()
 
-        if self.speedups is None:
-            self.speedups = SpeedupWindow(self.session, self._request_for_tool)
-        self.speedups.set_model(self.loaded)
-        self.speedups.set_loading(self.loading)
-        self.speedups.show()
-        self.speedups.raise_()
-        return self.speedups
+    @property
+    def compare(self):
+        return self.tools.compare
 
-    def _request_for_tool(self, prompt: str):
+    @property
+    def fetch_dialog(self):
+        return self.feedback.fetch_dialog
+
+    def request_for_tool(self, prompt: str):
+        """A request with this window's generation settings, for the batching and speculative tools."""
         return self.generation_panel.request_for(prompt, ())
 
     def _on_queue_changed(self) -> None:
@@ -425,45 +339,8 @@ class MainWindow(QMainWindow):
     def _on_models_found(self, entries: list) -> None:
         self.model_panel.set_entries(entries)
 
-    @Slot(object)
-    def _on_load_progressed(self, event: LoadProgress) -> None:
-        self.model_panel.show_progress(event)
-        from app.fetch_dialog import FETCH_STAGES, FetchDialog, OPENING_STAGES
-
-        # the dialog opens only when something is fetched or converted (a later load of the
-        # converted copy reports "tokenizer" too, and must not flash the first-run dialog)
-        opening = self.fetch_dialog is None and event.stage in OPENING_STAGES
-        if self._loading_default and event.stage in FETCH_STAGES and (self.fetch_dialog is not None or opening):
-            if self.fetch_dialog is None:
-                self.fetch_dialog = FetchDialog(self)
-                self.fetch_dialog.cancel_requested.connect(self.session.cancel_load)
-            self.fetch_dialog.show_progress(event)
-
-    def _close_fetch_dialog(self) -> None:
-        if self.fetch_dialog is not None:
-            self.fetch_dialog.finish()
-            self.fetch_dialog.deleteLater()
-            self.fetch_dialog = None
-
-    @Slot(object)
-    def _on_compile_started(self) -> None:
-        self.model_panel.stage.setText(
-            "Fast path: compiling the decode step in the background (about 40 s per cache size the first "
-            "time, seconds later; generation runs, slower, until then).")
-
-    def _on_compile_finished(self, report) -> None:
-        if self.loaded is None:
-            return
-        if report.error:
-            self.model_panel.stage.setText(f"Fast path: compiling failed, the eager step is in use ({report.error}).")
-        elif report.capacities:
-            sizes = ", ".join(str(c) for c in sorted(report.capacities))
-            self.model_panel.stage.setText(
-                f"Fast path: decode step compiled in {report.seconds:.0f} s for caches of {sizes} tokens "
-                f"(kept in {report.cache_dir}).")
-
     def _on_loaded(self, info: Loaded) -> None:
-        self._close_fetch_dialog()
+        self.feedback.close_fetch_dialog()
         self.loading = False
         self.loaded = info
         self.transcript.model = info
@@ -478,7 +355,7 @@ class MainWindow(QMainWindow):
 
     @Slot(object)
     def _on_load_failed(self, exc: Exception) -> None:
-        self._close_fetch_dialog()
+        self.feedback.close_fetch_dialog()
         self.loading = False
         self.model_panel.stage.setText("")  # not the last step it reached: that step is over
         self._update_state()  # the model loaded before (if any) is still loaded and usable
@@ -524,8 +401,7 @@ class MainWindow(QMainWindow):
     @Slot(int, object)
     def _on_job_finished(self, job_id: int, result) -> None:
         if job_id != self.job:
-            if self.costs is not None:  # a sweep or speculative run joined the history
-                self.costs.reload_history()
+            self.tools.job_ended()
             return
         self.job = None
         self._on_generation_finished(result)
@@ -587,29 +463,16 @@ class MainWindow(QMainWindow):
         self.model_panel.set_loading(self.loading, loaded=self.loaded is not None)
         self.model_panel.setEnabled(not self.session.busy or self.generating)
         self.prompt.set_state(can_generate=self.loaded is not None and not self.loading, generating=self.generating)
-        if self.speedups is not None:
-            self.speedups.set_loading(self.loading)
+        self.tools.set_loading(self.loading)
 
     def _update_status(self) -> None:
-        info, run = self.loaded, self.run
-        values = {
-            "device": f"device: {info.device}" if info else "no model",
-            "ttft": f"TTFT {format_seconds(run.ttft_s())}",
-            "speed": f"decode {format_rate(run.decode_tokens_per_s())}",
-            "tokens": f"{run.count} tokens",
-            "kv": f"KV {format_bytes(run.kv_bytes())}",
-            "peak": f"peak {format_bytes(run.peak_memory_bytes())}",
-        }
-        for key, text in values.items():
-            self.status[key].setText(text)
+        self.status.show(self.loaded, self.run)
 
     # -- shutdown ------------------------------------------------------------------------
     def closeEvent(self, event) -> None:
         self.save_settings()
         self.timer.stop()
-        for window in (self.compare, self.costs, self.speedups):
-            if window is not None:
-                window.close()
+        self.tools.close_all()
         if not self.session.shutdown(SHUTDOWN_MS):
             # The worker is inside a step that can't be interrupted (e.g. converting a GGUF
             # tokenizer). Leave now rather than hang or abort on a running QThread.

@@ -124,7 +124,7 @@ def dismiss_load_error(qtbot, window) -> str:
 @pytest.fixture
 def compare(qtbot, _no_dangling_threads_or_timers):
     """A Compare window on its own (closed, its lanes' threads ended, after the test)."""
-    from app.compare_view import CompareWindow
+    from app.compare_window import CompareWindow
     from app.main import create_app
 
     create_app([])

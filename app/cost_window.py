@@ -1,0 +1,316 @@
+"""Cost Explorer: predict memory, the decode speed ceiling and $ per 1M tokens for a model on a
+piece of hardware, and put the measured runs on the same charts."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, QTimer, Signal, Slot
+from PySide6.QtWidgets import (
+    QComboBox,
+    QDialog,
+    QDockWidget,
+    QFormLayout,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QMainWindow,
+    QPushButton,
+    QSlider,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.background import Background
+from app.hardware_dialog import HardwareDialog
+from app.screen import fit_screen
+from app.widgets.cost_charts import BATCHES, CONTEXTS, CostCharts
+from engine.errors import EngineError
+from engine.estimates import costs, hardware
+from engine.estimates.costs import ALL_PRECISIONS, KV_DTYPES
+from engine.estimates.estimate import config_for, count_parameters, shipped_models
+from engine.storage.history import RunRecord, load_all
+from engine.units import format_bytes, format_count
+
+__all__ = ["BATCHES", "CONTEXTS", "CostWindow"]
+
+
+class CostWindow(QMainWindow):
+    """View → Cost explorer…"""
+
+    updated = Signal()
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("costWindow")
+        self.setWindowTitle("Inference Workbench — Cost explorer")
+        self._closing = False
+        self._config = None
+        self._count = None
+        self._config_ref = None
+        self._configs: dict[str, tuple] = {}  # model ref -> (config or None, its parameter count)
+        self._reading: set[str] = set()  # refs whose config is being read off the GUI thread
+        self.background = Background(self)
+        self.estimate: costs.Estimate | None = None
+        self.records: list[RunRecord] = []
+        self.profiles: dict[str, hardware.Hardware] = {}
+
+        self.model = QComboBox()
+        self.model.setEditable(True)
+        self.model.setObjectName("costModel")
+        self.model.addItem("default (SmolLM2-135M-Instruct)", "default")
+        for hub_id in shipped_models():
+            self.model.addItem(hub_id, hub_id)
+        self.model.setToolTip("A shipped config, the default model, a model folder, or a hub id in the HF cache")
+        self.hardware = QComboBox()
+        self.hardware.setObjectName("costHardware")
+        self.precision = QComboBox()
+        for name in ALL_PRECISIONS:
+            self.precision.addItem(name, name)
+        self.precision.setCurrentIndex(self.precision.findData("bf16"))
+        self.kv_dtype = QComboBox()
+        for name in KV_DTYPES:
+            self.kv_dtype.addItem(name, name)
+        self.kv_dtype.setCurrentIndex(self.kv_dtype.findData("bf16"))
+        self.context = QSlider(Qt.Horizontal)
+        self.context.setObjectName("contextSlider")
+        self.context.setRange(0, len(CONTEXTS) - 1)
+        self.context.setValue(CONTEXTS.index(4096))
+        self.batch = QSlider(Qt.Horizontal)
+        self.batch.setObjectName("batchSlider")
+        self.batch.setRange(0, len(BATCHES) - 1)
+        self.context_label, self.batch_label = QLabel(), QLabel()
+        self.training = QLineEdit()
+        self.training.setPlaceholderText("training tokens, e.g. 15e12")
+        edit = QPushButton("Edit hardware…")
+        edit.clicked.connect(self.edit_hardware)
+        self.numbers = QLabel()
+        self.numbers.setObjectName("costNumbers")
+        self.numbers.setWordWrap(True)
+        self.numbers.setTextFormat(Qt.RichText)
+        self.numbers.setTextInteractionFlags(Qt.TextSelectableByMouse)
+
+        form = QFormLayout()
+        form.addRow("Model", self.model)
+        hw_row = QHBoxLayout()
+        hw_row.addWidget(self.hardware, 1)
+        hw_row.addWidget(edit)
+        form.addRow("Hardware", hw_row)
+        form.addRow("Precision", self.precision)
+        form.addRow("KV-cache dtype", self.kv_dtype)
+        for label, slider, value in (("Context", self.context, self.context_label),
+                                     ("Batch", self.batch, self.batch_label)):
+            row = QHBoxLayout()
+            row.addWidget(slider, 1)
+            row.addWidget(value)
+            form.addRow(label, row)
+        form.addRow("Training tokens", self.training)
+        side = QWidget()
+        side_layout = QVBoxLayout(side)
+        side_layout.addLayout(form)
+        side_layout.addWidget(self.numbers, 1)
+        dock = QDockWidget("Model and hardware", self)
+        dock.setObjectName("cost_dock_controls")
+        dock.setWidget(side)
+        self.addDockWidget(Qt.LeftDockWidgetArea, dock)
+
+        self.charts = CostCharts()
+        self.charts.ready.connect(self.schedule_update)
+        self.setCentralWidget(self.charts)
+
+
+        for widget in (self.model, self.hardware, self.precision, self.kv_dtype):
+            widget.currentIndexChanged.connect(self.schedule_update)
+        self.model.lineEdit().editingFinished.connect(self.schedule_update)
+        self.context.valueChanged.connect(self.schedule_update)
+        self.batch.valueChanged.connect(self.schedule_update)
+        self.training.editingFinished.connect(self.schedule_update)
+        self._pending = QTimer(self)
+        self._pending.setSingleShot(True)
+        self._pending.setInterval(30)
+        self._pending.timeout.connect(self.update_view)
+        self.resize(fit_screen(1500, 950))
+        self.reload_hardware()
+        self.reload_history()
+
+    # -- inputs --------------------------------------------------------------------------
+    def reload_hardware(self) -> None:
+        """Read the profiles off the GUI thread: "this machine" is measured (a few seconds) the
+        first time on a new computer."""
+        self.background.submit(hardware.profiles, self._show_profiles, self._show_failure)
+
+    def _show_profiles(self, profiles) -> None:
+        current = self.hardware.currentData()
+        self.hardware.blockSignals(True)
+        self.hardware.clear()
+        self.profiles = {p.id: p for p in profiles}
+        for profile in self.profiles.values():
+            self.hardware.addItem(profile.name, profile.id)
+        index = self.hardware.findData(current or hardware.THIS_MACHINE)
+        self.hardware.setCurrentIndex(max(index, 0))
+        self.hardware.blockSignals(False)
+        self.schedule_update()
+
+    def reload_history(self) -> None:
+        self.background.submit(load_all, self._show_history, self._show_failure)
+
+    def _show_history(self, records: list[RunRecord]) -> None:
+        self.records = records
+        self.schedule_update()
+
+    def _show_failure(self, exc: BaseException) -> None:
+        self.numbers.setText(f"<span style='color:#c0392b'>{exc}</span>")
+
+    def set_model(self, ref: str, precision: str | None = None) -> None:
+        index = self.model.findData(ref)
+        if index < 0:
+            self.model.addItem(ref, ref)
+            index = self.model.count() - 1
+        self.model.setCurrentIndex(index)
+        if precision:
+            self.precision.setCurrentIndex(self.precision.findData(precision))
+        self.schedule_update()
+
+    def model_ref(self) -> str:
+        index, text = self.model.currentIndex(), self.model.currentText().strip()
+        return (self.model.itemData(index) if index >= 0 and self.model.itemText(index) == text else text) or "default"
+
+    def schedule_update(self) -> None:
+        if not self._closing:  # closing moves focus, and the model box then says "edited"
+            self._pending.start()
+
+    # -- the model of costs ---------------------------------------------------------------
+    def _config_for_current(self) -> bool:
+        """Whether the current model's config is known (it may be None: not on this machine);
+        if not, it is being read off the GUI thread and the view updates when it arrives."""
+        ref = self.model_ref()
+        if ref in self._configs:
+            self._config_ref = ref
+            self._config, self._count = self._configs[ref]
+            return True
+        if ref not in self._reading:
+            self._reading.add(ref)
+            self.background.submit(lambda: _read_config(ref), lambda found: self._config_read(ref, found),
+                                   lambda exc: self._config_read(ref, (None, None)))
+        return False
+
+    def _config_read(self, ref: str, found: tuple) -> None:
+        self._reading.discard(ref)
+        self._configs[ref] = found
+        self.schedule_update()
+
+    @Slot()
+    def update_view(self) -> None:
+        context = CONTEXTS[self.context.value()]
+        batch = BATCHES[self.batch.value()]
+        self.context_label.setText(f"{context:,} tokens")
+        self.batch_label.setText(f"{batch}")
+        if not self.charts.built:
+            return  # the charts are being made; they ask for an update when they are ready
+        if not self.profiles or not self._config_for_current():
+            waiting = [] if self.profiles else ["measuring this machine (a few seconds, the first time)"]
+            if self.model_ref() in self._reading:
+                waiting.append(f"reading the config of {self.model_ref()}")
+            self.numbers.setText("<i>" + "; ".join(waiting).capitalize() + "…</i>")
+            return
+        config = self._config
+        if config is None:
+            self.estimate = None
+            self.numbers.setText(f"<span style='color:#c0392b'>No config for {self.model_ref()!r} on this machine: "
+                                 "pick a shipped one, a model folder, or a hub id in the HF cache.</span>")
+            self.updated.emit()
+            return
+        profile = self.profiles[self.hardware.currentData()]
+        try:
+            training = float(self.training.text()) if self.training.text().strip() else None
+        except ValueError:
+            training = None
+        try:
+            self.estimate = costs.estimate(config, profile, self.precision.currentData(), self.kv_dtype.currentData(),
+                                           context, batch, training, self.model_ref(), self._count)
+        except EngineError as exc:
+            self.numbers.setText(f"<span style='color:#c0392b'>{exc}</span>")
+            return
+        self.charts.draw(self.estimate, config, profile, self._points(config, profile), self.kv_dtype.currentData(),
+                         self._count)
+        self._write_numbers(profile)
+        self.updated.emit()
+
+    def _points(self, config, profile) -> list[RunRecord]:
+        """Measured runs of this model (same parameter count), precision and hardware; plain decoding
+        only (a speculative run is not bound by this ceiling) and no run that ended in an error."""
+        return [r for r in self.records if r.parameters == self._count.total and r.hardware == profile.id
+                and r.precision == self.precision.currentData() and r.kind != "speculative"
+                and not r.extra.get("error")]
+
+    def _write_numbers(self, profile) -> None:
+        e = self.estimate
+        runs = self._points(self._config, profile)
+        ridge = ("never at this context (each sequence's KV reads grow as fast as its compute)"
+                 if e.ridge_batch is None else f"from batch {e.ridge_batch:,.0f}")
+        rows = [
+            ("Parameters", f"{format_count(e.parameters)} ({e.parameters:,})"),
+            ("Weights", f"{format_bytes(e.weights_bytes)} in {e.precision}"),
+            ("KV cache", f"{format_bytes(e.kv_bytes_per_token)} per token ({e.kv_dtype}); "
+                         f"{format_bytes(e.kv_bytes_total)} for {e.batch} × {e.context:,} tokens"),
+            ("Activations", format_bytes(e.activation_bytes)),
+            ("Total", f"{format_bytes(e.total_bytes)} of {format_bytes(e.device_memory_bytes)}: "
+                      + ("<b style='color:#27ae60'>fits</b>" if e.fits else "<b style='color:#c0392b'>does not fit</b>")),
+            ("Decode ceiling", f"{e.decode_tokens_per_s_ceiling:,.1f} tok/s in all, {e.per_request_tokens_per_s:,.1f} "
+                               f"per request ({e.bound}-bound)"),
+            ("Compute-bound", ridge),
+            ("Prefill", f"{e.context:,} tokens ≈ {e.prefill_s * 1000:,.1f} ms at peak FLOP/s"),
+            ("$ per 1M tokens", _money(e.usd_per_million_tokens, e.fits, profile.usd_per_hour, "$ / hour")),
+            ("Wh per 1M tokens", _money(e.wh_per_million_tokens, e.fits, profile.watts, "watts")),
+        ]
+        if e.training_breakeven_tokens:
+            rows.append(("Training", f"{e.training_flops:.2e} FLOPs = serving {e.training_breakeven_tokens:.2e} tokens"))
+        if runs:
+            last = runs[-1]
+            predicted = costs.estimate(self._config, profile, e.precision, e.kv_dtype, max(last.context - 1, 1), 1,
+                                       None, "", self._count)
+            predicted_bytes = predicted.weights_bytes + predicted.kv_bytes_total
+            measured = last.weights_bytes + last.kv_cache_bytes
+            rows.append(("Last run", f"weights + KV measured {format_bytes(measured)}, predicted "
+                                     f"{format_bytes(predicted_bytes)} ({100 * (predicted_bytes - measured) / measured:+.2f}%)"))
+        sources = profile.sources or {}
+        self.numbers.setText(
+            "<table cellspacing=3>" + "".join(f"<tr><td><b>{k}</b></td><td>{v}</td></tr>" for k, v in rows) + "</table>"
+            + f"<p><b>{profile.name}</b>: {profile.bandwidth_bytes_per_s / 1e9:,.0f}&nbsp;GB/s "
+              f"<small>({sources.get('bandwidth_bytes_per_s', '')})</small>, {profile.bf16_flops / 1e12:,.1f}&nbsp;TFLOP/s "
+              f"<small>({sources.get('bf16_flops', '')})</small></p>")
+
+    def closeEvent(self, event) -> None:
+        self._closing = True
+        self._pending.stop()
+        super().closeEvent(event)
+
+    def showEvent(self, event) -> None:
+        self._closing = False
+        super().showEvent(event)
+
+    # -- editing hardware ---------------------------------------------------------------------
+    def edit_hardware(self) -> None:
+        dialog = HardwareDialog(list(self.profiles.values()), self)
+        if dialog.exec() == QDialog.Accepted:
+            for profile_id, values in dialog.changes().items():
+                hardware.save_edit(profile_id, **values)
+            self.reload_hardware()
+
+
+def _read_config(ref: str) -> tuple:
+    """A model's config and parameter count (imports transformers, builds it on the meta device
+    under the load lock: never on the GUI thread)."""
+    config = config_for(ref)
+    return config, (count_parameters(config) if config is not None else None)
+
+
+def _money(value: float | None, fits: bool, rate: float | None, what: str) -> str:
+    """A price (or energy) figure, or why there is none: never a "$0.000" that looks measured."""
+    if not fits:
+        return "n/a: this setup does not fit in the device's memory"
+    if not rate:
+        return f"n/a: no {what} for this hardware (Edit hardware… sets one)"
+    if value is None:
+        return "n/a"
+    return f"${value:,.3f}" if what.startswith("$") else f"{value:,.0f} Wh"
+
+

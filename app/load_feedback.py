@@ -1,0 +1,52 @@
+"""What a load shows besides the model panel's progress: the first run's fetch dialog (the default
+model downloaded, checked and converted) and the fast path's compile notes."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QObject, Slot
+
+from engine.events import LoadProgress
+
+
+class LoadFeedback(QObject):
+    def __init__(self, main) -> None:
+        super().__init__(main)
+        self.main = main
+        self.fetch_dialog = None  # open while the default model is fetched or converted
+
+    @Slot(object)
+    def on_progress(self, event: LoadProgress) -> None:
+        self.main.model_panel.show_progress(event)
+        from app.fetch_dialog import FETCH_STAGES, FetchDialog, OPENING_STAGES
+
+        # the dialog opens only when something is fetched or converted (a later load of the
+        # converted copy reports "tokenizer" too, and must not flash the first-run dialog)
+        opening = self.fetch_dialog is None and event.stage in OPENING_STAGES
+        if self.main._loading_default and event.stage in FETCH_STAGES and (self.fetch_dialog is not None or opening):
+            if self.fetch_dialog is None:
+                self.fetch_dialog = FetchDialog(self.main)
+                self.fetch_dialog.cancel_requested.connect(self.main.session.cancel_load)
+            self.fetch_dialog.show_progress(event)
+
+    def close_fetch_dialog(self) -> None:
+        if self.fetch_dialog is not None:
+            self.fetch_dialog.finish()
+            self.fetch_dialog.deleteLater()
+            self.fetch_dialog = None
+
+    @Slot(object)
+    def on_compile_started(self) -> None:
+        self.main.model_panel.stage.setText(
+            "Fast path: compiling the decode step in the background (about 40 s per cache size the first "
+            "time, seconds later; generation runs, slower, until then).")
+
+    def on_compile_finished(self, report) -> None:
+        if self.main.loaded is None:
+            return
+        if report.error:
+            self.main.model_panel.stage.setText(f"Fast path: compiling failed, the eager step is in use ({report.error}).")
+        elif report.capacities:
+            sizes = ", ".join(str(c) for c in sorted(report.capacities))
+            self.main.model_panel.stage.setText(
+                f"Fast path: decode step compiled in {report.seconds:.0f} s for caches of {sizes} tokens "
+                f"(kept in {report.cache_dir}).")

@@ -1,0 +1,41 @@
+"""The main window's menus: File (save, history, quit) and View (the other windows, token chips,
+the panels, the layout, the redraw pace)."""
+
+from __future__ import annotations
+
+from PySide6.QtGui import QAction, QActionGroup, QKeySequence
+
+
+def build_menus(window, paces) -> None:
+    """Build the menu bar; sets ``window.show_tokens_action`` and ``window.pace_actions``."""
+    file_menu = window.menuBar().addMenu("&File")
+    save = QAction("&Save transcript…", window, shortcut=QKeySequence.Save, triggered=window.save_transcript)
+    file_menu.addAction(save)
+    file_menu.addAction(QAction("Run &history…", window, shortcut="Ctrl+H", triggered=window.open_history))
+    file_menu.addSeparator()
+    file_menu.addAction(QAction("&Quit", window, shortcut=QKeySequence.Quit, triggered=window.close))
+    view = window.menuBar().addMenu("&View")
+    view.addAction(QAction("&Compare models and precisions…", window, shortcut="Ctrl+K",
+                           triggered=window.open_compare))
+    view.addAction(QAction("Cost &explorer…", window, shortcut="Ctrl+E", triggered=window.open_costs))
+    view.addAction(QAction("&Batching and speculative decoding…", window, shortcut="Ctrl+B",
+                           triggered=window.open_speedups))
+    view.addSeparator()
+    window.show_tokens_action = QAction("Show &tokens", window, checkable=True, shortcut="Ctrl+T")
+    window.show_tokens_action.toggled.connect(window.output.set_show_tokens)
+    view.addAction(window.show_tokens_action)
+    view.addSeparator()
+    for dock in window._docks.values():
+        view.addAction(dock.toggleViewAction())
+    view.addSeparator()
+    view.addAction(QAction("&Reset layout", window, triggered=lambda: window.restoreState(window._default_state)))
+    view.addSeparator()
+    pace = view.addMenu("Redraw while &generating")
+    window.pace_actions: dict[float, QAction] = {}
+    group = QActionGroup(window)
+    for budget, label in paces:
+        action = QAction(label, window, checkable=True)
+        action.triggered.connect(lambda checked, b=budget: window.set_redraw_budget(b))
+        group.addAction(action)
+        pace.addAction(action)
+        window.pace_actions[budget] = action

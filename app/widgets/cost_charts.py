@@ -1,0 +1,257 @@
+"""The cost explorer's four charts: the memory a setup needs, the decode speed ceiling against
+batch, $ per 1M tokens against batch, and KV bytes against context, with measured runs on them.
+
+Built one chart per turn of the event loop (each pyqtgraph plot takes ~20 ms to make), so
+opening the window never blocks the GUI for long; ``ready`` says they are all there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtWidgets import QGridLayout, QWidget
+
+from app.widgets.live_plots import PlotPanel
+from engine.estimates import costs
+from engine.estimates.costs import ALL_PRECISIONS
+from engine.storage.history import RunRecord
+
+CONTEXTS = [2 ** k for k in range(7, 18)]  # 128 … 131072
+BATCHES = [2 ** k for k in range(0, 12)]  # 1 … 2048
+COLOURS = {"weights": "#2d7dd2", "kv": "#f39c12", "activations": "#8e44ad", "memory": "#2d7dd2",
+           "compute": "#c0392b", "ceiling": "#27ae60", "measured": "#e74c3c", "device": "#7f8c8d"}
+
+
+def _pen(colour: str, style=Qt.SolidLine, width: int = 1):
+    return pg.mkPen(colour, width=width, style=style)
+
+
+class CostCharts(QWidget):
+    """The four charts in a 2 × 2 grid."""
+
+    ready = Signal()
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._grid = QGridLayout(self)
+        self._curves: dict[str, object] = {}
+        self._run_labels: list = []
+        self._count = None
+        self.memory_bars: list[float] = []
+        self.speed_ceiling = None
+        self.ridge_log2: float | None = None
+        self._steps = [self._build_memory, self._build_speed, self._build_money, self._build_kv]
+        self.built = False
+        QTimer.singleShot(0, self._build_next)
+
+    def _build_next(self) -> None:
+        self._steps.pop(0)()
+        if self._steps:
+            QTimer.singleShot(0, self._build_next)
+        else:
+            self.built = True
+            self.ready.emit()
+
+    def _place(self, panel: PlotPanel, index: int) -> None:
+        panel.item.getAxis("left").enableAutoSIPrefix(False)  # our ticks carry their units; no "(x0.001)"
+        self._grid.addWidget(panel, index // 2, index % 2)
+
+    def _build_memory(self) -> None:
+        self.memory_plot = PlotPanel(
+            "cost-memory", "Memory the model needs (stacked: weights, KV cache for batch × context, "
+            "activations) against the device's memory (grey line); measured runs as red dots.", "memory", "")
+        self.memory_plot.item.getAxis("bottom").setTicks([[(0, "weights + KV + activations")]])
+        for name, colour in (("weights", COLOURS["weights"]), ("KV cache", COLOURS["kv"]),
+                             ("activations", COLOURS["activations"])):
+            self.memory_plot.add_legend(name, colour, "■")
+        self.memory_plot.add_legend("device memory", COLOURS["device"], "╍╍")
+        self._place(self.memory_plot, 0)
+
+    def _build_speed(self) -> None:
+        self.speed_plot = PlotPanel(
+            "cost-speed", "Decode tokens/sec ceiling against batch: reading the weights (and KV) bounds small "
+            "batches (blue region), compute bounds large ones (red region); the ceiling is the lower of the two. "
+            "Dots: measured runs, labelled with their % of the ceiling.", "tokens / s (all requests)", "batch")
+        for name, colour, glyph in (("memory-bound", COLOURS["memory"], "╍╍"), ("compute-bound", COLOURS["compute"], "╍╍"),
+                                    ("ceiling", COLOURS["ceiling"], "━━"), ("measured", COLOURS["measured"], "●")):
+            self.speed_plot.add_legend(name, colour, glyph)
+        self._regions = [pg.LinearRegionItem(movable=False, brush=pg.mkBrush(45, 125, 210, 28), pen=pg.mkPen(None)),
+                         pg.LinearRegionItem(movable=False, brush=pg.mkBrush(192, 57, 43, 28), pen=pg.mkPen(None))]
+        for region in self._regions:
+            self.speed_plot.plot.addItem(region, ignoreBounds=True)
+        self._place(self.speed_plot, 1)
+
+    def _build_money(self) -> None:
+        self.money_plot = PlotPanel(
+            "cost-money", "$ per 1M output tokens at the ceiling: batching shares the weight reads, so it falls "
+            "until compute takes over.", "$ per 1M tokens", "batch")
+        self._money_note = pg.TextItem("", color=COLOURS["device"], anchor=(0.5, 0.5))
+        self._money_note.textItem.setTextWidth(240)  # wraps inside the plot however narrow
+        self.money_plot.plot.addItem(self._money_note, ignoreBounds=True)
+        self._place(self.money_plot, 2)
+
+    def _build_kv(self) -> None:
+        self.kv_plot = PlotPanel(
+            "cost-kv", "KV-cache bytes of one sequence against context length; sliding-window layers stop "
+            "growing at their window. Red dots: measured runs.", "KV cache", "context (tokens)")
+        self._place(self.kv_plot, 3)
+
+    def _curve(self, key: str, panel: PlotPanel, **style):
+        if key not in self._curves:
+            self._curves[key] = panel.plot.plot([], [], **style)
+        return self._curves[key]
+
+    def draw(self, e, config, profile, runs: list[RunRecord], kv_dtype: str, count) -> None:
+        """Draw ``e`` (the estimate at the chosen batch and context), the sweeps around it, and the
+        measured ``runs`` of this model, precision and hardware."""
+        self._count = count
+        # 1. stacked memory bar
+        divisor, unit = _unit(max(e.total_bytes, profile.memory_bytes))
+        plot = self.memory_plot.plot
+        for name in ("bars",):
+            if name in self._curves:
+                plot.removeItem(self._curves.pop(name))
+        heights = [e.weights_bytes / divisor, e.kv_bytes_total / divisor, e.activation_bytes / divisor]
+        bottoms = [0, heights[0], heights[0] + heights[1]]
+        bars = pg.BarGraphItem(x=[0, 0, 0], height=heights, y0=bottoms, width=0.6,
+                               brushes=[COLOURS["weights"], COLOURS["kv"], COLOURS["activations"]])
+        plot.addItem(bars)
+        self._curves["bars"] = bars
+        self.memory_bars = heights
+        device = self._curve("device-line", self.memory_plot, pen=_pen(COLOURS["device"], Qt.DashLine, 2))
+        device.setData([-0.5, 0.5], [profile.memory_bytes / divisor] * 2)
+        measured = [(r.weights_bytes + r.kv_cache_bytes) / divisor for r in runs]
+        self._curve("memory-runs", self.memory_plot, pen=None, symbol="o", symbolSize=7,
+                    symbolBrush=COLOURS["measured"]).setData([0.35] * len(measured), measured)
+        self.memory_plot.set_label("left", f"memory ({unit})")
+        self.memory_plot.item.setXRange(-0.6, 0.6, padding=0)
+        self.memory_plot.item.setYRange(0, max(e.total_bytes, profile.memory_bytes) / divisor * 1.1, padding=0)
+        # 2. tok/s against batch (log2 x, log10 y)
+        xs = np.array(BATCHES, dtype=float)
+        sweep = [costs.estimate(config, profile, e.precision, e.kv_dtype, e.context, int(b), None, e.model, count)
+                 for b in BATCHES]
+        memory_rate = np.array([s.memory_bound_tokens_per_s for s in sweep])
+        compute_rate = np.array([s.compute_bound_tokens_per_s for s in sweep])
+        ceiling = np.minimum(memory_rate, compute_rate)
+        lx = np.log2(xs)
+        self._curve("memory-bound", self.speed_plot, pen=_pen(COLOURS["memory"], Qt.DashLine)).setData(lx, np.log10(memory_rate))
+        self._curve("compute-bound", self.speed_plot, pen=_pen(COLOURS["compute"], Qt.DashLine)).setData(lx, np.log10(compute_rate))
+        self._curve("ceiling", self.speed_plot, pen=_pen(COLOURS["ceiling"], width=2)).setData(lx, np.log10(ceiling))
+        self.speed_ceiling = ceiling
+        runs_x = [math.log2(r.batch) for r in runs if r.decode_tokens_per_s]
+        runs_y = [math.log10(r.decode_tokens_per_s * r.batch) for r in runs if r.decode_tokens_per_s]
+        self._curve("speed-runs", self.speed_plot, pen=None, symbol="o", symbolSize=7,
+                    symbolBrush=COLOURS["measured"]).setData(runs_x, runs_y)
+        self._label_runs(runs, profile, config, kv_dtype)
+        self.speed_plot.set_label("left", "tokens / s, all requests (log₁₀)")
+        # the measured dots stay in view, however far below the ceiling they are
+        _log_axes(self.speed_plot, lx, np.concatenate([np.log10(np.concatenate([ceiling, memory_rate, compute_rate])),
+                                                       np.array(runs_y, dtype=float)]))
+        low, high = float(lx.min()), float(lx.max())
+        ridge = math.log2(e.ridge_batch) if e.ridge_batch else None
+        split = high if ridge is None else min(max(ridge, low), high)
+        self._regions[0].setRegion((low, split))  # memory-bound
+        self._regions[1].setRegion((split, high))  # compute-bound
+        self.ridge_log2 = ridge
+        marker = self._curve("batch-marker", self.speed_plot, pen=None, symbol="t", symbolSize=10,
+                             symbolBrush=COLOURS["ceiling"])
+        marker.setData([math.log2(e.batch)], [math.log10(e.decode_tokens_per_s_ceiling)])
+        # 3. $ per 1M tokens against batch (only for batches that fit, and hardware with a price)
+        fits = np.array([s.fits for s in sweep])
+        usd_curve = self._curve("usd", self.money_plot, pen=_pen(COLOURS["ceiling"], width=2))
+        if profile.usd_per_hour and fits.any():
+            usd = profile.usd_per_hour / (ceiling * 3600) * 1e6
+            usd_curve.setData(lx[fits], np.log10(usd[fits]))
+            _log_axes(self.money_plot, lx, np.log10(usd[fits]))
+            self._money_note.setVisible(False)
+        else:
+            usd_curve.setData([], [])
+            self._money_note.setText("No price for this hardware: set its $ / hour in Edit hardware…"
+                                     if not profile.usd_per_hour else "Does not fit at any batch: no price.")
+            self._money_note.setPos(float(lx.mean()), 0.5)
+            _log_axes(self.money_plot, lx, np.array([0.0, 1.0]))
+            self.money_plot.item.setYRange(0, 1, padding=0)
+            self.money_plot.item.getAxis("left").setTicks([[]])
+            self._money_note.setVisible(True)
+        # 4. KV bytes against context
+        contexts = np.array(CONTEXTS, dtype=float)
+        kv = [costs.estimate(config, profile, e.precision, e.kv_dtype, int(c), 1, None, e.model, count).kv_bytes_total
+              for c in CONTEXTS]
+        divisor, unit = _unit(max(kv))
+        self._curve("kv-line", self.kv_plot, pen=_pen(COLOURS["kv"], width=2)).setData(np.log2(contexts), np.array(kv) / divisor)
+        measured_kv = [(math.log2(max(r.context - 1, 1)), r.kv_cache_bytes / divisor) for r in runs if r.kv_cache_bytes]
+        self._curve("kv-runs", self.kv_plot, pen=None, symbol="o", symbolSize=7, symbolBrush=COLOURS["measured"]).setData(
+            [p[0] for p in measured_kv], [p[1] for p in measured_kv])
+        self.kv_plot.set_label("left", f"KV cache per sequence ({unit})")
+        self.kv_plot.item.setXRange(math.log2(CONTEXTS[0]), math.log2(CONTEXTS[-1]), padding=0.02)
+        self.kv_plot.item.getAxis("bottom").setTicks([[(math.log2(c), _pretty(c)) for c in CONTEXTS[::2]]])
+        self.kv_plot.item.setYRange(0, max(kv) / divisor * 1.05, padding=0)
+
+    def _label_runs(self, runs, profile, config, kv_dtype: str) -> None:
+        """One label per batch size (runs at the same batch would print over each other): the
+        median share of the ceiling, with the range and count where there are several."""
+        for item in getattr(self, "_run_labels", []):
+            self.speed_plot.plot.removeItem(item)
+        self._run_labels = []
+        by_batch: dict[int, list[tuple[float, float]]] = {}
+        ceilings: dict[tuple, float] = {}  # one estimate per (precision, context, batch), however many runs share it
+        for r in runs:
+            if not r.decode_tokens_per_s:
+                continue
+            key = (r.precision if r.precision in ALL_PRECISIONS else "bf16", max(r.context, 1), r.batch)
+            if key not in ceilings:
+                ceilings[key] = costs.estimate(config, profile, key[0], kv_dtype, key[1], key[2],
+                                               None, "", self._count).decode_tokens_per_s_ceiling
+            rate = r.decode_tokens_per_s * r.batch
+            by_batch.setdefault(r.batch, []).append((100 * rate / ceilings[key], rate))
+        for i, (batch, shares) in enumerate(sorted(by_batch.items())):
+            values = sorted(share for share, _ in shares)
+            text = f"{float(np.median(values)):.0f}%"
+            if len(values) > 1:
+                text += f" ({values[0]:.0f}–{values[-1]:.0f}%, {len(values)} runs)"
+            label = pg.TextItem(text + (" of ceiling" if i == 0 else ""), color=COLOURS["measured"],
+                                anchor=(0, 1) if i % 2 == 0 else (0, 0))  # neighbours alternate above/below
+            label.setPos(math.log2(batch), math.log10(float(np.median([rate for _, rate in shares]))))
+            self.speed_plot.plot.addItem(label)
+            self._run_labels.append(label)
+
+
+def _unit(largest: float) -> tuple[float, str]:
+    from engine.units import binary_unit
+
+    return binary_unit(largest)
+
+
+def _log_axes(panel: PlotPanel, xs: np.ndarray, ys: np.ndarray) -> None:
+    finite = ys[np.isfinite(ys)]
+    panel.item.setXRange(float(xs.min()), float(xs.max()), padding=0.02)
+    if finite.size:
+        panel.item.setYRange(float(finite.min()) - 0.2, float(finite.max()) + 0.2, padding=0)
+    # every other power of two labelled (1, 4, 16 …: "512" and "1024" side by side collide), the rest as minor ticks
+    major = [(float(x), str(int(round(2 ** x)))) for i, x in enumerate(xs) if i % 2 == 0]
+    minor = [(float(x), "") for i, x in enumerate(xs) if i % 2 == 1]
+    panel.item.getAxis("bottom").setTicks([major, minor])
+    lo = float(finite.min()) - 0.2 if finite.size else 0.0
+    hi = float(finite.max()) + 0.2 if finite.size else 1.0
+    panel.item.getAxis("left").setTicks([_log_ticks(lo, hi)])
+
+
+def _log_ticks(lo: float, hi: float) -> list[tuple[float, str]]:
+    """Ticks for a log10 axis from ``lo`` to ``hi``: each power of ten, and 2× and 5× when the
+    range spans too few powers to show any (a narrow range must still have numbers)."""
+    decades = range(math.floor(lo), math.ceil(hi) + 1)
+    ticks = [(float(k), _pretty(10 ** k)) for k in decades if lo <= k <= hi]
+    if len(ticks) < 3:
+        ticks = [(math.log10(m * 10 ** k), _pretty(m * 10 ** k)) for k in decades for m in (1, 2, 5)
+                 if lo <= math.log10(m * 10 ** k) <= hi]
+    return ticks
+
+
+def _pretty(value: float) -> str:
+    for size, suffix in ((1e6, "M"), (1e3, "k")):
+        if value >= size:
+            return f"{value / size:.3g}{suffix}"
+    return f"{value:.3g}"

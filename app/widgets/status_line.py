@@ -1,0 +1,43 @@
+"""The main window's status bar figures: device, TTFT, decode speed, tokens, KV cache, peak memory,
+read from the run being shown."""
+
+from __future__ import annotations
+
+from PySide6.QtWidgets import QLabel, QStatusBar
+
+from engine.events import Loaded
+from engine.runs import Run
+from engine.units import format_bytes, format_rate, format_seconds
+
+WIDEST = {"device": "device: cuda:0", "ttft": "TTFT 1000.0 ms", "speed": "decode 1000.0 tok/s",
+          "tokens": "100000 tokens", "kv": "KV 1000.0 MiB", "peak": "peak 1000.0 MiB"}
+
+
+class StatusLine:
+    """Permanent labels in ``bar``, one per figure (``labels[key]``)."""
+
+    def __init__(self, bar: QStatusBar) -> None:
+        self.labels: dict[str, QLabel] = {}
+        for key, widest in WIDEST.items():
+            label = QLabel("")
+            label.setObjectName(f"status_{key}")
+            # a fixed width: a label that changes size re-lays-out (and repaints) the window
+            label.setMinimumWidth(label.fontMetrics().horizontalAdvance(widest) + 12)
+            bar.addPermanentWidget(label)
+            self.labels[key] = label
+
+    def __getitem__(self, key: str) -> QLabel:
+        return self.labels[key]
+
+    def show(self, info: Loaded | None, run: Run) -> None:
+        values = {
+            "device": f"device: {info.device}" if info else "no model",
+            "ttft": f"TTFT {format_seconds(run.ttft_s())}",
+            "speed": f"decode {format_rate(run.decode_tokens_per_s())}",
+            "tokens": f"{run.count} tokens",
+            "kv": f"KV {format_bytes(run.kv_bytes())}",
+            "peak": f"peak {format_bytes(run.peak_memory_bytes())}",
+        }
+        for key, text in values.items():
+            if self.labels[key].text() != text:
+                self.labels[key].setText(text)
