@@ -9,12 +9,33 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from PySide6.QtCore import QObject, Signal, Slot
 
 log = logging.getLogger(__name__)
+
+BACKGROUND_NICE = 5
+"""How much lower than the GUI thread the engine and background threads are scheduled."""
+
+
+def yield_to_the_gui() -> None:
+    """Schedule the calling thread below the GUI thread. On a machine with as many busy threads as
+    cores (torch's team fills every core while it decodes), an equal GUI thread waits its turn for
+    tens of ms; a lower one gets the core when it has something to draw and costs the engine
+    nothing when it hasn't. Linux keeps a nice value per thread, and the threads this one starts
+    (torch's OpenMP team among them) inherit it; elsewhere this does nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
+    except OSError:  # not allowed here: the threads stay equal
+        pass
 
 
 class Background(QObject):
@@ -25,7 +46,8 @@ class Background(QObject):
 
     def __init__(self, parent: QObject | None = None, workers: int = 2) -> None:
         super().__init__(parent)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="background")
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="background",
+                                        initializer=yield_to_the_gui)
         self._waiting: dict[int, tuple[Callable, Callable | None]] = {}
         self._tickets = itertools.count(1)
         self._closed = False

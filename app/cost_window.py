@@ -114,6 +114,7 @@ class CostWindow(QMainWindow):
 
         self.charts = CostCharts()
         self.charts.ready.connect(self.schedule_update)
+        self.charts.drawn.connect(self.updated)
         self.setCentralWidget(self.charts)
 
 
@@ -175,6 +176,7 @@ class CostWindow(QMainWindow):
 
     def schedule_update(self) -> None:
         if not self._closing:  # closing moves focus, and the model box then says "edited"
+            self.charts.cancel()
             self._pending.start()
 
     # -- the model of costs ---------------------------------------------------------------
@@ -229,10 +231,10 @@ class CostWindow(QMainWindow):
         except EngineError as exc:
             self.numbers.setText(f"<span style='color:#c0392b'>{exc}</span>")
             return
+        self._write_numbers(profile)
+        # one chart per event-loop turn; ``updated`` follows the last (charts.drawn)
         self.charts.draw(self.estimate, config, profile, self._points(config, profile), self.kv_dtype.currentData(),
                          self._count)
-        self._write_numbers(profile)
-        self.updated.emit()
 
     def _points(self, config, profile) -> list[RunRecord]:
         """Measured runs of this model (same parameter count), precision and hardware; plain decoding

@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         window.model_panel.set_devices([args.device])
         window.model_panel._select(window.model_panel.device, args.device)
     window.show()
+    from engine import heap
+
+    heap.settle()  # Qt's and our modules live as long as the app: garbage collections skip them
     app.aboutToQuit.connect(lambda: window.session.shutdown(0))
     if args.self_check:
         self_check(window, app, args.self_check)

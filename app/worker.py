@@ -9,9 +9,12 @@ generation it is meant to stop.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
+
+from app.background import yield_to_the_gui
 
 from engine.generation.cancel import CancelToken
 from engine.errors import EngineError
@@ -43,6 +46,12 @@ class EngineWorker(QObject):
         super().__init__()  # no parent: moveToThread needs a parentless object
         self._model = None
         self._kept: dict = {}  # what jobs keep between them (a speculative draft)
+
+    @Slot()
+    def yield_to_the_gui(self) -> None:
+        """Lower this thread's scheduling priority below the GUI's (app/background.py)."""
+        yield_to_the_gui()
+        self.niced_thread = threading.get_native_id()
 
     @Slot()
     def probe(self) -> None:
@@ -219,6 +228,7 @@ class ModelSession(QObject):
         self.worker.job_finished.connect(lambda job_id, result: self._on_ended(job_id, self.job_finished, result))
         self.worker.job_failed.connect(lambda job_id, exc: self._on_ended(job_id, self.job_failed, exc))
         self.thread.finished.connect(self.worker.deleteLater)
+        self.thread.started.connect(self.worker.yield_to_the_gui)  # in the new thread, before any torch work
         self._load_cancel: CancelToken | None = None
         self._next_job = 1
         self.jobs: dict[int, tuple[object, CancelToken]] = {}

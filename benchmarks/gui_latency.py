@@ -44,6 +44,18 @@ class Watchdog:
         self.last = time.perf_counter()
         self.samples: list[tuple[str, str]] = []
         threading.Thread(target=self._watch, daemon=True, name="watchdog").start()
+        import gc
+
+        started = {}
+
+        def collecting(phase: str, info: dict) -> None:  # a long garbage collection holds the GIL
+            if phase == "start":
+                started["t"] = time.perf_counter()
+            elif time.perf_counter() - started.get("t", time.perf_counter()) > 0.02:
+                print(f"--- garbage collection of generation {info['generation']} took "
+                      f"{1000 * (time.perf_counter() - started['t']):.0f} ms", flush=True)
+
+        gc.callbacks.append(collecting)
 
     def alive(self, now: float) -> None:
         stalled = now - self.last
@@ -83,6 +95,26 @@ class Watchdog:
             self.samples.append((gui, others))
 
 
+def _slow_calls(scenario: str):
+    """A profile hook for the GUI thread: the calls the event loop makes into Python (their caller is
+    the frame that called ``loop.exec()``) that take over 30 ms."""
+    started: dict = {}
+
+    def hook(frame, event, arg) -> None:
+        if event not in ("call", "return") or frame.f_back is None or frame.f_back.f_code.co_name != "measure":
+            return
+        if event == "call":
+            started[frame] = time.perf_counter()
+        else:
+            began = started.pop(frame, None)
+            if began is not None and time.perf_counter() - began > 0.03:
+                code = frame.f_code
+                print(f"  [{scenario}] {1000 * (time.perf_counter() - began):.0f} ms in {code.co_qualname} "
+                      f"({code.co_filename.split('/main/')[-1]}:{code.co_firstlineno})", flush=True)
+
+    return hook
+
+
 def _done_type():
     from PySide6.QtCore import QObject, Signal
 
@@ -97,6 +129,11 @@ def main() -> int:
     parser.add_argument("--model", default="default")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per request in the sweep and the comparison")
     parser.add_argument("--runs", type=int, default=1000, help="saved runs in the history scenario")
+    parser.add_argument("--profile", metavar="SCENARIO", help="profile the GUI thread during this scenario "
+                        "(cProfile, top 25 by cumulative time)")
+    parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for this run (seconds)")
+    parser.add_argument("--slow", action="store_true",
+                        help="print each Python call the event loop made on the GUI thread that took > 30 ms")
     parser.add_argument("--explain", action="store_true",
                         help="when the event loop is late by > 40 ms, print where every thread was (a watchdog thread "
                              "samples the stacks; a stack seen late in another thread points at who held the GIL)")
@@ -122,6 +159,11 @@ def main() -> int:
     window = MainWindow(QSettings(str(scratch / "s.ini"), QSettings.IniFormat))
     window.resize(1400, 900)
     window.show()
+    from engine import heap
+
+    heap.settle()  # as app.main does
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     results: dict[str, dict] = {}
 
     watchdog = Watchdog() if args.explain else None
@@ -151,8 +193,22 @@ def main() -> int:
         last[0] = began
         probe.start()
         QTimer.singleShot(0, start)
+        if args.slow:
+            sys.setprofile(_slow_calls(name))
+        profiler = None
+        if args.profile and args.profile in name:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         loop.exec()
         probe.stop()
+        sys.setprofile(None)
+        if profiler is not None:
+            import pstats
+
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
         finished = guard.isActive()
         guard.stop()
         done_signal.disconnect(loop.quit)

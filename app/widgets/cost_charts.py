@@ -32,7 +32,8 @@ def _pen(colour: str, style=Qt.SolidLine, width: int = 1):
 class CostCharts(QWidget):
     """The four charts in a 2 × 2 grid."""
 
-    ready = Signal()
+    ready = Signal()  # the four charts are made
+    drawn = Signal()  # a draw finished
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -40,6 +41,8 @@ class CostCharts(QWidget):
         self._curves: dict[str, object] = {}
         self._run_labels: list = []
         self._count = None
+        self._drawing = 0
+        self._sweep: tuple = ()
         self.memory_bars: list[float] = []
         self.speed_ceiling = None
         self.ridge_log2: float | None = None
@@ -106,9 +109,30 @@ class CostCharts(QWidget):
 
     def draw(self, e, config, profile, runs: list[RunRecord], kv_dtype: str, count) -> None:
         """Draw ``e`` (the estimate at the chosen batch and context), the sweeps around it, and the
-        measured ``runs`` of this model, precision and hardware."""
+        measured ``runs`` of this model, precision and hardware: one chart per turn of the event
+        loop (with a thousand runs a chart and its repaint take ~20–40 ms); ``drawn`` follows.
+        A new call restarts the drawing."""
         self._count = count
-        # 1. stacked memory bar
+        self._drawing += 1
+        steps = [self._draw_memory, self._draw_speed, self._draw_money, self._draw_kv]
+        drawing, args = self._drawing, (e, config, profile, runs, kv_dtype, count)
+        QTimer.singleShot(0, lambda: self._draw_step(drawing, steps, args))
+
+    def cancel(self) -> None:
+        """Drop a draw in progress (its inputs changed): only the newest draw says ``drawn``."""
+        self._drawing += 1
+
+    def _draw_step(self, drawing: int, steps: list, args: tuple) -> None:
+        if drawing != self._drawing:
+            return  # a newer draw started
+        steps.pop(0)(*args)
+        if steps:
+            QTimer.singleShot(0, lambda: self._draw_step(drawing, steps, args))
+        else:
+            self.drawn.emit()
+
+    def _draw_memory(self, e, config, profile, runs, kv_dtype, count) -> None:
+        """The stacked memory bar against the device's memory."""
         divisor, unit = _unit(max(e.total_bytes, profile.memory_bytes))
         plot = self.memory_plot.plot
         for name in ("bars",):
@@ -129,7 +153,10 @@ class CostCharts(QWidget):
         self.memory_plot.set_label("left", f"memory ({unit})")
         self.memory_plot.item.setXRange(-0.6, 0.6, padding=0)
         self.memory_plot.item.setYRange(0, max(e.total_bytes, profile.memory_bytes) / divisor * 1.1, padding=0)
-        # 2. tok/s against batch (log2 x, log10 y)
+
+    def _draw_speed(self, e, config, profile, runs, kv_dtype, count) -> None:
+        """tok/s against batch (log2 x, log10 y): the memory- and compute-bound lines, the ceiling,
+        the measured runs."""
         xs = np.array(BATCHES, dtype=float)
         sweep = [costs.estimate(config, profile, e.precision, e.kv_dtype, e.context, int(b), None, e.model, count)
                  for b in BATCHES]
@@ -159,7 +186,11 @@ class CostCharts(QWidget):
         marker = self._curve("batch-marker", self.speed_plot, pen=None, symbol="t", symbolSize=10,
                              symbolBrush=COLOURS["ceiling"])
         marker.setData([math.log2(e.batch)], [math.log10(e.decode_tokens_per_s_ceiling)])
-        # 3. $ per 1M tokens against batch (only for batches that fit, and hardware with a price)
+        self._sweep = (lx, sweep, ceiling)
+
+    def _draw_money(self, e, config, profile, runs, kv_dtype, count) -> None:
+        """$ per 1M tokens against batch (only for batches that fit, and hardware with a price)."""
+        lx, sweep, ceiling = self._sweep
         fits = np.array([s.fits for s in sweep])
         usd_curve = self._curve("usd", self.money_plot, pen=_pen(COLOURS["ceiling"], width=2))
         if profile.usd_per_hour and fits.any():
@@ -176,7 +207,9 @@ class CostCharts(QWidget):
             self.money_plot.item.setYRange(0, 1, padding=0)
             self.money_plot.item.getAxis("left").setTicks([[]])
             self._money_note.setVisible(True)
-        # 4. KV bytes against context
+
+    def _draw_kv(self, e, config, profile, runs, kv_dtype, count) -> None:
+        """KV bytes of one sequence against context."""
         contexts = np.array(CONTEXTS, dtype=float)
         kv = [costs.estimate(config, profile, e.precision, e.kv_dtype, int(c), 1, None, e.model, count).kv_bytes_total
               for c in CONTEXTS]

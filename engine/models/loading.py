@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from engine.models import sources
 from engine.generation.cancel import CancelToken
 from engine.models.devices import device_name, resolve_device
+from engine import heap
 from engine.errors import (
     CorruptModelError,
     EngineError,
@@ -65,7 +66,9 @@ def load_model(request: LoadRequest, progress: Callable[[LoadProgress], None] | 
         reporter.report("queued", 0, 0, "Waiting for another model to finish loading")
 
     with exclusive(reporter.cancel, waiting):
-        return _load(request, reporter, precision, device)
+        loaded = _load(request, reporter, precision, device)
+    heap.settle()  # the model and the modules it imported live long: collections skip them (engine/heap.py)
+    return loaded
 
 
 def model_type_on_disk(ref: str) -> str | None:

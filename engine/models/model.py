@@ -3,10 +3,11 @@ engine passes around (loading makes it; generation, batching and speculation rea
 
 from __future__ import annotations
 
-import gc
+
 import inspect
 from collections.abc import Iterator
 
+from engine import heap
 from engine.generation.cancel import CancelToken
 from engine.errors import EngineError, PromptTooLongError
 from engine.events import GenerationEvent, Loaded
@@ -77,7 +78,7 @@ class LoadedModel:
 
         self.model = None
         self.fast = None
-        gc.collect()
+        heap.release()  # its reference cycles may be frozen (engine/heap.py)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         elif self.device.type == "mps":

@@ -81,3 +81,18 @@ def test_an_unknown_model_says_so(qtbot, costs_window):
     costs_window.set_model("nobody/nothing")
     settle(qtbot, costs_window)
     assert "No config" in costs_window.numbers.text()
+
+
+def test_the_window_shows_before_its_charts_are_made(qtbot, tmp_path, monkeypatch, isolated_cache):
+    """Each chart takes ~20 ms to make: they are made one per event-loop turn after the window opens."""
+    from app.main import create_app
+
+    monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path / "data"))
+    create_app([])
+    window = CostWindow()
+    qtbot.addWidget(window)
+    assert not window.charts.built and window.charts._grid.count() == 0
+    with qtbot.waitSignal(window.charts.ready, timeout=10_000):
+        window.show()
+    assert window.charts.built and window.charts._grid.count() == 4
+    window.close()

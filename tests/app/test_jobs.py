@@ -88,3 +88,49 @@ def test_a_job_without_a_model_fails_with_a_message(qtbot):
     assert blocker.args[0] == job and "No model is loaded" in str(blocker.args[1])
     assert not session.busy
     assert session.shutdown()
+
+
+def test_background_work_is_handed_back_on_the_gui_thread_below_its_priority(qtbot):
+    import os
+    import sys
+    import threading
+
+    from app.background import Background
+
+    background = Background()
+    seen = []
+
+    def work():
+        tid = threading.get_native_id()
+        return tid, os.getpriority(os.PRIO_PROCESS, tid) if sys.platform.startswith("linux") else None
+
+    with qtbot.waitSignal(background._delivered, timeout=10_000):
+        background.submit(work, lambda result: seen.append((threading.get_native_id(), result)))
+    qtbot.waitUntil(lambda: bool(seen))
+    [(delivered_on, (worked_on, nice))] = seen
+    assert delivered_on == threading.get_native_id() != worked_on  # worked off the GUI thread, delivered on it
+    if sys.platform.startswith("linux"):
+        gui = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert nice > gui  # scheduled below the GUI thread
+    failures = []
+    with qtbot.waitSignal(background._delivered, timeout=10_000):
+        background.submit(lambda: 1 / 0, seen.append, failures.append)
+    qtbot.waitUntil(lambda: bool(failures))
+    assert isinstance(failures[0], ZeroDivisionError)
+    background.close()
+
+
+def test_the_engine_thread_is_scheduled_below_the_gui_thread(qtbot, tiny_llama):
+    import os
+    import sys
+    import threading
+
+    import pytest
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread nice values are Linux's")
+    session = _session(qtbot, tiny_llama)
+    worker = session.worker.niced_thread
+    assert worker != threading.get_native_id()
+    assert os.getpriority(os.PRIO_PROCESS, worker) > os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert session.shutdown()
