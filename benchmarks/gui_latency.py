@@ -4,10 +4,10 @@ The real windows, offscreen, on the default model (or ``--model``). A 5 ms timer
 the event loop serves it (what a click or a repaint would wait) during each scenario, in one run:
 
 - idle: nothing happening (the floor of this machine);
-- cost explorer opens: a first open on a new machine (this machine's bandwidth and FLOP/s are
-  measured, the model's config read and its parameters counted);
+- cost explorer opens, new machine: a first open (this machine's bandwidth and FLOP/s are
+  measured, the model's config read and its parameters counted); then a second open;
 - sweep runs: the batching window's sweep at batch 1, 4, 8;
-- comparison runs: a two-lane comparison (fp32 vs int8), its models loaded, run and scored;
+- comparison: its two lanes (fp32, int8) load, then the comparison runs and is scored;
 - history with 1,000 runs: File → Run history and the cost explorer's history reload, with
   1,000 saved runs in the data folder.
 
@@ -44,18 +44,6 @@ class Watchdog:
         self.last = time.perf_counter()
         self.samples: list[tuple[str, str]] = []
         threading.Thread(target=self._watch, daemon=True, name="watchdog").start()
-        import gc
-
-        started = {}
-
-        def collecting(phase: str, info: dict) -> None:  # a long garbage collection holds the GIL
-            if phase == "start":
-                started["t"] = time.perf_counter()
-            elif time.perf_counter() - started.get("t", time.perf_counter()) > 0.02:
-                print(f"--- garbage collection of generation {info['generation']} took "
-                      f"{1000 * (time.perf_counter() - started['t']):.0f} ms", flush=True)
-
-        gc.callbacks.append(collecting)
 
     def alive(self, now: float) -> None:
         stalled = now - self.last
@@ -95,6 +83,22 @@ class Watchdog:
             self.samples.append((gui, others))
 
 
+def _log_collections() -> None:
+    """Print every garbage collection over 20 ms (it holds the GIL: every thread waits)."""
+    import gc
+
+    started = {}
+
+    def collecting(phase: str, info: dict) -> None:
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        elif time.perf_counter() - started.get("t", time.perf_counter()) > 0.02:
+            print(f"--- garbage collection of generation {info['generation']} took "
+                  f"{1000 * (time.perf_counter() - started['t']):.0f} ms", flush=True)
+
+    gc.callbacks.append(collecting)
+
+
 def _slow_calls(scenario: str):
     """A profile hook for the GUI thread: the calls the event loop makes into Python (their caller is
     the frame that called ``loop.exec()``) that take over 30 ms."""
@@ -131,7 +135,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=1000, help="saved runs in the history scenario")
     parser.add_argument("--profile", metavar="SCENARIO", help="profile the GUI thread during this scenario "
                         "(cProfile, top 25 by cumulative time)")
-    parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for this run (seconds)")
+    parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for this run (seconds; default: the app's)")
+    parser.add_argument("--gc", action="store_true", help="print each garbage collection over 20 ms")
     parser.add_argument("--slow", action="store_true",
                         help="print each Python call the event loop made on the GUI thread that took > 30 ms")
     parser.add_argument("--explain", action="store_true",
@@ -162,11 +167,14 @@ def main() -> int:
     from engine import heap
 
     heap.settle()  # as app.main does
-    if args.switch_interval is not None:
-        sys.setswitchinterval(args.switch_interval)
+    from app.main import SWITCH_INTERVAL_S
+
+    sys.setswitchinterval(SWITCH_INTERVAL_S if args.switch_interval is None else args.switch_interval)
     results: dict[str, dict] = {}
 
     watchdog = Watchdog() if args.explain else None
+    if args.gc or args.explain:
+        _log_collections()
 
     def measure(name: str, start, done_signal, timeout_s: float = 600) -> None:
         """Run ``start()`` and the event loop until ``done_signal``; record the ticks' lateness."""
@@ -242,7 +250,17 @@ def main() -> int:
         view = window.open_costs()
         view.updated.connect(lambda: shown.fired.emit() if view.estimate is not None else None)
 
-    measure("cost explorer opens", open_costs, shown.fired)
+    measure("cost explorer opens, new machine", open_costs, shown.fired)
+    window.tools.costs.close()
+    window.tools.costs.deleteLater()
+    window.tools.costs = None
+    shown_again = Done()
+
+    def open_costs_again() -> None:
+        view = window.open_costs()
+        view.updated.connect(lambda: shown_again.fired.emit() if view.estimate is not None else None)
+
+    measure("cost explorer opens", open_costs_again, shown_again.fired)
 
     def settle(seconds: float = 1.0) -> None:
         """Let a window just opened lay out and paint before a scenario starts (opening it is not the scenario)."""
@@ -264,6 +282,15 @@ def main() -> int:
     compare.prompt.setPlainText("Explain what a KV cache is.")
     compare.max_tokens.setValue(args.tokens)
     settle()
+    both_loaded = Done()
+
+    def load_lanes() -> None:
+        for lane in compare.lanes:
+            lane.load_ended.connect(lambda _: both_loaded.fired.emit()
+                                    if all(lane.loaded is not None for lane in compare.lanes) else None)
+            lane.load()
+
+    measure("comparison loads 2 lanes", load_lanes, both_loaded.fired)
     measure("comparison runs", compare.run_button.click, compare.run_finished)
 
     # a history of ``--runs`` saved runs: the runs above, copied

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import gc
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 _lock = threading.Lock()
 
@@ -29,3 +31,19 @@ def release() -> None:
         gc.unfreeze()
         gc.collect()
         gc.freeze()
+
+
+@contextmanager
+def settling() -> Iterator[None]:
+    """For making many long-lived objects at once (importing torch and transformers: ~1e6 of them):
+    no collections meanwhile (each would walk everything made so far), then :func:`settle`."""
+    with _lock:
+        was_enabled = gc.isenabled()
+        gc.disable()
+    try:
+        yield
+    finally:
+        with _lock:
+            gc.freeze()
+            if was_enabled:
+                gc.enable()

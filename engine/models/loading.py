@@ -54,8 +54,9 @@ def load_model(request: LoadRequest, progress: Callable[[LoadProgress], None] | 
     """
     reporter = ProgressReporter(progress, cancel)
     reporter.report("imports", 0, 0, "Importing torch and transformers")
-    import torch  # noqa: F401
-    from transformers import AutoModelForCausalLM, modeling_utils  # noqa: F401  (lazy: the heavy part)
+    with heap.settling():  # the modules imported live as long as the process (engine/heap.py)
+        import torch  # noqa: F401
+        from transformers import AutoModelForCausalLM, modeling_utils  # noqa: F401  (lazy: the heavy part)
 
     precision = get_precision(request.precision)
     device = resolve_device(request.device)
@@ -65,10 +66,9 @@ def load_model(request: LoadRequest, progress: Callable[[LoadProgress], None] | 
     def waiting() -> None:
         reporter.report("queued", 0, 0, "Waiting for another model to finish loading")
 
-    with exclusive(reporter.cancel, waiting):
-        loaded = _load(request, reporter, precision, device)
-    heap.settle()  # the model and the modules it imported live long: collections skip them (engine/heap.py)
-    return loaded
+    with exclusive(reporter.cancel, waiting), heap.settling():
+        # a load makes ~1e5 long-lived objects: no collection walks them meanwhile, then they are frozen
+        return _load(request, reporter, precision, device)
 
 
 def model_type_on_disk(ref: str) -> str | None:
