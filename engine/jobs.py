@@ -87,6 +87,27 @@ class ScoreJob:
 
 
 @dataclass(frozen=True)
+class Tokenized:
+    token_ids: tuple[int, ...]
+    pieces: tuple[str, ...]
+    """How each token reads on its own."""
+    context_length: int | None
+
+
+@dataclass(frozen=True)
+class TokenizeJob:
+    """The prompt as the model reads it: its tokens (chat template included), each as text, and
+    how much of the context window they take."""
+
+    request: GenerationRequest
+    kind: ClassVar[str] = "tokenizing"
+
+    def run(self, ctx: JobContext) -> Tokenized:
+        ids = ctx.model.encode(self.request)
+        return Tokenized(tuple(ids), tuple(ctx.model.token_text(i) for i in ids), ctx.model.info.context_length)
+
+
+@dataclass(frozen=True)
 class SweepResult:
     points: tuple["SweepPoint", ...]
     skipped: tuple["SweepSkip", ...]

@@ -2,7 +2,7 @@
 with its events complete; a waiting job can be cancelled; the session says what runs and waits."""
 
 from engine.events import BatchStep, Finished, Prefilled, TokenGenerated
-from engine.jobs import GenerateJob, ScoreJob, Scored, SweepJob, SweepResult, Tagged
+from engine.jobs import GenerateJob, ScoreJob, Scored, SweepJob, SweepResult, Tagged, TokenizeJob, Tokenized
 from engine.models.loading import LoadRequest
 from engine.request import GenerationRequest
 from engine.measure.sweep import SweepPoint
@@ -57,6 +57,19 @@ def test_a_generation_a_comparison_and_a_sweep_queued_on_one_model(qtbot, tiny_l
     assert [e for e in sweep_events if isinstance(e, SweepPoint)] == list(result.points)
     steps = [e for e in sweep_events if isinstance(e, Tagged)]
     assert all(isinstance(e.event, BatchStep) for e in steps) and {e.tag for e in steps} == {1, 2}
+    assert session.shutdown()
+
+
+def test_a_new_kind_of_job_runs_through_the_same_queue(qtbot, tiny_llama):
+    session = _session(qtbot, tiny_llama)
+    request = GenerationRequest("The quick brown fox", mode="raw")
+    job = session.submit(TokenizeJob(request))
+    assert session.describe(job) == "tokenizing"
+    with qtbot.waitSignal(session.job_finished, timeout=30_000) as blocker:
+        pass
+    job_id, result = blocker.args
+    assert job_id == job and isinstance(result, Tokenized)
+    assert "".join(result.pieces) == "The quick brown fox" and len(result.token_ids) == len(result.pieces) > 1
     assert session.shutdown()
 
 
