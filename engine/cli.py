@@ -10,11 +10,11 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from engine.errors import EngineError, InvalidRequestError
-from engine.units import format_bytes, format_count, format_rate, format_seconds
+from engine.cli_text import compare_table, estimate_summary, speculative_summary, summary
+from engine.units import format_bytes, format_rate, format_seconds
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -249,18 +249,6 @@ def _bench(args) -> int:
     return 0
 
 
-def speculative_summary(report) -> str:
-    rate = report.acceptance_rate
-    line = (f"draft    {report.draft}: {report.accepted_tokens}/{report.drafted_tokens} drafted tokens "
-            f"accepted ({'—' if rate is None else f'{100 * rate:.0f}%'}), {report.draft_tokens_per_step} per step")
-    if report.plain is not None:
-        speedup = report.speedup_vs_plain
-        line += (f"\nplain    {format_rate(report.plain_decode_tokens_per_s)} decode → speed-up "
-                 f"{'—' if speedup is None else f'{speedup:.2f}×'}"
-                 f"{'' if report.same_tokens_as_plain else ' (sampled: the tokens differ from the plain run)'}")
-    return line
-
-
 def _sweep(args) -> int:
     from engine.generation.cancel import CancelToken
     from engine.events import BatchFinished
@@ -353,59 +341,6 @@ def _compare(args) -> int:
     return 0
 
 
-def compare_table(rows: list) -> str:
-    """The summary as aligned text columns."""
-    def pct(value):
-        return "—" if value is None else f"{100 * value:.1f}%"
-
-    header = ("lane", "load", "weights", "peak", "TTFT", "tok/s", "p50", "p95", "tokens", "KV", "agree",
-              "diverge@", "|Δlogp|", "stop")
-    lines = [header]
-    for row in rows:
-        r = asdict(row)
-        lines.append((
-            f"{r['lane']} {r['label']}", format_seconds(r["load_s"]), format_bytes(r["weights_bytes"]),
-            format_bytes(r["peak_memory_bytes"]), format_seconds(r["ttft_s"]), format_rate(r["decode_tokens_per_s"], ""),
-            format_seconds(r["latency_p50_s"]), format_seconds(r["latency_p95_s"]), str(r["tokens"]),
-            format_bytes(r["kv_cache_bytes"]), pct(r["token_agreement"]),
-            "—" if r["first_divergence"] is None else str(r["first_divergence"]),
-            "—" if r["mean_abs_logprob_delta"] is None else f"{r['mean_abs_logprob_delta']:.4f}",
-            str(r["finish_reason"]),
-        ))
-    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
-
-
-def summary(r: dict) -> str:
-    """A short human summary of a bench report."""
-    lat = sorted(r["per_token_latency_s"][1:])
-
-    def pct(q: float) -> float | None:
-        return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else None
-
-    kv, kv_pred = r["kv_cache_bytes"], r["kv_cache_bytes_predicted"]
-    if kv_pred:
-        delta = f" (Δ {100 * (kv - kv_pred) / kv_pred:+.2f}%)"
-    else:
-        delta = ""
-    lines = [
-        "",
-        f"model    {r['model']} [{r['original_format']}] as {r['precision']} · "
-        f"{format_count(r['parameters'])} params · weights {format_bytes(r['weights_bytes'])} · "
-        f"loaded in {format_seconds(r['load_s'])}",
-        f"device   {r['device']} · {r['device_name']}",
-        f"prompt   {r['prompt_tokens']} tokens · prefill {format_seconds(r['prefill_s'])} "
-        f"({format_rate(r['prefill_tokens_per_s'])}) · TTFT {format_seconds(r['ttft_s'])}",
-        f"decode   {len(r['token_ids'])} tokens · {format_rate(r['decode_tokens_per_s'])} · per token "
-        f"p50 {format_seconds(pct(0.5))} · p95 {format_seconds(pct(0.95))}",
-        f"KV cache {format_bytes(kv)} measured · {format_bytes(kv_pred)} predicted{delta}",
-        f"memory   peak {format_bytes(r['peak_memory_bytes'])}"
-        + (" (process RSS)" if r["device"] == "cpu" else " (device)"),
-        f"finish   {r['finish_reason']}" + (f" ({r['stop_string']!r})" if r["stop_string"] else ""),
-    ]
-    return "\n".join(lines)
-
-
 def _estimate(args) -> int:
     from engine.estimates import costs
     from engine.estimates import hardware
@@ -429,30 +364,6 @@ def _shipped() -> list[str]:
     from engine.estimates.estimate import shipped_models
 
     return shipped_models()
-
-
-def estimate_summary(e, hw) -> str:
-    ridge = ("never at this context: each sequence's KV reads grow as fast as its compute"
-             if e.ridge_batch is None else f"compute-bound from batch {e.ridge_batch:,.0f}")
-    lines = [
-        f"model      {e.model}: {format_count(e.parameters)} parameters",
-        f"hardware   {hw.name}: {format_bytes(hw.memory_bytes)}, {hw.bandwidth_bytes_per_s / 1e9:.0f} GB/s, "
-        f"{hw.bf16_flops / 1e12:.1f} TFLOP/s bf16",
-        f"memory     weights {format_bytes(e.weights_bytes)} ({e.precision}) + KV {format_bytes(e.kv_bytes_total)} "
-        f"({e.batch} × {e.context} tokens × {format_bytes(e.kv_bytes_per_token)}/token, {e.kv_dtype}) + activations "
-        f"{format_bytes(e.activation_bytes)} = {format_bytes(e.total_bytes)} → {'fits' if e.fits else 'does NOT fit'}",
-        f"decode     ceiling {e.decode_tokens_per_s_ceiling:,.1f} tok/s in all ({e.per_request_tokens_per_s:,.1f} per request), "
-        f"{e.bound}-bound; {ridge}",
-        f"prefill    {e.context} tokens ≈ {format_seconds(e.prefill_s)} at peak FLOP/s",
-    ]
-    if e.usd_per_million_tokens is not None:
-        lines.append(f"money      ${e.usd_per_million_tokens:,.3f} per 1M output tokens at ${hw.usd_per_hour}/h"
-                     + (f"; {e.wh_per_million_tokens:,.0f} Wh per 1M tokens at {hw.watts:.0f} W"
-                        if e.wh_per_million_tokens else ""))
-    if e.training_breakeven_tokens:
-        lines.append(f"training   {e.training_flops:.2e} FLOPs; serving matches it after "
-                     f"{e.training_breakeven_tokens:.2e} generated tokens")
-    return "\n".join(lines)
 
 
 def _hardware(args) -> int:
