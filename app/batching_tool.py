@@ -20,7 +20,6 @@ from PySide6.QtWidgets import (
     QSplitter,
     QTableWidget,
     QTableWidgetItem,
-    QVBoxLayout,
 )
 
 from app.widgets.live_plots import PlotPanel
@@ -101,13 +100,7 @@ class BatchingTool(SessionTool):
         # room for a header and five batch sizes, however short the screen (the plots give way)
         rows = self.sweep_table.verticalHeader().defaultSectionSize()
         self.sweep_table.setMinimumHeight(self.sweep_table.horizontalHeader().sizeHint().height() + 5 * rows + 6)
-        page = QSplitter(Qt.Horizontal)
-        page.addWidget(c)
-        page.addWidget(right)
-        page.setStretchFactor(1, 1)
-        page.setSizes([280, 920])
-        QVBoxLayout(self).addWidget(page)
-
+        self.set_page(right, 280)
 
     @Slot()
     def start(self) -> None:

@@ -113,13 +113,7 @@ class SpeculativeTool(SessionTool):
         right = QSplitter(Qt.Horizontal)
         right.addWidget(text_side)
         right.addWidget(self.acceptance_plot)
-        page = QSplitter(Qt.Horizontal)
-        page.addWidget(c)
-        page.addWidget(right)
-        page.setStretchFactor(1, 1)
-        page.setSizes([300, 900])
-        QVBoxLayout(self).addWidget(page)
-
+        self.set_page(right, 300)
 
     def draft_text(self) -> str:
         kind = self.draft_kind.currentData()

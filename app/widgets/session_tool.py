@@ -6,7 +6,7 @@ are two of them (app/batching_tool.py, app/speculative_tool.py)."""
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, QTimer, Signal, Slot
-from PySide6.QtWidgets import QFormLayout, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFormLayout, QHBoxLayout, QLabel, QPushButton, QSplitter, QVBoxLayout, QWidget
 
 from engine.events import Loaded
 
@@ -78,6 +78,15 @@ class SessionTool(QWidget):
 
     def draw(self) -> None:
         raise NotImplementedError
+
+    def set_page(self, content: QWidget, controls_width: int) -> None:
+        """The tool's page: its controls on the left, ``content`` taking the rest."""
+        page = QSplitter(Qt.Horizontal)
+        page.addWidget(self.controls)
+        page.addWidget(content)
+        page.setStretchFactor(1, 1)
+        page.setSizes([controls_width, 1200 - controls_width])
+        QVBoxLayout(self).addWidget(page)
 
     def submit(self, job, status: str) -> None:
         self._set_running(True)
