@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -133,15 +134,35 @@ def save(record: RunRecord, folder: Path | None = None) -> Path:
     return folder / name
 
 
+_parsed: dict[Path, tuple[int, int, RunRecord]] = {}
+"""Records already read, by file: (mtime_ns, size, record). A reload parses only what is new."""
+_parsed_lock = threading.Lock()
+
+
 def load_all(folder: Path | None = None) -> list[RunRecord]:
-    """Every readable record, oldest first; unreadable files are skipped, not fatal."""
+    """Every readable record, oldest first; unreadable files are skipped, not fatal. A file read
+    before (same size and modification time) is not parsed again."""
     folder = folder or history_dir()
     records = []
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+    try:
+        entries = sorted((e for e in os.scandir(folder) if e.name.endswith(".json")), key=lambda e: e.name)
+    except OSError:
+        return []
+    for entry in entries:
+        path = Path(entry.path)
         try:
-            records.append(RunRecord(**json.loads(path.read_text(encoding="utf-8"))))
+            stat = entry.stat()
+            with _parsed_lock:
+                known = _parsed.get(path)
+            if known is not None and known[:2] == (stat.st_mtime_ns, stat.st_size):
+                records.append(known[2])
+                continue
+            record = RunRecord(**json.loads(path.read_text(encoding="utf-8")))
         except (OSError, ValueError, TypeError):
             continue
+        with _parsed_lock:
+            _parsed[path] = (stat.st_mtime_ns, stat.st_size, record)
+        records.append(record)
     return records
 
 
