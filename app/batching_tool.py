@@ -42,6 +42,7 @@ class BatchingTool(SessionTool):
     def __init__(self, session, request_for) -> None:
         super().__init__(session, request_for)
         self._step_text = ""
+        self._drawn_points = 0
         c = self.controls
         self.batches = QLineEdit("1,2,4,8,16")
         self.batches.setObjectName("batchSizes")
@@ -115,6 +116,7 @@ class BatchingTool(SessionTool):
         request = replace(self.request_for(prompt), max_new_tokens=self.sweep_tokens.value(), ignore_eos=True)
         self.points = []
         self._step_text = ""
+        self._drawn_points = -1
         self.sweep_table.setRowCount(0)
         for label in self._labels:
             self.tradeoff_plot.plot.removeItem(label)
@@ -167,6 +169,14 @@ class BatchingTool(SessionTool):
         self.controls.status.setText(" ".join(lines))
 
     def draw(self) -> None:
+        if self._drawn_points != len(self.points) or not self.running:
+            self._drawn_points = len(self.points)
+            self._draw_plots()
+        if self.running and self._step_text:
+            self.controls.status.setText(self._step_text)
+
+    def _draw_plots(self) -> None:
+        """The three plots change only when a batch size ends (a point): a step changes the status line."""
         points = [p for p in self.points if p.aggregate_tokens_per_s and p.mean_per_token_latency_s]
         latency = [1000 * p.mean_per_token_latency_s for p in points]
         speed = [p.aggregate_tokens_per_s for p in points]
@@ -199,6 +209,4 @@ class BatchingTool(SessionTool):
             self.memory_sweep_plot.fit(max(batches), max((p.peak_memory_bytes or 0) / mib for p in self.points),
                                        "MiB")
             self.memory_sweep_plot.item.setXRange(0, max(batches) * 1.05, padding=0)
-        if self.running and self._step_text:
-            self.controls.status.setText(self._step_text)
 

@@ -156,6 +156,7 @@ class CompareWindow(QMainWindow):
         self.setCentralWidget(top)
 
         self.plots = ComparePlots()
+        self._plot_turn = 0
         plot_strip = QWidget()
         strip = QHBoxLayout(plot_strip)
         for panel in self.plots.panels.values():
@@ -361,13 +362,15 @@ class CompareWindow(QMainWindow):
     def _on_tick(self) -> None:
         if self.budget.due():
             self.budget.begin()
-            self._redraw()
+            # one plot a tick, the next in turn: a tick pays for a quarter of the plots
+            self._plot_turn = (self._plot_turn + 1) % len(self.plots.panels)
+            self._redraw(only=list(self.plots.panels)[self._plot_turn])
             QTimer.singleShot(0, self.budget.end)
 
-    def _redraw(self) -> None:
+    def _redraw(self, only: str | None = None) -> None:
         for lane in self.lanes:
             lane.sync()
-        self.plots.refresh(self.lanes)
+        self.plots.refresh(self.lanes, only)
 
     # -- export and reopen ---------------------------------------------------------------
     def record(self) -> dict:

@@ -129,7 +129,9 @@ class CostWindow(QMainWindow):
         self._pending.setInterval(30)
         self._pending.timeout.connect(self.update_view)
         self.resize(fit_screen(1500, 950))
-        self.reload_hardware()
+        # this machine's profile may need measuring (both cores, ~1 s, once): after the charts are
+        # made, so the measurement doesn't compete with building the window
+        self.charts.ready.connect(self.reload_hardware)
         self.reload_history()
 
     # -- inputs --------------------------------------------------------------------------

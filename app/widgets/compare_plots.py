@@ -24,7 +24,9 @@ class ComparePlots:
                                 "they share one process).", "memory", "time since request (s)")
         self.panels = {"speed": self.speed, "latency": self.latency, "kv": self.kv, "memory": self.memory}
         self._curves: dict[tuple[str, int], object] = {}
-        self._drawn: tuple = ()  # (run, version) of each lane it shows
+        self._drawn: tuple = ()  # (run, version) of each lane at the last redraw
+        self._runs: list = []  # the lanes' runs the views were started for
+        self._drawn_panels: dict[str, tuple] = {}  # plot -> the lanes' (run, version) it shows
         self.redraws = 0
 
     def _curve(self, name: str, lane: LaneWidget):
@@ -35,52 +37,63 @@ class ComparePlots:
             self._curves[key] = panel.plot.plot([], [], pen=_pen_for(lane.colour))
         return self._curves[key]
 
-    def refresh(self, lanes: list[LaneWidget]) -> bool:
-        """Redraw when a lane's run changed (returns whether it did); the views start over only
-        when a new comparison starts, so the axes grow in steps as the plots do in the main window."""
+    def refresh(self, lanes: list[LaneWidget], only: str | None = None) -> bool:
+        """Redraw the plots (or ``only`` one: while lanes generate, the window draws one plot a tick)
+        whose lanes' runs changed; returns whether any did. The views start over only when a new
+        comparison starts, so the axes grow in steps as the plots do in the main window."""
         state = tuple((id(lane.run), lane.run.version) for lane in lanes)
-        if state == self._drawn:
-            return False
-        if [s[0] for s in state] != [s[0] for s in self._drawn]:
+        runs = [s[0] for s in state]
+        if runs != self._runs:
+            self._runs = runs
+            self._drawn_panels = {}
             for panel in self.panels.values():
                 panel.reset_view()
+        names = [name for name in ([only] if only else self.panels) if self._drawn_panels.get(name) != state]
+        if not names:
+            return False
         self._drawn = state
         self.redraws += 1
-        top = {"speed": 0.0, "latency": 0.0, "kv": 0.0, "memory": 0.0}
-        longest, longest_time = 0, 0.0
-        kv_unit = binary_unit(max((float(np.nanmax(l.run.column("kv_bytes"))) for l in lanes if l.run.count),
-                                  default=0.0))
-        mem_unit = binary_unit(max((float(np.nanmax(l.run.column("rss"))) for l in lanes if l.run.has("rss")),
-                                   default=0.0))
-        for lane in lanes:
-            buffer = lane.run
-            x = buffer.index()
-            n = buffer.count
-            if n < 1:
-                for name in self.panels:
-                    self._curve(name, lane).setData([], [])
-                continue
-            rolling = buffer.rolling_tokens_per_s(ROLLING_WINDOW)[1:]
-            latency = buffer.column("latency_s")[1:] * 1000
-            kv = buffer.column("kv_bytes") / kv_unit[0]
-            rss = buffer.column("rss") / mem_unit[0]
-            elapsed = buffer.column("elapsed_s")
-            self._curve("speed", lane).setData(x[1:], rolling, connect="finite")
-            self._curve("latency", lane).setData(x[1:], latency, skipFiniteCheck=True)
-            self._curve("kv", lane).setData(x, kv, skipFiniteCheck=True)
-            self._curve("memory", lane).setData(elapsed, rss, connect="finite")
-            if n > 1:
-                top["speed"] = max(top["speed"], float(np.nanmax(rolling)))
-                top["latency"] = max(top["latency"], float(np.nanmax(latency)))
-            top["kv"] = max(top["kv"], float(np.nanmax(kv)))
-            top["memory"] = max(top["memory"], float(np.nanmax(rss)) if buffer.has("rss") else 0.0)
-            longest, longest_time = max(longest, n), max(longest_time, float(elapsed[-1]))
-        self.kv.set_label("left", f"KV cache ({kv_unit[1]})")
-        self.memory.set_label("left", f"memory ({mem_unit[1]})")
-        for name in ("speed", "latency", "kv"):
-            self.panels[name].fit(longest, top[name], kv_unit[1] if name == "kv" else "")
-        self.memory.fit(longest_time, top["memory"], mem_unit[1])
+        for name in names:
+            self._drawn_panels[name] = state
+            getattr(self, f"_draw_{name}")(lanes)
         return True
+
+    def _draw_series(self, name: str, lanes, series) -> tuple[float, float]:
+        """``series(run) -> (x, y)`` of each lane into plot ``name``; returns (largest x, largest y)."""
+        top_x = top_y = 0.0
+        for lane in lanes:
+            run = lane.run
+            if run.count < 1:
+                self._curve(name, lane).setData([], [])
+                continue
+            x, y = series(run)
+            self._curve(name, lane).setData(x, y, connect="finite")
+            if len(x):
+                top_x = max(top_x, float(x[-1]) + (1 if name != "memory" else 0))
+            finite = y[np.isfinite(y)]
+            if finite.size:
+                top_y = max(top_y, float(finite.max()))
+        return top_x, top_y
+
+    def _draw_speed(self, lanes) -> None:
+        x, y = self._draw_series("speed", lanes, lambda r: (r.index()[1:], r.rolling_tokens_per_s(ROLLING_WINDOW)[1:]))
+        self.speed.fit(max(x, max(l.run.count for l in lanes)), y)
+
+    def _draw_latency(self, lanes) -> None:
+        x, y = self._draw_series("latency", lanes, lambda r: (r.index()[1:], r.column("latency_s")[1:] * 1000))
+        self.latency.fit(max(l.run.count for l in lanes), y)
+
+    def _draw_kv(self, lanes) -> None:
+        unit = binary_unit(max((float(np.nanmax(l.run.column("kv_bytes"))) for l in lanes if l.run.count), default=0.0))
+        _, y = self._draw_series("kv", lanes, lambda r: (r.index(), r.column("kv_bytes") / unit[0]))
+        self.kv.set_label("left", f"KV cache ({unit[1]})")
+        self.kv.fit(max(l.run.count for l in lanes), y, unit[1])
+
+    def _draw_memory(self, lanes) -> None:
+        unit = binary_unit(max((float(np.nanmax(l.run.column("rss"))) for l in lanes if l.run.has("rss")), default=0.0))
+        x, y = self._draw_series("memory", lanes, lambda r: (r.column("elapsed_s"), r.column("rss") / unit[0]))
+        self.memory.set_label("left", f"memory ({unit[1]})")
+        self.memory.fit(x, y, unit[1])
 
     def point_counts(self, lane: LaneWidget) -> dict[str, int]:
         counts = {}
