@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pyqtgraph as pg
-from PySide6.QtCore import Qt, Slot
+from PySide6.QtCore import Qt, QTimer, Slot
 from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import (
     QHeaderView,
@@ -171,12 +171,22 @@ class BatchingTool(SessionTool):
     def draw(self) -> None:
         if self._drawn_points != len(self.points) or not self.running:
             self._drawn_points = len(self.points)
-            self._draw_plots()
+            plots = [self._draw_tradeoff, self._draw_speed, self._draw_memory]
+            if self.running:  # one plot per turn of the event loop (each ~10-20 ms with its repaint)
+                self._chain(plots)
+            else:
+                for draw in plots:
+                    draw()
         if self.running and self._step_text:
             self.controls.status.setText(self._step_text)
 
-    def _draw_plots(self) -> None:
-        """The three plots change only when a batch size ends (a point): a step changes the status line."""
+    def _chain(self, plots: list) -> None:
+        plots.pop(0)()
+        if plots:
+            QTimer.singleShot(0, lambda: self._chain(plots))
+
+    # the three plots change only when a batch size ends (a point): a step changes the status line
+    def _draw_tradeoff(self) -> None:
         points = [p for p in self.points if p.aggregate_tokens_per_s and p.mean_per_token_latency_s]
         latency = [1000 * p.mean_per_token_latency_s for p in points]
         speed = [p.aggregate_tokens_per_s for p in points]
@@ -192,6 +202,8 @@ class BatchingTool(SessionTool):
             self._labels[i].setPos(latency[i], speed[i])
         if points:
             self.tradeoff_plot.fit(max(latency), max(speed), "tok/s")
+
+    def _draw_speed(self) -> None:
         batches = [p.batch for p in self.points]
         self.speed_curve.setData(batches, [p.aggregate_tokens_per_s or 0 for p in self.points])
         ceilings = [(p.batch, p.predicted_tokens_per_s_ceiling) for p in self.points if p.predicted_tokens_per_s_ceiling]
@@ -200,6 +212,9 @@ class BatchingTool(SessionTool):
         if self.points:
             self.speed_plot.fit(max(batches), top, "tok/s")
             self.speed_plot.item.setXRange(0, max(batches) * 1.05, padding=0)
+
+    def _draw_memory(self) -> None:
+        batches = [p.batch for p in self.points]
         mib = 2 ** 20
         self.peak_curve.setData(batches, [(p.peak_memory_bytes or 0) / mib for p in self.points])
         self.kv_curve.setData(batches, [p.kv_cache_bytes / mib for p in self.points])
