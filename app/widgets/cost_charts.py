@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtWidgets import QGridLayout, QWidget
+from PySide6.QtWidgets import QGridLayout, QStackedWidget, QWidget
 
 from app.widgets.live_plots import PlotPanel
 from engine.estimates import costs
@@ -38,6 +38,12 @@ class CostCharts(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self._grid = QGridLayout(self)
+        # a cell per chart from the start: a chart placed later fills its cell without resizing (and
+        # repainting) the others
+        self._cells = [QStackedWidget() for _ in range(4)]
+        for index, cell in enumerate(self._cells):
+            cell.addWidget(QWidget())
+            self._grid.addWidget(cell, index // 2, index % 2)
         self._curves: dict[str, object] = {}
         self._run_labels: list = []
         self._count = None
@@ -60,7 +66,8 @@ class CostCharts(QWidget):
 
     def _place(self, panel: PlotPanel, index: int) -> None:
         panel.item.getAxis("left").enableAutoSIPrefix(False)  # our ticks carry their units; no "(x0.001)"
-        self._grid.addWidget(panel, index // 2, index % 2)
+        self._cells[index].addWidget(panel)
+        self._cells[index].setCurrentWidget(panel)
 
     def _build_memory(self) -> None:
         self.memory_plot = PlotPanel(

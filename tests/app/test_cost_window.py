@@ -91,8 +91,9 @@ def test_the_window_shows_before_its_charts_are_made(qtbot, tmp_path, monkeypatc
     create_app([])
     window = CostWindow()
     qtbot.addWidget(window)
-    assert not window.charts.built and window.charts._grid.count() == 0
+    assert not window.charts.built and all(cell.count() == 1 for cell in window.charts._cells)  # placeholders
     with qtbot.waitSignal(window.charts.ready, timeout=10_000):
         window.show()
-    assert window.charts.built and window.charts._grid.count() == 4
+    assert window.charts.built and all(cell.currentWidget() is not None and cell.count() == 2
+                                       for cell in window.charts._cells)
     window.close()
