@@ -5,7 +5,6 @@ read-only without loading any model."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal, Slot
@@ -21,14 +20,13 @@ from PySide6.QtWidgets import (
     QPushButton,
     QScrollArea,
     QSpinBox,
-    QTableWidget,
-    QTableWidgetItem,
     QVBoxLayout,
     QWidget,
 )
 
 from app.frame_budget import FrameBudget
 from app.widgets.compare_plots import ComparePlots
+from app.widgets.compare_summary import SummaryTable
 from app.widgets.lane_widget import LaneWidget
 from app.screen import fit_screen
 from engine.measure import compare
@@ -36,38 +34,10 @@ from engine.measure.compare import LaneSpec
 from engine.errors import EngineError
 from engine.request import GenerationRequest
 from engine.generation.sampling import SamplingParams
-from engine.units import format_bytes, format_rate, format_seconds
 
 LADDER = ("fp32", "bf16", "int8", "nf4")
 LANES_MIN_HEIGHT = 190
 PLOTS_MIN_HEIGHT = 230
-COLUMNS = (
-    ("lane", "Lane"), ("label", "Configuration"), ("load_s", "Load"), ("weights_bytes", "Weights"),
-    ("peak_memory_bytes", "Peak memory (process)"), ("ttft_s", "TTFT"), ("decode_tokens_per_s", "Decode tok/s"),
-    ("latency_mean_s", "Latency mean"), ("latency_p50_s", "p50"), ("latency_p95_s", "p95"), ("tokens", "Tokens"),
-    ("kv_cache_bytes", "KV cache"), ("token_agreement", "Agreement"), ("first_divergence", "First divergence"),
-    ("mean_abs_logprob_delta", "Mean |Δ logprob|"), ("finish_reason", "Stop"),
-)
-
-
-def cell_text(key: str, value) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, float) and not math.isfinite(value):
-        return "error: not finite"  # never a quiet "nan" in a measuring instrument
-    if key in ("load_s", "ttft_s", "latency_mean_s", "latency_p50_s", "latency_p95_s"):
-        return format_seconds(value)
-    if key in ("weights_bytes", "peak_memory_bytes", "kv_cache_bytes"):
-        return format_bytes(value)
-    if key == "decode_tokens_per_s":
-        return format_rate(value, "")
-    if key == "token_agreement":
-        return f"{100 * value:.1f}%"
-    if key == "mean_abs_logprob_delta":
-        return f"{value:.4f}"
-    return str(value)
-
-
 class CompareWindow(QMainWindow):
     """The Compare view (View → Compare… in the main window)."""
 
@@ -162,14 +132,7 @@ class CompareWindow(QMainWindow):
         for panel in self.plots.panels.values():
             strip.addWidget(panel)
         plot_strip.setMinimumHeight(PLOTS_MIN_HEIGHT)  # readable axes on a short screen: the lanes scroll instead
-        self.table = QTableWidget(0, len(COLUMNS))
-        self.table.setObjectName("summaryTable")
-        self.table.setHorizontalHeaderLabels([title for _, title in COLUMNS])
-        self.table.verticalHeader().hide()
-        self.table.setEditTriggers(QTableWidget.NoEditTriggers)
-        self.table.resizeColumnsToContents()  # whole headers before the first run too
-        rows = self.table.verticalHeader().defaultSectionSize()
-        self.table.setMinimumHeight(self.table.horizontalHeader().sizeHint().height() + 4 * rows + 24)  # 4 lanes
+        self.table = SummaryTable()
         docks = []
         for title, widget in (("Plots", plot_strip), ("Summary", self.table)):
             dock = QDockWidget(title, self)
@@ -344,14 +307,7 @@ class CompareWindow(QMainWindow):
     def _show_summary(self) -> None:
         runs = [lane.run for lane in self.lanes]
         self.summary = compare.summary_rows(runs)
-        self.table.setRowCount(len(self.summary))
-        for row, values in enumerate(self.summary):
-            for column, (key, _) in enumerate(COLUMNS):
-                item = QTableWidgetItem(cell_text(key, getattr(values, key)))
-                if key == "label":
-                    item.setForeground(_colour(self.lanes[row].colour))
-                self.table.setItem(row, column, item)
-        self.table.resizeColumnsToContents()
+        self.table.show_rows(self.summary, [lane.colour for lane in self.lanes])
         reference = runs[0].finished
         for lane, values in zip(self.lanes, self.summary):
             same_tokens = values.token_agreement is not None
@@ -465,9 +421,3 @@ class CompareWindow(QMainWindow):
         self.shutdown()
         super().closeEvent(event)
         self.closed.emit()
-
-
-def _colour(name: str):
-    from PySide6.QtGui import QBrush, QColor
-
-    return QBrush(QColor(name))

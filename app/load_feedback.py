@@ -4,6 +4,7 @@ model downloaded, checked and converted) and the fast path's compile notes."""
 from __future__ import annotations
 
 from PySide6.QtCore import QObject, Slot
+from PySide6.QtWidgets import QMessageBox
 
 from engine.events import LoadProgress
 
@@ -50,3 +51,20 @@ class LoadFeedback(QObject):
             self.main.model_panel.stage.setText(
                 f"Fast path: decode step compiled in {report.seconds:.0f} s for caches of {sizes} tokens "
                 f"(kept in {report.cache_dir}).")
+
+    def show_failure(self, exc: Exception, after: str) -> QMessageBox | None:
+        """Say why a load failed, under the prompt (with ``after``: what is still loaded, whether a
+        prompt waited) and, unless it was cancelled, in a window-modal box (the app keeps running)."""
+        prompt = self.main.prompt
+        if type(exc).__name__ == "CancelledError":
+            prompt.show_message(f"Loading was cancelled.{after}", "info")
+            return None
+        message = str(exc) or type(exc).__name__
+        if type(exc).__name__ == "DownloadError" and self.main._loading_default:
+            message += ("\n\nTo use a model already on this machine, choose Folder… (a Hugging Face folder) or "
+                        "GGUF… (a .gguf file) in the Model panel.")
+        prompt.show_message(f"Could not load the model: {message}{after}", "error")
+        box = QMessageBox(QMessageBox.Warning, "Could not load the model", message, QMessageBox.Ok, self.main)
+        box.setObjectName("loadErrorBox")
+        box.open()
+        return box

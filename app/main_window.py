@@ -366,18 +366,7 @@ class MainWindow(QMainWindow):
             self.prompt.editor.setPlainText(self._generate_after_load)
             self._generate_after_load = None
             not_run = " Your prompt was not sent."
-        if type(exc).__name__ == "CancelledError":
-            self.prompt.show_message(f"Loading was cancelled.{kept}{not_run}", "info")
-            return
-        message = str(exc) or type(exc).__name__
-        if type(exc).__name__ == "DownloadError" and self._loading_default:
-            message += ("\n\nTo use a model already on this machine, choose Folder… (a Hugging Face folder) or "
-                        "GGUF… (a .gguf file) in the Model panel.")
-        self.prompt.show_message(f"Could not load the model: {message}{kept}{not_run}", "error")
-        box = QMessageBox(QMessageBox.Warning, "Could not load the model", message, QMessageBox.Ok, self)
-        box.setObjectName("loadErrorBox")
-        box.open()  # window-modal, not blocking: the app keeps running
-        self._error_box = box
+        self._error_box = self.feedback.show_failure(exc, kept + not_run)
 
     @Slot()
     def _on_unloaded(self) -> None:

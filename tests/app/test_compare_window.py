@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from app.compare_window import COLUMNS, CompareWindow
+from app.compare_window import CompareWindow
+from app.widgets.compare_summary import COLUMNS
 from engine.measure.compare import LaneSpec
 
 
