@@ -32,7 +32,7 @@ from engine.jobs import SpeculateJob
 from engine.units import format_bytes, format_rate, format_seconds
 
 if TYPE_CHECKING:
-    from engine.generation.speculative import SpeculativeReport
+    from engine.measure.speculative_run import SpeculativeReport
 
 ACCEPTED = "#27ae60"
 OWN = "#2d7dd2"

@@ -218,7 +218,7 @@ def _bench(args) -> int:
         if draft is None:
             result = bench.run(loaded, request, cancel, on_event)
         else:
-            from engine.generation.speculative import speculative_report
+            from engine.measure.speculative_run import speculative_report
 
             def on_run_event(run: str, event) -> None:
                 if run == "plain" and isinstance(event, TokenGenerated) and event.index == 0:

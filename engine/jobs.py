@@ -155,7 +155,8 @@ class SpeculateJob:
     kind: ClassVar[str] = "speculative decoding"
 
     def run(self, ctx: JobContext) -> dict:
-        from engine.generation.speculative import load_draft, parse_draft, speculative_report
+        from engine.generation.speculative import load_draft, parse_draft
+        from engine.measure.speculative_run import speculative_report
 
         spec = parse_draft(self.draft, ctx.model.info.precision)
         draft = ctx.keep.get("draft")

@@ -167,7 +167,8 @@ def test_history_lists_sweeps_with_their_aggregate_and_speculative_runs(qtbot, l
     from app.history_dialog import COLUMNS, HistoryDialog
     from engine.events import BatchStep
     from engine.request import GenerationRequest
-    from engine.generation.speculative import load_draft, parse_draft, speculative_report
+    from engine.generation.speculative import load_draft, parse_draft
+    from engine.measure.speculative_run import speculative_report
     from engine.measure.sweep import record_points, run_sweep
 
     request = GenerationRequest("The quick brown fox", mode="raw", max_new_tokens=5, ignore_eos=True)
