@@ -183,7 +183,7 @@ class BatchingTool(SessionTool):
     def _chain(self, plots: list) -> None:
         plots.pop(0)()
         if plots:
-            QTimer.singleShot(0, lambda: self._chain(plots))
+            QTimer.singleShot(1, lambda: self._chain(plots))
 
     # the three plots change only when a batch size ends (a point): a step changes the status line
     def _draw_tradeoff(self) -> None:

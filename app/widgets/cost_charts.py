@@ -54,12 +54,12 @@ class CostCharts(QWidget):
         self.ridge_log2: float | None = None
         self._steps = [self._build_memory, self._build_speed, self._build_money, self._build_kv]
         self.built = False
-        QTimer.singleShot(0, self._build_next)
+        QTimer.singleShot(1, self._build_next)
 
     def _build_next(self) -> None:
         self._steps.pop(0)()
         if self._steps:
-            QTimer.singleShot(0, self._build_next)
+            QTimer.singleShot(1, self._build_next)
         else:
             self.built = True
             self.ready.emit()
@@ -123,7 +123,7 @@ class CostCharts(QWidget):
         self._drawing += 1
         steps = [self._draw_memory, self._draw_speed, self._draw_money, self._draw_kv]
         drawing, args = self._drawing, (e, config, profile, runs, kv_dtype, count)
-        QTimer.singleShot(0, lambda: self._draw_step(drawing, steps, args))
+        QTimer.singleShot(1, lambda: self._draw_step(drawing, steps, args))
 
     def cancel(self) -> None:
         """Drop a draw in progress (its inputs changed): only the newest draw says ``drawn``."""
@@ -134,7 +134,7 @@ class CostCharts(QWidget):
             return  # a newer draw started
         steps.pop(0)(*args)
         if steps:
-            QTimer.singleShot(0, lambda: self._draw_step(drawing, steps, args))
+            QTimer.singleShot(1, lambda: self._draw_step(drawing, steps, args))
         else:
             self.drawn.emit()
 

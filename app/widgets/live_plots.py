@@ -59,7 +59,7 @@ class PlotPanel(QWidget):
 
     def __init__(self, title: str, caption: str, left: str, bottom: str) -> None:
         super().__init__()
-        self.plot = pg.PlotWidget()
+        self.plot = pg.PlotWidget(enableMenu=False)  # no context menu (set below anyway): ~15 ms less to make
         self.plot.setObjectName(title)
         # axes and text in the palette's text colour, so a dark desktop theme works too
         ink = self.palette().color(QPalette.WindowText)
