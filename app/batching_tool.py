@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pyqtgraph as pg
-from PySide6.QtCore import Qt, QTimer, Slot
+from PySide6.QtCore import Qt, Slot
 from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import (
     QHeaderView,
@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
     QTableWidgetItem,
 )
 
+from app.frame_budget import in_turns
 from app.widgets.live_plots import PlotPanel
 from app.widgets.session_tool import DEFAULT_PROMPT, SessionTool
 from engine.events import BatchStep
@@ -173,17 +174,12 @@ class BatchingTool(SessionTool):
             self._drawn_points = len(self.points)
             plots = [self._draw_tradeoff, self._draw_speed, self._draw_memory]
             if self.running:  # one plot per turn of the event loop (each ~10-20 ms with its repaint)
-                self._chain(plots)
+                in_turns(plots)
             else:
                 for draw in plots:
                     draw()
         if self.running and self._step_text:
             self.controls.status.setText(self._step_text)
-
-    def _chain(self, plots: list) -> None:
-        plots.pop(0)()
-        if plots:
-            QTimer.singleShot(1, lambda: self._chain(plots))
 
     # the three plots change only when a batch size ends (a point): a step changes the status line
     def _draw_tradeoff(self) -> None:

@@ -12,6 +12,7 @@ slow machine) less often.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 
 class FrameBudget:
@@ -44,3 +45,22 @@ class FrameBudget:
     def reset(self) -> None:
         self._next = 0.0
         self._started = None
+
+
+def in_turns(steps: list[Callable[[], None]], done: Callable[[], None] | None = None,
+             wanted: Callable[[], bool] = lambda: True) -> None:
+    """Run ``steps`` one per turn of the event loop, then ``done``; stop early once ``wanted()`` is
+    false (newer inputs replaced these). A 1 ms timer between two steps, not a zero one: the loop
+    serves its due timers and paints in between, so no turn pays for two charts (each ~20 ms)."""
+    from PySide6.QtCore import QTimer
+
+    def step() -> None:
+        if not wanted():
+            return
+        steps.pop(0)()
+        if steps:
+            QTimer.singleShot(1, step)
+        elif done is not None:
+            done()
+
+    QTimer.singleShot(1, step)

@@ -11,9 +11,10 @@ import math
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QGridLayout, QStackedWidget, QWidget
 
+from app.frame_budget import in_turns
 from app.widgets.live_plots import PlotPanel
 from engine.estimates import costs
 from engine.estimates.costs import ALL_PRECISIONS
@@ -46,23 +47,16 @@ class CostCharts(QWidget):
             self._grid.addWidget(cell, index // 2, index % 2)
         self._curves: dict[str, object] = {}
         self._run_labels: list = []
-        self._count = None
         self._drawing = 0
-        self._sweep: tuple = ()
         self.memory_bars: list[float] = []
         self.speed_ceiling = None
         self.ridge_log2: float | None = None
-        self._steps = [self._build_memory, self._build_speed, self._build_money, self._build_kv]
         self.built = False
-        QTimer.singleShot(1, self._build_next)
+        in_turns([self._build_memory, self._build_speed, self._build_money, self._build_kv], self._on_built)
 
-    def _build_next(self) -> None:
-        self._steps.pop(0)()
-        if self._steps:
-            QTimer.singleShot(1, self._build_next)
-        else:
-            self.built = True
-            self.ready.emit()
+    def _on_built(self) -> None:
+        self.built = True
+        self.ready.emit()
 
     def _place(self, panel: PlotPanel, index: int) -> None:
         panel.item.getAxis("left").enableAutoSIPrefix(False)  # our ticks carry their units; no "(x0.001)"
@@ -119,26 +113,22 @@ class CostCharts(QWidget):
         measured ``runs`` of this model, precision and hardware: one chart per turn of the event
         loop (with a thousand runs a chart and its repaint take ~20–40 ms); ``drawn`` follows.
         A new call restarts the drawing."""
-        self._count = count
         self._drawing += 1
-        steps = [self._draw_memory, self._draw_speed, self._draw_money, self._draw_kv]
-        drawing, args = self._drawing, (e, config, profile, runs, kv_dtype, count)
-        QTimer.singleShot(1, lambda: self._draw_step(drawing, steps, args))
+        drawing = self._drawing
+        # the batch sweep the speed and $ charts share, estimated once
+        sweep = [costs.estimate(config, profile, e.precision, e.kv_dtype, e.context, int(b), None, e.model, count)
+                 for b in BATCHES]
+        args = (e, config, profile, runs, kv_dtype, count, sweep)
+        in_turns([lambda draw=draw: draw(*args) for draw in (self._draw_memory, self._draw_speed, self._draw_money,
+                                                             self._draw_kv)],
+                 self.drawn.emit, wanted=lambda: drawing == self._drawing)
 
     def cancel(self) -> None:
         """Drop a draw in progress (its inputs changed): only the newest draw says ``drawn``."""
         self._drawing += 1
 
-    def _draw_step(self, drawing: int, steps: list, args: tuple) -> None:
-        if drawing != self._drawing:
-            return  # a newer draw started
-        steps.pop(0)(*args)
-        if steps:
-            QTimer.singleShot(1, lambda: self._draw_step(drawing, steps, args))
-        else:
-            self.drawn.emit()
 
-    def _draw_memory(self, e, config, profile, runs, kv_dtype, count) -> None:
+    def _draw_memory(self, e, config, profile, runs, kv_dtype, count, sweep) -> None:
         """The stacked memory bar against the device's memory."""
         divisor, unit = _unit(max(e.total_bytes, profile.memory_bytes))
         plot = self.memory_plot.plot
@@ -161,16 +151,13 @@ class CostCharts(QWidget):
         self.memory_plot.item.setXRange(-0.6, 0.6, padding=0)
         self.memory_plot.item.setYRange(0, max(e.total_bytes, profile.memory_bytes) / divisor * 1.1, padding=0)
 
-    def _draw_speed(self, e, config, profile, runs, kv_dtype, count) -> None:
+    def _draw_speed(self, e, config, profile, runs, kv_dtype, count, sweep) -> None:
         """tok/s against batch (log2 x, log10 y): the memory- and compute-bound lines, the ceiling,
         the measured runs."""
-        xs = np.array(BATCHES, dtype=float)
-        sweep = [costs.estimate(config, profile, e.precision, e.kv_dtype, e.context, int(b), None, e.model, count)
-                 for b in BATCHES]
+        lx = np.log2(np.array(BATCHES, dtype=float))
         memory_rate = np.array([s.memory_bound_tokens_per_s for s in sweep])
         compute_rate = np.array([s.compute_bound_tokens_per_s for s in sweep])
-        ceiling = np.minimum(memory_rate, compute_rate)
-        lx = np.log2(xs)
+        ceiling = np.array([s.decode_tokens_per_s_ceiling for s in sweep])  # the lower of the two
         self._curve("memory-bound", self.speed_plot, pen=_pen(COLOURS["memory"], Qt.DashLine)).setData(lx, np.log10(memory_rate))
         self._curve("compute-bound", self.speed_plot, pen=_pen(COLOURS["compute"], Qt.DashLine)).setData(lx, np.log10(compute_rate))
         self._curve("ceiling", self.speed_plot, pen=_pen(COLOURS["ceiling"], width=2)).setData(lx, np.log10(ceiling))
@@ -179,7 +166,7 @@ class CostCharts(QWidget):
         runs_y = [math.log10(r.decode_tokens_per_s * r.batch) for r in runs if r.decode_tokens_per_s]
         self._curve("speed-runs", self.speed_plot, pen=None, symbol="o", symbolSize=7,
                     symbolBrush=COLOURS["measured"]).setData(runs_x, runs_y)
-        self._label_runs(runs, profile, config, kv_dtype)
+        self._label_runs(runs, profile, config, kv_dtype, count)
         self.speed_plot.set_label("left", "tokens / s, all requests (log₁₀)")
         # the measured dots stay in view, however far below the ceiling they are
         _log_axes(self.speed_plot, lx, np.concatenate([np.log10(np.concatenate([ceiling, memory_rate, compute_rate])),
@@ -193,11 +180,11 @@ class CostCharts(QWidget):
         marker = self._curve("batch-marker", self.speed_plot, pen=None, symbol="t", symbolSize=10,
                              symbolBrush=COLOURS["ceiling"])
         marker.setData([math.log2(e.batch)], [math.log10(e.decode_tokens_per_s_ceiling)])
-        self._sweep = (lx, sweep, ceiling)
 
-    def _draw_money(self, e, config, profile, runs, kv_dtype, count) -> None:
+    def _draw_money(self, e, config, profile, runs, kv_dtype, count, sweep) -> None:
         """$ per 1M tokens against batch (only for batches that fit, and hardware with a price)."""
-        lx, sweep, ceiling = self._sweep
+        lx = np.log2(np.array(BATCHES, dtype=float))
+        ceiling = np.array([s.decode_tokens_per_s_ceiling for s in sweep])
         fits = np.array([s.fits for s in sweep])
         usd_curve = self._curve("usd", self.money_plot, pen=_pen(COLOURS["ceiling"], width=2))
         if profile.usd_per_hour and fits.any():
@@ -215,7 +202,7 @@ class CostCharts(QWidget):
             self.money_plot.item.getAxis("left").setTicks([[]])
             self._money_note.setVisible(True)
 
-    def _draw_kv(self, e, config, profile, runs, kv_dtype, count) -> None:
+    def _draw_kv(self, e, config, profile, runs, kv_dtype, count, sweep) -> None:
         """KV bytes of one sequence against context."""
         contexts = np.array(CONTEXTS, dtype=float)
         kv = [costs.estimate(config, profile, e.precision, e.kv_dtype, int(c), 1, None, e.model, count).kv_bytes_total
@@ -230,7 +217,7 @@ class CostCharts(QWidget):
         self.kv_plot.item.getAxis("bottom").setTicks([[(math.log2(c), _pretty(c)) for c in CONTEXTS[::2]]])
         self.kv_plot.item.setYRange(0, max(kv) / divisor * 1.05, padding=0)
 
-    def _label_runs(self, runs, profile, config, kv_dtype: str) -> None:
+    def _label_runs(self, runs, profile, config, kv_dtype: str, count) -> None:
         """One label per batch size (runs at the same batch would print over each other): the
         median share of the ceiling, with the range and count where there are several."""
         for item in getattr(self, "_run_labels", []):
@@ -244,7 +231,7 @@ class CostCharts(QWidget):
             key = (r.precision if r.precision in ALL_PRECISIONS else "bf16", max(r.context, 1), r.batch)
             if key not in ceilings:
                 ceilings[key] = costs.estimate(config, profile, key[0], kv_dtype, key[1], key[2],
-                                               None, "", self._count).decode_tokens_per_s_ceiling
+                                               None, "", count).decode_tokens_per_s_ceiling
             rate = r.decode_tokens_per_s * r.batch
             by_batch.setdefault(r.batch, []).append((100 * rate / ceilings[key], rate))
         for i, (batch, shares) in enumerate(sorted(by_batch.items())):
