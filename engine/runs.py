@@ -20,7 +20,8 @@ COLUMNS = ("latency_s", "elapsed_s", "kv_bytes", "kv_predicted", "rss", "device_
 """Per-token columns, named as :func:`engine.storage.history.series_from` saves them."""
 
 
-def _row(event: TokenGenerated) -> tuple:
+def figures(event) -> tuple:
+    """One row of :data:`COLUMNS` from a ``TokenGenerated`` (or a ``BatchStep``: same fields)."""
     memory = event.memory
     return (event.latency_s, event.elapsed_s, event.kv_cache_bytes, event.kv_cache_bytes_predicted,
             memory.rss_bytes, memory.device_allocated_bytes, memory.device_reserved_bytes,
@@ -69,7 +70,7 @@ class Run:
             start = len(self.tokens)
             while start + len(tokens) > self._capacity:
                 self._grow()
-            rows = np.array([_row(t) for t in tokens], dtype=float)  # None → NaN
+            rows = np.array([figures(t) for t in tokens], dtype=float)  # None → NaN
             self._columns[:, start:start + len(tokens)] = rows.T
             self.tokens.extend(tokens)
             self._pieces.extend(t.text for t in tokens if not t.special)

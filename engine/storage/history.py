@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine.events import Finished, Loaded
+from engine.runs import COLUMNS, figures
 
 log = logging.getLogger(__name__)
 
@@ -88,26 +89,13 @@ def record_from(info: Loaded, finished: Finished, kind: str = "single", batch: i
     )
 
 
-SERIES = ("latency_s", "elapsed_s", "kv_bytes", "kv_predicted", "rss", "device_allocated", "device_reserved",
-          "device_peak")
-"""Per-token columns a record keeps (``extra["series"]``), named as the window's run buffer names them."""
-
-
 def series_from(tokens) -> dict[str, list]:
     """The per-token figures of a run's :class:`TokenGenerated` events (or a sweep's per-step
-    ``BatchStep`` events, which carry the same fields), one list per column, so a reopened run
-    redraws the plots the window showed; absent figures are left out."""
-    columns = {
-        "latency_s": [t.latency_s for t in tokens],
-        "elapsed_s": [t.elapsed_s for t in tokens],
-        "kv_bytes": [t.kv_cache_bytes for t in tokens],
-        "kv_predicted": [t.kv_cache_bytes_predicted for t in tokens],
-        "rss": [t.memory.rss_bytes for t in tokens],
-        "device_allocated": [t.memory.device_allocated_bytes for t in tokens],
-        "device_reserved": [t.memory.device_reserved_bytes for t in tokens],
-        "device_peak": [t.memory.device_peak_bytes for t in tokens],
-    }
-    return {name: values for name, values in columns.items() if any(v is not None for v in values)}
+    ``BatchStep`` events, which carry the same fields), one list per column of the run store
+    (``engine.runs.COLUMNS``), so a reopened run redraws the plots the window showed; absent
+    figures are left out."""
+    columns = zip(*(figures(t) for t in tokens))
+    return {name: list(values) for name, values in zip(COLUMNS, columns) if any(v is not None for v in values)}
 
 
 def record_point(info: Loaded, point, prompt_tokens: int, steps=()) -> RunRecord:
