@@ -53,10 +53,6 @@ class Background(QObject):
         self._closed = False
         self._delivered.connect(self._deliver)  # queued: emitted from a pool thread
 
-    @property
-    def busy(self) -> bool:
-        return bool(self._waiting)
-
     def submit(self, work: Callable[[], object], done: Callable[[object], None],
                failed: Callable[[BaseException], None] | None = None) -> int:
         ticket = next(self._tickets)

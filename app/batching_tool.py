@@ -220,4 +220,3 @@ class BatchingTool(SessionTool):
             self.memory_sweep_plot.fit(max(batches), max((p.peak_memory_bytes or 0) / mib for p in self.points),
                                        "MiB")
             self.memory_sweep_plot.item.setXRange(0, max(batches) * 1.05, padding=0)
-

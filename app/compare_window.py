@@ -38,6 +38,8 @@ from engine.generation.sampling import SamplingParams
 LADDER = ("fp32", "bf16", "int8", "nf4")
 LANES_MIN_HEIGHT = 190
 PLOTS_MIN_HEIGHT = 230
+
+
 class CompareWindow(QMainWindow):
     """The Compare view (View → Compare… in the main window)."""
 

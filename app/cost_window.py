@@ -45,7 +45,6 @@ class CostWindow(QMainWindow):
         self._closing = False
         self._config = None
         self._count = None
-        self._config_ref = None
         self._configs: dict[str, tuple] = {}  # model ref -> (config or None, its parameter count)
         self._reading: set[str] = set()  # refs whose config is being read off the GUI thread
         self.background = Background(self)
@@ -187,7 +186,6 @@ class CostWindow(QMainWindow):
         if not, it is being read off the GUI thread and the view updates when it arrives."""
         ref = self.model_ref()
         if ref in self._configs:
-            self._config_ref = ref
             self._config, self._count = self._configs[ref]
             return True
         if ref not in self._reading:
@@ -316,5 +314,3 @@ def _money(value: float | None, fits: bool, rate: float | None, what: str) -> st
     if value is None:
         return "n/a"
     return f"${value:,.3f}" if what.startswith("$") else f"{value:,.0f} Wh"
-
-

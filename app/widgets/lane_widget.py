@@ -322,10 +322,9 @@ class LaneWidget(QFrame):
             cursor.insertText("".join(t.text for t in tokens[rendered:] if not t.special))
             self._rendered = len(tokens)
             self.output.verticalScrollBar().setValue(self.output.verticalScrollBar().maximum())
-        done = self.run.finished
-        ttft = tokens[0].latency_s if tokens else None
-        rate = done.decode_tokens_per_s if done else self.run.decode_tokens_per_s()
-        self.metrics.setText(f"TTFT {format_seconds(ttft)} · {format_rate(rate)} · {len(tokens)} tokens"
+        run, done = self.run, self.run.finished
+        self.metrics.setText(f"TTFT {format_seconds(run.ttft_s())} · {format_rate(run.decode_tokens_per_s())} · "
+                             f"{len(tokens)} tokens"
                              + (f" · stopped: {done.reason}" if done else ""))
 
     def show_divergence(self, reference: list[int] | None) -> None:

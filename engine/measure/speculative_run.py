@@ -95,13 +95,9 @@ def speculative_report(target: "LoadedModel", draft: Draft, request: GenerationR
     measured = bench.measure(stream_speculative(target, draft, request, draft_tokens, cancel), weights,
                              passing("speculative"))
     result = SpeculativeReport(draft.label, draft_tokens, draft.weights_bytes, measured, plain)
-    final = measured.finished
-    if record and final.tokens:
+    if record:
         from engine.storage import history
 
-        try:
-            history.save(history.record_from(target.info, final, "speculative", series=history.series_from(measured.tokens),
-                                             transcript_markdown=final.text, **result.summary()))
-        except OSError:
-            pass
+        history.remember(target.info, measured.finished, "speculative", measured.finished.text, measured.tokens,
+                         **result.summary())
     return result

@@ -155,14 +155,15 @@ def load_all(folder: Path | None = None) -> list[RunRecord]:
 
 
 def remember(info: Loaded | None, finished: Finished, kind: str, transcript: str | None = None,
-             tokens=(), error: str | None = None) -> None:
+             tokens=(), error: str | None = None, **more) -> None:
     """Add a finished run to the history (for the cost explorer and File → Run history, which
     shows ``transcript``, Markdown, and redraws the plots from the ``tokens``' figures); a
     history that can't be written never fails a run (it is logged). ``error``: the run ended in
-    one (it is kept, marked failed)."""
+    one (it is kept, marked failed). ``more``: more of the run's figures, kept in ``extra``
+    (a speculative run's draft counts)."""
     if info is None or finished.tokens == 0:
         return
-    extra = {"transcript_markdown": transcript} if transcript else {}
+    extra = {**more, **({"transcript_markdown": transcript} if transcript else {})}
     if tokens:
         extra["series"] = series_from(tokens)
     if error:
