@@ -78,6 +78,17 @@ def settings():
     return QSettings(QSettings.defaultFormat(), QSettings.UserScope, "InferenceWorkbench", "inference-workbench")
 
 
+def settle_process() -> None:
+    """Once the window exists: Qt's and our modules live as long as the app, so garbage collections
+    skip them (engine/heap.py); and the GIL changes hands after 1 ms, not 5: painting calls into
+    Python dozens of times a frame, and each call waits for the GIL while another thread runs
+    Python (reading the history, loading a tokenizer)."""
+    from engine import heap
+
+    heap.settle()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+
 def create_app(argv: list[str]):
     from PySide6.QtGui import QIcon
     from PySide6.QtWidgets import QApplication
@@ -147,13 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         window.model_panel.set_devices([args.device])
         window.model_panel._select(window.model_panel.device, args.device)
     window.show()
-    from engine import heap
-
-    heap.settle()  # Qt's and our modules live as long as the app: garbage collections skip them
-    # Painting calls into Python dozens of times a frame; each call waits for the GIL while another
-    # thread runs Python (reading the history, loading a tokenizer): 1 ms turns instead of 5 ms
-    # keep a repaint from waiting ~5 ms per call
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    settle_process()
     app.aboutToQuit.connect(lambda: window.session.shutdown(0))
     if args.self_check:
         self_check(window, app, args.self_check)

@@ -164,12 +164,11 @@ def main() -> int:
     window = MainWindow(QSettings(str(scratch / "s.ini"), QSettings.IniFormat))
     window.resize(1400, 900)
     window.show()
-    from engine import heap
+    from app.main import settle_process
 
-    heap.settle()  # as app.main does
-    from app.main import SWITCH_INTERVAL_S
-
-    sys.setswitchinterval(SWITCH_INTERVAL_S if args.switch_interval is None else args.switch_interval)
+    settle_process()  # as the app does once its window shows
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     results: dict[str, dict] = {}
 
     watchdog = Watchdog() if args.explain else None

@@ -42,6 +42,9 @@ def main() -> int:
     window = MainWindow(QSettings(str(scratch / "s.ini"), QSettings.IniFormat))
     window.resize(1600, 960)
     window.show()
+    from app.main import settle_process
+
+    settle_process()  # as the app does once its window shows
     window.show_tokens_action.setChecked(args.show_tokens)
     gaps: list[tuple[int, float]] = []  # (tokens so far, lateness of the 5 ms tick in ms)
     last = [time.perf_counter()]

@@ -40,6 +40,9 @@ def main() -> int:
     settings = QSettings(str(Path(tempfile.mkdtemp()) / "soak.ini"), QSettings.IniFormat)
     window = MainWindow(settings)
     window.show()
+    from app.main import settle_process
+
+    settle_process()  # as the app does once its window shows
     process = psutil.Process()
     state = {"done": 0, "start": None}
     prompts = ("Explain microservices in simple terms.", "What is a KV cache?", "Name three colours.",

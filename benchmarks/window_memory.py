@@ -44,6 +44,9 @@ def main() -> int:
     app = create_app([])
     window = MainWindow(settings())
     window.show()
+    from app.main import settle_process
+
+    settle_process()  # as the app does once its window shows
     process = psutil.Process()
     figures: dict[str, float] = {}
     state: dict = {}

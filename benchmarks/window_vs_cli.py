@@ -51,6 +51,9 @@ def main() -> None:
     window = MainWindow(settings())
     window.resize(1600, 960)
     window.show()
+    from app.main import settle_process
+
+    settle_process()  # as the app does once its window shows
     window.generation_panel.max_tokens.setValue(args.tokens)
     window.generation_panel.ignore_eos.setChecked(True)
 
