@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-CLI_COMMANDS = ("bench", "compare", "sweep", "estimate", "hardware", "models")
+CLI_COMMANDS = ("bench", "compare", "sweep", "estimate", "hardware", "models", "serve", "load")
 
 
 SWITCH_INTERVAL_S = 0.001

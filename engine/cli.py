@@ -1,4 +1,5 @@
-"""``inference-workbench`` on the command line: bench, compare, sweep, estimate, hardware, models.
+"""``inference-workbench`` on the command line: bench, compare, sweep, estimate, hardware, models, serve,
+load.
 
 Errors end the program with one line on stderr and a non-zero exit code; ``--debug``
 shows the traceback.
@@ -12,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from engine import cli_serve
 from engine.errors import EngineError, InvalidRequestError
 from engine.cli_text import compare_table, estimate_summary, speculative_summary, summary
 from engine.units import format_bytes, format_rate, format_seconds
@@ -114,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     hardware.add_argument("--measure", action="store_true", help="measure this machine again")
 
     sub.add_parser("models", help="list the default model and models in the Hugging Face cache")
+    cli_serve.add_parsers(sub, PRECISIONS)
     return parser
 
 
@@ -409,6 +412,10 @@ def main(argv: list[str] | None = None) -> int:
             return _estimate(args)
         if args.command == "hardware":
             return _hardware(args)
+        if args.command == "serve":
+            return cli_serve.serve(args, _LoadPrinter())
+        if args.command == "load":
+            return cli_serve.load(args)
         return _models(args)
     except KeyboardInterrupt:
         print("\ncancelled", file=sys.stderr)

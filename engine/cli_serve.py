@@ -1,0 +1,133 @@
+"""``inference-workbench serve`` (the loaded model behind an OpenAI-compatible API) and
+``inference-workbench load`` (a load generator pointed at any such API)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from engine.errors import InvalidRequestError
+
+_SIZE = re.compile(r"^\s*([0-9.eE+]+)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
+_FACTORS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30,
+            "ti": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``"2GiB"``, ``"500MB"``, ``"1e9"`` → bytes."""
+    match = _SIZE.match(text or "")
+    if not match:
+        raise InvalidRequestError(f"{text!r} is not a size: write e.g. 2GiB, 500MB or 1e9 (bytes).")
+    unit = (match.group(2) or "").lower().rstrip("b")
+    try:
+        return int(float(match.group(1)) * _FACTORS[unit])
+    except (KeyError, ValueError):
+        raise InvalidRequestError(f"{text!r} is not a size: write e.g. 2GiB, 500MB or 1e9 (bytes).") from None
+
+
+def _numbers(text: str, kind=float) -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise InvalidRequestError(f"{text!r} is not a comma-separated list of numbers.") from None
+    if not values or any(v <= 0 for v in values):
+        raise InvalidRequestError(f"{text!r}: give one or more numbers above 0.")
+    return values
+
+
+def add_parsers(sub, precisions) -> None:
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible API (continuous batching)")
+    serve.add_argument("--model", default="default", help="'default', a folder, a .gguf file or a hub id")
+    serve.add_argument("--precision", default="fp32", choices=list(precisions))
+    serve.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; any "
+                       "other than loopback needs --api-key)")
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
+    serve.add_argument("--api-key", help="clients must send 'Authorization: Bearer KEY' (default: none)")
+    serve.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default: %(default)s)")
+    serve.add_argument("--kv-budget", help="KV-cache bytes the running requests may hold, e.g. 2GiB (default: "
+                       "half the free memory; 90%% of a GPU's)")
+    serve.add_argument("--max-waiting", type=int, default=256, help="waiting requests before 429 (default: "
+                       "%(default)s)")
+    serve.add_argument("--served-model-name", help="the model name clients send (default: the model's)")
+    serve.add_argument("--no-history", action="store_true", help="don't add served requests to the run history")
+    serve.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub")
+
+    load = sub.add_parser("load", help="send a measured load to an OpenAI-compatible server (ours or any)")
+    load.add_argument("--url", required=True, help="the API's base URL, e.g. http://127.0.0.1:8000/v1")
+    load.add_argument("--model", help="the model name (default: the first the server lists)")
+    load.add_argument("--api-key", help="API key (default: $OPENAI_API_KEY if set)")
+    mode = load.add_mutually_exclusive_group()
+    mode.add_argument("--concurrency", help="closed loop: this many requests in flight, e.g. 1,4,16 (a sweep)")
+    mode.add_argument("--rate", help="open loop: requests per second arriving, e.g. 0.5,1,2 (a sweep)")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 steadier")
+    load.add_argument("--requests", type=int, default=32, help="requests per setting (default: %(default)s)")
+    load.add_argument("--max-duration", type=float, default=300.0,
+                      help="seconds per setting before the rest is cancelled (default: %(default)s)")
+    load.add_argument("--prompts", type=Path, help="prompts, one JSON object per line ({\"prompt\": …}) or "
+                      "plain text lines (default: the shipped set, short and long)")
+    load.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default: %(default)s)")
+    load.add_argument("--ignore-eos", action="store_true",
+                      help="ask for exactly --max-tokens tokens (vLLM's extension; servers without it refuse)")
+    load.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    load.add_argument("--slo", help="goodput counts requests within these, e.g. ttft:500,tpot:50 (ms)")
+    load.add_argument("--seed", type=int, default=0, help="seed of the prompt order and arrival gaps")
+    load.add_argument("--json", type=Path, help="write every request's figures and the summaries here")
+
+
+def serve(args, load_printer) -> int:
+    from engine.models.loading import LoadRequest, load_model
+    from engine.serve.server import Server, ServeSettings
+
+    settings = ServeSettings(host=args.host, port=args.port, api_key=args.api_key, max_batch=args.max_batch,
+                             kv_budget_bytes=parse_size(args.kv_budget) if args.kv_budget else None,
+                             max_waiting=args.max_waiting, history=not args.no_history,
+                             model_name=args.served_model_name).validated()
+    print(f"Loading {args.model} ({args.precision}) …", file=sys.stderr, flush=True)
+    loaded = load_model(LoadRequest(model=args.model, precision=args.precision, device=args.device,
+                                    offline=True if args.offline else None), progress=load_printer)
+    server = Server(loaded, settings)
+    from engine.units import format_bytes
+
+    print(f"Serving {server.model_name} at {server.url} (batch up to {settings.max_batch}, KV budget "
+          f"{format_bytes(server.service.settings.kv_budget_bytes)}); Ctrl-C stops.", flush=True)
+    print(f"  curl {server.url}/chat/completions -H 'Content-Type: application/json' -d "
+          f"'{{\"model\": \"{server.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'",
+          flush=True)
+    server.drain = False  # Ctrl-C: every open stream ends now, with its last chunk
+    server.serve_forever()
+    print(f"stopped after {server.service.served} requests", file=sys.stderr)
+    return 0
+
+
+def load(args) -> int:
+    import os
+
+    from engine.load.generator import LoadPlan, LoadRunner
+    from engine.load.metrics import parse_slo
+    from engine.load.prompts import read_prompts
+
+    if args.concurrency is None and args.rate is None:
+        args.concurrency = "1"
+    plan = LoadPlan(
+        url=args.url, model=args.model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+        concurrency=tuple(_numbers(args.concurrency, int)) if args.concurrency else (),
+        rates=tuple(_numbers(args.rate)) if args.rate else (), burstiness=args.burstiness,
+        requests=args.requests, max_duration_s=args.max_duration, max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos, endpoint=args.endpoint, seed=args.seed,
+        slo=parse_slo(args.slo) if args.slo else None).validated()
+    prompts = read_prompts(args.prompts)
+    from engine.load.report import summary_line, summary_header, write_json
+
+    print(summary_header(plan), flush=True)
+    results = LoadRunner(plan, prompts, on_result=lambda r: print(summary_line(r), flush=True)).run()
+    if args.json:
+        write_json(args.json, plan, results)
+        print(f"report   {args.json}")
+    return 0 if all(r.summary.completed for r in results) else 1
+
+
+__all__ = ["add_parsers", "load", "parse_size", "serve", "argparse"]

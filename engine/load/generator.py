@@ -1,0 +1,253 @@
+"""Send a load to an OpenAI-compatible server and measure every request as its chunks arrive.
+
+Closed loop (``concurrency``): that many requests in flight, a new one sent as one ends, as a
+fixed pool of users would. Open loop (``rates``): requests arrive on their own schedule, gaps
+drawn from a gamma distribution with shape ``burstiness`` (1 = Poisson) and mean 1/rate, as
+``vllm bench serve`` does, so a server slower than the arrivals builds a queue. Every setting is
+bounded by a request count and a duration; what is still running then is cancelled and counted
+as failed. Streams are read with httpx and httpx-sse; each chunk is time-stamped as it arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+from engine.load.metrics import RequestResult, Summary, summarize
+from engine.load.prompts import Prompt
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    url: str
+    """The API's base URL, ``http://HOST:PORT/v1``."""
+    model: str | None = None
+    """``None``: the first model the server lists."""
+    api_key: str | None = None
+    concurrency: tuple[int, ...] = ()
+    rates: tuple[float, ...] = ()
+    burstiness: float = 1.0
+    requests: int = 32
+    max_duration_s: float = 300.0
+    max_tokens: int = 128
+    ignore_eos: bool = False
+    endpoint: str = "chat"
+    seed: int = 0
+    slo: dict | None = None
+    request_timeout_s: float = 600.0
+
+    def validated(self) -> "LoadPlan":
+        if not self.url.startswith(("http://", "https://")):
+            raise InvalidRequestError(f"{self.url!r} is not an http(s) URL (e.g. http://127.0.0.1:8000/v1).")
+        if not self.concurrency and not self.rates:
+            raise InvalidRequestError("Give a concurrency (closed loop) or a rate (open loop).")
+        if self.requests < 1 or self.max_tokens < 1 or self.max_duration_s <= 0:
+            raise InvalidRequestError("requests, max tokens and max duration must be above 0.")
+        if self.burstiness <= 0:
+            raise InvalidRequestError("burstiness must be above 0 (1 is Poisson).")
+        if self.endpoint not in ("chat", "completions"):
+            raise InvalidRequestError("endpoint must be 'chat' or 'completions'.")
+        return self
+
+    def settings(self) -> list[tuple[str, float]]:
+        return [("concurrency", c) for c in self.concurrency] + [("rate", r) for r in self.rates]
+
+
+@dataclass
+class SettingResult:
+    mode: str
+    """``concurrency`` or ``rate``."""
+    value: float
+    results: list[RequestResult]
+    summary: Summary
+    model: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"concurrency {self.value:g}" if self.mode == "concurrency" else f"rate {self.value:g}/s"
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "value": self.value, "model": self.model, "summary": self.summary.to_dict(),
+                "requests": [r.to_dict() for r in self.results]}
+
+
+@dataclass
+class LoadRunner:
+    """Runs a plan (blocking, in the caller's thread); :meth:`stop` from any thread ends it early."""
+
+    plan: LoadPlan
+    prompts: list[Prompt]
+    on_request: Callable[[str, RequestResult], None] | None = None
+    """Called (on the runner's thread) with the setting's label and each finished request."""
+    on_result: Callable[[SettingResult], None] | None = None
+    _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
+    _task: asyncio.Task | None = field(default=None, repr=False)
+    _stopped: bool = False
+
+    def run(self) -> list[SettingResult]:
+        if not self.prompts:
+            raise InvalidRequestError("A load needs at least one prompt.")
+        return asyncio.run(self._main())
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._loop is not None and self._task is not None:
+            self._loop.call_soon_threadsafe(self._task.cancel)
+
+    async def _main(self) -> list[SettingResult]:
+        import httpx
+
+        self._loop = asyncio.get_running_loop()
+        plan = self.plan
+        most = max([int(c) for c in plan.concurrency] + [plan.requests if plan.rates else 1])
+        limits = httpx.Limits(max_connections=most + 4, max_keepalive_connections=most + 4)
+        timeout = httpx.Timeout(plan.request_timeout_s, connect=10.0)
+        headers = {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else {}
+        out = []
+        async with httpx.AsyncClient(base_url=plan.url.rstrip("/"), limits=limits, timeout=timeout,
+                                     headers=headers) as client:
+            model = plan.model or await first_model(client)
+            for mode, value in plan.settings():
+                if self._stopped:
+                    break
+                self._task = asyncio.ensure_future(self._setting(client, model, mode, value))
+                try:
+                    result = await self._task
+                except asyncio.CancelledError:
+                    break
+                out.append(result)
+                if self.on_result:
+                    self.on_result(result)
+        return out
+
+    async def _setting(self, client, model: str, mode: str, value: float) -> SettingResult:
+        plan = self.plan
+        rng = random.Random(plan.seed)
+        order = [self.prompts[i % len(self.prompts)] for i in range(plan.requests)]
+        rng.shuffle(order)
+        results = [RequestResult(i, p.kind) for i, p in enumerate(order)]
+        label = f"{mode} {value:g}"
+        start = time.perf_counter()
+
+        async def one(i: int) -> None:
+            await send(client, model, order[i], plan, results[i], start)
+            if self.on_request:
+                self.on_request(label, results[i])
+
+        if mode == "concurrency":
+            queue = iter(range(plan.requests))
+
+            async def user() -> None:
+                for i in queue:
+                    await one(i)
+            work = [asyncio.ensure_future(user()) for _ in range(int(value))]
+        else:
+            work = []
+            for i in range(plan.requests):
+                work.append(asyncio.ensure_future(one(i)))
+                if i + 1 < plan.requests:
+                    await asyncio.sleep(rng.gammavariate(plan.burstiness, 1.0 / (value * plan.burstiness)))
+        try:
+            await asyncio.wait_for(asyncio.gather(*work), max(0.0, plan.max_duration_s - (time.perf_counter() - start)))
+        except asyncio.TimeoutError:
+            for r in results:
+                if not r.ok and r.error is None:
+                    r.error = f"not finished within {plan.max_duration_s:g} s (cancelled)"
+        finally:
+            for task in work:
+                task.cancel()
+        ended = [r.start_s + r.e2e_s for r in results if r.e2e_s is not None]
+        duration = (max(ended) if ended else time.perf_counter() - start)
+        return SettingResult(mode, value, results, summarize(results, duration, plan.slo), model)
+
+
+async def first_model(client) -> str:
+    """The first model ``GET /models`` lists."""
+    import httpx
+
+    try:
+        response = await client.get("/models")
+    except httpx.HTTPError as exc:
+        raise InvalidRequestError(f"Can't reach {client.base_url}: {type(exc).__name__}: {exc}") from None
+    if response.status_code != 200:
+        raise InvalidRequestError(f"{client.base_url}/models answered {response.status_code}: {_message(response.text)}")
+    models = response.json().get("data") or []
+    if not models:
+        raise InvalidRequestError(f"{client.base_url}/models lists no model.")
+    return models[0]["id"]
+
+
+def _message(text: str) -> str:
+    try:
+        return json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text[:200]
+
+
+def request_body(model: str, prompt: Prompt, plan: LoadPlan) -> tuple[str, dict]:
+    body = {"model": model, "max_tokens": plan.max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if plan.ignore_eos:
+        body["ignore_eos"] = True
+    if plan.endpoint == "chat":
+        return "/chat/completions", {**body, "messages": [{"role": "user", "content": prompt.text}]}
+    return "/completions", {**body, "prompt": prompt.text}
+
+
+async def send(client, model: str, prompt: Prompt, plan: LoadPlan, result: RequestResult, origin: float) -> None:
+    """One streamed request, its figures written into ``result`` as they arrive."""
+    import httpx
+    from httpx_sse import SSEError, aconnect_sse
+
+    path, body = request_body(model, prompt, plan)
+    sent = time.perf_counter()
+    result.start_s = sent - origin
+    last = None
+    chunks = 0
+    try:
+        async with aconnect_sse(client, "POST", path, json=body) as source:
+            response = source.response
+            result.status = response.status_code
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {_message((await response.aread()).decode(errors='replace'))}"
+                return
+            async for event in source.aiter_sse():
+                now = time.perf_counter()
+                if event.data == "[DONE]":
+                    break
+                chunk = json.loads(event.data)
+                if "error" in chunk:
+                    result.error = f"server error mid-stream: {chunk['error'].get('message')}"
+                    return
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"].get("prompt_tokens")
+                    result.output_tokens = chunk["usage"].get("completion_tokens", 0)
+                    result.counted_by = "usage"
+                for choice in chunk.get("choices") or ():
+                    text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+                    if text:
+                        result.text += text
+                        chunks += 1
+                        result.chunk_times_s.append(now - sent)
+                        if last is None:
+                            result.ttft_s = now - sent
+                        else:
+                            result.itl_s.append(now - last)
+                        last = now
+                    if choice.get("finish_reason"):
+                        result.finish_reason = choice["finish_reason"]
+        end = time.perf_counter()
+    except (httpx.HTTPError, SSEError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return
+    if result.counted_by != "usage":
+        result.output_tokens = chunks
+    result.e2e_s = end - sent
+    result.ok = result.ttft_s is not None
+    if not result.ok:
+        result.error = "the stream ended without any text"

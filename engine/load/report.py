@@ -1,0 +1,42 @@
+"""A load's results as text (one line per setting) and JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.load.generator import LoadPlan, SettingResult
+
+
+def _ms(stats: dict | None, key: str) -> str:
+    return "—" if not stats else f"{stats[key] * 1000:.0f}"
+
+
+def summary_header(plan: LoadPlan) -> str:
+    return (f"{'setting':<18} {'done':>6} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'p99':>7} "
+            f"{'TPOT p50':>9} {'p99':>7} {'ITL p99':>8} {'E2E p50':>8}" + ("  goodput" if plan.slo else "")
+            + "   (ms; tokens from the server's usage unless marked *)")
+
+
+def summary_line(result: SettingResult) -> str:
+    s = result.summary
+    mark = "" if s.counted_by == "usage" else "*"
+    line = (f"{result.label:<18} {s.completed:>3}/{s.requests:<2} {s.request_throughput:>7.2f} "
+            f"{s.output_throughput:>9.1f}{mark:1} {_ms(s.ttft, 'median'):>9} {_ms(s.ttft, 'p99'):>7} "
+            f"{_ms(s.tpot, 'median'):>9} {_ms(s.tpot, 'p99'):>7} {_ms(s.itl, 'p99'):>8} {_ms(s.e2e, 'median'):>8}")
+    if s.goodput is not None:
+        line += f"  {s.goodput:.2f} req/s"
+    if s.errors:
+        line += f"\n    failed {s.failed}: " + "; ".join(s.errors[:3])
+    return line
+
+
+def write_json(path: Path, plan: LoadPlan, results: list[SettingResult]) -> None:
+    from dataclasses import asdict
+
+    plan_dict = {k: v for k, v in asdict(plan).items() if k != "api_key"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"plan": plan_dict, "settings": [r.to_dict() for r in results],
+                                "definitions": "vLLM's: TTFT to first content chunk; TPOT = (E2E - TTFT)/(n - 1); "
+                                               "ITL pooled over chunk gaps; output tokens from usage where sent"},
+                               indent=2), encoding="utf-8")

@@ -1,0 +1,331 @@
+"""The HTTP side of the server: a FastAPI app that turns OpenAI-style requests into tickets for the
+engine core (engine/serve/service.py) and the core's events back into OpenAI responses, streamed
+as server-sent events or whole. Nothing here decodes: the core does, for every caller at once.
+
+Errors are OpenAI-style JSON bodies with the matching status, never a traceback: 400 malformed
+JSON or parameter, 401 key, 404 unknown model or path, 413 body or prompt too long, 429 queue
+full, 503 shutting down, 500 the engine failed. A client that goes away cancels its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
+from engine.events import Finished
+from engine.serve import protocol
+from engine.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from engine.serve.service import (
+    Accepted,
+    CoreService,
+    NotServingError,
+    QueueFullError,
+    Rejected,
+    Ticket,
+    Token,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code=None, param=None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", code=None, param=None) -> JSONResponse:
+    return JSONResponse(protocol.error_body(message, kind, param, code), status_code=status)
+
+
+class _BodyLimit:
+    """Refuse request bodies over ``limit`` bytes (413) before they are read whole."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await _error(413, f"The request body is over {self.limit:,} bytes.")(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge
+            return message
+        await self.app(scope, counted, send)
+
+
+def create_app(service: CoreService, model_name: str, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES, metrics: ServerMetrics | None = None) -> FastAPI:
+    """The ASGI app serving ``service``'s model as ``model_name``."""
+    app = FastAPI(title="Inference Workbench", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = metrics or ServerMetrics(service, model_name)
+    context = service.loaded.info.context_length
+    created = int(time.time())
+
+    @app.exception_handler(_Refused)
+    async def refused(_: Request, exc: _Refused):
+        return _error(exc.status, exc.message, exc.kind, exc.code, exc.param)
+
+    @app.exception_handler(_BodyTooLarge)
+    async def too_large(_: Request, __: _BodyTooLarge):
+        return _error(413, f"The request body is over {max_body_bytes:,} bytes.")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException):
+        message = "No such endpoint." if exc.status_code == 404 else str(exc.detail)
+        return _error(exc.status_code, message, code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def failed(_: Request, exc: Exception):
+        log.exception("request failed")
+        return _error(500, f"The server failed: {type(exc).__name__}.", "server_error")
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise _Refused(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    async def read(request: Request, kind):
+        authorize(request)
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError):
+            raise _Refused(400, "The request body is not valid JSON.") from None
+        try:
+            parsed = protocol.parse(kind, body)
+        except InvalidRequestError as exc:
+            raise _Refused(400, str(exc)) from None
+        if parsed.model != model_name:
+            raise _Refused(404, f"The model '{parsed.model}' does not exist; this server serves '{model_name}'.",
+                           code="model_not_found", param="model")
+        return parsed
+
+    async def start(request: Request, engine_request, ids, endpoint: str) -> tuple[Ticket, asyncio.Queue, Accepted]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def sink(event) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+            except RuntimeError:  # the event loop is gone (server stopped): nobody to tell
+                pass
+
+        client = f"{request.client.host}:{request.client.port}" if request.client else ""
+        ticket = Ticket(engine_request, sink, client, endpoint, ids)
+        try:
+            service.submit(ticket)
+        except QueueFullError as exc:
+            raise _Refused(429, str(exc), "rate_limit_exceeded") from None
+        except NotServingError as exc:
+            raise _Refused(503, str(exc), "server_error") from None
+        first = await queue.get()
+        if isinstance(first, Rejected):
+            status = 413 if isinstance(first.error, PromptTooLongError) else 400
+            raise _Refused(status, str(first.error), code="context_length_exceeded" if status == 413 else None)
+        return ticket, queue, first
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def scrape():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "inference-workbench", "max_model_len": context}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        parsed = await read(request, protocol.ChatRequest)
+        try:
+            engine_request = protocol.chat_to_engine(parsed, context)
+        except InvalidRequestError as exc:
+            raise _Refused(400, str(exc)) from None
+        ticket, queue, accepted = await start(request, engine_request, None, "/v1/chat/completions")
+        top = engine_request.top_alternatives
+        reply = _Reply("chat.completion", protocol.new_id("chatcmpl"), model_name, parsed, accepted, queue, ticket,
+                       logprobs=parsed.logprobs, top=top)
+        if parsed.stream:
+            return _stream(reply, request)
+        return await reply.whole(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        parsed = await read(request, protocol.CompletionRequest)
+        try:
+            engine_request, ids = protocol.completion_to_engine(parsed)
+        except InvalidRequestError as exc:
+            raise _Refused(400, str(exc)) from None
+        ticket, queue, accepted = await start(request, engine_request, ids, "/v1/completions")
+        reply = _Reply("text_completion", protocol.new_id("cmpl"), model_name, parsed, accepted, queue, ticket,
+                       logprobs=parsed.logprobs is not None, top=parsed.logprobs or 0)
+        if parsed.stream:
+            return _stream(reply, request)
+        return await reply.whole(request)
+
+    app.state.metrics = metrics
+    app.state.service = service
+    app.add_middleware(_BodyLimit, limit=max_body_bytes)
+    return app
+
+
+class _Reply:
+    """One request's answer, built from its events: whole, or chunk by chunk."""
+
+    def __init__(self, kind: str, rid: str, model: str, parsed, accepted: Accepted, queue: asyncio.Queue,
+                 ticket: Ticket, logprobs: bool, top: int) -> None:
+        self.chat = kind == "chat.completion"
+        self.kind, self.rid, self.model, self.parsed = kind, rid, model, parsed
+        self.accepted, self.queue, self.ticket = accepted, queue, ticket
+        self.logprobs, self.top = logprobs, top
+        self.trimmer = protocol.StopTrimmer(ticket.request.stop)
+        self.created = int(time.time())
+        self.items: list[protocol.TokenLogprob] = []
+
+    def _logprobs(self, items, offset: int = 0):
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return protocol.chat_logprobs(items, self.top)
+        return protocol.completion_logprobs(items, self.top, offset)
+
+    def _item(self, token: Token) -> protocol.TokenLogprob:
+        return protocol.TokenLogprob(token.token, token.event.logprob, token.event.top_alternatives)
+
+    async def events(self) -> AsyncIterator[object]:
+        while True:
+            event = await self.queue.get()
+            yield event
+            if isinstance(event, Finished):
+                return
+
+    async def whole(self, request: Request) -> dict:
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:
+            finished = None
+            async for event in self._until(watch):
+                if isinstance(event, Token):
+                    self.trimmer.add(event.event.text if not event.event.special else "")
+                    self.items.append(self._item(event))
+                elif isinstance(event, Finished):
+                    finished = event
+            if finished is None:  # the client left: nobody to answer
+                return Response(status_code=499)
+            if finished.reason == "error":
+                raise _Refused(500, finished.error or "The engine failed.", "server_error")
+            text = self.trimmer.final(finished)
+            reason = protocol.FINISH_REASONS[finished.reason]
+            logprobs = self._logprobs(self.items)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                       "finish_reason": reason} if self.chat else
+                      {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason})
+            return {**protocol.envelope(self.kind, self.rid, self.model, self.created), "choices": [choice],
+                    "usage": protocol.usage(self.accepted.prompt_tokens, finished.tokens)}
+        finally:
+            watch.cancel()
+            self.ticket.abort()  # no-op once finished; frees the cache if the client left
+
+    async def _until(self, watch: asyncio.Future) -> AsyncIterator[object]:
+        """The request's events until it finishes or ``watch`` (the client leaving) ends first."""
+        while True:
+            getter = asyncio.ensure_future(self.queue.get())
+            done, _ = await asyncio.wait({getter, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                return
+            event = getter.result()
+            yield event
+            if isinstance(event, Finished):
+                return
+
+    def _chunk(self, delta_or_text, logprobs=None, reason=None) -> str:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        choice = ({"index": 0, "delta": delta_or_text, "logprobs": logprobs, "finish_reason": reason} if self.chat
+                  else {"index": 0, "text": delta_or_text, "logprobs": logprobs, "finish_reason": reason})
+        body = {**protocol.envelope(kind, self.rid, self.model, self.created), "choices": [choice]}
+        if self.parsed.include_usage:
+            body["usage"] = None
+        return _sse(body)
+
+    async def chunks(self) -> AsyncIterator[str]:
+        try:
+            if self.chat:
+                yield self._chunk({"role": "assistant", "content": ""})
+            offset = 0
+            async for event in self.events():
+                if isinstance(event, Token):
+                    text = self.trimmer.add(event.event.text if not event.event.special else "")
+                    item = self._item(event)
+                    if not text and not self.logprobs:
+                        continue
+                    yield self._chunk({"content": text} if self.chat else text, self._logprobs([item], offset))
+                    offset += len(text)
+                elif isinstance(event, Finished):
+                    if event.reason == "error":
+                        yield _sse(protocol.error_body(event.error or "The engine failed.", "server_error",
+                                                       code=500))
+                        yield "data: [DONE]\n\n"
+                        return
+                    rest = self.trimmer.finish(event)
+                    if rest:
+                        yield self._chunk({"content": rest} if self.chat else rest)
+                    reason = protocol.FINISH_REASONS[event.reason]
+                    yield self._chunk({} if self.chat else "", None, reason)
+                    if self.parsed.include_usage:
+                        yield _sse({**protocol.envelope(self.kind + ("" if not self.chat else ".chunk"), self.rid,
+                                                        self.model, self.created), "choices": [],
+                                    "usage": protocol.usage(self.accepted.prompt_tokens, event.tokens)})
+                    yield "data: [DONE]\n\n"
+        finally:
+            self.ticket.abort()  # the client left mid-stream (or the stream ended): free its cache
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _stream(reply: _Reply, request: Request) -> StreamingResponse:
+    return StreamingResponse(reply.chunks(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+__all__ = ["create_app", "MAX_BODY_BYTES", "EngineError"]

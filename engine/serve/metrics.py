@@ -1,0 +1,86 @@
+"""``GET /metrics``: the server's state in Prometheus text, under vLLM's metric names (``vllm:…``,
+label ``model_name``) so a Grafana board made for vLLM reads it unchanged.
+
+Gauges are read when scraped (requests running and waiting, KV cache used); histograms and
+counters are fed by the core's events (engine/serve/service.py's listener), on the core's thread.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (the API answers with it)
+
+from engine.events import Finished, TokenGenerated
+from engine.serve.service import RequestArrived, RequestEvent
+
+if TYPE_CHECKING:
+    from engine.serve.service import CoreService
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards' quantiles line up
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+class ServerMetrics:
+    """One registry per server (two servers in one process never mix their figures)."""
+
+    def __init__(self, service: "CoreService", model_name: str) -> None:
+        self.registry = registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def gauge(name: str, doc: str, read) -> None:
+            g = Gauge(name, doc, list(labels), registry=registry)
+            g.labels(**labels).set_function(read)
+
+        gauge("vllm:num_requests_running", "Requests in the batch (admitted, not finished).",
+              lambda: max(0, service.in_flight - service.waiting))
+        gauge("vllm:num_requests_waiting", "Requests waiting to be admitted.", lambda: service.waiting)
+        budget = service.settings.kv_budget_bytes
+        gauge("vllm:kv_cache_usage_perc", "KV-cache bytes held as a fraction of the budget (1 = full).",
+              lambda: service.kv_bytes() / budget if budget else 0.0)
+        gauge("vllm:kv_cache_bytes", "KV-cache bytes held by running requests (measured; workbench).",
+              service.kv_bytes)
+
+        def histogram(name: str, doc: str, buckets):
+            return Histogram(name, doc, list(labels), buckets=buckets, registry=registry).labels(**labels)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()):
+            c = Counter(name, doc, [*labels, *extra], registry=registry)
+            return c if extra else c.labels(**labels)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token, from arrival.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between two tokens of a request.",
+                             ITL_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Per-request mean time per output token after the first.", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens read.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self._success = counter("vllm:request_success", "Requests finished, by reason.", ("finished_reason",))
+        self._labels = labels
+        service.listen(self.on_event)
+
+    def on_event(self, event) -> None:
+        if isinstance(event, RequestArrived):
+            self.prompt_tokens.inc(event.prompt_tokens)
+        elif isinstance(event, RequestEvent):
+            inner = event.event
+            if isinstance(inner, TokenGenerated):
+                self.generation_tokens.inc()
+                (self.ttft if inner.index == 0 else self.itl).observe(inner.latency_s)
+            elif isinstance(inner, Finished):
+                from engine.serve.protocol import FINISH_REASONS
+
+                self.e2e.observe(inner.total_s)
+                if inner.tokens > 1:
+                    self.tpot.observe(inner.decode_s / (inner.tokens - 1))
+                self._success.labels(**self._labels, finished_reason=FINISH_REASONS[inner.reason]).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,243 @@
+"""The OpenAI API's request and response shapes, and their translation to and from the engine's.
+
+Requests are checked with pydantic; a parameter the engine can't honour (``n > 1``, tools,
+penalties…) is refused with a message naming it rather than silently ignored. Responses follow
+OpenAI's chat/completions objects; the answer excludes the stop string that ended it (as
+OpenAI's does), which :class:`StopTrimmer` holds back while streaming.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.errors import InvalidRequestError
+from engine.events import Finished
+from engine.generation.sampling import SamplingParams
+from engine.request import ChatMessage, GenerationRequest
+
+IGNORED = {"user", "metadata", "store", "service_tier", "stream_options"}
+"""Fields accepted and not acted on (they change nothing in the answer)."""
+
+REFUSED_UNLESS_DEFAULT: dict[str, Any] = {
+    "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None, "tool_choice": None,
+    "functions": None, "function_call": None, "parallel_tool_calls": None, "response_format": None,
+    "echo": False, "suffix": None, "best_of": 1, "prediction": None, "audio": None, "modalities": None,
+    "reasoning_effort": None, "web_search_options": None,
+}
+"""Fields this server does not implement: given with anything but their default they are refused."""
+
+FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length", "context": "length",
+                  "cancelled": "abort", "error": "error"}
+"""The engine's reasons as OpenAI's (``abort``: the request was cancelled, as vLLM says)."""
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: dict | None = None
+    n: int = Field(default=1, ge=1)
+    # vLLM's extensions, kept under vLLM's names
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, lt=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    ignore_eos: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and (self.stream_options or {}).get("include_usage"))
+
+
+class _Part(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class _Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[_Part], None] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Request):
+    messages: list[_Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class CompletionRequest(_Request):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+def parse(kind: type[_Request], body: Any) -> _Request:
+    """``body`` (parsed JSON) as a request of ``kind``; :class:`InvalidRequestError` says what's wrong."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("The request body must be a JSON object.")
+    try:
+        request = kind.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise InvalidRequestError(f"{where}: {first['msg']}") from None
+    for name, value in (request.model_extra or {}).items():
+        if name in REFUSED_UNLESS_DEFAULT:
+            if value not in (REFUSED_UNLESS_DEFAULT[name], None, [], {}):
+                raise InvalidRequestError(f"{name} is not supported by this server.")
+        elif name not in IGNORED:
+            raise InvalidRequestError(f"Unsupported parameter: {name}.")
+    for name in ("echo", "suffix", "best_of"):
+        value = getattr(request, name, None)
+        if value not in (REFUSED_UNLESS_DEFAULT.get(name), None, False, 1):
+            raise InvalidRequestError(f"{name} is not supported by this server.")
+    if request.n != 1:
+        raise InvalidRequestError("n must be 1: this server makes one answer per request (send several requests).")
+    return request
+
+
+def _sampling(request: _Request) -> SamplingParams:
+    temperature = 1.0 if request.temperature is None else request.temperature
+    return SamplingParams(
+        temperature=0.0 if temperature < 0.01 else temperature, top_p=request.top_p or 1.0,
+        top_k=max(0, request.top_k or 0), min_p=request.min_p or 0.0,
+        repetition_penalty=request.repetition_penalty or 1.0, seed=request.seed)
+
+
+def _stops(request: _Request) -> tuple[str, ...]:
+    return (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
+
+
+def chat_to_engine(request: ChatRequest, context: int | None) -> GenerationRequest:
+    """The engine request for a chat request; no limit given: up to the end of the context."""
+    messages = [(("system" if m.role == "developer" else m.role), m.text()) for m in request.messages]
+    system = []
+    while messages and messages[0][0] == "system":
+        system.append(messages.pop(0)[1])
+    if not messages or messages[-1][0] != "user":
+        raise InvalidRequestError("messages must end with a user message (continuing an assistant message is "
+                                  "not supported).")
+    limit = request.max_completion_tokens or request.max_tokens or context or 4096
+    top = request.top_logprobs if request.logprobs else 0
+    return GenerationRequest(
+        prompt=messages[-1][1], mode="chat", system_prompt="\n".join(system) if system else None,
+        history=tuple(ChatMessage(role, text) for role, text in messages[:-1]), sampling=_sampling(request),
+        max_new_tokens=limit, stop=_stops(request), ignore_eos=request.ignore_eos,
+        top_alternatives=top or 0)
+
+
+def completion_to_engine(request: CompletionRequest) -> tuple[GenerationRequest, list[int] | None]:
+    """The engine request (raw text) and, for a prompt given as token ids, those ids."""
+    prompt, ids = request.prompt, None
+    if isinstance(prompt, list):
+        if len(prompt) != 1 and not all(isinstance(p, int) for p in prompt):
+            raise InvalidRequestError("prompt: one prompt per request (send several requests).")
+        if prompt and all(isinstance(p, int) for p in prompt):
+            ids = list(prompt)
+        else:
+            prompt = prompt[0] if prompt else ""
+            if isinstance(prompt, list):
+                ids = list(prompt)
+        if ids is not None:
+            if not ids:
+                raise InvalidRequestError("prompt: the token list is empty.")
+            prompt = f"[{len(ids)} token ids]"
+    return GenerationRequest(
+        prompt=prompt, mode="raw", sampling=_sampling(request), max_new_tokens=request.max_tokens or 16,
+        stop=_stops(request), ignore_eos=request.ignore_eos, top_alternatives=request.logprobs or 0), ids
+
+
+# -- responses ---------------------------------------------------------------------------------
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class StopTrimmer:
+    """The answer as the client sees it: without the stop string that ended it. While streaming,
+    text that might be the start of a stop string is held back until the next token settles it."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+
+    def add(self, piece: str) -> str:
+        """What can be sent after ``piece``."""
+        self.text += piece
+        upto = max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:upto], upto
+        return out
+
+    def finish(self, finished: Finished) -> str:
+        """The rest, cut before the stop string if one ended the answer."""
+        end = len(self.text)
+        if finished.reason == "stop_string" and finished.stop_string:
+            found = self.text.find(finished.stop_string)
+            if found >= 0:
+                end = found
+        out = self.text[self.sent:max(self.sent, end)]
+        self.sent = max(self.sent, end)
+        return out
+
+    def final(self, finished: Finished) -> str:
+        self.finish(finished)
+        return self.text[:self.sent]
+
+
+@dataclass
+class TokenLogprob:
+    token: str
+    logprob: float
+    alternatives: tuple  # of engine Alternative
+
+
+def _entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(items: list[TokenLogprob], top: int) -> dict:
+    return {"content": [{**_entry(i.token, i.logprob),
+                         "top_logprobs": [_entry(a.text, a.logprob) for a in i.alternatives[:top]]}
+                        for i in items]}
+
+
+def completion_logprobs(items: list[TokenLogprob], top: int, offset: int) -> dict:
+    offsets, at = [], offset
+    for i in items:
+        offsets.append(at)
+        at += len(i.token)
+    return {"tokens": [i.token for i in items], "token_logprobs": [i.logprob for i in items],
+            "top_logprobs": [{a.text: a.logprob for a in i.alternatives[:top]} for i in items],
+            "text_offset": offsets}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def envelope(kind: str, rid: str, model: str, created: int | None = None) -> dict:
+    return {"id": rid, "object": kind, "created": created or int(time.time()), "model": model}

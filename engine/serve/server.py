@@ -1,0 +1,214 @@
+"""A running server: the engine core's thread (engine/serve/service.py) and uvicorn serving the
+API (engine/serve/api.py) for one loaded model, started and stopped as one.
+
+The socket is bound before anything else (port 0 picks a free one, which :attr:`Server.url`
+then names); binding anywhere but loopback needs an API key. Stopping first ends the core's
+requests (drained, or cancelled so every open stream gets its last chunk and ``[DONE]``), then
+uvicorn closes the connections.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.models.model import LoadedModel
+    from engine.serve.service import CoreService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    """0: any free port."""
+    api_key: str | None = None
+    max_batch: int = 16
+    kv_budget_bytes: int | None = None
+    """``None``: :func:`default_kv_budget`."""
+    max_waiting: int = 256
+    token_budget: int = 256
+    max_body_bytes: int = 4 * 1024 * 1024
+    history: bool = True
+    """Every served request becomes a run in the history."""
+    model_name: str | None = None
+    """The name clients use; ``None``: the model's own."""
+
+    def validated(self) -> "ServeSettings":
+        if not is_loopback(self.host) and not self.api_key:
+            raise InvalidRequestError(
+                f"Serving on {self.host} lets other machines in: give an API key (--api-key) to do that, or "
+                "serve on 127.0.0.1.")
+        if not 0 <= self.port <= 65535:
+            raise InvalidRequestError(f"The port must be between 0 and 65535, not {self.port}.")
+        if self.max_batch < 1 or self.max_waiting < 1:
+            raise InvalidRequestError("The batch size and the waiting queue must be at least 1.")
+        if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
+            raise InvalidRequestError("The KV budget must be more than 0 bytes.")
+        return self
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def default_kv_budget(loaded: "LoadedModel") -> int:
+    """KV-cache bytes the running requests may hold together: half the memory free now (90% of a
+    GPU's free memory), as vLLM sizes its cache from ``--gpu-memory-utilization``."""
+    device = loaded.device
+    if getattr(device, "type", str(device)) == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    import psutil
+
+    return int(psutil.virtual_memory().available * 0.5)
+
+
+class Server:
+    """The API for ``loaded`` on a socket bound now; :meth:`start` serves from a thread,
+    :meth:`serve_forever` from this one (the CLI: Ctrl-C stops it)."""
+
+    def __init__(self, loaded: "LoadedModel", settings: ServeSettings | None = None) -> None:
+        from engine.generation.core import CoreSettings
+        from engine.serve.api import create_app
+        from engine.serve.service import CoreService
+
+        self.settings = settings = (settings or ServeSettings()).validated()
+        self.loaded = loaded
+        budget = settings.kv_budget_bytes or default_kv_budget(loaded)
+        self.service: CoreService = CoreService(loaded, CoreSettings(
+            token_budget=settings.token_budget, max_batch=settings.max_batch, kv_budget_bytes=budget),
+            max_waiting=settings.max_waiting)
+        self.model_name = settings.model_name or loaded.info.name
+        self.drain = True
+        """What stopping does with requests in flight: finish them (``True``) or cancel them."""
+        self.app = create_app(self.service, self.model_name, settings.api_key, settings.max_body_bytes)
+        self._history = _HistoryWriter(loaded, self.service) if settings.history else None
+        config = uvicorn.Config(self.app, host=settings.host, port=settings.port, log_level="warning",
+                                lifespan="off", timeout_graceful_shutdown=30, access_log=False)
+        self.socket = _bind(settings.host, settings.port)
+        self.port = self.socket.getsockname()[1]
+        self._uvicorn = _Uvicorn(config, self)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = self.settings.host
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{self.port}/v1"
+
+    def start(self) -> "Server":
+        self.service.start()
+        self._thread = threading.Thread(target=self._run, name="api-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self.service.start()
+        self._run()
+
+    def _run(self) -> None:
+        try:
+            self._uvicorn.run(sockets=[self.socket])
+        finally:
+            self.service.stop(drain=False)
+            self.service.join(30)
+            if self._history is not None:
+                self._history.close()
+            self.socket.close()
+
+    def stop(self, drain: bool = True, timeout: float = 60.0) -> bool:
+        """End the requests in flight (``drain``: let them finish; else cancel them) and the
+        server; ``True`` if it ended within ``timeout``."""
+        self.drain = drain
+        self.service.stop(drain)
+        self._uvicorn.should_exit = True
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise InvalidRequestError(f"Can't serve on {host}:{port}: {exc.strerror or exc}.") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn, whose shutdown first ends the core's requests, so open streams finish (with their
+    last chunk and ``[DONE]``) before it waits for connections to close."""
+
+    def __init__(self, config, owner: Server) -> None:
+        super().__init__(config)
+        self.owner = owner
+
+    async def shutdown(self, sockets=None) -> None:
+        self.owner.service.stop(self.owner.drain)
+        await super().shutdown(sockets)
+
+
+class _HistoryWriter:
+    """Every finished served request as a run in the history (kind ``served``, the client's
+    address and the endpoint kept; never a key), written on a thread of its own."""
+
+    def __init__(self, loaded: "LoadedModel", service: "CoreService") -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.info = loaded.info
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="served-history")
+        self.open: dict[int, tuple] = {}
+        self.stop_listening = service.listen(self.on_event)
+
+    def on_event(self, event) -> None:
+        from engine.events import Finished, TokenGenerated
+        from engine.serve.service import RequestArrived, RequestEvent
+
+        if isinstance(event, RequestArrived):
+            self.open[event.request_id] = (event, [])
+        elif isinstance(event, RequestEvent) and event.request_id in self.open:
+            arrived, tokens = self.open[event.request_id]
+            if isinstance(event.event, TokenGenerated):
+                tokens.append(event.event)
+            elif isinstance(event.event, Finished):
+                del self.open[event.request_id]
+                self.pool.submit(self._save, arrived, tokens, event.event)
+
+    def _save(self, arrived, tokens, finished) -> None:
+        from engine.storage import history
+
+        history.remember(self.info, finished, "served", tokens=tokens, client=arrived.client,
+                         endpoint=arrived.endpoint, error=finished.error)
+
+    def close(self) -> None:
+        self.stop_listening()
+        self.pool.shutdown(wait=True)

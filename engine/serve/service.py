@@ -1,0 +1,326 @@
+"""The engine core behind a door many callers knock on at once: one thread owns the core and
+steps it; any thread submits requests and gets each request's events through its own callback.
+
+The server (engine/serve/api.py) is one such caller, the window's traffic view another
+(through :meth:`CoreService.listen`). A request is tokenized on the core's thread (the
+tokenizer is not shared across threads), then either refused (:class:`Rejected`: too long,
+malformed) or taken (:class:`Accepted`), after which its ``Prefilled``/``TokenGenerated``
+(wrapped as :class:`Token`, with how the token reads alone)/``Finished`` follow. Cancelling a
+ticket ends its request before the next step and frees its cache. Too many waiting requests
+raise :class:`QueueFullError` at once, in the caller's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.errors import EngineError, InvalidRequestError
+from engine.events import Finished, Prefilled, StepCompleted, TokenGenerated
+from engine.generation.cancel import CancelToken
+from engine.request import GenerationRequest
+
+if TYPE_CHECKING:
+    from engine.generation.core import CoreSettings, EngineCore
+    from engine.models.model import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(EngineError):
+    """More requests wait than the server takes; try again later."""
+
+
+class NotServingError(EngineError):
+    """The service is stopping or stopped."""
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """The request was tokenized and queued in the core."""
+
+    request_id: int
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """The request was refused before it ran (the error says why)."""
+
+    error: EngineError
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """A generated token, with how it reads on its own (for logprobs)."""
+
+    event: TokenGenerated
+    token: str
+
+
+# -- what the traffic view reads ------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RequestArrived:
+    request_id: int
+    at_s: float
+    """Seconds since the service started."""
+    client: str
+    endpoint: str
+    prompt_tokens: int
+    max_tokens: int
+    prompt: str
+    prompt_ids: tuple[int, ...] = field(repr=False, default=())
+
+
+@dataclass(frozen=True, slots=True)
+class RequestState:
+    request_id: int
+    phase: str
+    """``waiting``, ``prefill`` or ``decode``."""
+    kv_bytes: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficStep:
+    """After a core step: the step's figures and every request in the core."""
+
+    step: StepCompleted
+    requests: tuple[RequestState, ...]
+    kv_budget_bytes: int | None
+    at_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEvent:
+    """A request's own event (``Prefilled``, ``TokenGenerated``, ``Finished``), for listeners."""
+
+    request_id: int
+    event: object
+    at_s: float
+
+
+@dataclass
+class Ticket:
+    """A caller's hold on one submitted request."""
+
+    request: GenerationRequest
+    sink: Callable[[object], None]
+    client: str = ""
+    endpoint: str = ""
+    prompt_ids: list[int] | None = None
+    cancel: CancelToken = field(default_factory=CancelToken)
+    request_id: int | None = None
+
+    def abort(self) -> None:
+        """End the request (thread-safe): it leaves the core before the next step."""
+        self.cancel.cancel()
+
+
+class CoreService:
+    """An :class:`~engine.generation.core.EngineCore` stepped by one thread (:meth:`start`)."""
+
+    def __init__(self, loaded: "LoadedModel", settings: "CoreSettings | None" = None, max_waiting: int = 256,
+                 core: "EngineCore | None" = None) -> None:
+        from engine.generation.core import EngineCore
+
+        self.loaded = loaded
+        self.core = core if core is not None else EngineCore(loaded, settings)
+        self.settings = self.core.settings
+        self.max_waiting = max_waiting
+        self.started = time.perf_counter()
+        self._lock = threading.Condition()
+        self._inbox: list[Ticket] = []
+        self._tickets: dict[int, Ticket] = {}
+        self._waiting = 0
+        self._accepting = True
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._listeners: list[Callable[[object], None]] = []
+        self._kv = 0
+        self.served = 0
+        """Requests finished since the start."""
+
+    # -- callers' side (any thread) -----------------------------------------------------------
+    def submit(self, ticket: Ticket) -> Ticket:
+        with self._lock:
+            if not self._accepting:
+                raise NotServingError("The server is shutting down and takes no new requests.")
+            if len(self._inbox) + self._waiting >= self.max_waiting:
+                raise QueueFullError(f"{self.max_waiting} requests are already waiting; try again later.")
+            self._inbox.append(ticket)
+            self._lock.notify()
+        return ticket
+
+    def listen(self, listener: Callable[[object], None]) -> Callable[[], None]:
+        """Call ``listener`` on the core's thread with every :class:`RequestArrived`,
+        :class:`RequestEvent` and :class:`TrafficStep`; returns a function that stops it."""
+        with self._lock:
+            self._listeners = [*self._listeners, listener]
+
+        def stop() -> None:
+            with self._lock:
+                self._listeners = [fn for fn in self._listeners if fn is not listener]
+        return stop
+
+    @property
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self._inbox) + self._waiting
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not finished."""
+        with self._lock:
+            return len(self._inbox) + len(self._tickets)
+
+    def start(self) -> "CoreService":
+        self._thread = threading.Thread(target=self.run, name="engine-core", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, drain: bool = True) -> None:
+        """Take no new requests; ``drain``: finish those in flight, else cancel them (each still
+        gets its ``Finished``). The thread ends once the core is empty."""
+        with self._lock:
+            self._accepting = False
+            if not drain:
+                for ticket in [*self._inbox, *self._tickets.values()]:
+                    ticket.cancel.cancel()
+            self._lock.notify()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread to end; ``True`` if it did."""
+        return self._stopped.wait(timeout)
+
+    def wait_until(self, condition: Callable[["CoreService"], bool], timeout: float) -> bool:
+        """Wait (on the core's steps, not by polling) until ``condition(self)`` holds."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not condition(self):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
+
+    def kv_bytes(self) -> int:
+        """KV-cache bytes the running requests held after the last step (measured)."""
+        with self._lock:
+            return self._kv
+
+    # -- the core's thread ------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._inbox and self.core.idle and self._accepting:
+                        self._lock.wait()
+                    incoming, self._inbox = self._inbox, []
+                    if not incoming and self.core.idle and not self._accepting:
+                        return
+                for ticket in incoming:
+                    self._accept(ticket)
+                if not self.core.idle:
+                    self._step()
+        finally:
+            with self._lock:
+                self._stopped.set()
+                self._lock.notify_all()
+
+    def _now(self) -> float:
+        return time.perf_counter() - self.started
+
+    def _tell(self, event) -> None:
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:  # a listener's bug never stops the server
+                log.exception("traffic listener failed")
+
+    def _accept(self, ticket: Ticket) -> None:
+        try:
+            ids = ticket.prompt_ids if ticket.prompt_ids is not None else self.loaded.encode(ticket.request)
+            rid = self.core.submit(ticket.request, ticket.cancel, ids)
+        except EngineError as exc:
+            ticket.sink(Rejected(exc))
+            return
+        except Exception as exc:  # a tokenizer failing on odd input: the caller's problem, said
+            ticket.sink(Rejected(InvalidRequestError(f"The prompt could not be read: {type(exc).__name__}: {exc}")))
+            return
+        ticket.request_id = rid
+        with self._lock:
+            self._tickets[rid] = ticket
+            self._waiting = len(self.core.waiting)
+        ticket.sink(Accepted(rid, len(ids)))
+        if self._listeners:
+            self._tell(RequestArrived(rid, self._now(), ticket.client, ticket.endpoint, len(ids),
+                                      ticket.request.max_new_tokens, ticket.request.prompt, tuple(ids)))
+
+    def _step(self) -> None:
+        try:
+            events = self.core.step()
+        except Exception as exc:
+            self._fail_all(exc)
+            return
+        now = self._now()
+        step = None
+        for event in events:
+            if isinstance(event, StepCompleted):
+                step = event
+                continue
+            rid = event.request_id
+            ticket = self._tickets.get(rid)
+            if ticket is None:
+                continue
+            if isinstance(event, TokenGenerated):
+                ticket.sink(Token(event, self.loaded.token_text(event.token_id)))
+            else:
+                ticket.sink(event)
+            if self._listeners:
+                self._tell(RequestEvent(rid, event, now))
+            if isinstance(event, Finished):
+                with self._lock:
+                    self._tickets.pop(rid, None)
+                self.served += 1
+        states = self._states() if self._listeners else ()
+        with self._lock:
+            self._waiting = len(self.core.waiting)
+            self._kv = step.kv_cache_bytes if step is not None else 0
+            self._lock.notify_all()
+        if step is not None and self._listeners:
+            self._tell(TrafficStep(step, states, self.settings.kv_budget_bytes, now))
+
+    def _states(self) -> tuple[RequestState, ...]:
+        core = self.core
+        out = [RequestState(r.rid, "waiting", 0, 0) for r in core.waiting]
+        for r in core.running:
+            phase = "prefill" if r.prefilled < len(r.prompt) else "decode"
+            out.append(RequestState(r.rid, phase, core.runner.kv_bytes(r.rid), len(r.tokens)))
+        return tuple(out)
+
+    def _fail_all(self, exc: Exception) -> None:
+        """A step failed (out of memory, a bug): every request in the core ends with the error,
+        and a fresh core takes the next ones (the old one's state is not to be trusted)."""
+        from engine.errors import is_out_of_memory
+        from engine.generation.core import EngineCore
+
+        log.exception("engine step failed")
+        message = ("Out of memory: too many requests or too long ones for this machine; the server ended the "
+                   "requests in flight." if is_out_of_memory(exc) else
+                   f"The engine failed: {type(exc).__name__}: {exc}")
+        with self._lock:
+            tickets, self._tickets = self._tickets, {}
+        for rid, ticket in tickets.items():
+            ticket.sink(Finished(reason="error", tokens=0, prompt_tokens=0, ttft_s=None, decode_s=0.0,
+                                 decode_tokens_per_s=None, total_s=0.0, peak_memory_bytes=None, peak_rss_bytes=None,
+                                 kv_cache_bytes=0, kv_cache_bytes_predicted=None, request_id=rid, error=message))
+        self.core = EngineCore(self.loaded, self.settings, speculation=self.core.speculation)
+
+
+__all__ = ["Accepted", "CoreService", "NotServingError", "Prefilled", "QueueFullError", "Rejected",
+           "RequestArrived", "RequestEvent", "RequestState", "Ticket", "Token", "TrafficStep"]
