@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
@@ -130,4 +129,3 @@ def load(args) -> int:
     return 0 if all(r.summary.completed for r in results) else 1
 
 
-__all__ = ["add_parsers", "load", "parse_size", "serve", "argparse"]

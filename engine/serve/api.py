@@ -18,12 +18,13 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
+from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.events import Finished
 from engine.serve import protocol
-from engine.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from engine.serve.metrics import ServerMetrics
 from engine.serve.service import (
     Accepted,
     CoreService,
@@ -328,4 +329,3 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-__all__ = ["create_app", "MAX_BODY_BYTES", "EngineError"]

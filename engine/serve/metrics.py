@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (the API answers with it)
 
 from engine.events import Finished, TokenGenerated
 from engine.serve.service import RequestArrived, RequestEvent

@@ -180,14 +180,21 @@ class StopTrimmer:
     text that might be the start of a stop string is held back until the next token settles it."""
 
     def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.text = ""
         self.sent = 0
 
     def add(self, piece: str) -> str:
-        """What can be sent after ``piece``."""
+        """What can be sent after ``piece``: none of a stop string it completes, nor what might
+        begin one."""
         self.text += piece
-        upto = max(self.sent, len(self.text) - self.hold)
+        upto = len(self.text) - self.hold
+        for stop in self.stops:
+            found = self.text.find(stop, max(0, self.sent - len(stop)))
+            if found >= 0:
+                upto = min(upto, found)
+        upto = max(self.sent, upto)
         out, self.sent = self.text[self.sent:upto], upto
         return out
 
@@ -230,7 +237,8 @@ def completion_logprobs(items: list[TokenLogprob], top: int, offset: int) -> dic
         offsets.append(at)
         at += len(i.token)
     return {"tokens": [i.token for i in items], "token_logprobs": [i.logprob for i in items],
-            "top_logprobs": [{a.text: a.logprob for a in i.alternatives[:top]} for i in items],
+            # OpenAI's shape, text → logprob: of two tokens that read the same, the likelier is kept
+            "top_logprobs": [{a.text: a.logprob for a in reversed(i.alternatives[:top])} for i in items],
             "text_offset": offsets}
 
 

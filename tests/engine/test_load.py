@@ -1,0 +1,133 @@
+"""The load generator: vLLM's metric definitions on hand-made figures, and real loads sent to the
+real server on a free loopback port."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.errors import InvalidRequestError
+from engine.load.generator import LoadPlan, LoadRunner
+from engine.load.metrics import RequestResult, parse_slo, summarize
+from engine.load.prompts import Prompt, read_prompts
+from engine.serve.server import Server, ServeSettings
+
+
+def _result(index, start, ttft, gaps, tokens, counted_by="usage"):
+    e2e = ttft + sum(gaps)
+    return RequestResult(index, ok=True, start_s=start, ttft_s=ttft, e2e_s=e2e, itl_s=list(gaps),
+                         output_tokens=tokens, counted_by=counted_by, prompt_tokens=10)
+
+
+def test_definitions_by_hand():
+    a = _result(0, 0.0, 0.5, [0.1, 0.1, 0.1], 4)  # TPOT (0.8 - 0.5) / 3 = 0.1
+    b = _result(1, 0.2, 1.0, [0.3], 3)  # several tokens in a chunk: TPOT (1.3 - 1.0) / 2 = 0.15
+    failed = RequestResult(2, error="HTTP 500: boom", start_s=0.1)
+    summary = summarize([a, b, failed], duration_s=2.0, slo={"ttft": 0.6, "tpot": 0.12})
+    assert a.tpot_s == pytest.approx(0.1) and b.tpot_s == pytest.approx(0.15)
+    assert summary.completed == 2 and summary.failed == 1 and summary.errors == ["HTTP 500: boom"]
+    assert summary.output_throughput == pytest.approx(7 / 2.0)
+    assert summary.request_throughput == pytest.approx(1.0)
+    assert summary.total_token_throughput == pytest.approx((7 + 20) / 2.0)
+    assert summary.itl["mean"] == pytest.approx(0.6 / 4)  # pooled over every gap, not per request
+    assert summary.ttft["median"] == pytest.approx(0.75)
+    assert summary.goodput == pytest.approx(0.5)  # only a meets both
+    assert summary.max_concurrency == 2 and summary.counted_by == "usage"
+    mixed = summarize([a, _result(3, 0.0, 0.1, [], 1, counted_by="chunks")], 1.0)
+    assert mixed.counted_by == "mixed" and mixed.tpot["mean"] == pytest.approx(0.1)
+
+
+def test_slo_and_plan_checks():
+    assert parse_slo("ttft:500, tpot:50") == {"ttft": 0.5, "tpot": 0.05}
+    for bad in ("ttft", "latency:5", "ttft:-1", "tpot:abc"):
+        with pytest.raises(InvalidRequestError):
+            parse_slo(bad)
+    with pytest.raises(InvalidRequestError, match="http"):
+        LoadPlan(url="localhost:8000", concurrency=(1,)).validated()
+    with pytest.raises(InvalidRequestError, match="concurrency"):
+        LoadPlan(url="http://x/v1").validated()
+
+
+def test_prompts(tmp_path):
+    shipped = read_prompts()
+    assert {p.kind for p in shipped} == {"short", "long"} and len(shipped) >= 30
+    assert max(len(p.text) for p in shipped) > 1500
+    plain = tmp_path / "p.txt"
+    plain.write_text("first\n\nsecond\n")
+    assert read_prompts(plain) == [Prompt("first"), Prompt("second")]
+    plain.write_text('{"text": "no prompt key"}\n')
+    with pytest.raises(InvalidRequestError, match="line 1"):
+        read_prompts(plain)
+    with pytest.raises(InvalidRequestError, match="Can't read"):
+        read_prompts(tmp_path / "missing.jsonl")
+
+
+@pytest.fixture(scope="module")
+def server(loaded_llama):
+    server = Server(loaded_llama, ServeSettings(port=0, max_batch=8, history=False, kv_budget_bytes=1 << 30)).start()
+    yield server
+    server.stop(drain=False, timeout=30)
+
+
+PROMPTS = [Prompt("The quick brown fox", "short"), Prompt("Memory bandwidth limits " * 8, "long")]
+
+
+def test_closed_loop_counts_from_usage(server):
+    seen = []
+    plan = LoadPlan(url=server.url, concurrency=(1, 3), requests=6, max_tokens=5, ignore_eos=True).validated()
+    results = LoadRunner(plan, PROMPTS, on_request=lambda label, r: seen.append(label)).run()
+    assert [r.label for r in results] == ["concurrency 1", "concurrency 3"]
+    assert seen == ["concurrency 1"] * 6 + ["concurrency 3"] * 6
+    for setting in results:
+        s = setting.summary
+        assert (s.completed, s.failed, s.counted_by, s.output_tokens) == (6, 0, "usage", 30)
+        # a token that ends half-way through a character sends no chunk: usage still counts it
+        assert all(len(r.itl_s) == len(r.chunk_times_s) - 1 and 1 <= len(r.chunk_times_s) <= 5
+                   for r in setting.results)
+        assert setting.model == server.model_name
+    assert results[0].summary.max_concurrency == 1 and results[1].summary.max_concurrency == 3
+
+
+def test_open_loop_and_completions(server):
+    plan = LoadPlan(url=server.url, rates=(50.0,), requests=5, max_tokens=3, ignore_eos=True, endpoint="completions",
+                    seed=3).validated()
+    (setting,) = LoadRunner(plan, PROMPTS).run()
+    starts = sorted(r.start_s for r in setting.results)
+    assert setting.summary.completed == 5 and setting.summary.output_tokens == 15
+    assert starts[-1] > starts[0]  # arrivals spread over time, not all at once
+
+
+def test_a_setting_is_bounded_in_time(server):
+    plan = LoadPlan(url=server.url, concurrency=(1,), requests=50, max_tokens=200, ignore_eos=True,
+                    max_duration_s=0.5).validated()
+    (setting,) = LoadRunner(plan, PROMPTS).run()
+    assert setting.summary.failed > 0
+    assert any("not finished within 0.5 s" in e for e in setting.summary.errors)
+    assert server.service.wait_until(lambda s: s.in_flight == 0, timeout=30)  # cancelled requests left the core
+
+
+def test_load_command_writes_json_without_the_key(server, tmp_path, capsys):
+    from engine.cli import main
+
+    out = tmp_path / "load.json"
+    assert main(["load", "--url", server.url, "--concurrency", "1,2", "--requests", "2", "--max-tokens", "3",
+                 "--ignore-eos", "--api-key", "not-needed-key", "--slo", "ttft:10000", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "concurrency 2" in printed and "goodput" in printed
+    report = json.loads(out.read_text())
+    assert [s["value"] for s in report["settings"]] == [1, 2]
+    assert report["settings"][0]["summary"]["completed"] == 2
+    assert "not-needed-key" not in out.read_text()
+
+
+def test_unreachable_server_is_a_clear_error(capsys):
+    import socket
+
+    from engine.cli import main
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["load", "--url", f"http://127.0.0.1:{port}/v1", "--requests", "1"]) == 1
+    assert "Can't reach" in capsys.readouterr().err
