@@ -20,6 +20,8 @@ def build_menus(window, paces) -> None:
     view.addAction(QAction("Cost &explorer…", window, shortcut="Ctrl+E", triggered=window.open_costs))
     view.addAction(QAction("&Batching and speculative decoding…", window, shortcut="Ctrl+B",
                            triggered=window.open_speedups))
+    view.addAction(QAction("&Traffic (the server's requests, live)…", window, shortcut="Ctrl+Shift+T",
+                           triggered=window.open_traffic))
     view.addSeparator()
     window.show_tokens_action = QAction("Show &tokens", window, checkable=True, shortcut="Ctrl+T")
     window.show_tokens_action.toggled.connect(window.output.set_show_tokens)

@@ -28,6 +28,7 @@ from app.widgets.live_plots import LivePlots
 from app.widgets.model_panel import ModelPanel
 from app.widgets.output_view import OutputView
 from app.widgets.prompt_box import PromptBox
+from app.widgets.server_panel import ServerPanel
 from app.widgets.status_line import StatusLine
 from app.worker import ModelSession
 from engine.events import Finished, Loaded
@@ -54,6 +55,7 @@ def _scrolling(panel: QWidget) -> QWidget:
 
 REFRESH_MS = 50  # the plots and the text redraw at 20 Hz, never per token
 SHUTDOWN_MS = 2000
+SERVER_SHUTDOWN_MS = 10000
 DEFAULT_BUDGET = 0.02
 PACES = (  # share of a CPU core the GUI thread may spend redrawing while the model generates
     (0.25, "Smooth (up to 20 redraws/s; slows generation on few cores)"),
@@ -103,6 +105,11 @@ class MainWindow(QMainWindow):
         # the side panels scroll rather than force a window taller than a laptop screen
         self._add_dock("model", "Model", _scrolling(self.model_panel), Qt.LeftDockWidgetArea)
         self._add_dock("generation", "Generation", _scrolling(self.generation_panel), Qt.LeftDockWidgetArea)
+        self.server_panel = ServerPanel(self.session)
+        self.server_panel.traffic_open_clicked.connect(self.open_traffic)
+        self._add_dock("server", "Server", self.server_panel, Qt.LeftDockWidgetArea)
+        self.tabifyDockWidget(self._docks["generation"], self._docks["server"])
+        self._docks["generation"].raise_()
         titles = {"speed": "Tokens / second", "latency": "Per-token latency", "kv": "KV cache", "memory": "Memory"}
         for key, panel in self.plots.panels.items():
             self._add_dock(key, titles[key], panel, Qt.RightDockWidgetArea)
@@ -172,6 +179,9 @@ class MainWindow(QMainWindow):
 
     def open_speedups(self):
         return self.tools.open_speedups()
+
+    def open_traffic(self):
+        return self.tools.open_traffic()
 
     @property
     def compare(self):
@@ -346,6 +356,7 @@ class MainWindow(QMainWindow):
         self.transcript.model = info
         self.model_panel.show_loaded(info)
         self.model_panel.set_loaded_request(self._load_request)
+        self.server_panel.set_model(info.name)
         self._update_state()
         self._update_status()
         self.statusBar().showMessage(f"Loaded {info.name} ({info.precision}) in {format_seconds(info.load_s)}", 5000)
@@ -373,6 +384,7 @@ class MainWindow(QMainWindow):
         self.loaded = None
         self.model_panel.show_unloaded()
         self.model_panel.set_loaded_request(None)
+        self.server_panel.set_model(None)
         self._update_state()
         self._update_status()
 
@@ -462,7 +474,9 @@ class MainWindow(QMainWindow):
         self.save_settings()
         self.timer.stop()
         self.tools.close_all()
-        if not self.session.shutdown(SHUTDOWN_MS):
+        serving = self.server_panel.serving
+        self.server_panel.stop(now=True)  # every open stream ends with its last chunk before the port closes
+        if not self.session.shutdown(SERVER_SHUTDOWN_MS if serving else SHUTDOWN_MS):
             # The worker is inside a step that can't be interrupted (e.g. converting a GGUF
             # tokenizer). Leave now rather than hang or abort on a running QThread.
             log.warning("engine thread still busy after %d ms; exiting", SHUTDOWN_MS)

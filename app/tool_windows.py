@@ -1,5 +1,5 @@
 """The windows the main window opens (Compare, Cost explorer, Batching and speculative decoding,
-Run history): made on first use, brought to the front after, closed with the main window."""
+Traffic, Run history): made on first use, brought to the front after, closed with the main window."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ class ToolWindows(QObject):
         self.compare = None
         self.costs = None
         self.speedups = None
+        self.traffic = None
 
     def open_compare(self):
         """The Compare window, its lane 1 set to the model chosen in the main window (lane 2 the
@@ -72,6 +73,14 @@ class ToolWindows(QObject):
         self.speedups.set_loading(self.main.loading)
         return _front(self.speedups)
 
+    def open_traffic(self):
+        """The server's traffic, live (the Server panel starts and stops the server)."""
+        from app.traffic_window import TrafficWindow
+
+        if self.traffic is None:
+            self.traffic = TrafficWindow(self.main.server_panel)
+        return _front(self.traffic)
+
     def job_ended(self) -> None:
         """A sweep or speculative run joined the history: the cost explorer's dots follow."""
         if self.costs is not None:
@@ -82,7 +91,7 @@ class ToolWindows(QObject):
             self.speedups.set_loading(loading)
 
     def close_all(self) -> None:
-        for window in (self.compare, self.costs, self.speedups):
+        for window in (self.compare, self.costs, self.speedups, self.traffic):
             if window is not None:
                 window.close()
 

@@ -168,8 +168,14 @@ class EngineWorker(QObject):
 
 
 def _streamed(event) -> bool:
-    """Tokens and batch steps: many a second, so they travel in batches."""
-    inner = event.event if isinstance(event, Tagged) else event
+    """Tokens and batch steps: many a second, so they travel in batches (a served request's
+    tokens and the server's steps too, but the step that leaves its core empty goes at once:
+    nothing may follow it for a while)."""
+    from engine.serve.service import RequestEvent, TrafficStep
+
+    if isinstance(event, TrafficStep):
+        return bool(event.requests)
+    inner = event.event if isinstance(event, (Tagged, RequestEvent)) else event
     return isinstance(inner, (TokenGenerated, BatchStep, DraftVerified))
 
 

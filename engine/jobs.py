@@ -167,3 +167,61 @@ class SpeculateJob:
             ctx.keep["draft"] = draft = load_draft(spec, ctx.model, cancel=ctx.cancel)
         return speculative_report(ctx.model, draft, self.request, self.draft_tokens, self.compare_plain, ctx.cancel,
                                   lambda run, event: ctx.emit(Tagged(run, event)), record=True)
+
+
+@dataclass(frozen=True)
+class ServerStarted:
+    """The server listens: where, for which model, within which limits."""
+
+    url: str
+    model_name: str
+    max_batch: int
+    kv_budget_bytes: int
+    api_key: bool
+    """Whether clients need a key (the key itself never leaves the job)."""
+    ceilings: tuple[tuple[int, float], ...] = ()
+    """The cost model's decode ceiling (batch, tok/s all requests) on this machine."""
+
+
+@dataclass(frozen=True)
+class Served:
+    url: str
+    requests: int
+
+
+@dataclass(frozen=True)
+class ServeJob:
+    """The model behind the OpenAI-compatible API (engine/serve) until cancelled: emits
+    :class:`ServerStarted`, then the core's traffic events (engine/serve/service.py) as they
+    happen; cancelling drains the requests in flight, or cancels them if ``stop_now`` is set
+    (then or later). Other jobs of this model wait meanwhile."""
+
+    settings: object
+    """engine.serve.server.ServeSettings"""
+    stop_now: CancelToken = field(default_factory=CancelToken, compare=False)
+    kind: ClassVar[str] = "serving"
+
+    def run(self, ctx: JobContext) -> Served:
+        from engine.measure.sweep import ceiling_for
+        from engine.serve.server import Server
+
+        server = Server(ctx.model, self.settings)
+        settings = server.service.settings
+        stop_listening = server.service.listen(ctx.emit)
+        server.start()
+        try:
+            ceilings = tuple((b, c) for b in sorted({1, 2, 4, 8, 16, 32, 64, settings.max_batch})
+                             if b <= settings.max_batch and (c := ceiling_for(ctx.model, b, 512)) is not None)
+            ctx.emit(ServerStarted(server.url, server.model_name, settings.max_batch, settings.kv_budget_bytes,
+                                   bool(self.settings.api_key), ceilings))
+            while not ctx.cancel.wait(1.0):
+                if not server.running:
+                    raise RuntimeError("The server stopped by itself (see the log).")
+            server.service.stop(drain=not self.stop_now.cancelled)
+            while not server.service.join(0.1):
+                if self.stop_now.cancelled:
+                    server.service.stop(drain=False)
+        finally:
+            server.stop(drain=False, timeout=30)
+            stop_listening()
+        return Served(server.url, server.service.served)

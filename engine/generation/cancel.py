@@ -20,3 +20,7 @@ class CancelToken:
     def cancelled(self) -> bool:
         return self._event.is_set()
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until cancelled (``True``) or ``timeout`` seconds passed (``False``)."""
+        return self._event.wait(timeout)
+

@@ -1,0 +1,249 @@
+"""The traffic view's plots, drawn from a :class:`~engine.serve.traffic.TrafficLog` when the
+window's timer asks (~20 Hz, and only when the log changed), never per token:
+
+- a timeline, a row per request: waiting (grey), reading its prompt (orange), generating (blue),
+  done (green; red if cancelled or failed); hover for its figures, click to open it;
+- batch size and tokens per step over time;
+- the KV cache held, stacked by request, against the budget;
+- output tok/s (all requests) and the queue;
+- TTFT, per-token latency and end-to-end distributions with p50/p90/p99.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QPointF, Qt, Signal
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import QGridLayout, QToolTip, QWidget
+
+from app.widgets.live_plots import PlotPanel
+from engine.serve.traffic import TrafficLog, percentiles
+
+PHASE_COLOURS = {"waiting": "#9e9e9e", "prefill": "#f39c12", "decode": "#2d7dd2", "done": "#27ae60",
+                 "failed": "#d63031"}
+WINDOW_S = 60.0
+"""The timeline and the step plots show the last minute."""
+ROWS = 48
+"""Requests on the timeline at most (the newest)."""
+
+
+def band_colour(request_id: int) -> QColor:
+    colour = pg.intColor(request_id, hues=12, values=2, minValue=170, maxValue=230)
+    colour.setAlpha(200)
+    return colour
+
+
+class Histogram(PlotPanel):
+    """A distribution with its p50/p90/p99 marked and written in the caption."""
+
+    def __init__(self, title: str, unit: str, scale: float) -> None:
+        super().__init__(title, f"{title}: how many requests (or gaps) took how long.", "count", unit)
+        self.unit, self.scale = unit, scale
+        self.bars = pg.BarGraphItem(x0=[], x1=[], height=[], brush=PHASE_COLOURS["decode"], pen=None)
+        self.plot.addItem(self.bars)
+        self.lines = {}
+        for name, style in (("p50", Qt.SolidLine), ("p90", Qt.DashLine), ("p99", Qt.DotLine)):
+            line = pg.InfiniteLine(angle=90, pen=pg.mkPen("#d63031", width=1, style=style))
+            line.hide()
+            self.plot.addItem(line)
+            self.lines[name] = line
+        self.title = title
+        self._count = -1
+
+    def draw(self, values: list[float]) -> None:
+        if len(values) == self._count:
+            return
+        self._count = len(values)
+        if not values:
+            self.bars.setOpts(x0=[], x1=[], height=[])
+            self.caption.setText(f"{self.title}: no requests yet.")
+            return
+        data = np.asarray(values) * self.scale
+        counts, edges = np.histogram(data, bins=min(30, max(5, len(data) // 3)))
+        self.bars.setOpts(x0=edges[:-1], x1=edges[1:], height=counts)
+        stats = percentiles(list(data))
+        for name, line in self.lines.items():
+            line.setValue(stats[name])
+            line.show()
+        self.item.setXRange(0, float(edges[-1]) * 1.05, padding=0)
+        self.item.setYRange(0, float(counts.max()) * 1.15, padding=0)
+        fmt = "{:.0f}" if self.scale >= 1000 else "{:.2f}"
+        self.caption.setText(f"<b>{self.title}</b> ({len(data)}): p50 {fmt.format(stats['p50'])} · p90 "
+                             f"{fmt.format(stats['p90'])} · p99 {fmt.format(stats['p99'])} {self.unit} "
+                             "(red lines: ━ p50, ╍ p90, ┅ p99)")
+
+
+class TrafficPlots(QWidget):
+    request_clicked = Signal(int)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.log: TrafficLog | None = None
+        self._version = -1
+        self.timeline = PlotPanel("Requests", "A row per request: waiting, reading its prompt, generating, done. "
+                                  "Hover for its figures; click to see its prompt and tokens.", "request", "s")
+        for phase in ("waiting", "prefill", "decode", "done", "failed"):
+            self.timeline.add_legend({"prefill": "prompt", "failed": "cancelled / failed"}.get(phase, phase),
+                                     PHASE_COLOURS[phase], "██")
+        self.bars = {phase: pg.BarGraphItem(x0=[], x1=[], y=[], height=[], brush=colour, pen=None)
+                     for phase, colour in PHASE_COLOURS.items()}
+        for bar in self.bars.values():
+            self.timeline.plot.addItem(bar)
+        self.timeline.plot.scene().sigMouseMoved.connect(self._hover)
+        self.timeline.plot.scene().sigMouseClicked.connect(self._click)
+
+        self.steps = PlotPanel("Batch", "Each step of the engine: requests that got a token (the batch) and "
+                               "tokens put through the model (decode + prompt chunks).", "per step", "s")
+        self.batch_curve = self.steps.curve("batch", "main")
+        self.tokens_curve = self.steps.curve("tokens per step", "second", Qt.DashLine)
+
+        self.kv = PlotPanel("KV cache", "The cache each running request holds, stacked (a colour per "
+                            "request), against the budget.", "MiB", "s")
+        self.kv.add_legend("budget", "#d63031", "╍╍")
+        self.budget_line = pg.InfiniteLine(angle=0, pen=pg.mkPen("#d63031", width=1, style=Qt.DashLine))
+        self.budget_line.hide()
+        self.kv.plot.addItem(self.budget_line)
+        self.kv_bands: list = []
+
+        self.rate = PlotPanel("Throughput", "Output tokens per second of all requests together (over the last "
+                              "second), and the queue.", "tok/s · requests", "s")
+        self.rate_curve = self.rate.curve("output tok/s", "main")
+        self.running_curve = self.rate.curve("running", "third")
+        self.waiting_curve = self.rate.curve("waiting", "second", Qt.DashLine)
+
+        self.ttft = Histogram("TTFT", "ms", 1000.0)
+        self.itl = Histogram("Per-token latency", "ms", 1000.0)
+        self.e2e = Histogram("End to end", "s", 1.0)
+
+        grid = QGridLayout(self)
+        grid.setContentsMargins(0, 0, 0, 0)
+        grid.addWidget(self.timeline, 0, 0, 2, 1)
+        grid.addWidget(self.steps, 0, 1)
+        grid.addWidget(self.kv, 1, 1)
+        grid.addWidget(self.rate, 0, 2)
+        grid.addWidget(self.ttft, 1, 2)
+        grid.addWidget(self.itl, 2, 1)
+        grid.addWidget(self.e2e, 2, 2)
+        grid.setColumnStretch(0, 3)
+        grid.setColumnStretch(1, 2)
+        grid.setColumnStretch(2, 2)
+        grid.setRowStretch(0, 3)
+        grid.setRowStretch(1, 3)
+        grid.setRowStretch(2, 2)
+        self._rows: dict[int, int] = {}
+
+    # -- drawing -----------------------------------------------------------------------------
+    def refresh(self, log: TrafficLog) -> bool:
+        """Redraw if ``log`` changed since the last call; ``True`` if it did."""
+        if log is self.log and log.version == self._version:
+            return False
+        self.log, self._version = log, log.version
+        now = log.now
+        start = max(0.0, now - WINDOW_S)
+        self._draw_timeline(log, start, now)
+        self._draw_steps(log, start, now)
+        self._draw_kv(log, start, now)
+        self.ttft.draw(log.ttft_s)
+        self.itl.draw(log.itl_s)
+        self.e2e.draw(log.e2e_s)
+        return True
+
+    def _draw_timeline(self, log: TrafficLog, start: float, now: float) -> None:
+        tracks = [t for t in log.requests.values()
+                  if t.finished_s is None or t.finished_s >= start][-ROWS:]
+        self._rows = {t.request_id: i for i, t in enumerate(tracks)}
+        spans: dict[str, list] = {phase: [] for phase in PHASE_COLOURS}
+        for row, track in enumerate(tracks):
+            for phase, a, b in track.spans(now):
+                if phase == "decode" and track.finished is not None:
+                    phase = "done" if track.finished.reason not in ("cancelled", "error") else "failed"
+                elif phase == "prefill" and track.finished is not None and track.first_token_s is None:
+                    phase = "failed"
+                spans[phase].append((max(a, start), max(b, start), row))
+        for phase, bar in self.bars.items():
+            rows = spans[phase]
+            bar.setOpts(x0=[r[0] for r in rows], x1=[max(r[1], r[0] + 0.005) for r in rows],
+                        y=[r[2] for r in rows], height=[0.7] * len(rows))
+        self.timeline.item.setXRange(start, max(now, start + 5), padding=0.01)
+        self.timeline.item.setYRange(-1, max(len(tracks), 8), padding=0)
+
+    def _draw_steps(self, log: TrafficLog, start: float, now: float) -> None:
+        s = log.steps()
+        keep = s["at_s"] >= start
+        at = s["at_s"][keep]
+        self.batch_curve.setData(at, s["batch"][keep])
+        self.tokens_curve.setData(at, (s["decode_tokens"] + s["prefill_tokens"])[keep])
+        top = float(max(s["batch"][keep].max(initial=1), (s["decode_tokens"] + s["prefill_tokens"])[keep].max(initial=1)))
+        self.steps.item.setXRange(start, max(now, start + 5), padding=0.01)
+        self.steps.item.setYRange(0, top * 1.1, padding=0)
+        t, rate = log.output_rate()
+        keep_rate = t >= start
+        self.rate_curve.setData(t[keep_rate], rate[keep_rate])
+        self.running_curve.setData(at, s["running"][keep])
+        self.waiting_curve.setData(at, s["waiting"][keep])
+        top = float(max(rate[keep_rate].max(initial=1), s["running"][keep].max(initial=1),
+                        s["waiting"][keep].max(initial=1)))
+        self.rate.item.setXRange(start, max(now, start + 5), padding=0.01)
+        self.rate.item.setYRange(0, top * 1.1, padding=0)
+
+    def _draw_kv(self, log: TrafficLog, start: float, now: float) -> None:
+        times, ids, table = log.kv_stack(start)
+        stacked = np.cumsum(table, axis=0) / 2**20 if len(ids) else np.zeros((0, len(times)))
+        while len(self.kv_bands) < len(ids):
+            band = self.kv.plot.plot([], [], pen=None, fillLevel=0)
+            self.kv_bands.append(band)
+        for i, band in enumerate(self.kv_bands):
+            if i < len(ids):
+                j = len(ids) - 1 - i  # the top band first, so each lower one paints over it
+                band.setData(times, stacked[j], stepMode=None)
+                band.setBrush(band_colour(ids[j]))
+                band.setZValue(i)
+                band.show()
+            else:
+                band.hide()
+        used = float(stacked[-1].max()) if len(ids) else 0.0
+        budget = (log.kv_budget_bytes or 0) / 2**20
+        shown = max(used * 1.2, 1.0)
+        if budget and budget <= 4 * shown:
+            self.budget_line.setValue(budget)
+            self.budget_line.show()
+            shown = max(shown, budget * 1.05)
+            note = ""
+        else:
+            self.budget_line.hide()
+            note = (f" Budget {budget:,.0f} MiB: off the chart ({used / budget:.1%} used at most)." if budget else "")
+        self.kv._sentence = ("The cache each running request holds, stacked (a colour per request), against the "
+                             "budget." + note)
+        self.kv.caption.setText(" &nbsp; ".join(self.kv._legend) + "<br>" + self.kv._sentence)
+        self.kv.item.setXRange(start, max(now, start + 5), padding=0.01)
+        self.kv.item.setYRange(0, shown, padding=0)
+
+    # -- pointing --------------------------------------------------------------------------
+    def _track_at(self, scene_pos) -> object:
+        if self.log is None:
+            return None
+        view = self.timeline.item.vb
+        if not view.sceneBoundingRect().contains(scene_pos):
+            return None
+        point: QPointF = view.mapSceneToView(scene_pos)
+        row = round(point.y())
+        for rid, r in self._rows.items():
+            if r == row and abs(point.y() - row) <= 0.4:
+                track = self.log.requests.get(rid)
+                if track is not None and track.arrived_s <= point.x() <= (track.finished_s or self.log.now) + 0.05:
+                    return track
+        return None
+
+    def _hover(self, scene_pos) -> None:
+        track = self._track_at(scene_pos)
+        if track is not None:
+            view = self.timeline.plot
+            QToolTip.showText(view.mapToGlobal(view.mapFromScene(scene_pos)), track.describe(), view)
+        else:
+            QToolTip.hideText()
+
+    def _click(self, event) -> None:
+        track = self._track_at(event.scenePos())
+        if track is not None:
+            self.request_clicked.emit(track.request_id)

@@ -1,0 +1,191 @@
+"""The server's traffic as the traffic view draws it, built from the core's events
+(engine/serve/service.py): one track per request (when it arrived, was admitted, got its first
+token, finished; its tokens as a run) and one row per step (batch, tokens, queue, KV cache by
+request). Qt-free; bounded (the oldest requests and steps are dropped first)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.events import Finished, Prefilled, TokenGenerated
+from engine.runs import Run
+from engine.serve.service import RequestArrived, RequestEvent, TrafficStep
+
+STEP_FIELDS = ("at_s", "step_s", "batch", "decode_tokens", "prefill_tokens", "waiting", "running", "kv_bytes")
+
+
+@dataclass
+class RequestTrack:
+    request_id: int
+    arrived_s: float
+    client: str = ""
+    endpoint: str = ""
+    prompt: str = ""
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    admitted_s: float | None = None
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    finished: Finished | None = None
+    run: Run = field(default_factory=Run)
+    kv_bytes: int = 0
+
+    @property
+    def phase(self) -> str:
+        if self.finished_s is not None:
+            return "done"
+        if self.first_token_s is not None:
+            return "decode"
+        return "prefill" if self.admitted_s is not None else "waiting"
+
+    def spans(self, now: float) -> list[tuple[str, float, float]]:
+        """(phase, start, end) of each phase so far; an unfinished one ends ``now``."""
+        marks = [("waiting", self.arrived_s), ("prefill", self.admitted_s), ("decode", self.first_token_s)]
+        end = self.finished_s if self.finished_s is not None else now
+        known = [(name, at) for name, at in marks if at is not None]
+        out = []
+        for i, (name, at) in enumerate(known):
+            stop = known[i + 1][1] if i + 1 < len(known) else end
+            out.append((name, at, max(at, stop)))
+        return out
+
+    def describe(self) -> str:
+        f = self.finished
+        parts = [f"request {self.request_id} from {self.client or '?'} ({self.endpoint})",
+                 f"prompt {self.prompt_tokens} tokens, up to {self.max_tokens} new"]
+        if self.admitted_s is not None:
+            parts.append(f"waited {(self.admitted_s - self.arrived_s) * 1000:.0f} ms")
+        if f is not None:
+            parts.append(f"{f.tokens} tokens, TTFT {f.ttft_s * 1000:.0f} ms" if f.ttft_s is not None
+                         else f"{f.tokens} tokens")
+            if f.decode_tokens_per_s:
+                parts.append(f"{f.decode_tokens_per_s:.1f} tok/s")
+            parts.append(f"end-to-end {f.total_s:.2f} s, ended: {f.reason}")
+        else:
+            parts.append(f"{self.run.count} tokens so far, {self.phase}")
+        parts.append(f"KV cache {self.kv_bytes / 2**20:.1f} MiB")
+        return "\n".join(parts)
+
+
+class TrafficLog:
+    """Append traffic events (:meth:`add`); read tracks, step columns and latency figures."""
+
+    def __init__(self, max_requests: int = 2000, max_steps: int = 20000) -> None:
+        self.requests: OrderedDict[int, RequestTrack] = OrderedDict()
+        self.max_requests = max_requests
+        self._steps: deque[tuple] = deque(maxlen=max_steps)
+        self._kv: deque[tuple[tuple[int, int], ...]] = deque(maxlen=max_steps)
+        self.kv_budget_bytes: int | None = None
+        self.ttft_s: list[float] = []
+        self.itl_s: list[float] = []
+        self.e2e_s: list[float] = []
+        self.generated = 0
+        self.finished = 0
+        self.now = 0.0
+        self.version = 0
+
+    def clear(self) -> None:
+        self.__init__(self.max_requests, self._steps.maxlen)
+
+    def add(self, event) -> None:
+        if isinstance(event, RequestArrived):
+            self.requests[event.request_id] = RequestTrack(
+                event.request_id, event.at_s, event.client, event.endpoint, event.prompt, event.prompt_tokens,
+                event.max_tokens)
+            while len(self.requests) > self.max_requests:
+                self.requests.popitem(last=False)
+            self.now = max(self.now, event.at_s)
+        elif isinstance(event, RequestEvent):
+            track = self.requests.get(event.request_id)
+            inner = event.event
+            self.now = max(self.now, event.at_s)
+            if track is None:
+                return
+            if isinstance(inner, TokenGenerated):
+                track.run.extend([inner])
+                self.generated += 1
+                if inner.index == 0:
+                    track.first_token_s = event.at_s
+                    self.ttft_s.append(inner.latency_s)
+                else:
+                    self.itl_s.append(inner.latency_s)
+            elif isinstance(inner, Prefilled):
+                track.run.extend([inner])
+            elif isinstance(inner, Finished):
+                track.run.finish(inner)
+                track.finished, track.finished_s = inner, event.at_s
+                track.kv_bytes = 0
+                if track.admitted_s is None:  # ended while waiting
+                    track.admitted_s = event.at_s
+                self.e2e_s.append(inner.total_s)
+                self.finished += 1
+        elif isinstance(event, TrafficStep):
+            step = event.step
+            self.kv_budget_bytes = event.kv_budget_bytes
+            self.now = max(self.now, event.at_s)
+            self._steps.append((event.at_s, step.step_s, step.batch, step.decode_tokens, step.prefill_tokens,
+                                step.waiting, step.running, step.kv_cache_bytes))
+            held = []
+            for state in event.requests:
+                track = self.requests.get(state.request_id)
+                if track is None:
+                    continue
+                if state.phase != "waiting" and track.admitted_s is None:
+                    track.admitted_s = event.at_s - step.step_s
+                track.kv_bytes = state.kv_bytes
+                if state.kv_bytes:
+                    held.append((state.request_id, state.kv_bytes))
+            self._kv.append(tuple(held))
+        else:
+            return
+        self.version += 1
+
+    # -- reading ------------------------------------------------------------------------------
+    def steps(self) -> dict[str, np.ndarray]:
+        """One array per :data:`STEP_FIELDS`, oldest step first."""
+        if not self._steps:
+            return {name: np.zeros(0) for name in STEP_FIELDS}
+        table = np.array(self._steps, dtype=float)
+        return {name: table[:, i] for i, name in enumerate(STEP_FIELDS)}
+
+    def output_rate(self, window_s: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        """(time, tokens per second made over the ``window_s`` before it), at every step."""
+        s = self.steps()
+        at, made = s["at_s"], s["batch"]
+        if not len(at):
+            return at, at
+        total = np.cumsum(made)
+        start = np.searchsorted(at, at - window_s, side="right")
+        before = np.where(start > 0, total[np.maximum(start - 1, 0)], 0)
+        span = np.minimum(window_s, np.maximum(at - at[0], 1e-9)) if len(at) > 1 else np.full(1, window_s)
+        return at, (total - before) / np.maximum(span, 1e-3)
+
+    def kv_stack(self, since_s: float = 0.0) -> tuple[np.ndarray, list[int], np.ndarray]:
+        """(step times, request ids, [requests × steps] KV bytes) for the steps after ``since_s``:
+        the bands of a stacked chart, oldest request at the bottom."""
+        steps = [(row[0], held) for row, held in zip(self._steps, self._kv) if row[0] >= since_s]
+        ids = sorted({rid for _, held in steps for rid, _ in held})
+        index = {rid: i for i, rid in enumerate(ids)}
+        table = np.zeros((len(ids), len(steps)))
+        for j, (_, held) in enumerate(steps):
+            for rid, kv in held:
+                table[index[rid], j] = kv
+        return np.array([at for at, _ in steps]), ids, table
+
+    def in_core(self) -> tuple[int, int]:
+        """(running, waiting) after the last step."""
+        if not self._steps:
+            return 0, 0
+        last = self._steps[-1]
+        return int(last[6]), int(last[5])
+
+
+def percentiles(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    array = np.asarray(values, dtype=float)
+    return {"p50": float(np.percentile(array, 50)), "p90": float(np.percentile(array, 90)),
+            "p99": float(np.percentile(array, 99))}

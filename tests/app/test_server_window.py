@@ -1,0 +1,163 @@
+"""The Server panel and the traffic view: no port until Start, the real server behind the panel,
+its traffic drawn live, the load generator in the view, Stop and Quit during traffic."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import psutil
+import pytest
+
+from tests.app.conftest import generate, load
+
+
+def listening() -> list:
+    return [c for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+
+
+def start(qtbot, window, **fields):
+    panel = window.server_panel
+    panel.port.setValue(fields.pop("port", 0))
+    for name, value in fields.items():
+        getattr(panel, name).setText(value) if hasattr(getattr(panel, name), "setText") else \
+            getattr(panel, name).setValue(value)
+    panel.start_button.click()
+    qtbot.waitUntil(lambda: panel.started is not None or panel.job is None, timeout=60_000)
+    return panel
+
+
+def chat(panel, content="The quick brown fox", **more):
+    return {"model": panel.started.model_name, "messages": [{"role": "user", "content": content}],
+            "temperature": 0, **more}
+
+
+def test_no_port_until_started_then_served_and_drawn(qtbot, window, tiny_llama):
+    assert listening() == []  # the app opens no port by itself
+    load(qtbot, window, tiny_llama)
+    assert listening() == []
+    panel = window.server_panel
+    assert panel.stop_button.isEnabled() is False and panel.start_button.isEnabled()
+    start(qtbot, window)
+    assert panel.started is not None
+    (socket,) = listening()
+    assert socket.laddr.ip == "127.0.0.1" and panel.started.url.endswith(f":{socket.laddr.port}/v1")
+    assert not window.model_panel.isEnabled()  # no other model loads while this one serves
+
+    examples = {panel.examples.tabText(i): panel.examples.widget(i).toPlainText()
+                for i in range(panel.examples.count())}
+    assert all(panel.started.url in text and panel.started.model_name in text for text in examples.values())
+    compile(examples["Python (openai)"], "example", "exec")  # it is Python that runs
+
+    traffic = window.open_traffic()
+    answers = [httpx.post(f"{panel.started.url}/chat/completions", json=chat(panel, p, max_tokens=6,
+                                                                            ignore_eos=True), timeout=60).json()
+               for p in ("The quick brown fox", "Memory bandwidth")]
+    qtbot.waitUntil(lambda: panel.log.finished == 2, timeout=30_000)
+    assert "2 served" in panel.status.text()
+    traffic.refresh()
+    drawn = traffic.plots.bars["done"].opts["x0"]
+    assert len(drawn) == 2  # a finished row per request
+    first = next(iter(panel.log.requests))
+    traffic.open_request(first)
+    assert answers[0]["choices"][0]["message"]["content"] in traffic.request_view.toPlainText()
+    assert "127.0.0.1" in traffic.request_title.text()
+    assert traffic.plots.ttft.caption.text().startswith("<b>TTFT</b> (2)")
+
+    with qtbot.waitSignal(panel.state_changed, timeout=60_000):
+        panel.stop_button.click()
+    assert panel.started is None and "Stopped after 2 requests" in panel.status.text()
+    assert listening() == []
+    assert window.model_panel.isEnabled()
+
+
+def test_load_generator_in_the_traffic_view(qtbot, window, tiny_llama, tmp_path):
+    load(qtbot, window, tiny_llama)
+    panel = start(qtbot, window)
+    traffic = window.open_traffic()
+    box = traffic.load_box
+    box.values.setText("1,2")
+    box.requests.setValue(3)
+    box.max_tokens.setValue(4)
+    with qtbot.waitSignal(box._ended, timeout=120_000):
+        box.run_button.click()
+    assert box.table.rowCount() == 2 and box.table.item(1, 0).text() == "concurrency 2"
+    assert box.table.item(0, 1).text() == "3/3"
+    assert len(box.points.data) == 2
+    out = tmp_path / "load.json"
+    box.save(str(out))
+    assert [s["value"] for s in json.loads(out.read_text())["settings"]] == [1, 2]
+    qtbot.waitUntil(lambda: panel.log.finished == 6, timeout=30_000)
+    with qtbot.waitSignal(panel.state_changed, timeout=60_000):
+        panel.stop_now_button.click()
+
+
+def test_bad_settings_and_a_busy_port_are_said_and_change_nothing(qtbot, window, tiny_llama):
+    import socket
+
+    load(qtbot, window, tiny_llama)
+    panel = window.server_panel
+    panel.host.setText("0.0.0.0")
+    panel.start_button.click()
+    assert panel.job is None and "API key" in panel.status.text()
+    panel.host.setText("127.0.0.1")
+    panel.kv_budget.setText("lots")
+    panel.start_button.click()
+    assert panel.job is None and "not a size" in panel.status.text()
+    panel.kv_budget.setText("auto")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        start(qtbot, window, port=taken.getsockname()[1])
+        assert panel.job is None and "Can't serve on 127.0.0.1" in panel.status.text()
+    assert panel.start_button.isEnabled() and panel.host.isEnabled()
+    # the model is still there and still answers
+    assert generate(qtbot, window, "fox", max_tokens=3).tokens == 3
+
+
+def test_quit_with_streams_in_flight_ends_each_cleanly(qtbot, app_factory, slow_tiny):
+    window = app_factory()
+    load(qtbot, window, slow_tiny)
+    panel = start(qtbot, window)
+    url = panel.started.url
+    body = chat(panel, max_tokens=2000, ignore_eos=True, stream=True)
+    received: dict[int, list] = {}
+    first_tokens = threading.Barrier(3)
+
+    def stream(n):
+        lines = received[n] = []
+        with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    if len(lines) == 2:
+                        first_tokens.wait(30)
+
+    threads = [threading.Thread(target=stream, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    first_tokens.wait(60)
+    window.close()  # File → Quit
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive()
+    for lines in received.values():
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    assert not window.session.thread.isRunning() and listening() == []
+
+
+def test_generating_while_serving_waits_for_the_server_and_says_so(qtbot, window, tiny_llama):
+    load(qtbot, window, tiny_llama)
+    panel = start(qtbot, window)
+    generate(qtbot, window, "fox", max_tokens=3, wait=False)
+    assert "Waiting for the serving to finish" in window.statusBar().currentMessage()
+    with qtbot.waitSignal(window.generation_finished, timeout=60_000):
+        panel.stop_button.click()
+    assert panel.started is None
+
+
+@pytest.fixture(autouse=True)
+def _private_data(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path / "data"))
