@@ -294,6 +294,7 @@ class TrafficWindow(QWidget):
         splitter.addWidget(side)
         splitter.setStretchFactor(0, 3)
         splitter.setStretchFactor(1, 1)
+        splitter.setSizes([1100, 560])
         layout = QVBoxLayout(self)
         layout.addWidget(self.summary)
         layout.addWidget(splitter, 1)
@@ -301,7 +302,7 @@ class TrafficWindow(QWidget):
         self.timer.setInterval(REFRESH_MS)
         self.timer.timeout.connect(self.refresh)
         panel.state_changed.connect(self._on_state)
-        self.resize(1500, 900)
+        self.resize(1700, 960)
         self._on_state()
 
     @Slot()

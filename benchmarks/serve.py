@@ -102,6 +102,10 @@ def main() -> None:
     parser.add_argument("--batch-requests", type=int, default=32, help="requests at concurrency 16")
     parser.add_argument("--rates", default="0.5,1,2,4,8", help="req/s of the Poisson sweep")
     parser.add_argument("--rate-requests", type=int, default=24)
+    parser.add_argument("--server-threads", type=int, default=os.cpu_count(),
+                        help="the server's matmul threads, fixed (INFERENCE_WORKBENCH_THREADS): the load generator "
+                             "shares this machine, and its few %% of a core would otherwise be read as another "
+                             "program's load and cost the server a thread; 0 lets it adapt (default: all cores)")
     args = parser.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -114,7 +118,9 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--precision",
                                args.precision, "--max-batch", "16", "--no-history"], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              env={**os.environ, **({"INFERENCE_WORKBENCH_THREADS": str(args.server_threads)}
+                                                    if args.server_threads else {})})
     try:
         wait_healthy(url + "/health", server)
         loaded = load_model(LoadRequest("default", args.precision, "cpu"))

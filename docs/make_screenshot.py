@@ -32,6 +32,8 @@ def main() -> int:
     parser.add_argument("--compare", action="store_true",
                         help="the Compare window after a quantization ladder (fp32/bf16/int8/nf4) run")
     parser.add_argument("--costs", action="store_true", help="the Cost explorer: Llama-3.1-8B on an H100")
+    parser.add_argument("--traffic", action="store_true",
+                        help="the traffic view under a 16-stream load from its load generator (docs/traffic.png)")
     parser.add_argument("--speedups", action="store_true",
                         help="a batch sweep and a speculative run on the default model (two PNGs in docs/)")
     parser.add_argument("--draft", default="early-exit:24", help="the draft for --speedups")
@@ -67,6 +69,8 @@ def main() -> int:
         return costs_shot(app, args)
     if args.speedups:
         return speedups_shot(app, args, MainWindow(settings()))
+    if args.traffic:
+        return traffic_shot(app, args, MainWindow(settings()))
     window = MainWindow(settings())
     window.resize(*(args.screen or (1600, 960)))
     window.show()
@@ -96,6 +100,70 @@ def main() -> int:
     window.session.generation_finished.connect(on_finished)
     window.session.load_failed.connect(on_failed)
     window.session.generation_failed.connect(on_failed)
+    QTimer.singleShot(0, window.start)
+    app.exec()
+    if "error" in outcome:
+        print(f"error: {outcome['error']}", file=sys.stderr)
+        return 1
+    print(f"saved {outcome['saved']}")
+    return 0
+
+
+def traffic_shot(app, args, window) -> int:
+    """Serve the default model, open the traffic view and load it with 16 concurrent streams; the
+    shot is taken mid-load, once 24 requests have finished (the distributions have data) and 16
+    are in flight."""
+    from PySide6.QtCore import QTimer
+
+    outcome, ui = {}, {}
+    out = args.out if args.out != ROOT / "docs" / "screenshot.png" else ROOT / "docs" / "traffic.png"
+
+    def on_loaded(info) -> None:
+        panel = window.server_panel
+        panel.port.setValue(0)
+        panel.start_button.click()
+
+    def on_state() -> None:
+        panel = window.server_panel
+        if panel.started is None or "view" in ui:
+            return
+        view = ui["view"] = window.open_traffic()
+        view.resize(*(args.screen or (1900, 1060)))
+        box = view.load_box
+        box.values.setText("16")
+        box.requests.setValue(64)
+        box.max_tokens.setValue(64)
+        box.run_button.click()
+        ui["poll"] = QTimer(interval=250, timeout=check)
+        ui["poll"].start()
+
+    def check() -> None:
+        panel = window.server_panel
+        running, _ = panel.log.in_core()
+        if panel.log.finished >= 24 and running >= 16:
+            ui["poll"].stop()
+            view = ui["view"]
+            view.refresh()
+            QTimer.singleShot(200, finish)
+
+    def finish() -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        ui["view"].grab().save(str(out))
+        outcome["saved"] = str(out)
+        ui["view"].load_box.stop()
+        ui["view"].close()
+        window.close()
+        app.quit()
+
+    def on_failed(exc) -> None:
+        outcome["error"] = str(exc)
+        window.close()
+        app.quit()
+
+    window.session.loaded.connect(on_loaded)
+    window.server_panel.state_changed.connect(on_state)
+    window.session.load_failed.connect(on_failed)
+    window.show()
     QTimer.singleShot(0, window.start)
     app.exec()
     if "error" in outcome:

@@ -48,6 +48,9 @@ def add_parsers(sub, precisions) -> None:
     serve.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default: %(default)s)")
     serve.add_argument("--kv-budget", help="KV-cache bytes the running requests may hold, e.g. 2GiB (default: "
                        "half the free memory; 90%% of a GPU's)")
+    serve.add_argument("--token-budget", type=int, default=128,
+                       help="tokens per step: a decode token per running request, the rest prompt chunks "
+                            "(default: %(default)s)")
     serve.add_argument("--max-waiting", type=int, default=256, help="waiting requests before 429 (default: "
                        "%(default)s)")
     serve.add_argument("--served-model-name", help="the model name clients send (default: the model's)")
@@ -83,7 +86,8 @@ def serve(args, load_printer) -> int:
 
     settings = ServeSettings(host=args.host, port=args.port, api_key=args.api_key, max_batch=args.max_batch,
                              kv_budget_bytes=parse_size(args.kv_budget) if args.kv_budget else None,
-                             max_waiting=args.max_waiting, history=not args.no_history,
+                             max_waiting=args.max_waiting, token_budget=args.token_budget,
+                             history=not args.no_history,
                              model_name=args.served_model_name).validated()
     print(f"Loading {args.model} ({args.precision}) …", file=sys.stderr, flush=True)
     loaded = load_model(LoadRequest(model=args.model, precision=args.precision, device=args.device,

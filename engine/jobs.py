@@ -9,6 +9,7 @@ their kinds: a new kind of job is a new class here, and nothing else changes.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
@@ -208,20 +209,32 @@ class ServeJob:
         server = Server(ctx.model, self.settings)
         settings = server.service.settings
         stop_listening = server.service.listen(ctx.emit)
-        server.start()
+        server.start(core_thread=False)  # the core steps on this thread, where the model was loaded
+        watcher = threading.Thread(target=self._watch, args=(ctx, server), name="serve-watch", daemon=True)
         try:
             ceilings = tuple((b, c) for b in sorted({1, 2, 4, 8, 16, 32, 64, settings.max_batch})
                              if b <= settings.max_batch and (c := ceiling_for(ctx.model, b, 512)) is not None)
             ctx.emit(ServerStarted(server.url, server.model_name, settings.max_batch, settings.kv_budget_bytes,
                                    bool(self.settings.api_key), ceilings))
-            while not ctx.cancel.wait(1.0):
-                if not server.running:
-                    raise RuntimeError("The server stopped by itself (see the log).")
-            server.service.stop(drain=not self.stop_now.cancelled)
-            while not server.service.join(0.1):
-                if self.stop_now.cancelled:
-                    server.service.stop(drain=False)
+            watcher.start()
+            server.run_core()
+            requested = ctx.cancel.cancelled
         finally:
+            ctx.cancel.cancel()  # the watcher ends too
             server.stop(drain=False, timeout=30)
             stop_listening()
+        if not requested:
+            raise RuntimeError("The server stopped by itself (see the log).")
         return Served(server.url, server.service.served)
+
+    def _watch(self, ctx: JobContext, server) -> None:
+        """Turn the job's cancel (and ``stop_now``) into the service's stop; stop it too if HTTP
+        died by itself."""
+        while not ctx.cancel.wait(0.5):
+            if not server.running:
+                server.service.stop(drain=False)
+                return
+        server.service.stop(drain=not self.stop_now.cancelled)
+        while not server.service.join(0.1):
+            if self.stop_now.cancelled:
+                server.service.stop(drain=False)

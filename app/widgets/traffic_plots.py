@@ -29,7 +29,7 @@ ROWS = 48
 
 
 def band_colour(request_id: int) -> QColor:
-    colour = pg.intColor(request_id, hues=12, values=2, minValue=170, maxValue=230)
+    colour = pg.intColor(request_id, hues=12, values=2, minValue=190, maxValue=240, sat=120)
     colour.setAlpha(200)
     return colour
 

@@ -116,10 +116,7 @@ class LoadRunner:
                 if self._stopped:
                     break
                 self._task = asyncio.ensure_future(self._setting(client, model, mode, value))
-                try:
-                    result = await self._task
-                except asyncio.CancelledError:
-                    break
+                result = await self._task
                 out.append(result)
                 if self.on_result:
                     self.on_result(result)
@@ -139,28 +136,32 @@ class LoadRunner:
             if self.on_request:
                 self.on_request(label, results[i])
 
-        if mode == "concurrency":
-            queue = iter(range(plan.requests))
-
-            async def user() -> None:
-                for i in queue:
-                    await one(i)
-            work = [asyncio.ensure_future(user()) for _ in range(int(value))]
-        else:
-            work = []
-            for i in range(plan.requests):
-                work.append(asyncio.ensure_future(one(i)))
-                if i + 1 < plan.requests:
-                    await asyncio.sleep(rng.gammavariate(plan.burstiness, 1.0 / (value * plan.burstiness)))
+        work: list[asyncio.Task] = []
         try:
-            await asyncio.wait_for(asyncio.gather(*work), max(0.0, plan.max_duration_s - (time.perf_counter() - start)))
-        except asyncio.TimeoutError:
-            for r in results:
-                if not r.ok and r.error is None:
-                    r.error = f"not finished within {plan.max_duration_s:g} s (cancelled)"
+            if mode == "concurrency":
+                queue = iter(range(plan.requests))
+
+                async def user() -> None:
+                    for i in queue:
+                        await one(i)
+                work += [asyncio.ensure_future(user()) for _ in range(int(value))]
+            else:
+                for i in range(plan.requests):
+                    work.append(asyncio.ensure_future(one(i)))
+                    if i + 1 < plan.requests:
+                        await asyncio.sleep(rng.gammavariate(plan.burstiness, 1.0 / (value * plan.burstiness)))
+            left = max(0.0, plan.max_duration_s - (time.perf_counter() - start))
+            _, pending = await asyncio.wait(work, timeout=left)
+            unfinished = f"not finished within {plan.max_duration_s:g} s (cancelled)" if pending else None
+        except asyncio.CancelledError:  # stop(): what ran is kept, the rest marked
+            unfinished = "stopped before it finished"
         finally:
             for task in work:
                 task.cancel()
+            await asyncio.gather(*work, return_exceptions=True)
+        for r in results:
+            if not r.ok and r.error is None and unfinished:
+                r.error = unfinished if r.start_s or r.status is not None else f"never sent: {unfinished}"
         ended = [r.start_s + r.e2e_s for r in results if r.e2e_s is not None]
         duration = (max(ended) if ended else time.perf_counter() - start)
         return SettingResult(mode, value, results, summarize(results, duration, plan.slo), model)

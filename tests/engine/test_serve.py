@@ -374,3 +374,33 @@ def test_the_step_events_carry_every_request_state(server, http):
     assert steps and isinstance(steps[0].step, StepCompleted)
     phases = [s.requests[0].phase for s in steps if s.requests]
     assert phases[-1] == "decode" and steps[-1].requests == ()
+
+
+def test_serve_command_streams_and_ctrl_c_ends_streams_cleanly(tiny_llama, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--model", str(tiny_llama), "--port", "0",
+                                "--no-history"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        line = process.stdout.readline()  # "Serving NAME at URL (…)": the port it picked
+        url = re.search(r" at (http://\S+/v1) ", line).group(1)
+        model = re.search(r"Serving (\S+) at", line).group(1)
+        body = {"model": model, "messages": [{"role": "user", "content": "fox"}], "max_tokens": 250,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=60) as r:
+            lines = []
+            for event in r.iter_lines():
+                if event:
+                    lines.append(event)
+                if len(lines) == 3:
+                    process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 0
+    finally:
+        process.kill()
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    assert "stopped after 1 requests" in process.stderr.read()
