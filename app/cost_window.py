@@ -238,9 +238,10 @@ class CostWindow(QMainWindow):
 
     def _points(self, config, profile) -> list[RunRecord]:
         """Measured runs of this model (same parameter count), precision and hardware; plain decoding
-        only (a speculative run is not bound by this ceiling) and no run that ended in an error."""
+        only (a speculative run is not bound by this ceiling; a served request's batch changed under
+        it, step by step) and no run that ended in an error."""
         return [r for r in self.records if r.parameters == self._count.total and r.hardware == profile.id
-                and r.precision == self.precision.currentData() and r.kind != "speculative"
+                and r.precision == self.precision.currentData() and r.kind not in ("speculative", "served")
                 and not r.extra.get("error")]
 
     def _write_numbers(self, profile) -> None:

@@ -31,7 +31,9 @@ from app.widgets.prompt_box import PromptBox
 from app.widgets.server_panel import ServerPanel
 from app.widgets.status_line import StatusLine
 from app.worker import ModelSession
+from engine.errors import EngineError
 from engine.events import Finished, Loaded
+from engine.generation.cancel import CancelToken
 from engine.jobs import GenerateJob
 from engine.runs import Run
 from engine.storage import history
@@ -85,7 +87,8 @@ class MainWindow(QMainWindow):
         self._loading_default = False
         self._load_request = None  # what the load in progress was asked for
         self._generate_after_load: str | None = None  # a prompt waiting for the panel's choice to load
-        self.job: int | None = None  # the session's id of this window's generation
+        self.job: int | tuple | None = None  # the session's id of this window's generation (a tag when served)
+        self._served_cancel: CancelToken | None = None
 
         self.session = ModelSession("main", self)
         self.output = OutputView(self.transcript)
@@ -107,6 +110,9 @@ class MainWindow(QMainWindow):
         self._add_dock("generation", "Generation", _scrolling(self.generation_panel), Qt.LeftDockWidgetArea)
         self.server_panel = ServerPanel(self.session)
         self.server_panel.traffic_open_clicked.connect(self.open_traffic)
+        self.server_panel.local_events.connect(self._on_job_events)
+        self.server_panel.local_finished.connect(self._on_job_finished)
+        self.server_panel.local_failed.connect(self._on_job_failed)
         self._add_dock("server", "Server", self.server_panel, Qt.LeftDockWidgetArea)
         self.tabifyDockWidget(self._docks["generation"], self._docks["server"])
         self._docks["generation"].raise_()
@@ -302,13 +308,24 @@ class MainWindow(QMainWindow):
         self._update_state()
         self.budget.reset()
         self.timer.start()
+        if self.server_panel.started is not None:  # one core, two doors: the answer joins the served batch
+            self._served_cancel = CancelToken()
+            try:
+                self.job = self.server_panel.submit_local(request, self._served_cancel)
+            except EngineError as exc:
+                self.job = None
+                self._on_generation_failed(exc)
+            return
         self.job = self.session.submit(GenerateJob(request))
         self._on_queue_changed()  # it may wait behind another window's job
 
     @Slot()
     def stop(self) -> None:
         if self.generating:
-            self.session.cancel(self.job)
+            if isinstance(self.job, tuple):  # served: its own cancel flag, checked at every step
+                self._served_cancel.cancel()
+            else:
+                self.session.cancel(self.job)
 
     @Slot()
     def clear_conversation(self) -> None:
@@ -393,13 +410,13 @@ class MainWindow(QMainWindow):
         if job_id == self.job:
             self.statusBar().showMessage("Generating…")
 
-    @Slot(int, object)
+    @Slot(object, object)
     def _on_job_events(self, job_id: int, events: tuple) -> None:
         if job_id != self.job:
             return
         self.run.extend(events)
 
-    @Slot(int, object)
+    @Slot(object, object)
     def _on_job_finished(self, job_id: int, result) -> None:
         if job_id != self.job:
             self.tools.job_ended()
@@ -407,7 +424,7 @@ class MainWindow(QMainWindow):
         self.job = None
         self._on_generation_finished(result)
 
-    @Slot(int, object)
+    @Slot(object, object)
     def _on_job_failed(self, job_id: int, exc: Exception) -> None:
         if job_id == self.job:
             self.job = None

@@ -18,6 +18,8 @@ def describe(r: RunRecord) -> str:
     extra = r.extra
     lines = [f"### {r.model} · {r.precision} · {r.device_name or r.device}",
              f"{r.kind} run, {r.when.replace('T', ' ')}" + (f"; batch {r.batch}" if r.batch > 1 else ""), ""]
+    if extra.get("client"):
+        lines += [f"Served over HTTP to {extra['client']} ({extra.get('endpoint', '')})", ""]
     if extra.get("error"):
         lines += [f"**Failed:** {extra['error']}", ""]
     lines += [f"- prompt {r.prompt_tokens} tokens, answer {r.tokens} tokens" + (" each" if r.batch > 1 else ""),

@@ -190,6 +190,42 @@ class Served:
     requests: int
 
 
+class ServeDoor:
+    """The app's own door onto a serving core: a request submitted here joins the batch beside
+    the HTTP clients' (one core, two doors); its events come back as the serve job's events,
+    ``Tagged(("window", n), event)``. Thread-safe; open only while the server runs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._service = None
+        self._emit = None
+        self._next = 1
+
+    def open(self, service, emit) -> None:
+        with self._lock:
+            self._service, self._emit = service, emit
+
+    def close(self) -> None:
+        with self._lock:
+            self._service = self._emit = None
+
+    def submit(self, request: GenerationRequest, cancel: CancelToken) -> tuple[str, int]:
+        """Queue ``request`` in the serving core; returns its tag. Raises ``NotServingError`` when
+        the server is not (or no longer) running, ``QueueFullError`` when its queue is full."""
+        from engine.serve.service import NotServingError, Ticket, Token
+
+        with self._lock:
+            if self._service is None:
+                raise NotServingError("The server is not running.")
+            tag, self._next = ("window", self._next), self._next + 1
+            service, emit = self._service, self._emit
+
+        def sink(event) -> None:
+            emit(Tagged(tag, event.event if isinstance(event, Token) else event))
+        service.submit(Ticket(request, sink, client="window", endpoint="window", cancel=cancel))
+        return tag
+
+
 @dataclass(frozen=True)
 class ServeJob:
     """The model behind the OpenAI-compatible API (engine/serve) until cancelled: emits
@@ -200,6 +236,7 @@ class ServeJob:
     settings: object
     """engine.serve.server.ServeSettings"""
     stop_now: CancelToken = field(default_factory=CancelToken, compare=False)
+    door: ServeDoor = field(default_factory=ServeDoor, compare=False)
     kind: ClassVar[str] = "serving"
 
     def run(self, ctx: JobContext) -> Served:
@@ -217,9 +254,11 @@ class ServeJob:
             ctx.emit(ServerStarted(server.url, server.model_name, settings.max_batch, settings.kv_budget_bytes,
                                    bool(self.settings.api_key), ceilings))
             watcher.start()
+            self.door.open(server.service, ctx.emit)
             server.run_core()
             requested = ctx.cancel.cancelled
         finally:
+            self.door.close()
             ctx.cancel.cancel()  # the watcher ends too
             server.stop(drain=False, timeout=30)
             stop_listening()

@@ -26,7 +26,9 @@ from PySide6.QtWidgets import (
 )
 
 from engine.errors import EngineError
-from engine.jobs import ServeJob, Served, ServerStarted
+from engine.events import Finished
+from engine.jobs import ServeJob, Served, ServerStarted, Tagged
+from engine.serve.service import Accepted, Rejected
 from engine.serve.traffic import TrafficLog
 
 
@@ -58,6 +60,9 @@ class ServerPanel(QWidget):
     state_changed = Signal()
     """Started, stopped, failed or waiting: the window's other controls follow."""
     traffic_open_clicked = Signal()
+    local_events = Signal(object, object)  # tag, tuple of a window request's events
+    local_finished = Signal(object, object)  # tag, Finished
+    local_failed = Signal(object, object)  # tag, Exception
 
     def __init__(self, session, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -232,8 +237,11 @@ class ServerPanel(QWidget):
     def _on_events(self, job_id: int, events: tuple) -> None:
         if job_id != self.job:
             return
+        local: dict = {}
         for event in events:
-            if isinstance(event, ServerStarted):
+            if isinstance(event, Tagged):  # the window's own request, served beside the clients'
+                self._local(event, local)
+            elif isinstance(event, ServerStarted):
                 self.started = event
                 self.url.setText(event.url)
                 for name, text in examples(event.url, event.model_name, event.api_key).items():
@@ -242,8 +250,36 @@ class ServerPanel(QWidget):
                 self.state_changed.emit()
             else:
                 self.log.add(event)
+        for tag, batch in local.items():
+            if batch:
+                self.local_events.emit(tag, tuple(batch))
         if self.started is not None and not self._stopping:
             self._say(self.summary())
+
+    def submit_local(self, request, cancel) -> object:
+        """Run ``request`` (the main window's) in the serving core, beside the HTTP clients';
+        returns its tag, which ``local_events/local_finished/local_failed`` carry."""
+        return self._job.door.submit(request, cancel)
+
+    def _local(self, tagged: Tagged, pending: dict) -> None:
+        tag, event = tagged.tag, tagged.event
+        batch = pending.setdefault(tag, [])
+        if isinstance(event, Accepted):
+            return
+        if isinstance(event, Rejected):
+            self.local_failed.emit(tag, event.error)
+        elif isinstance(event, Finished):
+            if batch:
+                self.local_events.emit(tag, tuple(batch))
+                batch.clear()
+            if event.reason == "error":
+                from engine.errors import EngineError
+
+                self.local_failed.emit(tag, EngineError(event.error or "The engine failed."))
+            else:
+                self.local_finished.emit(tag, event)
+        else:
+            batch.append(event)
 
     def summary(self) -> str:
         running, waiting = self.log.in_core()

@@ -228,7 +228,8 @@ class _HistoryWriter:
         from engine.serve.service import RequestArrived, RequestEvent
 
         if isinstance(event, RequestArrived):
-            self.open[event.request_id] = (event, [])
+            if event.client != "window":  # the app's own requests: the window keeps those
+                self.open[event.request_id] = (event, [])
         elif isinstance(event, RequestEvent) and event.request_id in self.open:
             arrived, tokens = self.open[event.request_id]
             if isinstance(event.event, TokenGenerated):

@@ -32,7 +32,7 @@ def history_dir() -> Path:
 
 @dataclass(frozen=True)
 class RunRecord:
-    kind: str  # "single", "compare", "sweep", "speculative"
+    kind: str  # "single", "compare", "sweep", "speculative", "served"
     when: str
     model: str
     model_ref: str

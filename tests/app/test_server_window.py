@@ -148,14 +148,28 @@ def test_quit_with_streams_in_flight_ends_each_cleanly(qtbot, app_factory, slow_
     assert not window.session.thread.isRunning() and listening() == []
 
 
-def test_generating_while_serving_waits_for_the_server_and_says_so(qtbot, window, tiny_llama):
+def test_the_window_generates_through_the_serving_core_beside_the_clients(qtbot, window, tiny_llama):
     load(qtbot, window, tiny_llama)
+    alone = generate(qtbot, window, "fox", max_tokens=6)
     panel = start(qtbot, window)
-    generate(qtbot, window, "fox", max_tokens=3, wait=False)
-    assert "Waiting for the serving to finish" in window.statusBar().currentMessage()
-    with qtbot.waitSignal(window.generation_finished, timeout=60_000):
+    window.clear_conversation()  # the same prompt, not a second turn
+    served = generate(qtbot, window, "fox", max_tokens=6)
+    assert served.token_ids == alone.token_ids  # same greedy answer, through the server's core
+    (track,) = [t for t in panel.log.requests.values() if t.client == "window"]
+    qtbot.waitUntil(lambda: track.finished is not None)  # the traffic view sees it as a request
+    assert track.run.count == 6
+    assert not window.session.waiting()
+    generate(qtbot, window, "fox", max_tokens=2000, wait=False)  # Stop works on a served answer too
+    qtbot.waitUntil(lambda: window.run.count >= 2, timeout=30_000)
+    with qtbot.waitSignal(window.generation_finished, timeout=30_000) as stopped:
+        window.prompt.stop_button.click()
+    assert stopped.args[0].reason == "cancelled"
+    with qtbot.waitSignal(panel.state_changed, timeout=60_000):
         panel.stop_button.click()
-    assert panel.started is None
+    from engine.storage import history
+
+    kinds = sorted(r.kind for r in history.load_all())
+    assert kinds == ["single"] * 3  # the window's answers once each, not again as served requests
 
 
 @pytest.fixture(autouse=True)
