@@ -97,15 +97,34 @@ def main() -> int:
         app.quit()
 
     window.session.loaded.connect(on_loaded)
-    window.session.generation_finished.connect(on_finished)
+    window.generation_finished.connect(on_finished)
     window.session.load_failed.connect(on_failed)
-    window.session.generation_failed.connect(on_failed)
+    window.generation_failed.connect(on_failed)
+    return _run(app, window, outcome)
+
+
+def _failing(app, window, outcome: dict):
+    """A callback that records an error, closes the window and ends the run."""
+    def on_failed(exc) -> None:
+        outcome["error"] = str(exc)
+        window.close()
+        app.quit()
+    return on_failed
+
+
+def _run(app, window, outcome: dict) -> int:
+    """Show ``window``, load the default model, run until a shot saved (``outcome["saved"]``,
+    a path or a list of them) or failed (``outcome["error"]``)."""
+    from PySide6.QtCore import QTimer
+
+    window.show()
     QTimer.singleShot(0, window.start)
     app.exec()
     if "error" in outcome:
         print(f"error: {outcome['error']}", file=sys.stderr)
         return 1
-    print(f"saved {outcome['saved']}")
+    saved = outcome["saved"]
+    print("saved " + (", ".join(saved) if isinstance(saved, list) else saved))
     return 0
 
 
@@ -155,22 +174,11 @@ def traffic_shot(app, args, window) -> int:
         window.close()
         app.quit()
 
-    def on_failed(exc) -> None:
-        outcome["error"] = str(exc)
-        window.close()
-        app.quit()
-
+    on_failed = _failing(app, window, outcome)
     window.session.loaded.connect(on_loaded)
     window.server_panel.state_changed.connect(on_state)
     window.session.load_failed.connect(on_failed)
-    window.show()
-    QTimer.singleShot(0, window.start)
-    app.exec()
-    if "error" in outcome:
-        print(f"error: {outcome['error']}", file=sys.stderr)
-        return 1
-    print(f"saved {outcome['saved']}")
-    return 0
+    return _run(app, window, outcome)
 
 
 def speedups_shot(app, args, window) -> int:
@@ -229,24 +237,13 @@ def speedups_shot(app, args, window) -> int:
         window.close()
         app.quit()
 
-    def on_failed(exc) -> None:
-        outcome["error"] = str(exc)
-        window.close()
-        app.quit()
-
+    on_failed = _failing(app, window, outcome)
     window.session.loaded.connect(on_loaded)
     window.session.job_started.connect(on_job_started)
     window.session.job_finished.connect(on_job_finished)
     window.session.load_failed.connect(on_failed)
     window.session.job_failed.connect(lambda job_id, exc: on_failed(exc))
-    window.show()
-    QTimer.singleShot(0, window.start)
-    app.exec()
-    if "error" in outcome:
-        print(f"error: {outcome['error']}", file=sys.stderr)
-        return 1
-    print("saved " + ", ".join(outcome["saved"]))
-    return 0
+    return _run(app, window, outcome)
 
 
 def costs_shot(app, args) -> int:
