@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.frame_budget import FrameBudget
 from app.transcript import Transcript, Turn
 from app.widgets.live_plots import PlotPanel
 from app.widgets.output_view import OutputView
@@ -33,6 +34,10 @@ from app.widgets.traffic_plots import TrafficPlots
 from engine.errors import EngineError
 
 REFRESH_MS = 50
+GROUPS = 4
+FRAME_BUDGET = 0.1
+"""Share of a core the view's redraws may take while the server runs."""
+"""The plots redraw a group per tick, in turn (each group about 5 times a second)."""
 RESULT_COLUMNS = ("setting", "done", "req/s", "out tok/s", "TTFT p50", "TPOT p50", "TPOT p99", "E2E p50")
 
 
@@ -279,6 +284,7 @@ class TrafficWindow(QWidget):
         self.request_view = OutputView(self.transcript)
         self.request_view.set_show_tokens(True)
         self.shown_request: int | None = None
+        self._turn = 0
         self.load_box = LoadBox(panel)
         side = QWidget()
         side_layout = QVBoxLayout(side)
@@ -300,7 +306,8 @@ class TrafficWindow(QWidget):
         layout.addWidget(splitter, 1)
         self.timer = QTimer(self)
         self.timer.setInterval(REFRESH_MS)
-        self.timer.timeout.connect(self.refresh)
+        self.timer.timeout.connect(self._on_tick)
+        self.budget = FrameBudget(FRAME_BUDGET)
         panel.state_changed.connect(self._on_state)
         self.resize(1700, 960)
         self._on_state()
@@ -313,7 +320,17 @@ class TrafficWindow(QWidget):
         self.refresh()
 
     @Slot()
-    def refresh(self) -> None:
+    def _on_tick(self) -> None:
+        """Timer tick, as often as the frame budget allows: the GUI shares the machine with the
+        server it draws (and on two cores every ms here is taken from the model)."""
+        if self.budget.due():
+            self.budget.begin()
+            self.refresh()
+            QTimer.singleShot(0, self.budget.end)  # after the paint events this redraw posted
+
+    @Slot()
+    def refresh(self, everything: bool = False) -> None:
+        """The summary line, and the next group of plots in turn (``everything``: all of them)."""
         panel = self.panel
         if panel.started is not None:
             s = self.panel.log.steps()
@@ -327,7 +344,9 @@ class TrafficWindow(QWidget):
             self.summary.setText(panel.status.text())
             if self.panel.job is None:
                 self.timer.stop()
-        if self.isVisible() and self.plots.refresh(panel.log) and self.shown_request is not None:
+        self._turn = (self._turn + 1) % GROUPS
+        only = None if everything else self._turn
+        if self.isVisible() and self.plots.refresh(panel.log, only=only) and self.shown_request is not None:
             self.request_view.sync()
             track = panel.log.requests.get(self.shown_request)
             if track is not None:

@@ -162,7 +162,7 @@ def traffic_shot(app, args, window) -> int:
         if panel.log.finished >= 24 and running >= 16:
             ui["poll"].stop()
             view = ui["view"]
-            view.refresh()
+            view.refresh(everything=True)
             QTimer.singleShot(200, finish)
 
     def finish() -> None:

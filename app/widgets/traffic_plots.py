@@ -26,10 +26,12 @@ WINDOW_S = 60.0
 """The timeline and the step plots show the last minute."""
 ROWS = 48
 """Requests on the timeline at most (the newest)."""
+KV_SENTENCE = ("The cache each running request holds, stacked (a colour per batch slot, one request at a time), "
+               "against the budget.")
 
 
-def band_colour(request_id: int) -> QColor:
-    colour = pg.intColor(request_id, hues=12, values=2, minValue=190, maxValue=240, sat=120)
+def band_colour(slot: int) -> QColor:
+    colour = pg.intColor(slot, hues=12, values=2, minValue=190, maxValue=240, sat=120)
     colour.setAlpha(200)
     return colour
 
@@ -80,7 +82,7 @@ class TrafficPlots(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.log: TrafficLog | None = None
-        self._version = -1
+        self._version = dict.fromkeys((None, 0, 1, 2, 3), -1)
         self.timeline = PlotPanel("Requests", "A row per request: waiting, reading its prompt, generating, done. "
                                   "Hover for its figures; click to see its prompt and tokens.", "request", "s")
         for phase in ("waiting", "prefill", "decode", "done", "failed"):
@@ -98,8 +100,7 @@ class TrafficPlots(QWidget):
         self.batch_curve = self.steps.curve("batch", "main")
         self.tokens_curve = self.steps.curve("tokens per step", "second", Qt.DashLine)
 
-        self.kv = PlotPanel("KV cache", "The cache each running request holds, stacked (a colour per "
-                            "request), against the budget.", "MiB", "s")
+        self.kv = PlotPanel("KV cache", KV_SENTENCE, "MiB", "s")
         self.kv.add_legend("budget", "#d63031", "╍╍")
         self.budget_line = pg.InfiniteLine(angle=0, pen=pg.mkPen("#d63031", width=1, style=Qt.DashLine))
         self.budget_line.hide()
@@ -134,19 +135,28 @@ class TrafficPlots(QWidget):
         self._rows: dict[int, int] = {}
 
     # -- drawing -----------------------------------------------------------------------------
-    def refresh(self, log: TrafficLog) -> bool:
-        """Redraw if ``log`` changed since the last call; ``True`` if it did."""
-        if log is self.log and log.version == self._version:
+    def refresh(self, log: TrafficLog, only: int | None = None) -> bool:
+        """Redraw if ``log`` changed since the last call (``only``: just that one of the four
+        groups: timeline, steps and throughput, KV cache, distributions; a window's timer takes
+        them in turn, so one tick costs a few ms); ``True`` if it drew."""
+        if log is not self.log:
+            self._version = dict.fromkeys(self._version, -1)
+        elif log.version == self._version[only]:
             return False
-        self.log, self._version = log, log.version
+        self.log = log
+        self._version[only] = log.version
         now = log.now
         start = max(0.0, now - WINDOW_S)
-        self._draw_timeline(log, start, now)
-        self._draw_steps(log, start, now)
-        self._draw_kv(log, start, now)
-        self.ttft.draw(log.ttft_s)
-        self.itl.draw(log.itl_s)
-        self.e2e.draw(log.e2e_s)
+        if only in (None, 0):
+            self._draw_timeline(log, start, now)
+        if only in (None, 1):
+            self._draw_steps(log, start, now)
+        if only in (None, 2):
+            self._draw_kv(log, start, now)
+        if only in (None, 3):
+            self.ttft.draw(log.ttft_s)
+            self.itl.draw(log.itl_s)
+            self.e2e.draw(log.e2e_s)
         return True
 
     def _draw_timeline(self, log: TrafficLog, start: float, now: float) -> None:
@@ -188,21 +198,22 @@ class TrafficPlots(QWidget):
         self.rate.item.setYRange(0, top * 1.1, padding=0)
 
     def _draw_kv(self, log: TrafficLog, start: float, now: float) -> None:
-        times, ids, table = log.kv_stack(start)
-        stacked = np.cumsum(table, axis=0) / 2**20 if len(ids) else np.zeros((0, len(times)))
-        while len(self.kv_bands) < len(ids):
-            band = self.kv.plot.plot([], [], pen=None, fillLevel=0)
+        times, table = log.kv_stack(start)
+        stacked = np.cumsum(table, axis=0) / 2**20
+        slots = len(table)
+        while len(self.kv_bands) < slots:
+            band = self.kv.plot.plot([], [], pen=None, fillLevel=0, brush=band_colour(len(self.kv_bands)))
             self.kv_bands.append(band)
         for i, band in enumerate(self.kv_bands):
-            if i < len(ids):
-                j = len(ids) - 1 - i  # the top band first, so each lower one paints over it
-                band.setData(times, stacked[j], stepMode=None)
-                band.setBrush(band_colour(ids[j]))
+            if i < slots:
+                j = slots - 1 - i  # the top band first, so each lower one paints over it
+                band.setData(times, stacked[j])
+                band.setBrush(band_colour(j))
                 band.setZValue(i)
                 band.show()
             else:
                 band.hide()
-        used = float(stacked[-1].max()) if len(ids) else 0.0
+        used = float(stacked[-1].max()) if slots and len(times) else 0.0
         budget = (log.kv_budget_bytes or 0) / 2**20
         shown = max(used * 1.2, 1.0)
         if budget and budget <= 4 * shown:
@@ -213,8 +224,7 @@ class TrafficPlots(QWidget):
         else:
             self.budget_line.hide()
             note = (f" Budget {budget:,.0f} MiB: off the chart ({used / budget:.1%} used at most)." if budget else "")
-        self.kv._sentence = ("The cache each running request holds, stacked (a colour per request), against the "
-                             "budget." + note)
+        self.kv._sentence = KV_SENTENCE + note
         self.kv.caption.setText(" &nbsp; ".join(self.kv._legend) + "<br>" + self.kv._sentence)
         self.kv.item.setXRange(start, max(now, start + 5), padding=0.01)
         self.kv.item.setYRange(0, shown, padding=0)

@@ -56,7 +56,7 @@ def test_no_port_until_started_then_served_and_drawn(qtbot, window, tiny_llama):
                for p in ("The quick brown fox", "Memory bandwidth")]
     qtbot.waitUntil(lambda: panel.log.finished == 2, timeout=30_000)
     assert "2 served" in panel.status.text()
-    traffic.refresh()
+    traffic.refresh(everything=True)
     drawn = traffic.plots.bars["done"].opts["x0"]
     assert len(drawn) == 2  # a finished row per request
     first = next(iter(panel.log.requests))
