@@ -43,7 +43,7 @@ def test_no_port_until_started_then_served_and_drawn(qtbot, window, tiny_llama):
     assert panel.started is not None
     (socket,) = listening()
     assert socket.laddr.ip == "127.0.0.1" and panel.started.url.endswith(f":{socket.laddr.port}/v1")
-    assert not window.model_panel.isEnabled()  # no other model loads while this one serves
+    qtbot.waitUntil(lambda: not window.model_panel.isEnabled())  # no other model loads while this one serves
 
     examples = {panel.examples.tabText(i): panel.examples.widget(i).toPlainText()
                 for i in range(panel.examples.count())}
@@ -69,7 +69,7 @@ def test_no_port_until_started_then_served_and_drawn(qtbot, window, tiny_llama):
         panel.stop_button.click()
     assert panel.started is None and "Stopped after 2 requests" in panel.status.text()
     assert listening() == []
-    assert window.model_panel.isEnabled()
+    qtbot.waitUntil(window.model_panel.isEnabled)  # the session's queue, told after the job's end
 
 
 def test_load_generator_in_the_traffic_view(qtbot, window, tiny_llama, tmp_path):

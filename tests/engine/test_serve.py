@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 
 import httpx
 import pytest
@@ -250,16 +251,27 @@ def test_key_body_limit_queue_limit_and_history(loaded_llama, tmp_path, monkeypa
             assert big.status_code == 413 and "request body" in big.json()["error"]["message"]
             assert http.post("/chat/completions", json=chat(server, "Hi", max_tokens=3)).status_code == 200
 
+            gate = threading.Event()  # holds the core in its next decode step: the queue can't drain
+            decode = server.service.core.runner.decode
+            monkeypatch.setattr(server.service.core.runner, "decode", lambda *a: gate.wait(30) and decode(*a))
             long = chat(server, PROMPTS[0], max_tokens=200, ignore_eos=True, stream=True)
+
+            def second() -> None:  # waits in the queue (its headers come once the core takes it)
+                with httpx.Client(base_url=server.url, headers=headers, timeout=60) as other:
+                    with other.stream("POST", "/chat/completions", json=long) as response:
+                        next(response.iter_lines())  # then it leaves: cancelled
+
             with http.stream("POST", "/chat/completions", json=long) as first:
                 next(first.iter_lines())  # running (the batch holds one)
-                with httpx.Client(base_url=server.url, headers=headers, timeout=60) as other:
-                    with other.stream("POST", "/chat/completions", json=long) as second:
-                        assert server.service.wait_until(lambda s: s.waiting == 1, timeout=30)
-                        refused = http.post("/chat/completions", json=chat(server, "x", max_tokens=2))
-                        assert refused.status_code == 429
-                        assert "waiting" in refused.json()["error"]["message"]
-                        second.close()
+                waiting = threading.Thread(target=second)
+                waiting.start()
+                assert server.service.wait_until(lambda s: s.waiting == 1, timeout=30)
+                refused = http.post("/chat/completions", json=chat(server, "x", max_tokens=2))
+                assert refused.status_code == 429
+                assert "waiting" in refused.json()["error"]["message"]
+                gate.set()
+                waiting.join(30)
+                assert not waiting.is_alive()
         assert server.service.wait_until(lambda s: s.in_flight == 0, timeout=30)
     finally:
         assert server.stop(drain=False, timeout=30)
