@@ -231,8 +231,10 @@ class ModelSession(QObject):
             # signal to signal, across threads: queued into this (the GUI) thread
             getattr(self.worker, name).connect(getattr(self, name))
         self.worker.job_started.connect(self._on_started)
-        self.worker.job_finished.connect(lambda job_id, result: self._on_ended(job_id, self.job_finished, result))
-        self.worker.job_failed.connect(lambda job_id, exc: self._on_ended(job_id, self.job_failed, exc))
+        # bound slots of this object, not lambdas: PySide runs a lambda in the emitting (worker)
+        # thread, and the queue's bookkeeping and the re-emitted signals belong to the GUI thread
+        self.worker.job_finished.connect(self._on_worker_finished)
+        self.worker.job_failed.connect(self._on_worker_failed)
         self.thread.finished.connect(self.worker.deleteLater)
         self.thread.started.connect(self.worker.yield_to_the_gui)  # in the new thread, before any torch work
         self._load_cancel: CancelToken | None = None
@@ -274,6 +276,14 @@ class ModelSession(QObject):
         self.running = job_id
         self.queue_changed.emit()
         self.job_started.emit(job_id)
+
+    @Slot(int, object)
+    def _on_worker_finished(self, job_id: int, result) -> None:
+        self._on_ended(job_id, self.job_finished, result)
+
+    @Slot(int, object)
+    def _on_worker_failed(self, job_id: int, exc) -> None:
+        self._on_ended(job_id, self.job_failed, exc)
 
     def _on_ended(self, job_id: int, signal, payload) -> None:
         self.jobs.pop(job_id, None)

@@ -147,3 +147,19 @@ def test_the_engine_thread_is_scheduled_below_the_gui_thread(qtbot, tiny_llama):
     assert worker != threading.get_native_id()
     assert os.getpriority(os.PRIO_PROCESS, worker) > os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert session.shutdown()
+
+
+def test_the_session_keeps_its_queue_in_the_gui_thread(qtbot, tiny_llama, monkeypatch):
+    """A job's end is booked (queue, running job, re-emitted signals) in the GUI thread, not in the
+    worker's (PySide runs a lambda connected across threads in the emitting thread)."""
+    import threading
+
+    session = _session(qtbot, tiny_llama)
+    booked = []
+    ended = session._on_ended
+    monkeypatch.setattr(session, "_on_ended", lambda *args: (booked.append(threading.current_thread()),
+                                                              ended(*args)))
+    with qtbot.waitSignal(session.job_finished, timeout=60_000):
+        session.submit(TokenizeJob(GenerationRequest("fox", mode="raw")))
+    assert booked == [threading.main_thread()] and not session.busy
+    session.shutdown()
