@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     estimate.add_argument("--hardware", default="this-machine", help="a profile id (inference-workbench hardware)")
     estimate.add_argument("--training-tokens", type=float, help="tokens the model was trained on, e.g. 15e12")
+    estimate.add_argument("--gpus", action="store_true",
+                          help="plan tensor parallelism: how many GPUs of --hardware, what each holds, the "
+                               "interconnect traffic, the ceiling, and the vLLM and SGLang commands")
     estimate.add_argument("--json", type=Path, help="write the estimate here")
 
     hardware = sub.add_parser("hardware", help="list the hardware profiles (this machine measured once)")
@@ -358,6 +361,14 @@ def _estimate(args) -> int:
                             args.batch, args.training_tokens, model=args.model)
     data = result.to_dict()
     print(estimate_summary(result, hardware.get(args.hardware)))
+    if args.gpus:
+        from engine.cli_text import parallel_summary
+        from engine.estimates.parallel import plan_tensor_parallel
+
+        plan = plan_tensor_parallel(config, hardware.get(args.hardware), args.precision, args.kv_dtype, args.context,
+                                    args.batch, model=args.model)
+        print(parallel_summary(plan))
+        data["tensor_parallel"] = plan.to_dict()
     if args.json is not None:
         _write_json(args.json, data)
     return 0

@@ -95,3 +95,24 @@ def estimate_summary(e, hw) -> str:
         lines.append(f"training   {e.training_flops:.2e} FLOPs; serving matches it after "
                      f"{e.training_breakeven_tokens:.2e} generated tokens")
     return "\n".join(lines)
+
+
+def parallel_summary(plan) -> str:
+    """A tensor-parallel plan (engine/estimates/parallel.py) as a table and the commands."""
+    gib = 2**30
+    usable = plan.options[0].usable_per_gpu_bytes / gib if plan.options else 0.0
+    lines = ["", f"tensor parallel on {plan.hardware} (each GPU may use {plan.memory_utilization:.0%} of its memory: "
+             f"{usable:.1f} GiB)",
+             f"{'GPUs':>4} {'weights':>10} {'KV':>9} {'activ.':>8} {'runtime':>8} {'total':>10} {'fits':>5} "
+             f"{'link/token':>11} {'tok/s ceiling':>14}  bound"]
+    for o in plan.options:
+        lines.append(f"{o.gpus:>4} {o.weights_per_gpu_bytes / gib:>8.1f} G {o.kv_per_gpu_bytes / gib:>7.2f} G "
+                     f"{o.activation_per_gpu_bytes / gib:>6.2f} G {o.runtime_per_gpu_bytes / gib:>6.1f} G "
+                     f"{o.total_per_gpu_bytes / gib:>8.1f} G {'yes' if o.fits else 'no':>5} "
+                     f"{o.allreduce_bytes_per_token / 2**20:>8.2f} MiB {o.decode_tokens_per_s_ceiling:>14.1f}  {o.bound}")
+    if plan.chosen is None:
+        lines.append("no size up to the largest tried fits: a smaller precision, a shorter context or more GPUs")
+        return "\n".join(lines)
+    price = "" if plan.usd_per_million_tokens is None else f", ${plan.usd_per_million_tokens:.2f} per 1M tokens"
+    lines += [f"→ {plan.chosen.gpus} GPUs{price}", f"  {plan.vllm_command}", f"  {plan.sglang_command}"]
+    return "\n".join(lines)

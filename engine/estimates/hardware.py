@@ -26,6 +26,8 @@ class Hardware:
     usd_per_hour: float | None
     watts: float | None
     sources: dict = field(default_factory=dict, compare=False)
+    interconnect_bytes_per_s: float | None = None
+    """GPU-to-GPU link, one direction (NVLink, else PCIe): what tensor parallelism's all-reduces use."""
 
     def to_dict(self) -> dict:
         return asdict(self)
