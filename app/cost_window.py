@@ -3,6 +3,7 @@ piece of hardware, and put the measured runs on the same charts."""
 
 from __future__ import annotations
 
+from PySide6.QtGui import QGuiApplication
 from PySide6.QtCore import Qt, QTimer, Signal, Slot
 from PySide6.QtWidgets import (
     QComboBox,
@@ -106,6 +107,12 @@ class CostWindow(QMainWindow):
         side_layout = QVBoxLayout(side)
         side_layout.addLayout(form)
         side_layout.addWidget(self.numbers, 1)
+        self.plan = None
+        self.copy_command = QPushButton("Copy the vLLM command")
+        self.copy_command.setToolTip("Serve this model, context and batch on as many of these GPUs as it needs.")
+        self.copy_command.setEnabled(False)
+        self.copy_command.clicked.connect(self.copy_vllm_command)
+        side_layout.addWidget(self.copy_command)
         dock = QDockWidget("Model and hardware", self)
         dock.setObjectName("cost_dock_controls")
         dock.setWidget(side)
@@ -274,12 +281,35 @@ class CostWindow(QMainWindow):
             measured = last.weights_bytes + last.kv_cache_bytes
             rows.append(("Last run", f"weights + KV measured {format_bytes(measured)}, predicted "
                                      f"{format_bytes(predicted_bytes)} ({100 * (predicted_bytes - measured) / measured:+.2f}%)"))
+        plan = self._plan(profile)
+        if plan is not None:
+            rows += _plan_rows(plan)
+        self.copy_command.setEnabled(plan is not None and plan.chosen is not None)
+        self.plan = plan
         sources = profile.sources or {}
         self.numbers.setText(
             "<table cellspacing=3>" + "".join(f"<tr><td><b>{k}</b></td><td>{v}</td></tr>" for k, v in rows) + "</table>"
             + f"<p><b>{profile.name}</b>: {profile.bandwidth_bytes_per_s / 1e9:,.0f}&nbsp;GB/s "
               f"<small>({sources.get('bandwidth_bytes_per_s', '')})</small>, {profile.bf16_flops / 1e12:,.1f}&nbsp;TFLOP/s "
               f"<small>({sources.get('bf16_flops', '')})</small></p>")
+
+    def _plan(self, profile):
+        """The tensor-parallel plan on this GPU (engine/estimates/parallel.py), or ``None`` on a CPU or
+        Apple profile."""
+        if profile.kind != "gpu":
+            return None
+        from engine.estimates.parallel import plan_tensor_parallel
+
+        e = self.estimate
+        try:
+            return plan_tensor_parallel(self._config, profile, e.precision, e.kv_dtype, e.context, e.batch,
+                                        model=self.model_ref())
+        except EngineError:
+            return None
+
+    def copy_vllm_command(self) -> None:
+        if self.plan is not None and self.plan.vllm_command:
+            QGuiApplication.clipboard().setText(self.plan.vllm_command)
 
     def closeEvent(self, event) -> None:
         self._closing = True
@@ -315,3 +345,25 @@ def _money(value: float | None, fits: bool, rate: float | None, what: str) -> st
     if value is None:
         return "n/a"
     return f"${value:,.3f}" if what.startswith("$") else f"{value:,.0f} Wh"
+
+
+def _plan_rows(plan) -> list[tuple[str, str]]:
+    """The tensor-parallel plan as rows of the numbers table."""
+    if plan.chosen is None:
+        return [("Past one GPU", "<b style='color:#c0392b'>no tensor-parallel size up to 8 fits</b>: a smaller "
+                                 "precision, a shorter context or a smaller batch")]
+    o = plan.chosen
+    link = ("no link bandwidth in this profile" if o.interconnect_time_s is None else
+            f"{format_bytes(o.allreduce_bytes_per_token)} per token per GPU over the link "
+            f"({o.interconnect_time_s * 1000:.2f} ms a step)")
+    price = "" if plan.usd_per_million_tokens is None else f", ${plan.usd_per_million_tokens:,.2f} per 1M tokens"
+    return [
+        ("Past one GPU", f"<b>{o.gpus} GPU{'s' if o.gpus > 1 else ''}</b> with tensor parallelism: each holds weights "
+                         f"{format_bytes(o.weights_per_gpu_bytes)}, KV {format_bytes(o.kv_per_gpu_bytes)}, "
+                         f"activations {format_bytes(o.activation_per_gpu_bytes)}, runtime "
+                         f"{format_bytes(o.runtime_per_gpu_bytes)} = {format_bytes(o.total_per_gpu_bytes)} of "
+                         f"{format_bytes(o.usable_per_gpu_bytes)} usable"),
+        ("Across them", f"{link}; ceiling {o.decode_tokens_per_s_ceiling:,.1f} tok/s ({o.bound}-bound){price}"),
+        ("vLLM", f"<code>{plan.vllm_command}</code>"),
+        ("SGLang", f"<code>{plan.sglang_command}</code>"),
+    ]

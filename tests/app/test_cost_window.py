@@ -97,3 +97,22 @@ def test_the_window_shows_before_its_charts_are_made(qtbot, tmp_path, monkeypatc
     assert window.charts.built and all(cell.currentWidget() is not None and cell.count() == 2
                                        for cell in window.charts._cells)
     window.close()
+
+
+def test_a_model_past_one_gpu_gets_a_plan_and_the_vllm_command(qtbot, costs_window):
+    from PySide6.QtGui import QGuiApplication
+
+    w = costs_window
+    w.set_model("meta-llama/Llama-3.1-70B", "bf16")
+    w.hardware.setCurrentIndex(w.hardware.findData("h100-sxm"))
+    w.context.setValue(CONTEXTS.index(32768))
+    w.batch.setValue(BATCHES.index(1))
+    settle(qtbot, w)
+    assert not w.estimate.fits and w.plan.chosen.gpus == 4
+    text = w.numbers.text()
+    assert "<b>4 GPUs</b>" in text and "--tensor-parallel-size 4" in text and "--tp 4" in text
+    w.copy_command.click()
+    assert QGuiApplication.clipboard().text() == w.plan.vllm_command
+    w.hardware.setCurrentIndex(w.hardware.findData("ddr5-desktop"))
+    settle(qtbot, w)
+    assert w.plan is None and not w.copy_command.isEnabled() and "Past one GPU" not in w.numbers.text()
