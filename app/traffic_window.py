@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.frame_budget import FrameBudget
+from app.screen import fit_screen
 from app.transcript import Transcript, Turn
 from app.widgets.live_plots import PlotPanel
 from app.widgets.output_view import OutputView
@@ -309,7 +310,7 @@ class TrafficWindow(QWidget):
         self.timer.timeout.connect(self._on_tick)
         self.budget = FrameBudget(FRAME_BUDGET)
         panel.state_changed.connect(self._on_state)
-        self.resize(1700, 960)
+        self.resize(fit_screen(1700, 960))
         self._on_state()
 
     @Slot()

@@ -169,8 +169,9 @@ class TrafficLog:
         total = np.cumsum(made)
         start = np.searchsorted(at, at - window_s, side="right")
         before = np.where(start > 0, total[np.maximum(start - 1, 0)], 0)
-        span = np.minimum(window_s, np.maximum(at - at[0], 1e-9)) if len(at) > 1 else np.full(1, window_s)
-        return at, (total - before) / np.maximum(span, 1e-3)
+        # always over the whole window: the first steps of a burst ramp up rather than divide a
+        # token or two by a few ms (a 1,000 tok/s spike at the first step of the first request)
+        return at, (total - before) / window_s
 
     def kv_stack(self, since_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """(step times, [slots × steps] KV bytes) for the steps after ``since_s``: the bands of a

@@ -416,3 +416,17 @@ def test_serve_command_streams_and_ctrl_c_ends_streams_cleanly(tiny_llama, tmp_p
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort"
     assert "stopped after 1 requests" in process.stderr.read()
+
+
+def test_traffic_log_output_rate_is_tokens_over_the_last_second():
+    from engine.events import MemorySample
+    from engine.serve.service import RequestState
+    from engine.serve.traffic import TrafficLog
+
+    log = TrafficLog()
+    memory = MemorySample(None, "cpu")
+    for i, at in enumerate((1.000, 1.005, 1.5, 2.2)):  # a token per step, the first two 5 ms apart
+        step = StepCompleted(i, 1, 1, 0, 0, 1, 10, None, 0.005, at, memory)
+        log.add(TrafficStep(step, (RequestState(1, "decode", 10, i + 1),), None, at))
+    at, rate = log.output_rate(window_s=1.0)
+    assert list(rate) == [1.0, 2.0, 3.0, 2.0]  # tokens in the second before each step, never 2 per 5 ms
