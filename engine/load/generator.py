@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidRequestError
 from engine.load.metrics import RequestResult, Summary, summarize
 from engine.load.prompts import Prompt
+from engine.load.scrape import ServerState, metrics_url, scrape
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class LoadPlan:
     seed: int = 0
     slo: dict | None = None
     request_timeout_s: float = 600.0
+    scrape: bool = True
+    """Read the server's /metrics while each setting runs (engine/load/scrape.py)."""
 
     def validated(self) -> "LoadPlan":
         if not self.url.startswith(("http://", "https://")):
@@ -66,6 +69,8 @@ class SettingResult:
     results: list[RequestResult]
     summary: Summary
     model: str = ""
+    server: ServerState = field(default_factory=ServerState)
+    """What the server said about itself meanwhile (its /metrics), if anything."""
 
     @property
     def label(self) -> str:
@@ -73,7 +78,7 @@ class SettingResult:
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "value": self.value, "model": self.model, "summary": self.summary.to_dict(),
-                "requests": [r.to_dict() for r in self.results]}
+                "server": self.server.to_dict(), "requests": [r.to_dict() for r in self.results]}
 
 
 @dataclass
@@ -137,6 +142,9 @@ class LoadRunner:
                 self.on_request(label, results[i])
 
         work: list[asyncio.Task] = []
+        server = ServerState()
+        watcher = (asyncio.ensure_future(scrape(client, metrics_url(plan.url), server, start)) if plan.scrape
+                   else None)
         try:
             if mode == "concurrency":
                 queue = iter(range(plan.requests))
@@ -156,15 +164,15 @@ class LoadRunner:
         except asyncio.CancelledError:  # stop(): what ran is kept, the rest marked
             unfinished = "stopped before it finished"
         finally:
-            for task in work:
+            for task in work + ([watcher] if watcher else []):
                 task.cancel()
-            await asyncio.gather(*work, return_exceptions=True)
+            await asyncio.gather(*work, *([watcher] if watcher else []), return_exceptions=True)
         for r in results:
             if not r.ok and r.error is None and unfinished:
                 r.error = unfinished if r.start_s or r.status is not None else f"never sent: {unfinished}"
         ended = [r.start_s + r.e2e_s for r in results if r.e2e_s is not None]
         duration = (max(ended) if ended else time.perf_counter() - start)
-        return SettingResult(mode, value, results, summarize(results, duration, plan.slo), model)
+        return SettingResult(mode, value, results, summarize(results, duration, plan.slo), model, server)
 
 
 async def first_model(client) -> str:

@@ -28,7 +28,26 @@ def summary_line(result: SettingResult) -> str:
         line += f"  {s.goodput:.2f} req/s"
     if s.errors:
         line += f"\n    failed {s.failed}: " + "; ".join(s.errors[:3])
+    line += "\n    " + server_line(result.server)
     return line
+
+
+def server_line(server) -> str:
+    """What the server's /metrics said during the setting."""
+    if server.kind is None:
+        return f"server: no state ({server.reason or 'not scraped'})"
+    parts = []
+    for name, label in (("running", "running"), ("waiting", "waiting")):
+        peak = server.peak(name)
+        if peak is not None:
+            parts.append(f"{label} ≤ {peak:.0f}")
+    kv = server.peak("kv_usage")
+    if kv is not None:
+        parts.append(f"KV cache ≤ {kv:.1%}")
+    preempted = server.peak("preemptions")
+    if preempted:
+        parts.append(f"{preempted:.0f} preemptions")
+    return f"server ({server.kind}, {len(server.samples)} scrapes): " + ", ".join(parts)
 
 
 def write_json(path: Path, plan: LoadPlan, results: list[SettingResult]) -> None:

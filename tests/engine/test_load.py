@@ -131,3 +131,27 @@ def test_unreachable_server_is_a_clear_error(capsys):
         port = s.getsockname()[1]
     assert main(["load", "--url", f"http://127.0.0.1:{port}/v1", "--requests", "1"]) == 1
     assert "Can't reach" in capsys.readouterr().err
+
+
+def test_the_servers_own_metrics_are_read_while_a_setting_runs(server):
+    plan = LoadPlan(url=server.url, concurrency=(4,), requests=8, max_tokens=60, ignore_eos=True).validated()
+    (setting,) = LoadRunner(plan, PROMPTS).run()
+    state = setting.server
+    assert state.kind == "vllm" and state.samples  # ours speaks vLLM's names; detected, not configured
+    assert 1 <= state.peak("running") <= 4 and state.peak("waiting") == 0
+    assert 0 <= state.peak("kv_usage") < 1
+    assert "server (vllm" in __import__("engine.load.report", fromlist=["x"]).summary_line(setting)
+
+
+def test_a_server_without_metrics_is_said_to_have_none():
+    from engine.load.scrape import KINDS, ServerState, _values, detect, sample
+
+    text = "# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 3\nllamacpp:requests_deferred 1\n"
+    values = _values(text)
+    assert detect(values) == "llama.cpp"
+    got = sample(values, "llama.cpp", 1.0)
+    assert (got.running, got.waiting, got.kv_usage) == (3, 1, None)  # no KV figure: absent, not 0
+    sglang = _values("sglang:num_running_reqs{tp_rank=\"0\"} 2\nsglang:num_queue_reqs 5\nsglang:token_usage 0.25\n")
+    assert detect(sglang) == "sglang" and sample(sglang, "sglang", 0).kv_usage == 0.25
+    assert detect(_values("process_cpu_seconds_total 1\n")) is None and set(KINDS) == {"vllm", "sglang", "llama.cpp"}
+    assert ServerState().peak("running") is None

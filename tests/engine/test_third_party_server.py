@@ -66,3 +66,4 @@ def test_load_against_transformers_serve_counts_tokens_from_its_usage(transforme
         assert len(result.itl_s) == len(result.chunk_times_s) - 1
         assert result.finish_reason in ("length", "stop")
     assert summary.output_tokens == sum(r.output_tokens for r in setting.results)
+    assert setting.server.kind is None and "metrics" in setting.server.reason  # none, said so (not zeros)

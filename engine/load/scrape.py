@@ -1,0 +1,112 @@
+"""What a server says about itself while a load runs: its Prometheus ``/metrics`` (vLLM, SGLang,
+llama.cpp, or ours, which uses vLLM's names), scraped every half second and read as requests
+running, waiting and the KV cache's fill. The kind is detected from the names, not configured;
+a server without ``/metrics`` (or with names we don't know) is said to have none, not zeros.
+
+Names, checked against each server: vLLM ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc`` (``vllm:gpu_cache_usage_perc`` before v0.10), ``vllm:num_preemptions_total``;
+SGLang ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``; llama.cpp
+(``llama-server --metrics``) ``llamacpp:requests_processing``, ``llamacpp:requests_deferred`` (no KV
+figure in recent builds: its ``/slots`` says which slots are busy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass, field
+
+KINDS = {
+    "vllm": {"running": ("vllm:num_requests_running",), "waiting": ("vllm:num_requests_waiting",),
+             "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+             "preemptions": ("vllm:num_preemptions_total", "vllm:num_preemptions")},
+    "sglang": {"running": ("sglang:num_running_reqs",), "waiting": ("sglang:num_queue_reqs",),
+               "kv_usage": ("sglang:token_usage",), "preemptions": ()},
+    "llama.cpp": {"running": ("llamacpp:requests_processing",), "waiting": ("llamacpp:requests_deferred",),
+                  "kv_usage": ("llamacpp:kv_cache_usage_ratio",), "preemptions": ()},
+}
+INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True)
+class ServerSample:
+    at_s: float
+    """Seconds from the start of the setting."""
+    running: float | None
+    waiting: float | None
+    kv_usage: float | None
+    """Fraction of the server's KV cache in use (0-1)."""
+    preemptions: float | None
+
+
+@dataclass
+class ServerState:
+    kind: str | None = None
+    """``vllm``, ``sglang``, ``llama.cpp`` or ``None`` (no /metrics, or names we don't know)."""
+    reason: str = ""
+    """Why there is no state, when there is none."""
+    samples: list[ServerSample] = field(default_factory=list)
+
+    def peak(self, name: str) -> float | None:
+        values = [getattr(s, name) for s in self.samples if getattr(s, name) is not None]
+        return max(values) if values else None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _values(text: str) -> dict[str, float]:
+    """Every sample of the exposition, summed over label sets, by sample name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+    return out
+
+
+def detect(values: dict[str, float]) -> str | None:
+    for kind, names in KINDS.items():
+        if any(name in values for name in names["running"]):
+            return kind
+    return None
+
+
+def sample(values: dict[str, float], kind: str, at_s: float) -> ServerSample:
+    def first(key: str) -> float | None:
+        return next((values[n] for n in KINDS[kind][key] if n in values), None)
+    return ServerSample(at_s, first("running"), first("waiting"), first("kv_usage"), first("preemptions"))
+
+
+async def scrape(client, metrics_url: str, state: ServerState, origin: float, interval: float = INTERVAL_S) -> None:
+    """Fill ``state`` until cancelled (the load's setting ends)."""
+    import httpx
+
+    while True:
+        try:
+            response = await client.get(metrics_url, timeout=5.0)
+        except httpx.HTTPError as exc:
+            state.reason = f"{metrics_url}: {type(exc).__name__}"
+            return
+        if response.status_code != 200:
+            state.reason = f"{metrics_url} answered {response.status_code}: the server shows no metrics"
+            return
+        try:
+            values = _values(response.text)
+        except ValueError:
+            state.reason = f"{metrics_url} is not Prometheus text"
+            return
+        if state.kind is None:
+            state.kind = detect(values)
+            if state.kind is None:
+                state.reason = f"{metrics_url} has none of the metric names of vLLM, SGLang or llama.cpp"
+                return
+        state.samples.append(sample(values, state.kind, time.perf_counter() - origin))
+        await asyncio.sleep(interval)
+
+
+def metrics_url(api_url: str) -> str:
+    """``http://host:port/v1`` → ``http://host:port/metrics`` (where all three servers put it)."""
+    base = api_url.rstrip("/")
+    return (base[:-3] if base.endswith("/v1") else base) + "/metrics"
