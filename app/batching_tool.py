@@ -174,7 +174,7 @@ class BatchingTool(SessionTool):
             self._drawn_points = len(self.points)
             plots = [self._draw_tradeoff, self._draw_speed, self._draw_memory]
             if self.running:  # one plot per turn of the event loop (each ~10-20 ms with its repaint)
-                in_turns(plots)
+                in_turns(plots, owner=self)
             else:
                 for draw in plots:
                     draw()

@@ -48,19 +48,26 @@ class FrameBudget:
 
 
 def in_turns(steps: list[Callable[[], None]], done: Callable[[], None] | None = None,
-             wanted: Callable[[], bool] = lambda: True) -> None:
+             wanted: Callable[[], bool] = lambda: True, owner=None) -> None:
     """Run ``steps`` one per turn of the event loop, then ``done``; stop early once ``wanted()`` is
-    false (newer inputs replaced these). A 1 ms timer between two steps, not a zero one: the loop
-    serves its due timers and paints in between, so no turn pays for two charts (each ~20 ms)."""
+    false (newer inputs replaced these), or once ``owner`` (a QObject: the widget drawn) is deleted.
+    A 1 ms timer between two steps, not a zero one: the loop serves its due timers and paints in
+    between, so no turn pays for two charts (each ~20 ms)."""
     from PySide6.QtCore import QTimer
+
+    def later() -> None:
+        if owner is None:
+            QTimer.singleShot(1, step)
+        else:  # with a context object: Qt drops the call if the owner is gone by then
+            QTimer.singleShot(1, owner, step)
 
     def step() -> None:
         if not wanted():
             return
         steps.pop(0)()
         if steps:
-            QTimer.singleShot(1, step)
+            later()
         elif done is not None:
             done()
 
-    QTimer.singleShot(1, step)
+    later()

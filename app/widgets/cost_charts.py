@@ -52,7 +52,7 @@ class CostCharts(QWidget):
         self.speed_ceiling = None
         self.ridge_log2: float | None = None
         self.built = False
-        in_turns([self._build_memory, self._build_speed, self._build_money, self._build_kv], self._on_built)
+        in_turns([self._build_memory, self._build_speed, self._build_money, self._build_kv], self._on_built, owner=self)
 
     def _on_built(self) -> None:
         self.built = True
@@ -121,7 +121,7 @@ class CostCharts(QWidget):
         args = (e, config, profile, runs, kv_dtype, count, sweep)
         in_turns([lambda draw=draw: draw(*args) for draw in (self._draw_memory, self._draw_speed, self._draw_money,
                                                              self._draw_kv)],
-                 self.drawn.emit, wanted=lambda: drawing == self._drawing)
+                 self.drawn.emit, wanted=lambda: drawing == self._drawing, owner=self)
 
     def cancel(self) -> None:
         """Drop a draw in progress (its inputs changed): only the newest draw says ``drawn``."""

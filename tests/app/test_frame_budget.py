@@ -46,3 +46,17 @@ def test_cheap_redraws_keep_the_timer_rate():
         wall.now += 0.05
     assert drawn == 20
     assert budget.skipped == 0
+
+
+def test_steps_of_a_deleted_owner_never_run(qtbot):
+    from PySide6.QtCore import QObject
+
+    from app.frame_budget import in_turns
+
+    owner, alive, ran, done = QObject(), QObject(), [], []
+    in_turns([lambda: ran.append(1), lambda: ran.append(2)], owner=owner)
+    owner.deleteLater()  # the window closed before its charts were drawn
+    # a second chain, started after: once it is done, the first one's turns have come and gone
+    in_turns([lambda: None, lambda: None, lambda: None], lambda: done.append(True), owner=alive)
+    qtbot.waitUntil(lambda: bool(done))
+    assert ran == []
