@@ -78,6 +78,7 @@ def add_parsers(sub, precisions) -> None:
     load.add_argument("--slo", help="goodput counts requests within these, e.g. ttft:500,tpot:50 (ms)")
     load.add_argument("--seed", type=int, default=0, help="seed of the prompt order and arrival gaps")
     load.add_argument("--json", type=Path, help="write every request's figures and the summaries here")
+    load.add_argument("--csv", type=Path, help="write a row per setting here (servers line up in one sheet)")
 
 
 def serve(args, load_printer) -> int:
@@ -130,6 +131,11 @@ def load(args) -> int:
     if args.json:
         write_json(args.json, plan, results)
         print(f"report   {args.json}")
+    if args.csv:
+        from engine.load.report import write_csv
+
+        write_csv(args.csv, results)
+        print(f"table    {args.csv}")
     return 0 if all(r.summary.completed for r in results) else 1
 
 

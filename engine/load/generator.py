@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidRequestError
 from engine.load.metrics import RequestResult, Summary, summarize
 from engine.load.prompts import Prompt
-from engine.load.scrape import ServerState, metrics_url, scrape
+from engine.load.scrape import ServerState, metrics_url, scrape, scrape_once
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class LoadPlan:
     request_timeout_s: float = 600.0
     scrape: bool = True
     """Read the server's /metrics while each setting runs (engine/load/scrape.py)."""
+    scrape_interval_s: float = 0.5
 
     def validated(self) -> "LoadPlan":
         if not self.url.startswith(("http://", "https://")):
@@ -143,8 +144,11 @@ class LoadRunner:
 
         work: list[asyncio.Task] = []
         server = ServerState()
-        watcher = (asyncio.ensure_future(scrape(client, metrics_url(plan.url), server, start)) if plan.scrape
-                   else None)
+        watcher = None
+        # the first reading before any request: the kind is known however short the setting
+        if plan.scrape and await scrape_once(client, metrics_url(plan.url), server, start):
+            watcher = asyncio.ensure_future(scrape(client, metrics_url(plan.url), server, start,
+                                                   plan.scrape_interval_s))
         try:
             if mode == "concurrency":
                 queue = iter(range(plan.requests))

@@ -59,3 +59,42 @@ def write_json(path: Path, plan: LoadPlan, results: list[SettingResult]) -> None
                                 "definitions": "vLLM's: TTFT to first content chunk; TPOT = (E2E - TTFT)/(n - 1); "
                                                "ITL pooled over chunk gaps; output tokens from usage where sent"},
                                indent=2), encoding="utf-8")
+
+
+CSV_COLUMNS = ("setting", "mode", "value", "model", "requests", "completed", "failed", "duration_s",
+               "request_throughput", "output_throughput", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
+               "itl_p99_s", "e2e_p50_s", "goodput", "counted_by", "server_kind", "server_running_peak",
+               "server_waiting_peak", "server_kv_usage_peak")
+
+
+def csv_row(result: SettingResult) -> dict:
+    """One setting's summary as a CSV row (blank where a figure is absent)."""
+    s, server = result.summary, result.server
+
+    def stat(stats, key):
+        return "" if not stats else stats[key]
+
+    def peak(name):
+        value = server.peak(name)
+        return "" if value is None else value
+
+    return {"setting": result.label, "mode": result.mode, "value": result.value, "model": result.model,
+            "requests": s.requests, "completed": s.completed, "failed": s.failed, "duration_s": s.duration_s,
+            "request_throughput": s.request_throughput, "output_throughput": s.output_throughput,
+            "ttft_p50_s": stat(s.ttft, "median"), "ttft_p99_s": stat(s.ttft, "p99"),
+            "tpot_p50_s": stat(s.tpot, "median"), "tpot_p99_s": stat(s.tpot, "p99"), "itl_p99_s": stat(s.itl, "p99"),
+            "e2e_p50_s": stat(s.e2e, "median"), "goodput": "" if s.goodput is None else s.goodput,
+            "counted_by": s.counted_by, "server_kind": server.kind or "", "server_running_peak": peak("running"),
+            "server_waiting_peak": peak("waiting"), "server_kv_usage_peak": peak("kv_usage")}
+
+
+def write_csv(path: Path, results: list[SettingResult]) -> None:
+    """A row per setting, so loads against several servers line up in one spreadsheet."""
+    import csv
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, CSV_COLUMNS)
+        writer.writeheader()
+        for result in results:
+            writer.writerow(csv_row(result))

@@ -79,30 +79,35 @@ def sample(values: dict[str, float], kind: str, at_s: float) -> ServerSample:
     return ServerSample(at_s, first("running"), first("waiting"), first("kv_usage"), first("preemptions"))
 
 
-async def scrape(client, metrics_url: str, state: ServerState, origin: float, interval: float = INTERVAL_S) -> None:
-    """Fill ``state`` until cancelled (the load's setting ends)."""
+async def scrape_once(client, metrics_url: str, state: ServerState, origin: float) -> bool:
+    """One reading into ``state``; ``False`` once there is nothing to read (``state.reason`` says why)."""
     import httpx
 
-    while True:
-        try:
-            response = await client.get(metrics_url, timeout=5.0)
-        except httpx.HTTPError as exc:
-            state.reason = f"{metrics_url}: {type(exc).__name__}"
-            return
-        if response.status_code != 200:
-            state.reason = f"{metrics_url} answered {response.status_code}: the server shows no metrics"
-            return
-        try:
-            values = _values(response.text)
-        except ValueError:
-            state.reason = f"{metrics_url} is not Prometheus text"
-            return
+    try:
+        response = await client.get(metrics_url, timeout=5.0)
+    except httpx.HTTPError as exc:
+        state.reason = f"{metrics_url}: {type(exc).__name__}"
+        return False
+    if response.status_code != 200:
+        state.reason = f"{metrics_url} answered {response.status_code}: the server shows no metrics"
+        return False
+    try:
+        values = _values(response.text)
+    except ValueError:
+        state.reason = f"{metrics_url} is not Prometheus text"
+        return False
+    if state.kind is None:
+        state.kind = detect(values)
         if state.kind is None:
-            state.kind = detect(values)
-            if state.kind is None:
-                state.reason = f"{metrics_url} has none of the metric names of vLLM, SGLang or llama.cpp"
-                return
-        state.samples.append(sample(values, state.kind, time.perf_counter() - origin))
+            state.reason = f"{metrics_url} has none of the metric names of vLLM, SGLang or llama.cpp"
+            return False
+    state.samples.append(sample(values, state.kind, time.perf_counter() - origin))
+    return True
+
+
+async def scrape(client, metrics_url: str, state: ServerState, origin: float, interval: float = INTERVAL_S) -> None:
+    """Fill ``state`` every ``interval`` until cancelled (the load's setting ends)."""
+    while await scrape_once(client, metrics_url, state, origin):
         await asyncio.sleep(interval)
 
 
