@@ -178,7 +178,7 @@ def create_app(service: CoreService, model_name: str, api_key: str | None = None
         reply = _Reply("chat.completion", protocol.new_id("chatcmpl"), model_name, parsed, accepted, queue, ticket,
                        logprobs=parsed.logprobs, top=top)
         if parsed.stream:
-            return _stream(reply, request)
+            return _stream(reply)
         return await reply.whole(request)
 
     @app.post("/v1/completions")
@@ -192,7 +192,7 @@ def create_app(service: CoreService, model_name: str, api_key: str | None = None
         reply = _Reply("text_completion", protocol.new_id("cmpl"), model_name, parsed, accepted, queue, ticket,
                        logprobs=parsed.logprobs is not None, top=parsed.logprobs or 0)
         if parsed.stream:
-            return _stream(reply, request)
+            return _stream(reply)
         return await reply.whole(request)
 
     app.state.metrics = metrics
@@ -316,7 +316,7 @@ def _sse(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _stream(reply: _Reply, request: Request) -> StreamingResponse:
+def _stream(reply: _Reply) -> StreamingResponse:
     return StreamingResponse(reply.chunks(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

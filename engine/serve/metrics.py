@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engine.events import Finished, TokenGenerated
+from engine.serve.protocol import FINISH_REASONS
 from engine.serve.service import RequestArrived, RequestEvent
 
 if TYPE_CHECKING:
@@ -74,8 +75,6 @@ class ServerMetrics:
                 self.generation_tokens.inc()
                 (self.ttft if inner.index == 0 else self.itl).observe(inner.latency_s)
             elif isinstance(inner, Finished):
-                from engine.serve.protocol import FINISH_REASONS
-
                 self.e2e.observe(inner.total_s)
                 if inner.tokens > 1:
                     self.tpot.observe(inner.decode_s / (inner.tokens - 1))

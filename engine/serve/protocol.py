@@ -20,7 +20,7 @@ from engine.events import Finished
 from engine.generation.sampling import SamplingParams
 from engine.request import ChatMessage, GenerationRequest
 
-IGNORED = {"user", "metadata", "store", "service_tier", "stream_options"}
+IGNORED = {"user", "metadata", "store", "service_tier"}
 """Fields accepted and not acted on (they change nothing in the answer)."""
 
 REFUSED_UNLESS_DEFAULT: dict[str, Any] = {

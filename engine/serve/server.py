@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from engine.errors import InvalidRequestError
+from engine.events import Finished, TokenGenerated
+from engine.serve.service import RequestArrived, RequestEvent
 
 if TYPE_CHECKING:
     from engine.models.model import LoadedModel
@@ -223,10 +225,7 @@ class _HistoryWriter:
         self.open: dict[int, tuple] = {}
         self.stop_listening = service.listen(self.on_event)
 
-    def on_event(self, event) -> None:
-        from engine.events import Finished, TokenGenerated
-        from engine.serve.service import RequestArrived, RequestEvent
-
+    def on_event(self, event) -> None:  # on the core's thread, for every token: no imports here
         if isinstance(event, RequestArrived):
             if event.client != "window":  # the app's own requests: the window keeps those
                 self.open[event.request_id] = (event, [])

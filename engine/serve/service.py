@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.errors import EngineError, InvalidRequestError
-from engine.events import Finished, Prefilled, StepCompleted, TokenGenerated
+from engine.events import Finished, StepCompleted, TokenGenerated
 from engine.generation.cancel import CancelToken
 from engine.request import GenerationRequest
 
@@ -272,21 +272,8 @@ class CoreService:
         for event in events:
             if isinstance(event, StepCompleted):
                 step = event
-                continue
-            rid = event.request_id
-            ticket = self._tickets.get(rid)
-            if ticket is None:
-                continue
-            if isinstance(event, TokenGenerated):
-                ticket.sink(Token(event, self.loaded.token_text(event.token_id)))
             else:
-                ticket.sink(event)
-            if self._listeners:
-                self._tell(RequestEvent(rid, event, now))
-            if isinstance(event, Finished):
-                with self._lock:
-                    self._tickets.pop(rid, None)
-                self.served += 1
+                self._deliver(event, now)
         states = self._states() if self._listeners else ()
         with self._lock:
             self._waiting = len(self.core.waiting)
@@ -294,6 +281,23 @@ class CoreService:
             self._lock.notify_all()
         if step is not None and self._listeners:
             self._tell(TrafficStep(step, states, self.settings.kv_budget_bytes, now))
+
+    def _deliver(self, event, now: float) -> None:
+        """A request's event to its caller and the listeners; its end frees its ticket."""
+        rid = event.request_id
+        ticket = self._tickets.get(rid)
+        if ticket is None:
+            return
+        if isinstance(event, TokenGenerated):
+            ticket.sink(Token(event, self.loaded.token_text(event.token_id)))
+        else:
+            ticket.sink(event)
+        if self._listeners:
+            self._tell(RequestEvent(rid, event, now))
+        if isinstance(event, Finished):
+            with self._lock:
+                self._tickets.pop(rid, None)
+            self.served += 1
 
     def _states(self) -> tuple[RequestState, ...]:
         core = self.core
@@ -313,14 +317,17 @@ class CoreService:
         message = ("Out of memory: too many requests or too long ones for this machine; the server ended the "
                    "requests in flight." if is_out_of_memory(exc) else
                    f"The engine failed: {type(exc).__name__}: {exc}")
-        with self._lock:
-            tickets, self._tickets = self._tickets, {}
-        for rid, ticket in tickets.items():
-            ticket.sink(Finished(reason="error", tokens=0, prompt_tokens=0, ttft_s=None, decode_s=0.0,
-                                 decode_tokens_per_s=None, total_s=0.0, peak_memory_bytes=None, peak_rss_bytes=None,
-                                 kv_cache_bytes=0, kv_cache_bytes_predicted=None, request_id=rid, error=message))
+        now = self._now()
+        for rid in list(self._tickets):  # ended as a step ends them: callers, listeners, the count
+            self._deliver(Finished(reason="error", tokens=0, prompt_tokens=0, ttft_s=None, decode_s=0.0,
+                                   decode_tokens_per_s=None, total_s=0.0, peak_memory_bytes=None, peak_rss_bytes=None,
+                                   kv_cache_bytes=0, kv_cache_bytes_predicted=None, request_id=rid, error=message),
+                          now)
         self.core = EngineCore(self.loaded, self.settings, speculation=self.core.speculation)
+        with self._lock:
+            self._waiting, self._kv = 0, 0
+            self._lock.notify_all()
 
 
-__all__ = ["Accepted", "CoreService", "NotServingError", "Prefilled", "QueueFullError", "Rejected",
+__all__ = ["Accepted", "CoreService", "NotServingError", "QueueFullError", "Rejected",
            "RequestArrived", "RequestEvent", "RequestState", "Ticket", "Token", "TrafficStep"]

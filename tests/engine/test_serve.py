@@ -356,10 +356,17 @@ def test_an_engine_failure_ends_the_requests_in_flight_with_an_error(loaded_llam
         def broken(*args, **kwargs):
             raise RuntimeError("boom")
 
+        ended = []
+        server.service.listen(lambda e: ended.append(e.event) if isinstance(e, RequestEvent)
+                              and isinstance(e.event, Finished) else None)
         monkeypatch.setattr(server.service.core.runner, "prefill", broken)
         with httpx.Client(base_url=server.url, timeout=60) as http:
             whole = http.post("/chat/completions", json=chat(server, "Hi", max_tokens=3))
             assert whole.status_code == 500 and "boom" in whole.json()["error"]["message"]
+            assert server.service.wait_until(lambda s: s.in_flight == 0, timeout=30)
+            # the traffic view, the metrics and the history see it end as well as its caller
+            assert [(f.reason, "boom" in f.error) for f in ended] == [("error", True)]
+            assert server.service.served == 1
             monkeypatch.undo()
             again = http.post("/chat/completions", json=chat(server, "Hi", max_tokens=3))
             assert again.status_code == 200  # a fresh core took over
