@@ -33,6 +33,7 @@ from app.widgets.live_plots import PlotPanel
 from app.widgets.output_view import OutputView
 from app.widgets.traffic_plots import TrafficPlots
 from engine.errors import EngineError
+from engine.load.report import ms
 
 REFRESH_MS = 50
 GROUPS = 4
@@ -40,10 +41,6 @@ FRAME_BUDGET = 0.1
 """Share of a core the view's redraws may take while the server runs."""
 """The plots redraw a group per tick, in turn (each group about 5 times a second)."""
 RESULT_COLUMNS = ("setting", "done", "req/s", "out tok/s", "TTFT p50", "TPOT p50", "TPOT p99", "E2E p50")
-
-
-def _ms(stats, key: str) -> str:
-    return "—" if not stats else f"{stats[key] * 1000:.0f} ms"
 
 
 class LoadBox(QGroupBox):
@@ -133,11 +130,11 @@ class LoadBox(QGroupBox):
         self._draw_ceiling()
 
     def plan(self):
-        from engine.cli_serve import _numbers
+        from engine.cli_serve import parse_numbers
         from engine.load.generator import LoadPlan
 
         started = self.panel.started
-        values = tuple(_numbers(self.values.text(), int if self.mode.currentData() == "concurrency" else float))
+        values = tuple(parse_numbers(self.values.text(), int if self.mode.currentData() == "concurrency" else float))
         return LoadPlan(url=started.url, model=started.model_name, api_key=self.panel.api_key.text() or None,
                         concurrency=values if self.mode.currentData() == "concurrency" else (),
                         rates=values if self.mode.currentData() == "rate" else (), requests=self.requests.value(),
@@ -198,8 +195,8 @@ class LoadBox(QGroupBox):
         row = self.table.rowCount()
         self.table.insertRow(row)
         cells = (setting.label, f"{s.completed}/{s.requests}", f"{s.request_throughput:.2f}",
-                 f"{s.output_throughput:.1f}" + ("" if s.counted_by == "usage" else "*"), _ms(s.ttft, "median"),
-                 _ms(s.tpot, "median"), _ms(s.tpot, "p99"), _ms(s.e2e, "median"))
+                 f"{s.output_throughput:.1f}" + ("" if s.counted_by == "usage" else "*"), ms(s.ttft, "median"),
+                 ms(s.tpot, "median"), ms(s.tpot, "p99"), ms(s.e2e, "median"))
         for column, text in enumerate(cells):
             self.table.setItem(row, column, QTableWidgetItem(text))
         self.table.resizeColumnsToContents()
@@ -334,10 +331,7 @@ class TrafficWindow(QWidget):
         """The summary line, and the next group of plots in turn (``everything``: all of them)."""
         panel = self.panel
         if panel.started is not None:
-            s = self.panel.log.steps()
-            rate = self.panel.log.output_rate()[1]
-            now_rate = float(rate[-1]) if len(rate) else 0.0
-            kv = int(s["kv_bytes"][-1]) if len(s["kv_bytes"]) else 0
+            now_rate, kv = panel.log.now_figures()
             budget = panel.started.kv_budget_bytes
             self.summary.setText(f"{panel.summary()} · output {now_rate:.1f} tok/s · KV cache {kv / 2**20:.1f} MiB "
                                  f"of {budget / 2**20:,.0f} MiB")

@@ -89,10 +89,6 @@ def in_process(loaded, prompts, tokens: int, requests: int) -> tuple[float, int]
     return made / (time.perf_counter() - start), made
 
 
-def ms(stats, key) -> str:
-    return "—" if not stats else f"{stats[key] * 1000:.0f} ms"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--precision", default="bf16",
@@ -112,6 +108,7 @@ def main() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
     from engine.load.prompts import read_prompts
+    from engine.load.report import ms
     from engine.models import default_model
     from engine.models.loading import LoadRequest, load_model
 

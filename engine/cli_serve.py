@@ -26,7 +26,8 @@ def parse_size(text: str) -> int:
         raise InvalidRequestError(f"{text!r} is not a size: write e.g. 2GiB, 500MB or 1e9 (bytes).") from None
 
 
-def _numbers(text: str, kind=float) -> list:
+def parse_numbers(text: str, kind=float) -> list:
+    """``"1,4,16"`` → numbers above 0 (a sweep's settings)."""
     try:
         values = [kind(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -118,8 +119,8 @@ def load(args) -> int:
         args.concurrency = "1"
     plan = LoadPlan(
         url=args.url, model=args.model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
-        concurrency=tuple(_numbers(args.concurrency, int)) if args.concurrency else (),
-        rates=tuple(_numbers(args.rate)) if args.rate else (), burstiness=args.burstiness,
+        concurrency=tuple(parse_numbers(args.concurrency, int)) if args.concurrency else (),
+        rates=tuple(parse_numbers(args.rate)) if args.rate else (), burstiness=args.burstiness,
         requests=args.requests, max_duration_s=args.max_duration, max_tokens=args.max_tokens,
         ignore_eos=args.ignore_eos, endpoint=args.endpoint, seed=args.seed,
         slo=parse_slo(args.slo) if args.slo else None).validated()

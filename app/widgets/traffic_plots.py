@@ -18,7 +18,8 @@ from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QGridLayout, QToolTip, QWidget
 
 from app.widgets.live_plots import PlotPanel
-from engine.serve.traffic import TrafficLog, percentiles
+from engine.load.metrics import distribution
+from engine.serve.traffic import TrafficLog
 
 PHASE_COLOURS = {"waiting": "#9e9e9e", "prefill": "#f39c12", "decode": "#2d7dd2", "done": "#27ae60",
                  "failed": "#d63031"}
@@ -45,7 +46,7 @@ class Histogram(PlotPanel):
         self.bars = pg.BarGraphItem(x0=[], x1=[], height=[], brush=PHASE_COLOURS["decode"], pen=None)
         self.plot.addItem(self.bars)
         self.lines = {}
-        for name, style in (("p50", Qt.SolidLine), ("p90", Qt.DashLine), ("p99", Qt.DotLine)):
+        for name, style in (("median", Qt.SolidLine), ("p90", Qt.DashLine), ("p99", Qt.DotLine)):
             line = pg.InfiniteLine(angle=90, pen=pg.mkPen("#d63031", width=1, style=style))
             line.hide()
             self.plot.addItem(line)
@@ -64,14 +65,14 @@ class Histogram(PlotPanel):
         data = np.asarray(values) * self.scale
         counts, edges = np.histogram(data, bins=min(30, max(5, len(data) // 3)))
         self.bars.setOpts(x0=edges[:-1], x1=edges[1:], height=counts)
-        stats = percentiles(list(data))
+        stats = distribution(data)
         for name, line in self.lines.items():
             line.setValue(stats[name])
             line.show()
         self.item.setXRange(0, float(edges[-1]) * 1.05, padding=0)
         self.item.setYRange(0, float(counts.max()) * 1.15, padding=0)
         fmt = "{:.0f}" if self.scale >= 1000 else "{:.2f}"
-        self.caption.setText(f"<b>{self.title}</b> ({len(data)}): p50 {fmt.format(stats['p50'])} · p90 "
+        self.caption.setText(f"<b>{self.title}</b> ({len(data)}): p50 {fmt.format(stats['median'])} · p90 "
                              f"{fmt.format(stats['p90'])} · p99 {fmt.format(stats['p99'])} {self.unit} "
                              "(red lines: ━ p50, ╍ p90, ┅ p99)")
 
@@ -187,7 +188,7 @@ class TrafficPlots(QWidget):
         top = float(max(s["batch"][keep].max(initial=1), (s["decode_tokens"] + s["prefill_tokens"])[keep].max(initial=1)))
         self.steps.item.setXRange(start, max(now, start + 5), padding=0.01)
         self.steps.item.setYRange(0, top * 1.1, padding=0)
-        t, rate = log.output_rate()
+        t, rate = log.output_rate(steps=s)
         keep_rate = t >= start
         self.rate_curve.setData(t[keep_rate], rate[keep_rate])
         self.running_curve.setData(at, s["running"][keep])

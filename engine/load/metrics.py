@@ -71,8 +71,9 @@ def parse_slo(text: str) -> dict[str, float]:
     return slo
 
 
-def _stats(values: list[float]) -> dict | None:
-    if not values:
+def distribution(values) -> dict | None:
+    """mean, median, p90, p99 and max of ``values`` (``None`` when there are none)."""
+    if not len(values):
         return None
     import numpy as np
 
@@ -129,10 +130,10 @@ def summarize(results: list[RequestResult], duration_s: float, slo: dict[str, fl
         output_throughput=output / duration_s if duration_s > 0 else 0.0,
         total_token_throughput=(output + sum(prompts)) / duration_s if duration_s > 0 and len(prompts) == len(done)
         else None,
-        ttft=_stats([r.ttft_s for r in done if r.ttft_s is not None]),
-        tpot=_stats([r.tpot_s for r in done if r.tpot_s is not None]),
-        itl=_stats([gap for r in done for gap in r.itl_s]),
-        e2e=_stats([r.e2e_s for r in done if r.e2e_s is not None]),
+        ttft=distribution([r.ttft_s for r in done if r.ttft_s is not None]),
+        tpot=distribution([r.tpot_s for r in done if r.tpot_s is not None]),
+        itl=distribution([gap for r in done for gap in r.itl_s]),
+        e2e=distribution([r.e2e_s for r in done if r.e2e_s is not None]),
         output_tokens=output, counted_by=sources.pop() if len(sources) == 1 else ("mixed" if sources else "none"),
         max_concurrency=busiest, goodput=goodput, slo=slo,
         errors=sorted({r.error for r in results if r.error})[:10])

@@ -8,8 +8,9 @@ from pathlib import Path
 from engine.load.generator import LoadPlan, SettingResult
 
 
-def _ms(stats: dict | None, key: str) -> str:
-    return "—" if not stats else f"{stats[key] * 1000:.0f}"
+def ms(stats: dict | None, key: str, unit: str = " ms") -> str:
+    """A figure of a distribution (engine/load/metrics.distribution) in ms, "—" when absent."""
+    return "—" if not stats else f"{stats[key] * 1000:.0f}{unit}"
 
 
 def summary_header(plan: LoadPlan) -> str:
@@ -22,8 +23,8 @@ def summary_line(result: SettingResult) -> str:
     s = result.summary
     mark = "" if s.counted_by == "usage" else "*"
     line = (f"{result.label:<18} {s.completed:>3}/{s.requests:<2} {s.request_throughput:>7.2f} "
-            f"{s.output_throughput:>9.1f}{mark:1} {_ms(s.ttft, 'median'):>9} {_ms(s.ttft, 'p99'):>7} "
-            f"{_ms(s.tpot, 'median'):>9} {_ms(s.tpot, 'p99'):>7} {_ms(s.itl, 'p99'):>8} {_ms(s.e2e, 'median'):>8}")
+            f"{s.output_throughput:>9.1f}{mark:1} {ms(s.ttft, 'median', ''):>9} {ms(s.ttft, 'p99', ''):>7} "
+            f"{ms(s.tpot, 'median', ''):>9} {ms(s.tpot, 'p99', ''):>7} {ms(s.itl, 'p99', ''):>8} {ms(s.e2e, 'median', ''):>8}")
     if s.goodput is not None:
         line += f"  {s.goodput:.2f} req/s"
     if s.errors:

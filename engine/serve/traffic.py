@@ -160,9 +160,10 @@ class TrafficLog:
         table = np.array(self._steps, dtype=float)
         return {name: table[:, i] for i, name in enumerate(STEP_FIELDS)}
 
-    def output_rate(self, window_s: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-        """(time, tokens per second made over the ``window_s`` before it), at every step."""
-        s = self.steps()
+    def output_rate(self, window_s: float = 1.0, steps: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(time, tokens per second made over the ``window_s`` before it), at every step
+        (``steps``: :meth:`steps` when the caller has it already)."""
+        s = steps if steps is not None else self.steps()
         at, made = s["at_s"], s["batch"]
         if not len(at):
             return at, at
@@ -195,10 +196,16 @@ class TrafficLog:
         last = self._steps[-1]
         return int(last[6]), int(last[5])
 
+    def now_figures(self, window_s: float = 1.0) -> tuple[float, int]:
+        """(output tok/s over the last ``window_s``, KV bytes held) after the last step, read from
+        the newest steps only (the summary line asks 20 times a second)."""
+        if not self._steps:
+            return 0.0, 0
+        last = self._steps[-1]
+        made = 0
+        for row in reversed(self._steps):
+            if row[0] <= last[0] - window_s:
+                break
+            made += row[2]
+        return made / window_s, int(last[7])
 
-def percentiles(values: list[float]) -> dict[str, float] | None:
-    if not values:
-        return None
-    array = np.asarray(values, dtype=float)
-    return {"p50": float(np.percentile(array, 50)), "p90": float(np.percentile(array, 90)),
-            "p99": float(np.percentile(array, 99))}

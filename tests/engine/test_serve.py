@@ -437,3 +437,4 @@ def test_traffic_log_output_rate_is_tokens_over_the_last_second():
         log.add(TrafficStep(step, (RequestState(1, "decode", 10, i + 1),), None, at))
     at, rate = log.output_rate(window_s=1.0)
     assert list(rate) == [1.0, 2.0, 3.0, 2.0]  # tokens in the second before each step, never 2 per 5 ms
+    assert log.now_figures() == (2.0, 10)  # the summary line's figures, read from the newest steps alone
