@@ -224,12 +224,23 @@ class _Reply:
     def _item(self, token: Token) -> protocol.TokenLogprob:
         return protocol.TokenLogprob(token.token, token.event.logprob, token.event.top_alternatives)
 
-    async def events(self) -> AsyncIterator[object]:
-        while True:
-            event = await self.queue.get()
-            yield event
-            if isinstance(event, Finished):
-                return
+    def _piece(self, token: Token) -> str:
+        """What ``token`` lets the client see now (a special token adds no text; the stop trimmer
+        holds back what may begin a stop string)."""
+        return self.trimmer.add("" if token.event.special else token.event.text)
+
+    def _choice(self, content, logprobs, reason, whole: bool = False) -> dict:
+        """A choice of an answer (``whole``) or of a chunk: chat's message or delta, completions' text."""
+        if not self.chat:
+            return {"index": 0, "text": content, "logprobs": logprobs, "finish_reason": reason}
+        if whole:
+            return {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
+                    "finish_reason": reason}
+        return {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": reason}
+
+    @property
+    def chunk_kind(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
 
     async def whole(self, request: Request) -> dict:
         watch = asyncio.ensure_future(_disconnected(request))
@@ -237,7 +248,7 @@ class _Reply:
             finished = None
             async for event in self._until(watch):
                 if isinstance(event, Token):
-                    self.trimmer.add(event.event.text if not event.event.special else "")
+                    self._piece(event)
                     self.items.append(self._item(event))
                 elif isinstance(event, Finished):
                     finished = event
@@ -246,35 +257,34 @@ class _Reply:
             if finished.reason == "error":
                 raise _Refused(500, finished.error or "The engine failed.", "server_error")
             text = self.trimmer.final(finished)
-            reason = protocol.FINISH_REASONS[finished.reason]
-            logprobs = self._logprobs(self.items)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                       "finish_reason": reason} if self.chat else
-                      {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason})
+            choice = self._choice(text, self._logprobs(self.items), protocol.FINISH_REASONS[finished.reason],
+                                  whole=True)
             return {**protocol.envelope(self.kind, self.rid, self.model, self.created), "choices": [choice],
                     "usage": protocol.usage(self.accepted.prompt_tokens, finished.tokens)}
         finally:
             watch.cancel()
             self.ticket.abort()  # no-op once finished; frees the cache if the client left
 
-    async def _until(self, watch: asyncio.Future) -> AsyncIterator[object]:
-        """The request's events until it finishes or ``watch`` (the client leaving) ends first."""
+    async def _until(self, watch: asyncio.Future | None = None) -> AsyncIterator[object]:
+        """The request's events until it finishes, or ``watch`` (the client leaving) ends first. A
+        stream needs no watch: Starlette cancels it when its client leaves."""
         while True:
-            getter = asyncio.ensure_future(self.queue.get())
-            done, _ = await asyncio.wait({getter, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if getter not in done:
-                getter.cancel()
-                return
-            event = getter.result()
+            if watch is None:
+                event = await self.queue.get()
+            else:
+                getter = asyncio.ensure_future(self.queue.get())
+                done, _ = await asyncio.wait({getter, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    return
+                event = getter.result()
             yield event
             if isinstance(event, Finished):
                 return
 
     def _chunk(self, delta_or_text, logprobs=None, reason=None) -> str:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        choice = ({"index": 0, "delta": delta_or_text, "logprobs": logprobs, "finish_reason": reason} if self.chat
-                  else {"index": 0, "text": delta_or_text, "logprobs": logprobs, "finish_reason": reason})
-        body = {**protocol.envelope(kind, self.rid, self.model, self.created), "choices": [choice]}
+        body = {**protocol.envelope(self.chunk_kind, self.rid, self.model, self.created),
+                "choices": [self._choice(delta_or_text, logprobs, reason)]}
         if self.parsed.include_usage:
             body["usage"] = None
         return _sse(body)
@@ -284,9 +294,9 @@ class _Reply:
             if self.chat:
                 yield self._chunk({"role": "assistant", "content": ""})
             offset = 0
-            async for event in self.events():
+            async for event in self._until():
                 if isinstance(event, Token):
-                    text = self.trimmer.add(event.event.text if not event.event.special else "")
+                    text = self._piece(event)
                     item = self._item(event)
                     if not text and not self.logprobs:
                         continue
@@ -304,8 +314,8 @@ class _Reply:
                     reason = protocol.FINISH_REASONS[event.reason]
                     yield self._chunk({} if self.chat else "", None, reason)
                     if self.parsed.include_usage:
-                        yield _sse({**protocol.envelope(self.kind + ("" if not self.chat else ".chunk"), self.rid,
-                                                        self.model, self.created), "choices": [],
+                        yield _sse({**protocol.envelope(self.chunk_kind, self.rid, self.model, self.created),
+                                    "choices": [],
                                     "usage": protocol.usage(self.accepted.prompt_tokens, event.tokens)})
                     yield "data: [DONE]\n\n"
         finally:
