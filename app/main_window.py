@@ -33,7 +33,6 @@ from app.widgets.status_line import StatusLine
 from app.worker import ModelSession
 from engine.errors import EngineError
 from engine.events import Finished, Loaded
-from engine.generation.cancel import CancelToken
 from engine.jobs import GenerateJob
 from engine.runs import Run
 from engine.storage import history
@@ -88,7 +87,6 @@ class MainWindow(QMainWindow):
         self._load_request = None  # what the load in progress was asked for
         self._generate_after_load: str | None = None  # a prompt waiting for the panel's choice to load
         self.job: int | tuple | None = None  # the session's id of this window's generation (a tag when served)
-        self._served_cancel: CancelToken | None = None
 
         self.session = ModelSession("main", self)
         self.output = OutputView(self.transcript)
@@ -309,9 +307,8 @@ class MainWindow(QMainWindow):
         self.budget.reset()
         self.timer.start()
         if self.server_panel.started is not None:  # one core, two doors: the answer joins the served batch
-            self._served_cancel = CancelToken()
             try:
-                self.job = self.server_panel.submit_local(request, self._served_cancel)
+                self.job = self.server_panel.submit_local(request)
             except EngineError as exc:
                 self.job = None
                 self._on_generation_failed(exc)
@@ -323,7 +320,7 @@ class MainWindow(QMainWindow):
     def stop(self) -> None:
         if self.generating:
             if isinstance(self.job, tuple):  # served: its own cancel flag, checked at every step
-                self._served_cancel.cancel()
+                self.server_panel.cancel_local(self.job)
             else:
                 self.session.cancel(self.job)
 

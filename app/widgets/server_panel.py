@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
 
 from engine.errors import EngineError
 from engine.events import Finished
+from engine.generation.cancel import CancelToken
 from engine.jobs import ServeJob, Served, ServerStarted, Tagged
 from engine.serve.service import Accepted, Rejected
 from engine.serve.traffic import TrafficLog
@@ -73,6 +74,8 @@ class ServerPanel(QWidget):
         self._job: ServeJob | None = None
         self._model_name: str | None = None
         self._stopping = False
+        self._local_cancels: dict = {}
+        """The window's requests in the serving core: tag → cancel flag."""
 
         self.host = QLineEdit("127.0.0.1")
         self.host.setToolTip("Address to listen on. Anything but 127.0.0.1 lets other machines in, and needs a key.")
@@ -256,10 +259,18 @@ class ServerPanel(QWidget):
         if self.started is not None and not self._stopping:
             self._say(self.summary())
 
-    def submit_local(self, request, cancel) -> object:
+    def submit_local(self, request) -> object:
         """Run ``request`` (the main window's) in the serving core, beside the HTTP clients';
         returns its tag, which ``local_events/local_finished/local_failed`` carry."""
-        return self._job.door.submit(request, cancel)
+        cancel = CancelToken()
+        tag = self._job.door.submit(request, cancel)
+        self._local_cancels[tag] = cancel
+        return tag
+
+    def cancel_local(self, tag) -> None:
+        """Stop a window request: it ends at the next step (with its ``Finished``)."""
+        if tag in self._local_cancels:
+            self._local_cancels[tag].cancel()
 
     def _local(self, tagged: Tagged, pending: dict) -> None:
         tag, event = tagged.tag, tagged.event
@@ -267,14 +278,14 @@ class ServerPanel(QWidget):
         if isinstance(event, Accepted):
             return
         if isinstance(event, Rejected):
+            self._local_cancels.pop(tag, None)
             self.local_failed.emit(tag, event.error)
         elif isinstance(event, Finished):
+            self._local_cancels.pop(tag, None)
             if batch:
                 self.local_events.emit(tag, tuple(batch))
                 batch.clear()
             if event.reason == "error":
-                from engine.errors import EngineError
-
                 self.local_failed.emit(tag, EngineError(event.error or "The engine failed."))
             else:
                 self.local_finished.emit(tag, event)
