@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from engine.errors import InvalidRequestError
-from engine.estimates.costs import KV_DTYPES, estimate
+from engine.estimates.costs import estimate
 from engine.estimates.hardware import Hardware
 
 SIZES = (1, 2, 4, 8, 16, 32)
@@ -144,37 +144,45 @@ def plan_tensor_parallel(config, hardware: Hardware, precision: str = "bf16", kv
         usd_per_million_tokens=usd)
 
 
-_VLLM_WEIGHTS = {"bf16": ["--dtype", "bfloat16"], "fp16": ["--dtype", "float16"], "fp32": ["--dtype", "float32"],
-                 "fp8": ["--dtype", "bfloat16", "--quantization", "fp8"]}
-_VLLM_KV = {"fp8": "fp8", "bf16": None, "fp16": None}
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _weight_flags(precision: str, fp8_dtype: bool) -> tuple[list[str], str]:
+    """Both servers' weight flags (``fp8_dtype``: name the activations' dtype beside fp8 weights, as
+    vLLM's command does), and a note when the weights need a checkpoint quantized to ``precision``."""
+    if precision in _DTYPES:
+        return ["--dtype", _DTYPES[precision]], ""
+    if precision == "fp8":
+        return (["--dtype", "bfloat16"] if fp8_dtype else []) + ["--quantization", "fp8"], ""
+    return ["--quantization", "awq"], f"a checkpoint quantized to {precision}"
+
+
+def _command(parts: list[str], note: str) -> str:
+    """A command line; the note last, as a shell comment, so pasting it loses no flag."""
+    return " ".join(parts) + (f"  # {note}" if note else "")
 
 
 def vllm_command(model: str, gpus: int, context: int, batch: int, precision: str, kv_dtype: str,
                  memory_utilization: float) -> str:
-    """``vllm serve`` for this plan (weights in another format need a checkpoint quantized to it:
-    the command says which)."""
+    """``vllm serve`` for this plan."""
+    weights, note = _weight_flags(precision, fp8_dtype=True)
     parts = ["vllm", "serve", model or "MODEL", "--tensor-parallel-size", str(gpus), "--max-model-len", str(context),
-             "--gpu-memory-utilization", f"{memory_utilization:.2f}", "--max-num-seqs", str(batch)]
-    parts += _VLLM_WEIGHTS.get(precision, ["--quantization", "awq  # a checkpoint quantized to " + precision])
+             "--gpu-memory-utilization", f"{memory_utilization:.2f}", "--max-num-seqs", str(batch), *weights]
     if kv_dtype in ("fp8", "int8"):
         parts += ["--kv-cache-dtype", "fp8"]
-    return " ".join(parts)
+    return _command(parts, note)
 
 
 def sglang_command(model: str, gpus: int, context: int, batch: int, precision: str, kv_dtype: str,
                    memory_utilization: float) -> str:
+    """``python -m sglang.launch_server`` for this plan."""
+    weights, note = _weight_flags(precision, fp8_dtype=False)
     parts = ["python", "-m", "sglang.launch_server", "--model-path", model or "MODEL", "--tp", str(gpus),
              "--context-length", str(context), "--mem-fraction-static", f"{memory_utilization:.2f}",
-             "--max-running-requests", str(batch)]
-    if precision in ("bf16", "fp16", "fp32"):
-        parts += ["--dtype", {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[precision]]
-    elif precision == "fp8":
-        parts += ["--quantization", "fp8"]
-    else:
-        parts += ["--quantization", "awq  # a checkpoint quantized to " + precision]
+             "--max-running-requests", str(batch), *weights]
     if kv_dtype in ("fp8", "int8"):
         parts += ["--kv-cache-dtype", "fp8_e5m2"]
-    return " ".join(parts)
+    return _command(parts, note)
 
 
-__all__ = ["KV_DTYPES", "ParallelOption", "ParallelPlan", "plan_tensor_parallel", "sglang_command", "vllm_command"]
+__all__ = ["ParallelOption", "ParallelPlan", "plan_tensor_parallel", "sglang_command", "vllm_command"]

@@ -82,3 +82,13 @@ def test_a_cpu_profile_is_refused_and_nothing_fits_is_said(capsys):
                  "--gpus"]) == 0
     out = capsys.readouterr().out
     assert "→ 4 GPUs" in out and "vllm serve meta-llama/Llama-3.1-70B --tensor-parallel-size 4" in out
+
+
+def test_a_quantized_plan_keeps_every_flag_before_its_note():
+    from engine.estimates.parallel import sglang_command, vllm_command
+
+    command = vllm_command("M", 4, 8192, 2, "int4", "fp8", 0.9)
+    flags, _, note = command.partition("  # ")
+    assert "--quantization awq" in flags and "--kv-cache-dtype fp8" in flags  # not lost after a shell comment
+    assert note == "a checkpoint quantized to int4"
+    assert sglang_command("M", 4, 8192, 2, "fp8", "fp8", 0.9).endswith("--quantization fp8 --kv-cache-dtype fp8_e5m2")
