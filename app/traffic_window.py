@@ -238,13 +238,13 @@ class LoadBox(QGroupBox):
         self._fit()
 
     def _fit(self) -> None:
-        started = self.panel.started
-        xs = [1000 * b / c for b, c in (started.ceilings if started else ())]
-        ys = [c for _, c in (started.ceilings if started else ())]
-        for setting in self.results:
-            if setting.summary.tpot is not None:
-                xs.append(setting.summary.tpot["median"] * 1000)
-                ys.append(setting.summary.output_throughput)
+        """The view around what is drawn: the measured points and the ceiling."""
+        xs, ys = [], []
+        for item in (self.points, self.ceiling):
+            x, y = item.getData()
+            if x is not None:
+                xs += list(x)
+                ys += list(y)
         if xs:
             self.chart.item.setXRange(0, max(xs) * 1.15, padding=0)
             self.chart.item.setYRange(0, max(ys) * 1.15, padding=0)
