@@ -20,6 +20,7 @@ from engine.generation.cancel import CancelToken
 from engine.errors import EngineError
 from engine.events import BatchStep, DraftVerified, TokenGenerated
 from engine.jobs import JobContext, Tagged
+from engine.serve.service import RequestEvent, TrafficStep
 
 
 BATCH_S = 0.02
@@ -171,8 +172,6 @@ def _streamed(event) -> bool:
     """Tokens and batch steps: many a second, so they travel in batches (a served request's
     tokens and the server's steps too, but the step that leaves its core empty goes at once:
     nothing may follow it for a while)."""
-    from engine.serve.service import RequestEvent, TrafficStep
-
     if isinstance(event, TrafficStep):
         return bool(event.requests)
     inner = event.event if isinstance(event, (Tagged, RequestEvent)) else event
