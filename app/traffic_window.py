@@ -34,6 +34,7 @@ from app.widgets.output_view import OutputView
 from app.widgets.traffic_plots import TrafficPlots
 from engine.errors import EngineError
 from engine.load.report import ms
+from engine.units import format_bytes, format_rate
 
 REFRESH_MS = 50
 GROUPS = 4
@@ -333,8 +334,8 @@ class TrafficWindow(QWidget):
         if panel.started is not None:
             now_rate, kv = panel.log.now_figures()
             budget = panel.started.kv_budget_bytes
-            self.summary.setText(f"{panel.summary()} · output {now_rate:.1f} tok/s · KV cache {kv / 2**20:.1f} MiB "
-                                 f"of {budget / 2**20:,.0f} MiB")
+            self.summary.setText(f"{panel.summary()} · output {format_rate(now_rate)} · KV cache {format_bytes(kv)} "
+                                 f"of {format_bytes(budget)}")
         else:
             self.summary.setText(panel.status.text())
             if self.panel.job is None:

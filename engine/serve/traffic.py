@@ -13,6 +13,7 @@ import numpy as np
 from engine.events import Finished, Prefilled, TokenGenerated
 from engine.runs import Run
 from engine.serve.service import RequestArrived, RequestEvent, TrafficStep
+from engine.units import format_bytes, format_rate, format_seconds
 
 STEP_FIELDS = ("at_s", "step_s", "batch", "decode_tokens", "prefill_tokens", "waiting", "running", "kv_bytes")
 
@@ -57,16 +58,15 @@ class RequestTrack:
         parts = [f"request {self.request_id} from {self.client or '?'} ({self.endpoint})",
                  f"prompt {self.prompt_tokens} tokens, up to {self.max_tokens} new"]
         if self.admitted_s is not None:
-            parts.append(f"waited {(self.admitted_s - self.arrived_s) * 1000:.0f} ms")
+            parts.append(f"waited {format_seconds(self.admitted_s - self.arrived_s)}")
         if f is not None:
-            parts.append(f"{f.tokens} tokens, TTFT {f.ttft_s * 1000:.0f} ms" if f.ttft_s is not None
-                         else f"{f.tokens} tokens")
+            parts.append(f"{f.tokens} tokens, TTFT {format_seconds(f.ttft_s)}")
             if f.decode_tokens_per_s:
-                parts.append(f"{f.decode_tokens_per_s:.1f} tok/s")
-            parts.append(f"end-to-end {f.total_s:.2f} s, ended: {f.reason}")
+                parts.append(format_rate(f.decode_tokens_per_s))
+            parts.append(f"end-to-end {format_seconds(f.total_s)}, ended: {f.reason}")
         else:
             parts.append(f"{self.run.count} tokens so far, {self.phase}")
-        parts.append(f"KV cache {self.kv_bytes / 2**20:.1f} MiB")
+        parts.append(f"KV cache {format_bytes(self.kv_bytes)}")
         return "\n".join(parts)
 
 
