@@ -54,6 +54,8 @@ def add_parsers(sub, precisions) -> None:
                             "(default: %(default)s)")
     serve.add_argument("--max-waiting", type=int, default=256, help="waiting requests before 429 (default: "
                        "%(default)s)")
+    serve.add_argument("--stream-interval", type=int, default=1,
+                       help="tokens per streamed chunk, as vLLM's option (default: %(default)s)")
     serve.add_argument("--served-model-name", help="the model name clients send (default: the model's)")
     serve.add_argument("--no-history", action="store_true", help="don't add served requests to the run history")
     serve.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub")
@@ -90,7 +92,7 @@ def serve(args, load_printer) -> int:
                              kv_budget_bytes=parse_size(args.kv_budget) if args.kv_budget else None,
                              max_waiting=args.max_waiting, token_budget=args.token_budget,
                              history=not args.no_history,
-                             model_name=args.served_model_name).validated()
+                             model_name=args.served_model_name, stream_interval=args.stream_interval).validated()
     print(f"Loading {args.model} ({args.precision}) …", file=sys.stderr, flush=True)
     loaded = load_model(LoadRequest(model=args.model, precision=args.precision, device=args.device,
                                     offline=True if args.offline else None), progress=load_printer)

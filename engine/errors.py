@@ -71,6 +71,20 @@ class NonFiniteError(EngineError):
         self.finished = finished
 
 
+class EndpointError(EngineError):
+    """A server could not be reached, refused, or broke off an answer. ``finished`` holds the
+    answer so far when the stream broke mid-way (``reason == "error"``): kept, marked incomplete."""
+
+    def __init__(self, message: str, finished=None, status: int | None = None) -> None:
+        super().__init__(message)
+        self.finished = finished
+        self.status = status
+
+
+class EndpointAuthError(EndpointError):
+    """The server answered 401/403: the API key is missing or wrong."""
+
+
 def non_finite_message(precision: str, model: str, index: int) -> str:
     """What to tell a person whose generation produced NaN/inf scores at token ``index``."""
     other = "fp32" if precision != "fp32" else "bf16 or another model file"

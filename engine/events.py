@@ -21,7 +21,7 @@ class MemorySample:
     rss_bytes: int | None
     """Resident set size of this process (psutil)."""
     device: str
-    """``cpu``, ``cuda:0``, ``mps``…"""
+    """``cpu``, ``cuda:0``, ``mps``…, ``remote`` (a model served elsewhere: nothing to read here)."""
     device_allocated_bytes: int | None = None
     """Tensors held by the framework's allocator (CUDA/MPS)."""
     device_reserved_bytes: int | None = None
@@ -50,7 +50,8 @@ class Loaded:
 
     name: str
     source: str
-    """How it was found: ``default``, ``folder``, ``gguf``, ``hub``."""
+    """How it was found: ``default``, ``folder``, ``gguf``, ``hub``, ``endpoint`` (a server's model:
+    the figures below that only the server knows are ``None``)."""
     path: str
     """The folder the weights were read from (for GGUF: the converted safetensors copy)."""
     precision: str
@@ -58,15 +59,15 @@ class Loaded:
     device_name: str
     architecture: str
     model_type: str
-    parameters: int
-    weights_bytes: int
+    parameters: int | None
+    weights_bytes: int | None
     """Bytes of the weights as stored in memory: parameters, buffers and quantization state."""
     load_s: float
     context_length: int | None
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
+    num_layers: int | None
+    num_kv_heads: int | None
+    head_dim: int | None
+    vocab_size: int | None
     compute_dtype: str
     kv_bytes_per_token: int | None
     """Predicted KV-cache bytes per token while no sliding window has filled; ``None`` if unknown."""
@@ -89,7 +90,7 @@ class Prefilled:
     prompt_tokens: int
     prefill_s: float
     prefill_tokens_per_s: float
-    kv_cache_bytes: int
+    kv_cache_bytes: int | None
     kv_cache_bytes_predicted: int | None
     memory: MemorySample
     request_id: int = 0
@@ -104,15 +105,17 @@ class TokenGenerated:
     token_id: int
     text: str
     """The text this token adds; all pieces concatenate to ``tokenizer.decode(ids)``."""
-    logprob: float
-    """log p(token) under the model's raw distribution (before temperature and filters)."""
+    logprob: float | None
+    """log p(token) under the model's raw distribution (before temperature and filters); ``None``
+    when a server didn't send it."""
     top_alternatives: tuple[Alternative, ...]
     latency_s: float
     """Time for this token: TTFT for index 0, one decode step after that."""
     elapsed_s: float
     """Time since the request started."""
-    kv_cache_bytes: int
-    """Bytes of the key/value tensors the cache holds now (measured)."""
+    kv_cache_bytes: int | None
+    """Bytes of the key/value tensors the cache holds now (measured); ``None`` where they can't be
+    seen (a model served elsewhere)."""
     kv_cache_bytes_predicted: int | None
     """The same, predicted from the model config."""
     memory: MemorySample
@@ -143,7 +146,7 @@ class Finished:
     peak_memory_bytes: int | None
     """Peak device memory on a GPU, peak process RSS on the CPU."""
     peak_rss_bytes: int | None
-    kv_cache_bytes: int
+    kv_cache_bytes: int | None
     kv_cache_bytes_predicted: int | None
     token_ids: tuple[int, ...] = field(repr=False, default=())
     text: str = field(repr=False, default="")
@@ -260,3 +263,40 @@ class StepCompleted:
     elapsed_s: float
     """Time since the core started."""
     memory: MemorySample
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSampled:
+    """What a server said about itself (its ``/metrics``) while it answered a request: its own
+    figures, drawn where a local model's KV and memory go. ``None``: the server doesn't say."""
+
+    at_s: float
+    """Seconds since the request was sent."""
+    kind: str
+    """``vllm``, ``sglang``, ``llama.cpp`` (read from the metric names)."""
+    running: float | None
+    waiting: float | None
+    kv_usage: float | None
+    """Fraction (0-1) of the server's KV cache in use, all its requests together."""
+    preemptions: float | None
+    request_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointAnswered:
+    """How a served answer was counted (just before its ``Finished``): the tokens by the server's
+    own count where it gave one, else by its chunks, which may hold several tokens each."""
+
+    counted_by: Literal["logprobs", "usage per chunk", "chunks"]
+    """``logprobs``: one entry per token; ``usage per chunk``: vLLM's ``continuous_usage_stats``;
+    ``chunks``: a chunk counted as a token (the server said no more)."""
+    chunks: int
+    """Server-sent events that carried answer text or tokens."""
+    usage_prompt_tokens: int | None
+    usage_completion_tokens: int | None
+    """The final ``usage`` (``None``: the server sent none)."""
+    server: str
+    """What answered: ``vLLM``, ``llama.cpp``, ``Inference Workbench``…"""
+    timings: dict | None = None
+    """llama.cpp's own ``timings`` (prompt and predicted ms and tokens/s), when it sends them."""
+    request_id: int = 0

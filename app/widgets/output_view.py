@@ -158,11 +158,16 @@ class OutputView(QPlainTextEdit):
             f"<td align='right'>{math.exp(a.logprob) * 100:.1f}%</td><td align='right'>{a.token_id}</td></tr>"
             for a in token.top_alternatives
         )
+        served = token.memory.device == "remote"
+        ident = "id not sent by the server" if token.token_id < 0 else f"id {token.token_id}"
+        score = ("logprob not sent by the server" if token.logprob is None
+                 else f"logprob {token.logprob:.3f} (p = {math.exp(token.logprob) * 100:.1f}%)")
         return (
-            f"<b>token #{token_index}</b> · id {token.token_id}<br>"
+            f"<b>token #{token_index}</b> · {ident}<br>"
             f"text <code>{html.escape(repr(token.text))}</code><br>"
-            f"logprob {token.logprob:.3f} (p = {math.exp(token.logprob) * 100:.1f}%)<br>"
+            f"{score}<br>"
             f"latency {token.latency_s * 1000:.1f} ms{' (time to first token)' if token_index == 0 else ''}"
+            + (" (measured here, as its chunk arrived)" if served else "")
             + (f"<br><br><b>top {len(token.top_alternatives)} at this step</b>"
                f"<table cellspacing=4><tr><td></td><td>token</td><td>p</td><td>id</td></tr>{rows}</table>"
                if token.top_alternatives else "")

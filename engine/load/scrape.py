@@ -79,8 +79,28 @@ def sample(values: dict[str, float], kind: str, at_s: float) -> ServerSample:
     return ServerSample(at_s, first("running"), first("waiting"), first("kv_usage"), first("preemptions"))
 
 
+def read_into(state: ServerState, url: str, status: int, text: str, at_s: float) -> bool:
+    """One answer of ``url`` read into ``state``; ``False`` once there is nothing to read
+    (``state.reason`` says why)."""
+    if status != 200:
+        state.reason = f"{url} answered {status}: the server shows no metrics"
+        return False
+    try:
+        values = _values(text)
+    except ValueError:
+        state.reason = f"{url} is not Prometheus text"
+        return False
+    if state.kind is None:
+        state.kind = detect(values)
+        if state.kind is None:
+            state.reason = f"{url} has none of the metric names of vLLM, SGLang or llama.cpp"
+            return False
+    state.samples.append(sample(values, state.kind, at_s))
+    return True
+
+
 async def scrape_once(client, metrics_url: str, state: ServerState, origin: float) -> bool:
-    """One reading into ``state``; ``False`` once there is nothing to read (``state.reason`` says why)."""
+    """One reading into ``state`` (an httpx ``AsyncClient``); ``False`` once there is nothing to read."""
     import httpx
 
     try:
@@ -88,21 +108,19 @@ async def scrape_once(client, metrics_url: str, state: ServerState, origin: floa
     except httpx.HTTPError as exc:
         state.reason = f"{metrics_url}: {type(exc).__name__}"
         return False
-    if response.status_code != 200:
-        state.reason = f"{metrics_url} answered {response.status_code}: the server shows no metrics"
-        return False
+    return read_into(state, metrics_url, response.status_code, response.text, time.perf_counter() - origin)
+
+
+def scrape_once_sync(client, metrics_url: str, state: ServerState, origin: float) -> bool:
+    """:func:`scrape_once` with an httpx ``Client`` (a thread of its own, no event loop)."""
+    import httpx
+
     try:
-        values = _values(response.text)
-    except ValueError:
-        state.reason = f"{metrics_url} is not Prometheus text"
+        response = client.get(metrics_url, timeout=5.0)
+    except httpx.HTTPError as exc:
+        state.reason = f"{metrics_url}: {type(exc).__name__}"
         return False
-    if state.kind is None:
-        state.kind = detect(values)
-        if state.kind is None:
-            state.reason = f"{metrics_url} has none of the metric names of vLLM, SGLang or llama.cpp"
-            return False
-    state.samples.append(sample(values, state.kind, time.perf_counter() - origin))
-    return True
+    return read_into(state, metrics_url, response.status_code, response.text, time.perf_counter() - origin)
 
 
 async def scrape(client, metrics_url: str, state: ServerState, origin: float, interval: float = INTERVAL_S) -> None:

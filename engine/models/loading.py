@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.models import sources
 from engine.generation.cancel import CancelToken
@@ -34,7 +34,8 @@ from engine.models.load_lock import exclusive
 @dataclass(frozen=True)
 class LoadRequest:
     model: str = "default"
-    """``default``, a folder, a ``.gguf`` file or a hub id."""
+    """``default``, a folder, a ``.gguf`` file, a hub id, or ``endpoint:URL#MODEL`` (a served model:
+    engine/endpoint)."""
     precision: str = "fp32"
     device: str = "auto"
     trust_remote_code: bool = False
@@ -43,6 +44,8 @@ class LoadRequest:
     """Read pickle (``.bin``) checkpoints, which can run code. Off unless the user opts in."""
     offline: bool | None = None
     """Never contact the hub; ``None`` follows ``HF_HUB_OFFLINE``."""
+    api_key: str | None = field(default=None, repr=False, compare=False)
+    """An endpoint's key as typed in (else read from the environment); never saved, never shown."""
 
 
 def load_model(request: LoadRequest, progress: Callable[[LoadProgress], None] | None = None,
@@ -52,6 +55,10 @@ def load_model(request: LoadRequest, progress: Callable[[LoadProgress], None] | 
     ``Loaded.load_s`` counts from here, after the one-time import of torch and transformers'
     loading machinery (seconds in a fresh process, which no model load should be charged).
     """
+    from engine.endpoint import connect, is_endpoint, parse_endpoint
+
+    if is_endpoint(request.model):  # a served model: nothing to import or read here
+        return connect(parse_endpoint(request.model), request.api_key, progress, cancel)
     reporter = ProgressReporter(progress, cancel)
     reporter.report("imports", 0, 0, "Importing torch and transformers")
     with heap.settling():  # the modules imported live as long as the process (engine/heap.py)

@@ -80,8 +80,10 @@ class _BodyLimit:
 
 
 def create_app(service: CoreService, model_name: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, metrics: ServerMetrics | None = None) -> FastAPI:
-    """The ASGI app serving ``service``'s model as ``model_name``."""
+               max_body_bytes: int = MAX_BODY_BYTES, metrics: ServerMetrics | None = None,
+               stream_interval: int = 1) -> FastAPI:
+    """The ASGI app serving ``service``'s model as ``model_name``; a stream sends a chunk every
+    ``stream_interval`` tokens."""
     app = FastAPI(title="Inference Workbench", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = metrics or ServerMetrics(service, model_name)
     context = service.loaded.info.context_length
@@ -176,7 +178,7 @@ def create_app(service: CoreService, model_name: str, api_key: str | None = None
         ticket, queue, accepted = await start(request, engine_request, None, "/v1/chat/completions")
         top = engine_request.top_alternatives
         reply = _Reply("chat.completion", protocol.new_id("chatcmpl"), model_name, parsed, accepted, queue, ticket,
-                       logprobs=parsed.logprobs, top=top)
+                       logprobs=parsed.logprobs, top=top, interval=stream_interval)
         if parsed.stream:
             return _stream(reply)
         return await reply.whole(request)
@@ -190,7 +192,7 @@ def create_app(service: CoreService, model_name: str, api_key: str | None = None
             raise _Refused(400, str(exc)) from None
         ticket, queue, accepted = await start(request, engine_request, ids, "/v1/completions")
         reply = _Reply("text_completion", protocol.new_id("cmpl"), model_name, parsed, accepted, queue, ticket,
-                       logprobs=parsed.logprobs is not None, top=parsed.logprobs or 0)
+                       logprobs=parsed.logprobs is not None, top=parsed.logprobs or 0, interval=stream_interval)
         if parsed.stream:
             return _stream(reply)
         return await reply.whole(request)
@@ -205,11 +207,12 @@ class _Reply:
     """One request's answer, built from its events: whole, or chunk by chunk."""
 
     def __init__(self, kind: str, rid: str, model: str, parsed, accepted: Accepted, queue: asyncio.Queue,
-                 ticket: Ticket, logprobs: bool, top: int) -> None:
+                 ticket: Ticket, logprobs: bool, top: int, interval: int = 1) -> None:
         self.chat = kind == "chat.completion"
         self.kind, self.rid, self.model, self.parsed = kind, rid, model, parsed
         self.accepted, self.queue, self.ticket = accepted, queue, ticket
-        self.logprobs, self.top = logprobs, top
+        self.logprobs, self.top, self.interval = logprobs, top, interval
+        self.generated = 0
         self.trimmer = protocol.StopTrimmer(ticket.request.stop)
         self.created = int(time.time())
         self.items: list[protocol.TokenLogprob] = []
@@ -222,6 +225,9 @@ class _Reply:
         return protocol.completion_logprobs(items, self.top, offset)
 
     def _item(self, token: Token) -> protocol.TokenLogprob:
+        if self.parsed.return_tokens_as_token_ids:
+            return protocol.TokenLogprob(token.token, token.event.logprob, token.event.top_alternatives,
+                                         token_id=token.event.token_id)
         return protocol.TokenLogprob(token.token, token.event.logprob, token.event.top_alternatives)
 
     def _piece(self, token: Token) -> str:
@@ -285,7 +291,9 @@ class _Reply:
     def _chunk(self, delta_or_text, logprobs=None, reason=None) -> str:
         body = {**protocol.envelope(self.chunk_kind, self.rid, self.model, self.created),
                 "choices": [self._choice(delta_or_text, logprobs, reason)]}
-        if self.parsed.include_usage:
+        if self.parsed.continuous_usage:
+            body["usage"] = protocol.usage(self.accepted.prompt_tokens, self.generated)
+        elif self.parsed.include_usage:
             body["usage"] = None
         return _sse(body)
 
@@ -294,23 +302,29 @@ class _Reply:
             if self.chat:
                 yield self._chunk({"role": "assistant", "content": ""})
             offset = 0
+            text, items = "", []  # held until ``interval`` tokens are in hand (or the answer ends)
             async for event in self._until():
                 if isinstance(event, Token):
-                    text = self._piece(event)
-                    item = self._item(event)
-                    if not text and not self.logprobs:
+                    self.generated += 1
+                    text += self._piece(event)
+                    items.append(self._item(event))
+                    if len(items) < self.interval:
                         continue
-                    yield self._chunk({"content": text} if self.chat else text, self._logprobs([item], offset))
+                    if not text and not self.logprobs:  # nothing to show yet (a special token, held text)
+                        items = []
+                        continue
+                    yield self._chunk({"content": text} if self.chat else text, self._logprobs(items, offset))
                     offset += len(text)
+                    text, items = "", []
                 elif isinstance(event, Finished):
                     if event.reason == "error":
                         yield _sse(protocol.error_body(event.error or "The engine failed.", "server_error",
                                                        code=500))
                         yield "data: [DONE]\n\n"
                         return
-                    rest = self.trimmer.finish(event)
-                    if rest:
-                        yield self._chunk({"content": rest} if self.chat else rest)
+                    rest = text + self.trimmer.finish(event)
+                    if rest or items and self.logprobs:
+                        yield self._chunk({"content": rest} if self.chat else rest, self._logprobs(items, offset))
                     reason = protocol.FINISH_REASONS[event.reason]
                     yield self._chunk({} if self.chat else "", None, reason)
                     if self.parsed.include_usage:

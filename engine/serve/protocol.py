@@ -53,10 +53,18 @@ class _Request(BaseModel):
     min_p: float | None = Field(default=None, ge=0, lt=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     ignore_eos: bool = False
+    return_tokens_as_token_ids: bool = False
+    """vLLM's: logprob entries name their token ``token_id:N`` (ids survive text that doesn't
+    decode alone)."""
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and (self.stream_options or {}).get("include_usage"))
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: every chunk says the tokens so far."""
+        return self.include_usage and bool((self.stream_options or {}).get("continuous_usage_stats"))
 
 
 class _Part(BaseModel):
@@ -219,15 +227,21 @@ class TokenLogprob:
     token: str
     logprob: float
     alternatives: tuple  # of engine Alternative
+    token_id: int | None = None
+    """Set when the client asked for ``return_tokens_as_token_ids``: tokens are named ``token_id:N``."""
+
+    def name(self, text: str, token_id: int) -> str:
+        return text if self.token_id is None else f"token_id:{token_id}"
 
 
-def _entry(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+def _entry(name: str, text: str, logprob: float) -> dict:
+    return {"token": name, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
 def chat_logprobs(items: list[TokenLogprob], top: int) -> dict:
-    return {"content": [{**_entry(i.token, i.logprob),
-                         "top_logprobs": [_entry(a.text, a.logprob) for a in i.alternatives[:top]]}
+    return {"content": [{**_entry(i.name(i.token, i.token_id), i.token, i.logprob),
+                         "top_logprobs": [_entry(i.name(a.text, a.token_id), a.text, a.logprob)
+                                          for a in i.alternatives[:top]]}
                         for i in items]}
 
 
@@ -236,9 +250,10 @@ def completion_logprobs(items: list[TokenLogprob], top: int, offset: int) -> dic
     for i in items:
         offsets.append(at)
         at += len(i.token)
-    return {"tokens": [i.token for i in items], "token_logprobs": [i.logprob for i in items],
+    return {"tokens": [i.name(i.token, i.token_id) for i in items], "token_logprobs": [i.logprob for i in items],
             # OpenAI's shape, text → logprob: of two tokens that read the same, the likelier is kept
-            "top_logprobs": [{a.text: a.logprob for a in reversed(i.alternatives[:top])} for i in items],
+            "top_logprobs": [{i.name(a.text, a.token_id): a.logprob for a in reversed(i.alternatives[:top])}
+                             for i in items],
             "text_offset": offsets}
 
 
