@@ -289,6 +289,7 @@ class EndpointModel:
                             kv_cache_bytes=None, kv_cache_bytes_predicted=None, memory=REMOTE, special=piece.special)
                         tokens.append(token)
                         yield token
+                done = done or reader.finish_reason is not None  # some servers send no [DONE] (transformers)
                 if not done and not cancel.cancelled:
                     raise EndpointError("The server closed the stream before the answer ended (no [DONE]).")
         except (httpx.HTTPError, SSEError, EndpointError) as exc:

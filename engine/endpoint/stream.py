@@ -90,6 +90,8 @@ class StreamReader:
         self.stop_reason = None
         self.timings: dict | None = None
         self.counted: set[str] = set()
+        self.running_usage = False
+        """The server sends the tokens so far on every chunk (not only a total at the end)."""
         self._held = ""
 
     @property
@@ -120,7 +122,9 @@ class StreamReader:
         counted = None
         if isinstance(usage, dict):
             self.usage = usage
-            if choices and isinstance(usage.get("completion_tokens"), int):
+            if choices and not self.finish_reason:  # a total on the finishing chunk is no running count
+                self.running_usage = True
+            if self.running_usage and choices and isinstance(usage.get("completion_tokens"), int):
                 counted = usage["completion_tokens"] - self.usage_tokens_seen
                 self.usage_tokens_seen = usage["completion_tokens"]
         text, self._held = self._held + text, ""

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequestError
+from engine.errors import EngineError, InvalidRequestError
 from engine.load.metrics import RequestResult, Summary, summarize
 from engine.load.prompts import Prompt
 from engine.load.scrape import ServerState, metrics_url, scrape, scrape_once
@@ -138,7 +138,7 @@ class LoadRunner:
         start = time.perf_counter()
 
         async def one(i: int) -> None:
-            await send(client, model, order[i], plan, results[i], start)
+            await send(client, model, order[i], plan, results[i], start, running_usage=server.kind == "vllm")
             if self.on_request:
                 self.on_request(label, results[i])
 
@@ -202,9 +202,11 @@ def _message(text: str) -> str:
         return text[:200]
 
 
-def request_body(model: str, prompt: Prompt, plan: LoadPlan) -> tuple[str, dict]:
+def request_body(model: str, prompt: Prompt, plan: LoadPlan, running_usage: bool = False) -> tuple[str, dict]:
+    """``running_usage``: ask for vLLM's ``continuous_usage_stats`` (servers with vLLM's metrics take it),
+    so a chunk of several tokens is known as such."""
     body = {"model": model, "max_tokens": plan.max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True, **({"continuous_usage_stats": True} if running_usage else {})}}
     if plan.ignore_eos:
         body["ignore_eos"] = True
     if plan.endpoint == "chat":
@@ -212,12 +214,16 @@ def request_body(model: str, prompt: Prompt, plan: LoadPlan) -> tuple[str, dict]
     return "/completions", {**body, "prompt": prompt.text}
 
 
-async def send(client, model: str, prompt: Prompt, plan: LoadPlan, result: RequestResult, origin: float) -> None:
+async def send(client, model: str, prompt: Prompt, plan: LoadPlan, result: RequestResult, origin: float,
+               running_usage: bool = False) -> None:
     """One streamed request, its figures written into ``result`` as they arrive."""
     import httpx
     from httpx_sse import SSEError, aconnect_sse
 
-    path, body = request_body(model, prompt, plan)
+    from engine.endpoint.stream import StreamReader
+
+    reader = StreamReader()
+    path, body = request_body(model, prompt, plan, running_usage)
     sent = time.perf_counter()
     result.start_s = sent - origin
     last = None
@@ -237,25 +243,26 @@ async def send(client, model: str, prompt: Prompt, plan: LoadPlan, result: Reque
                 if "error" in chunk:
                     result.error = f"server error mid-stream: {chunk['error'].get('message')}"
                     return
-                if chunk.get("usage"):
-                    result.prompt_tokens = chunk["usage"].get("prompt_tokens")
-                    result.output_tokens = chunk["usage"].get("completion_tokens", 0)
+                pieces = reader.read(chunk)
+                if reader.usage:
+                    result.prompt_tokens = reader.usage.get("prompt_tokens")
+                    result.output_tokens = reader.usage.get("completion_tokens", 0)
                     result.counted_by = "usage"
-                for choice in chunk.get("choices") or ():
-                    text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
-                    if text:
-                        result.text += text
-                        chunks += 1
-                        result.chunk_times_s.append(now - sent)
-                        if last is None:
-                            result.ttft_s = now - sent
-                        else:
-                            result.itl_s.append(now - last)
-                        last = now
-                    if choice.get("finish_reason"):
-                        result.finish_reason = choice["finish_reason"]
+                result.finish_reason = reader.finish_reason or result.finish_reason
+                if not pieces:
+                    continue
+                result.text += "".join(p.text for p in pieces)
+                chunks += len(pieces)
+                result.chunk_times_s.append(now - sent)
+                if last is None:
+                    result.ttft_s = now - sent
+                    result.itl_s += [0.0] * (len(pieces) - 1)  # came with the first token
+                else:
+                    result.itl_s += [(now - last) / len(pieces)] * len(pieces)
+                last = now
+            result.text += reader.rest()
         end = time.perf_counter()
-    except (httpx.HTTPError, SSEError, ValueError) as exc:
+    except (httpx.HTTPError, SSEError, ValueError, EngineError) as exc:
         result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return
     if result.counted_by != "usage":

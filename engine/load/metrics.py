@@ -31,6 +31,8 @@ class RequestResult:
     ttft_s: float | None = None
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
+    """Per token after the first: a chunk's gap since the one before, shared by the tokens it carried
+    (where the server says how many: its running usage; else a chunk counts as one token)."""
     chunk_times_s: list[float] = field(default_factory=list)
     """Arrival of every content chunk, seconds after sending."""
     prompt_tokens: int | None = None

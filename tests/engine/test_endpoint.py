@@ -217,3 +217,24 @@ def test_a_server_that_dies_mid_stream_keeps_the_answer_as_incomplete(tiny_llama
     finally:
         process.kill()
         process.wait(20)
+
+
+def test_the_load_generator_times_each_token_of_a_several_token_chunk(loaded_llama):
+    from engine.load.generator import LoadPlan, LoadRunner
+    from engine.load.prompts import Prompt
+
+    server = _serve(loaded_llama, stream_interval=3)
+    try:
+        plan = LoadPlan(url=server.url, concurrency=(2,), requests=2, max_tokens=7, ignore_eos=True).validated()
+        (setting,) = LoadRunner(plan, [Prompt(PROMPT)]).run()
+    finally:
+        server.stop(drain=False, timeout=30)
+    assert setting.server.kind == "vllm"  # our /metrics use vLLM's names: running usage asked for
+    for result in setting.results:
+        assert result.ok and result.output_tokens == 7 and result.counted_by == "usage"
+        assert len(result.chunk_times_s) == 3  # 3 + 3 + 1 tokens
+        assert len(result.itl_s) == 6  # per token after the first, not per chunk
+        gaps = [b - a for a, b in zip(result.chunk_times_s, result.chunk_times_s[1:])]
+        assert result.itl_s == pytest.approx([0, 0] + [gaps[0] / 3] * 3 + [gaps[1]])
+    pooled = [gap for r in setting.results for gap in r.itl_s]
+    assert setting.summary.itl["mean"] == pytest.approx(sum(pooled) / 12)

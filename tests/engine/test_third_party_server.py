@@ -67,3 +67,30 @@ def test_load_against_transformers_serve_counts_tokens_from_its_usage(transforme
         assert result.finish_reason in ("length", "stop")
     assert summary.output_tokens == sum(r.output_tokens for r in setting.results)
     assert setting.server.kind is None and "metrics" in setting.server.reason  # none, said so (not zeros)
+
+
+def test_endpoint_source_against_transformers_serve(transformers_serve, loaded_llama):
+    from engine.endpoint import connect, parse_endpoint
+    from engine.events import EndpointAnswered, Finished, TokenGenerated
+    from engine.request import GenerationRequest
+
+    url, model_name = transformers_serve
+    model = connect(parse_endpoint(f"endpoint:{url}#{model_name}"))
+    try:
+        assert model.metrics_kind is None  # no /metrics: nothing scraped, nothing made up
+        request = GenerationRequest("The quick brown fox", max_new_tokens=8)
+        events = list(model.generate(request))
+    finally:
+        model.close()
+    tokens = [e for e in events if isinstance(e, TokenGenerated)]
+    answered, finished = events[-2], events[-1]
+    assert isinstance(answered, EndpointAnswered) and isinstance(finished, Finished)
+    # it sends no [DONE], its usage only on the finishing chunk, no logprobs, and holds back bytes that
+    # don't decode alone, so a chunk may carry several tokens: counted by chunks, said so, total from usage
+    assert answered.counted_by == "chunks" and answered.chunks == len(tokens) <= finished.tokens == 8
+    assert answered.usage_completion_tokens == 8 and finished.prompt_tokens == answered.usage_prompt_tokens > 0
+    assert all(t.logprob is None and t.token_id == -1 and t.kv_cache_bytes is None for t in tokens)
+    assert finished.reason == "length" and finished.token_ids == ()
+    local = [e for e in loaded_llama.generate(request) if isinstance(e, Finished)][0]
+    assert finished.text == local.text and finished.prompt_tokens == local.prompt_tokens  # the same greedy answer
+    assert finished.decode_tokens_per_s == pytest.approx(7 / finished.decode_s)
