@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="load a model, generate once, print what it cost")
     bench.add_argument("--model", default="default",
-                       help="'default', a folder, a .gguf file or a hub id (default: %(default)s)")
+                       help="'default', a folder, a .gguf file, a hub id, or a served model, "
+                            "endpoint:http://HOST:PORT/v1#MODEL (key from $INFERENCE_WORKBENCH_API_KEY or "
+                            "$OPENAI_API_KEY) (default: %(default)s)")
     bench.add_argument("--precision", default="fp32", choices=list(PRECISIONS))
     bench.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     _add_request_args(bench)
@@ -94,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     compare = sub.add_parser("compare", help="one prompt through 2-4 models or precisions, and where they differ")
     compare.add_argument("--lane", action="append", required=True, metavar="MODEL:PRECISION[:DEVICE]",
-                         help="a lane, e.g. default:fp32 (repeat 1-4 times; lane 1 is the reference)")
+                         help="a lane, e.g. default:fp32, or a served model, endpoint:http://HOST:PORT/v1#MODEL "
+                              "(key from $INFERENCE_WORKBENCH_API_KEY or $OPENAI_API_KEY); repeat 1-4 times, "
+                              "lane 1 is the reference")
     compare.add_argument("--schedule", choices=["fair", "concurrent"], default="fair",
                          help="fair: one lane after another (clean timings); concurrent: all at once")
     _add_request_args(compare)
@@ -170,12 +174,15 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _bench(args) -> int:
+    from engine.endpoint import is_endpoint
     from engine.measure import bench
     from engine.generation.cancel import CancelToken
     from engine.events import TokenGenerated
     from engine.models.loading import LoadRequest, load_model
 
     request = _request(args)
+    if is_endpoint(args.model) and (args.draft or args.compile):
+        raise InvalidRequestError("--draft and --compile run the model here, not on a server.")
     if args.compare_plain and not args.draft:
         raise InvalidRequestError("--compare-plain compares with speculative decoding: add --draft.")
     if args.draft:
@@ -184,7 +191,8 @@ def _bench(args) -> int:
         if not 1 <= args.draft_tokens <= MAX_DRAFT_TOKENS:
             raise InvalidRequestError(f"--draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}.")
 
-    print(f"Loading {args.model} ({args.precision}) …", file=sys.stderr, flush=True)
+    print(f"Connecting to {args.model} …" if is_endpoint(args.model) else f"Loading {args.model} ({args.precision}) …",
+          file=sys.stderr, flush=True)
     loaded = load_model(
         LoadRequest(model=args.model, precision=args.precision, device=args.device,
                     trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle,
@@ -260,13 +268,18 @@ def _sweep(args) -> int:
     from engine.events import BatchFinished
     from engine.models.loading import LoadRequest, load_model
     from engine.measure.sweep import record_points, run_sweep
+    from engine.endpoint import is_endpoint
 
+    if is_endpoint(args.model):
+        raise InvalidRequestError("A batch sweep runs the model here; to load a server with several requests at "
+                                  "once, use: inference-workbench load --url URL --concurrency 1,4,16")
     try:
         batches = [int(b) for b in str(args.batch).split(",") if b.strip()]
     except ValueError:
         raise InvalidRequestError(f"--batch takes comma-separated whole numbers, not {args.batch!r}.") from None
     request = _request(args)
-    print(f"Loading {args.model} ({args.precision}) …", file=sys.stderr, flush=True)
+    print(f"Connecting to {args.model} …" if is_endpoint(args.model) else f"Loading {args.model} ({args.precision}) …",
+          file=sys.stderr, flush=True)
     loaded = load_model(LoadRequest(model=args.model, precision=args.precision, device=args.device),
                         progress=_LoadPrinter())
     prompt_tokens = len(loaded.encode(request))

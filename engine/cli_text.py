@@ -20,22 +20,42 @@ def summary(r: dict) -> str:
         delta = f" (Δ {100 * (kv - kv_pred) / kv_pred:+.2f}%)"
     else:
         delta = ""
+    served = r.get("endpoint")
+    if served:
+        answered = (f"served   {served['chunks']} chunks · tokens counted by {served['counted_by']}"
+                    + (f" · usage {served['usage_prompt_tokens']} prompt + {served['usage_completion_tokens']} answer"
+                       if served["usage_completion_tokens"] is not None else " · the server sent no usage"))
+        kv_line = "KV cache n/a (the server's own)" + _server_state(served["server_samples"])
+        memory_line = "memory   n/a (on the server)"
     lines = [
         "",
         f"model    {r['model']} [{r['original_format']}] as {r['precision']} · "
         f"{format_count(r['parameters'])} params · weights {format_bytes(r['weights_bytes'])} · "
-        f"loaded in {format_seconds(r['load_s'])}",
+        f"{'connected' if served else 'loaded'} in {format_seconds(r['load_s'])}",
         f"device   {r['device']} · {r['device_name']}",
         f"prompt   {r['prompt_tokens']} tokens · prefill {format_seconds(r['prefill_s'])} "
         f"({format_rate(r['prefill_tokens_per_s'])}) · TTFT {format_seconds(r['ttft_s'])}",
         f"decode   {len(r['token_ids'])} tokens · {format_rate(r['decode_tokens_per_s'])} · per token "
         f"p50 {format_seconds(pct(0.5))} · p95 {format_seconds(pct(0.95))}",
-        f"KV cache {format_bytes(kv)} measured · {format_bytes(kv_pred)} predicted{delta}",
-        f"memory   peak {format_bytes(r['peak_memory_bytes'])}"
+        kv_line if served else f"KV cache {format_bytes(kv)} measured · {format_bytes(kv_pred)} predicted{delta}",
+        memory_line if served else f"memory   peak {format_bytes(r['peak_memory_bytes'])}"
         + (" (process RSS)" if r["device"] == "cpu" else " (device)"),
         f"finish   {r['finish_reason']}" + (f" ({r['stop_string']!r})" if r["stop_string"] else ""),
     ]
+    if served:
+        lines.insert(-1, answered)
     return "\n".join(lines)
+
+
+def _server_state(samples: list[dict]) -> str:
+    """The peak of what a server's /metrics said while it answered."""
+    peak = {key: max((s[key] for s in samples if s[key] is not None), default=None)
+            for key in ("kv_usage", "running", "waiting")}
+    if not samples:
+        return ""
+    kv = "n/a" if peak["kv_usage"] is None else f"{peak['kv_usage']:.1%}"
+    count = lambda key: "n/a" if peak[key] is None else f"{peak[key]:.0f}"
+    return f" · server says: KV {kv} in use at most, {count('running')} running, {count('waiting')} waiting"
 
 
 def speculative_summary(report) -> str:

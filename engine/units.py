@@ -27,8 +27,10 @@ def format_rate(r: float | None, unit: str = "tok/s") -> str:
     return "n/a" if r is None else f"{r:.1f} {unit}".rstrip()
 
 
-def format_count(n: int) -> str:
+def format_count(n: int | None) -> str:
     """``134.5 M``."""
+    if n is None:
+        return "n/a"
     for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= size:
             return f"{n / size:.1f} {unit}"

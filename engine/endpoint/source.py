@@ -159,7 +159,7 @@ def connect(spec: EndpointSpec, api_key: str | None = None,
         kind = OWNERS.get(str(entry.get("owned_by", "")).lower()) or state.kind
         context = entry.get("max_model_len") or entry.get("context_length")
         info = Loaded(
-            name=entry["id"], source="endpoint", path=spec.url, precision="as served", device="remote",
+            name=entry["id"], source="endpoint", path=spec.url, precision="served", device="remote",
             device_name=f"{SERVERS.get(kind, 'an OpenAI-compatible server')} at {httpx.URL(spec.url).netloc.decode()}",
             architecture="", model_type="", parameters=None, weights_bytes=None,
             load_s=time.perf_counter() - started, context_length=context if isinstance(context, int) else None,

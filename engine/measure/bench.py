@@ -13,7 +13,7 @@ from importlib import metadata
 
 import engine
 from engine.generation.cancel import CancelToken
-from engine.events import GenerationEvent, Loaded
+from engine.events import EndpointAnswered, GenerationEvent, Loaded, ServerSampled
 from engine.models.model import LoadedModel
 from engine.request import GenerationRequest
 from engine.runs import Run
@@ -99,5 +99,15 @@ def report(info: Loaded, request: GenerationRequest, measured: Run) -> dict:
         },
         "loaded": asdict(info),
         "finished": finished_fields,
+        **_served(measured),
         "versions": versions(),
     }
+
+
+def _served(measured: Run) -> dict:
+    """A served model's answer: how its tokens were counted, and what the server said meanwhile."""
+    answered = next((e for e in measured.events if isinstance(e, EndpointAnswered)), None)
+    if answered is None:
+        return {}
+    return {"endpoint": {**asdict(answered),
+                         "server_samples": [asdict(e) for e in measured.events if isinstance(e, ServerSampled)]}}

@@ -41,13 +41,23 @@ class LaneSpec:
 
     @property
     def label(self) -> str:
+        from engine.endpoint import is_endpoint, parse_endpoint
+
+        if is_endpoint(self.model):
+            spec = parse_endpoint(self.model)
+            return f"{spec.model or 'first model'} · served at {spec.url}"
         return f"{self.model} · {self.precision}" + (f" · {self.device}" if self.device != "auto" else "")
 
 
 def parse_lane(text: str) -> LaneSpec:
-    """``MODEL:PRECISION[:DEVICE]``; the model part may itself contain ':' (a Windows path)."""
-    parts = text.rsplit(":", 2)
+    """``MODEL:PRECISION[:DEVICE]`` (the model part may itself contain ':', a Windows path), or
+    ``endpoint:URL#MODEL``, a served model (its precision is the server's)."""
+    from engine.endpoint import is_endpoint, parse_endpoint
     from engine.models.precision import PRECISIONS
+
+    if is_endpoint(text):
+        return LaneSpec(model=parse_endpoint(text).text, precision="served", device="remote")
+    parts = text.rsplit(":", 2)
 
     if len(parts) >= 2 and parts[-1] in PRECISIONS:
         return LaneSpec(model=":".join(parts[:-1]), precision=parts[-1])
@@ -91,7 +101,8 @@ class LaneRun(Run):
         super().__init__(None if loaded is None else loaded.get("weights_bytes"))
         self.spec = spec
         self.loaded = loaded
-        self.prompt_ids: list[int] = []
+        self.prompt_ids: list[int] | None = []
+        """``None``: a served model's (the server tokenizes)."""
         self.reference_scores: list[float] | None = None
         """Lane 1's answer scored by this lane's model."""
 
@@ -100,10 +111,22 @@ class LaneRun(Run):
         self.weights_bytes = loaded.get("weights_bytes")
 
 
+def same_prompt(reference: LaneRun, lane: LaneRun) -> bool:
+    """Whether both lanes read the same prompt tokens: the same ids, or, for a served model (whose
+    ids the server keeps), as many as its ``usage`` counted."""
+    if reference.prompt_ids is not None and lane.prompt_ids is not None:
+        return reference.prompt_ids == lane.prompt_ids
+    known = reference.prompt_ids if reference.prompt_ids is not None else lane.prompt_ids
+    other = lane.finished if reference.prompt_ids is not None else reference.finished
+    return known is not None and other is not None and other.prompt_tokens == len(known)
+
+
 def lane_metrics(reference: LaneRun, lane: LaneRun) -> dict:
-    """The comparison keys of one lane against lane 1 (None where they can't apply)."""
+    """The comparison keys of one lane against lane 1 (None where they can't apply: other prompt
+    tokens, or a server that doesn't say its tokens' ids)."""
     ref_done, done = reference.finished, lane.finished
-    if ref_done is None or done is None or reference.prompt_ids != lane.prompt_ids:
+    if (ref_done is None or done is None or not same_prompt(reference, lane)
+            or any(d.tokens and not d.token_ids for d in (ref_done, done))):
         return {"token_agreement": None, "first_divergence": None, "mean_abs_logprob_delta": None}
     share, first = agreement(ref_done.token_ids, done.token_ids)
     delta = None
@@ -192,7 +215,8 @@ def to_record(runs: Sequence[LaneRun], request: GenerationRequest, schedule: str
     data["format_version"] = 1
     data["runs"] = [{
         "spec": {**asdict(run.spec), "sampling": None if run.spec.sampling is None else asdict(run.spec.sampling)},
-        "loaded": run.loaded, "events": [event_to_dict(e) for e in run.events], "prompt_ids": list(run.prompt_ids),
+        "loaded": run.loaded, "events": [event_to_dict(e) for e in run.events],
+        "prompt_ids": None if run.prompt_ids is None else list(run.prompt_ids),
         "reference_scores": run.reference_scores, "error": run.error,
     } for run in runs]
     return data
@@ -209,7 +233,9 @@ def from_record(data: dict) -> tuple[list[LaneRun], GenerationRequest, str]:
         spec["sampling"] = None if spec.get("sampling") is None else SamplingParams(**spec["sampling"])
         run = LaneRun(LaneSpec(**spec), item["loaded"])
         run.extend(event_from_dict(e) for e in item["events"])
-        run.prompt_ids, run.reference_scores, run.error = list(item["prompt_ids"]), item["reference_scores"], item["error"]
+        ids = item["prompt_ids"]
+        run.prompt_ids = None if ids is None else list(ids)
+        run.reference_scores, run.error = item["reference_scores"], item["error"]
         runs.append(run)
     return runs, request_from_dict(data["request"]), data["schedule"]
 
@@ -268,6 +294,8 @@ def run_comparison(specs: Sequence[LaneSpec], request: GenerationRequest, schedu
 
     def score(index: int, loaded) -> None:
         reference = runs[0]
+        if loaded.model is None:  # a served model: the server has the weights
+            return
         if reference.finished is not None and runs[index].prompt_ids == reference.prompt_ids:
             runs[index].reference_scores = teacher_forced_logprobs(
                 loaded, reference.prompt_ids, reference.finished.token_ids)

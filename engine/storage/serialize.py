@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, fields
 
-from engine.events import (Alternative, BatchFinished, BatchStep, DraftVerified, Finished, Loaded, LoadProgress,
-                           MemorySample, Prefilled, SequenceResult, TokenGenerated)
+from engine.events import (Alternative, BatchFinished, BatchStep, DraftVerified, EndpointAnswered, Finished, Loaded,
+                           LoadProgress, MemorySample, Prefilled, SequenceResult, ServerSampled, TokenGenerated)
 
 _TYPES = {cls.__name__: cls for cls in (Loaded, LoadProgress, Prefilled, TokenGenerated, DraftVerified, Finished,
-                                        BatchStep, BatchFinished)}
+                                        BatchStep, BatchFinished, EndpointAnswered, ServerSampled)}
 
 
 def event_to_dict(event) -> dict:

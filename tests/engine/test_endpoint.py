@@ -238,3 +238,33 @@ def test_the_load_generator_times_each_token_of_a_several_token_chunk(loaded_lla
         assert result.itl_s == pytest.approx([0, 0] + [gaps[0] / 3] * 3 + [gaps[1]])
     pooled = [gap for r in setting.results for gap in r.itl_s]
     assert setting.summary.itl["mean"] == pytest.approx(sum(pooled) / 12)
+
+
+def test_cli_bench_and_compare_a_local_lane_with_an_endpoint_lane(server, tiny_llama, tmp_path, capsys):
+    import json
+
+    from engine.cli import main
+
+    bench_json, compare_json = tmp_path / "bench.json", tmp_path / "compare.json"
+    assert main(["bench", "--model", f"endpoint:{server.url}", "--prompt", PROMPT, "--max-new-tokens", "6",
+                 "--ignore-eos", "--json", str(bench_json), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens counted by logprobs" in out and "KV cache n/a (the server's own)" in out
+    report = json.loads(bench_json.read_text())
+    assert report["source"] == "endpoint" and len(report["token_ids"]) == 6 and report["weights_bytes"] is None
+    assert report["endpoint"]["counted_by"] == "logprobs" and report["endpoint"]["usage_completion_tokens"] == 6
+    assert report["endpoint"]["server_samples"] == [] or report["endpoint"]["server_samples"][0]["kind"] == "vllm"
+
+    assert main(["compare", "--lane", f"{tiny_llama}:fp32:cpu", "--lane", f"endpoint:{server.url}#{server.model_name}",
+                 "--prompt", PROMPT, "--max-new-tokens", "10", "--ignore-eos", "--json", str(compare_json),
+                 "--quiet"]) == 0
+    table = capsys.readouterr().out
+    summary = json.loads(compare_json.read_text())["summary"]
+    assert summary[1]["token_agreement"] == 1.0 and summary[1]["first_divergence"] is None  # token for token
+    assert summary[1]["label"].endswith(f"served at {server.url}")
+    assert all(row["decode_tokens_per_s"] > 0 and row["ttft_s"] > 0 for row in summary)  # both speeds
+    assert summary[1]["weights_bytes"] is None and summary[1]["kv_cache_bytes"] is None
+    assert "served at" in table and "100.0%" in table
+
+    assert main(["sweep", "--model", f"endpoint:{server.url}"]) != 0
+    assert "inference-workbench load" in capsys.readouterr().err
