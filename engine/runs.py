@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import math
+
 import numpy as np
 
-from engine.events import Finished, Prefilled, TokenGenerated
+from engine.events import EndpointAnswered, Finished, Prefilled, ServerSampled, TokenGenerated
 
 COLUMNS = ("latency_s", "elapsed_s", "kv_bytes", "kv_predicted", "rss", "device_allocated",
            "device_reserved", "device_peak")
@@ -42,6 +44,11 @@ class Run:
         self.prefilled: Prefilled | None = None
         self.finished: Finished | None = None
         self.error: str | None = None
+        self.served = False
+        """A served model's run (engine/endpoint): its KV and memory are the server's, not seen here."""
+        self.server_samples: list[ServerSampled] = []
+        """What the server's /metrics said while it answered."""
+        self.answered: EndpointAnswered | None = None
         self.weights_bytes = weights_bytes
         self.version = 0
         self._capacity = capacity
@@ -62,6 +69,13 @@ class Run:
         for event in events:
             if isinstance(event, TokenGenerated):
                 tokens.append(event)
+                self.served = self.served or event.memory.device == "remote"
+            elif isinstance(event, ServerSampled):
+                self.server_samples.append(event)
+                self.served = True
+            elif isinstance(event, EndpointAnswered):
+                self.answered = event
+                self.served = True
             elif isinstance(event, Prefilled):
                 self.prefilled = event
             elif isinstance(event, Finished):
@@ -137,8 +151,11 @@ class Run:
         return np.arange(self.count, dtype=float)
 
     def tokens_per_s(self) -> np.ndarray:
-        """Instantaneous speed of each token: 1 / its latency (the first one's is the TTFT)."""
-        return 1.0 / self.column("latency_s")
+        """Instantaneous speed of each token: 1 / its latency (the first one's is the TTFT); NaN for
+        a token that came in the same chunk as the one before it (no time of its own to divide by)."""
+        latency = self.column("latency_s")
+        with np.errstate(divide="ignore"):
+            return np.where(latency > 0, 1.0 / latency, np.nan)
 
     def rolling_tokens_per_s(self, window: int = 16) -> np.ndarray:
         """Tokens per second over the last ``window`` decode steps (the TTFT left out)."""
@@ -169,7 +186,9 @@ class Run:
         return float(self.column("latency_s")[0]) if self.count else None
 
     def kv_bytes(self) -> float | None:
-        return float(self.column("kv_bytes")[-1]) if self.count else None
+        """The cache now; ``None`` before the first token or where it can't be seen (a server's)."""
+        value = float(self.column("kv_bytes")[-1]) if self.count else math.nan
+        return None if math.isnan(value) else value
 
     def peak_memory_bytes(self) -> float | None:
         if self.finished is not None and self.finished.peak_memory_bytes is not None:

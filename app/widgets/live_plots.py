@@ -21,7 +21,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QPalette
-from PySide6.QtWidgets import QGraphicsView, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QGraphicsOpacityEffect, QGraphicsView, QLabel, QVBoxLayout, QWidget
 
 from engine.runs import Run
 from engine.units import binary_unit
@@ -82,6 +82,8 @@ class PlotPanel(QWidget):
         self.set_label("left", left)
         self._x_limit = self._y_limit = self._shown_y = 0.0
         self._unit = ""
+        self._unavailable: str | None = None
+        self._note = None
         self.caption = QLabel(caption)
         self.caption.setWordWrap(True)
         self.caption.setTextFormat(Qt.RichText)
@@ -90,6 +92,41 @@ class PlotPanel(QWidget):
         layout.setContentsMargins(2, 2, 2, 2)
         layout.addWidget(self.plot, 1)
         layout.addWidget(self.caption)
+
+    def set_unavailable(self, reason: str | None) -> None:
+        """Grey the plot out with ``reason`` over it (a figure this run can't have: a server's KV
+        bytes), or back to normal with ``None``. Greyed, not zeros: nothing is drawn as if measured."""
+        if reason == self._unavailable:
+            return
+        self._unavailable = reason
+        if self._note is None:
+            self._note = pg.TextItem(anchor=(0.5, 0.5), color=_COLOURS["muted"])
+            self._note.setZValue(10)
+            self.plot.addItem(self._note, ignoreBounds=True)
+        self._note.setText(reason or "")
+        self._note.setVisible(reason is not None)
+        self._note.setPos(0.5 * self._x_limit or 0.5, 0.5 * (self._shown_y or 1.0))
+        effect = self.plot.graphicsEffect()
+        if reason is not None and effect is None:
+            effect = QGraphicsOpacityEffect(self.plot)
+            effect.setOpacity(0.45)
+            self.plot.setGraphicsEffect(effect)
+        elif reason is None and effect is not None:
+            self.plot.setGraphicsEffect(None)
+
+    @property
+    def unavailable(self) -> str | None:
+        return self._unavailable
+
+    def set_legend(self, entries: list[tuple[str, str, str]], sentence: str | None = None) -> None:
+        """Replace the caption's legend (``(name, colour, glyph)`` each) and, if given, its sentence."""
+        if sentence is not None:
+            self._sentence = sentence
+        self._legend = []
+        for name, colour, glyph in entries:
+            self.add_legend(name, colour, glyph)
+        if not entries:
+            self.caption.setText(self._sentence)
 
     def curve(self, name: str, colour: str, style=Qt.SolidLine, **kwargs):
         self.add_legend(name, colour, _STYLE_GLYPH.get(style, "━━"))
@@ -156,6 +193,12 @@ class LivePlots:
                                               symbolBrush=_COLOURS["main"], symbolPen=None)
         self.kv.add_legend("measured", "main", "●")
         self._rss = self.memory.curve("process RSS", "main")
+        # a served model's run: what the server's /metrics said, where the local figures go
+        self._server_kv = self.kv.plot.plot([], [], pen=_pen("third"), stepMode=None)
+        self._server_running = self.memory.plot.plot([], [], pen=_pen("main"))
+        self._server_waiting = self.memory.plot.plot([], [], pen=_pen("second"))
+        self._modes: dict = {}  # panel -> its local legend and sentence, while it shows a server's
+        self._served = False
         # device curves join the plot (and its legend) only once a GPU reports them
         self._device_specs = {
             "device_allocated": ("device allocated", "third", Qt.SolidLine),
@@ -181,6 +224,7 @@ class LivePlots:
         if buffer.count == 0:
             for panel in self.panels.values():
                 panel.reset_view()
+        self._set_mode(buffer.served)
         for name in names:
             if self._drawn.get(name) != state:
                 self._drawn[name] = state
@@ -192,10 +236,11 @@ class LivePlots:
         """Speed per decode step; the first token's "speed" is 1/TTFT, shown in the title instead."""
         x, n = buffer.index(), buffer.count
         speed_now = buffer.tokens_per_s()[1:]
-        self._speed_now.setData(x[1:], speed_now, skipFiniteCheck=True)
-        self._speed_mean.setData(x[1:], buffer.rolling_tokens_per_s(ROLLING_WINDOW)[1:], skipFiniteCheck=True)
+        self._speed_now.setData(x[1:], speed_now, connect="finite")
+        self._speed_mean.setData(x[1:], buffer.rolling_tokens_per_s(ROLLING_WINDOW)[1:], connect="finite")
         self._set_title(self.speed, buffer)
-        self.speed.fit(n, float(np.nanmax(speed_now)) if n > 1 else 0.0)
+        finite = speed_now[np.isfinite(speed_now)]
+        self.speed.fit(n, float(finite.max()) if finite.size else 0.0)
 
     def _draw_latency(self, buffer: Run) -> None:
         """Latency of each decode step; the first token's (the TTFT) is in the title. A few spikes
@@ -220,8 +265,71 @@ class LivePlots:
             self._titles[panel] = title
             panel.plot.setTitle(title, size="9pt")
 
+    def _set_mode(self, served: bool) -> None:
+        """Local figures, or a server's: the KV and memory plots change what they hold and say."""
+        if served == self._served:
+            return
+        self._served = served
+        for item in (self._kv_measured, self._kv_predicted, self._rss, *self._device.values()):
+            item.setVisible(not served)
+        self._weights.setVisible(False)
+        for item in (self._server_kv, self._server_running, self._server_waiting):
+            item.setData([], [])
+            item.setVisible(served)
+        if served:
+            self._modes = {panel: (list(panel._legend), panel._sentence) for panel in (self.kv, self.memory)}
+            self.kv.set_legend([("server's KV cache in use", "third", "━━")],
+                               "A served model's KV cache is the server's: its share in use, all its requests "
+                               "together, as its /metrics said while this answer streamed.")
+            self.memory.set_legend([("running", "main", "━━"), ("waiting", "second", "━━")],
+                                   "A served model's memory is the server's: its requests running and waiting, "
+                                   "as its /metrics said while this answer streamed.")
+        else:
+            for panel in (self.kv, self.memory):
+                legend, sentence = self._modes[panel]
+                panel._legend = list(legend)
+                panel._sentence = sentence
+                panel.caption.setText(" &nbsp; ".join(legend) + "<br>" + sentence)
+                panel.set_unavailable(None)
+
+    def _draw_server_kv(self, buffer: Run) -> None:
+        """The server's KV in use (%) at each token, from its samples (each at the token then arriving)."""
+        samples = [s for s in buffer.server_samples if s.kv_usage is not None]
+        if not samples:
+            self.kv.set_unavailable("The server doesn't say its KV cache\n(no /metrics with vLLM, SGLang or "
+                                    "llama.cpp names)" if buffer.count else None)
+            self._server_kv.setData([], [])
+            return
+        self.kv.set_unavailable(None)
+        self.kv.set_label("left", "server KV in use (%)")
+        elapsed = buffer.column("elapsed_s")
+        x = np.searchsorted(elapsed, [s.at_s for s in samples]).astype(float)
+        y = np.array([100 * s.kv_usage for s in samples])
+        self._server_kv.setData(x, y)
+        self.kv.fit(buffer.count, float(y.max()), "%")
+
+    def _draw_server_memory(self, buffer: Run) -> None:
+        samples = [s for s in buffer.server_samples if s.running is not None]
+        if not samples:
+            self.memory.set_unavailable("Memory is the server's: not visible from here" if buffer.count else None)
+            self._server_running.setData([], [])
+            self._server_waiting.setData([], [])
+            return
+        self.memory.set_unavailable(None)
+        self.memory.set_label("left", "server requests")
+        at = np.array([s.at_s for s in samples])
+        running = np.array([s.running for s in samples], dtype=float)
+        waiting = np.array([np.nan if s.waiting is None else s.waiting for s in samples], dtype=float)
+        self._server_running.setData(at, running, connect="finite")
+        self._server_waiting.setData(at, waiting, connect="finite")
+        top = float(np.nanmax(np.concatenate([running, waiting])))
+        elapsed = buffer.column("elapsed_s")
+        self.memory.fit(max(float(at[-1]), float(elapsed[-1]) if buffer.count else 0.0), top, "requests")
+
     def _draw_kv(self, buffer: Run) -> None:
         """KV-cache bytes in binary units: the predicted line, and measured dots over it."""
+        if buffer.served:
+            return self._draw_server_kv(buffer)
         x, n = buffer.index(), buffer.count
         kv = buffer.column("kv_bytes")
         largest = float(np.nanmax(kv)) if n else 0.0
@@ -235,6 +343,8 @@ class LivePlots:
 
     def _draw_memory(self, buffer: Run) -> None:
         """Memory over time: RSS, device memory where there is a GPU, the weights as a baseline."""
+        if buffer.served:
+            return self._draw_server_memory(buffer)
         n = buffer.count
         elapsed = buffer.column("elapsed_s")
         rss = buffer.column("rss")

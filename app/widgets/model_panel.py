@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import QSettings, Signal
+from PySide6.QtCore import QSettings, Qt, Signal
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.endpoint.source import is_endpoint
 from engine.events import Loaded, LoadProgress
 from engine.models.loading import LoadRequest
 from engine.models.precision import PRECISIONS
@@ -50,6 +51,12 @@ class ModelPanel(QWidget):
         browse_folder.clicked.connect(self._browse_folder)
         browse_gguf = QPushButton("GGUF…")
         browse_gguf.clicked.connect(self._browse_gguf)
+        browse_endpoint = QPushButton("Endpoint…")
+        browse_endpoint.setObjectName("endpointButton")
+        browse_endpoint.setToolTip("A model served by vLLM, SGLang, llama.cpp, Ollama… (an OpenAI-compatible API)")
+        browse_endpoint.clicked.connect(self.open_endpoint_dialog)
+        self._api_key: str | None = None  # an endpoint's key as typed: this session's loads only, never saved
+        self.endpoint_dialog = None
         self.precision = QComboBox()
         self.precision.setObjectName("precision")
         for name, precision in PRECISIONS.items():
@@ -93,6 +100,7 @@ class ModelPanel(QWidget):
         browse_row = QHBoxLayout()  # under the name, so a long name keeps the whole width
         browse_row.addWidget(browse_folder)
         browse_row.addWidget(browse_gguf)
+        browse_row.addWidget(browse_endpoint)
         browse_row.addStretch(1)
         form = QFormLayout()
         form.addRow("Model", self.source)
@@ -139,6 +147,8 @@ class ModelPanel(QWidget):
         index = self.source.currentIndex()
         text = self.source.currentText().strip()
         data = self.source.itemData(index) if index >= 0 and self.source.itemText(index) == text else None
+        if is_endpoint(data or text):  # the server's precision and device: nothing to choose here
+            return LoadRequest(model=data or text, precision="served", device="remote", api_key=self._api_key)
         return LoadRequest(model=data or text, precision=self.precision.currentData(),
                            device=self.device.currentData() or "auto",
                            allow_pickle=self.allow_pickle.isChecked(),
@@ -194,6 +204,25 @@ class ModelPanel(QWidget):
         if folder:
             self.set_source(folder)
 
+    def open_endpoint_dialog(self) -> None:
+        """Ask for a served model's URL, name and key (window-modal, not blocking the app)."""
+        from app.endpoint_dialog import EndpointDialog
+        from engine.endpoint import parse_endpoint
+
+        chosen = self.request().model
+        spec = parse_endpoint(chosen) if is_endpoint(chosen) else None
+        dialog = EndpointDialog(spec.url if spec else "http://127.0.0.1:8000/v1", spec.model if spec else None,
+                                self._api_key, self)
+        dialog.setWindowModality(Qt.WindowModal)
+        dialog.accepted.connect(lambda: self._use_endpoint(dialog.spec_text(), dialog.api_key()))
+        dialog.finished.connect(dialog.deleteLater)
+        self.endpoint_dialog = dialog
+        dialog.open()
+
+    def _use_endpoint(self, spec: str, api_key: str | None) -> None:
+        self._api_key = api_key
+        self.set_source(spec)
+
     def _browse_gguf(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF model", filter="GGUF models (*.gguf)")
         if path:
@@ -210,6 +239,11 @@ class ModelPanel(QWidget):
 
     def _update_pending(self, *_) -> None:
         loaded, chosen = self.loaded_request, self.request()
+        served = is_endpoint(chosen.model)
+        for combo in (self.precision, self.device):
+            combo.setEnabled(not served and self.load_button.isEnabled())
+            combo.setToolTip("A served model runs at the server's precision, on the server's device." if served
+                             else "")
         differs = {"model": False, "precision": False, "device": False}
         if loaded is not None:
             differs = {name: a != b for name, a, b in zip(differs, _key(chosen), _key(loaded))}
@@ -237,6 +271,7 @@ class ModelPanel(QWidget):
         self.progress.setVisible(loading)
         for widget in (self.source, self.precision, self.device):
             widget.setEnabled(not loading)
+        self._update_pending()  # a served model's precision and device stay the server's
         if loading:
             self.progress.setRange(0, 0)
             self.stage.setText("Starting…")
@@ -256,6 +291,8 @@ class ModelPanel(QWidget):
     def show_loaded(self, info: Loaded) -> None:
         self.loaded_info = info
         self.stage.setText("")
+        if info.source == "endpoint":
+            return self._show_facts(_served_facts(info))
         values = {
             "Model": info.name,
             "Format": info.original_format,
@@ -270,6 +307,9 @@ class ModelPanel(QWidget):
             "Layers · KV heads · head dim": f"{info.num_layers} · {info.num_kv_heads} · {info.head_dim}",
             "KV per token": format_bytes(info.kv_bytes_per_token),
         }
+        self._show_facts(values)
+
+    def _show_facts(self, values: dict[str, str]) -> None:
         for name, value in values.items():
             self.facts[name].setText(_breakable(value))
             self.facts[name].setToolTip(value)
@@ -293,6 +333,18 @@ class ModelPanel(QWidget):
         if self.device.findData(device) < 0:
             self.device.addItem(device, device)
         self._select(self.device, device)
+
+
+def _served_facts(info: Loaded) -> dict[str, str]:
+    """A served model's facts: what its server says; the rest is the server's to know."""
+    theirs = "n/a (the server's)"
+    return {
+        "Model": info.name, "Format": f"served by {info.original_format}", "Precision": "the server's",
+        "Device": "remote", "Hardware": info.device_name, "Weights": theirs,
+        "Load time": f"{format_seconds(info.load_s)} (connecting)", "Architecture": theirs, "Parameters": theirs,
+        "Context": f"{info.context_length:,} tokens" if info.context_length else "not said by the server",
+        "Layers · KV heads · head dim": theirs, "KV per token": theirs,
+    }
 
 
 def _key(request: LoadRequest) -> tuple[str, str, str]:

@@ -10,7 +10,7 @@ from engine.runs import Run
 from engine.units import format_bytes, format_rate, format_seconds
 
 WIDEST = {"device": "device: cuda:0", "ttft": "TTFT 1000.0 ms", "speed": "decode 1000.0 tok/s",
-          "tokens": "100000 tokens", "kv": "KV 1000.0 MiB", "peak": "peak 1000.0 MiB"}
+          "tokens": "100000 tokens (by chunks)", "kv": "KV 1000.0 MiB", "peak": "peak 1000.0 MiB"}
 
 
 class StatusLine:
@@ -30,13 +30,20 @@ class StatusLine:
         return self.labels[key]
 
     def show(self, info: Loaded | None, run: Run) -> None:
+        served = run.served or (info is not None and info.source == "endpoint")
+        samples = run.server_samples
+        kv_usage = samples[-1].kv_usage if samples else None
+        tokens = f"{run.count} tokens"
+        if run.answered is not None and run.answered.counted_by != "logprobs":
+            tokens += f" (by {run.answered.counted_by.split()[0]})"  # "usage" or "chunks": the server said no more
         values = {
-            "device": f"device: {info.device}" if info else "no model",
+            "device": ("device: server" if served else f"device: {info.device}") if info else "no model",
             "ttft": f"TTFT {format_seconds(run.ttft_s())}",
             "speed": f"decode {format_rate(run.decode_tokens_per_s())}",
-            "tokens": f"{run.count} tokens",
-            "kv": f"KV {format_bytes(run.kv_bytes())}",
-            "peak": f"peak {format_bytes(run.peak_memory_bytes())}",
+            "tokens": tokens,
+            "kv": (f"server KV {kv_usage:.0%}" if kv_usage is not None else "KV: server's") if served
+            else f"KV {format_bytes(run.kv_bytes())}",
+            "peak": "peak: server's" if served else f"peak {format_bytes(run.peak_memory_bytes())}",
         }
         for key, text in values.items():
             if self.labels[key].text() != text:

@@ -14,8 +14,9 @@ from engine.endpoint.source import (
     api_key_from_env,
     connect,
     is_endpoint,
+    list_models,
     parse_endpoint,
 )
 
 __all__ = ["PREFIX", "EndpointModel", "EndpointSpec", "api_key_from_env", "connect", "is_endpoint",
-           "parse_endpoint"]
+           "list_models", "parse_endpoint"]

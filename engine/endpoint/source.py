@@ -117,6 +117,36 @@ def unreachable(url: str, exc: Exception) -> EndpointError:
     return EndpointError(f"Can't reach {url}: {why}.")
 
 
+def _listed(client, url: str) -> list[dict]:
+    """``GET /models``'s entries (each with an ``id``), or the error that says why not."""
+    import httpx
+
+    try:
+        response = client.get("/models", timeout=CONNECT_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        raise unreachable(url, exc) from None
+    if response.status_code != 200:
+        raise http_error(f"{url}/models", response)
+    try:
+        listed = [m for m in response.json().get("data") or [] if isinstance(m, dict) and m.get("id")]
+    except (ValueError, AttributeError):
+        raise EndpointError(f"{url}/models did not answer a model list: is this an OpenAI-compatible API?") from None
+    if not listed:
+        raise EndpointError(f"{url}/models lists no model.")
+    return listed
+
+
+def list_models(url: str, api_key: str | None = None) -> list[str]:
+    """The model names a server lists (the key as :func:`connect` takes it)."""
+    import httpx
+
+    spec = parse_endpoint(url)
+    key = api_key or api_key_from_env()
+    with httpx.Client(base_url=spec.url, headers={"Authorization": f"Bearer {key}"} if key else {},
+                      timeout=httpx.Timeout(CONNECT_TIMEOUT_S)) as client:
+        return [m["id"] for m in _listed(client, spec.url)]
+
+
 def connect(spec: EndpointSpec, api_key: str | None = None,
             progress: Callable[[LoadProgress], None] | None = None,
             cancel: CancelToken | None = None) -> "EndpointModel":
@@ -135,18 +165,7 @@ def connect(spec: EndpointSpec, api_key: str | None = None,
                           timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
                           limits=httpx.Limits(max_connections=8))
     try:
-        try:
-            response = client.get("/models", timeout=CONNECT_TIMEOUT_S)
-        except httpx.HTTPError as exc:
-            raise unreachable(spec.url, exc) from None
-        if response.status_code != 200:
-            raise http_error(f"{spec.url}/models", response)
-        try:
-            listed = [m for m in response.json().get("data") or [] if isinstance(m, dict) and m.get("id")]
-        except (ValueError, AttributeError):
-            raise EndpointError(f"{spec.url}/models did not answer a model list: is this an OpenAI-compatible API?") from None
-        if not listed:
-            raise EndpointError(f"{spec.url}/models lists no model.")
+        listed = _listed(client, spec.url)
         names = [m["id"] for m in listed]
         if spec.model is not None and spec.model not in names:
             raise EndpointError(f"{spec.url} serves {', '.join(names)}, not {spec.model!r}.")

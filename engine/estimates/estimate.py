@@ -126,8 +126,13 @@ def config_for(ref: str):
     """The config of a model reference, from disk only (never downloads); None if not on disk.
 
     ``default`` uses the config shipped in ``resources/configs`` until the model is fetched;
-    a hub id not in the Hugging Face cache falls back to a shipped config of that id.
+    a hub id not in the Hugging Face cache falls back to a shipped config of that id; a served
+    model's config is the server's (None).
     """
+    from engine.endpoint.source import is_endpoint
+
+    if is_endpoint(ref):
+        return None
     from transformers import AutoConfig
 
     from engine.models import default_model

@@ -1,0 +1,89 @@
+"""A served model in the main window and as a compare lane: chosen from the Endpoint dialog (models
+listed from the server), streamed token by token, what the server doesn't say greyed out, its key
+never saved; a wrong key shown as such and the loaded model kept."""
+
+from __future__ import annotations
+
+import pytest
+from PySide6.QtWidgets import QDialogButtonBox
+
+from engine.events import Finished, TokenGenerated
+from engine.request import GenerationRequest
+from engine.serve.server import Server, ServeSettings
+from tests.app.conftest import dismiss_load_error, generate, load
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def served(loaded_llama):
+    server = Server(loaded_llama, ServeSettings(port=0, max_batch=4, history=False, kv_budget_bytes=1 << 30,
+                                                api_key="the-key")).start()
+    yield server
+    assert server.stop(drain=False, timeout=30)
+
+
+def choose_endpoint(qtbot, window, url, key):
+    panel = window.model_panel
+    panel.open_endpoint_dialog()
+    dialog = panel.endpoint_dialog
+    dialog.url.setText(url)
+    dialog.key.setText(key)
+    dialog.list_button.click()
+    qtbot.waitUntil(lambda: dialog.list_button.isEnabled(), timeout=30_000)
+    return dialog
+
+
+def test_a_served_model_in_the_main_window(qtbot, window, served, loaded_llama, settings, tiny_llama):
+    dialog = choose_endpoint(qtbot, window, served.url, "wrong")
+    assert "401" in dialog.status.text() and "API key is wrong or missing" in dialog.status.text()
+    dialog.key.setText("the-key")
+    dialog.list_button.click()
+    qtbot.waitUntil(lambda: dialog.model.count() == 1, timeout=30_000)
+    assert dialog.model.currentText() == served.model_name and served.model_name in dialog.status.text()
+    dialog.buttons.button(QDialogButtonBox.Ok).click()
+    panel = window.model_panel
+    request = panel.request()
+    assert request.model == f"endpoint:{served.url}#{served.model_name}" and request.api_key == "the-key"
+    assert not panel.precision.isEnabled() and not panel.device.isEnabled()  # the server's, not ours to pick
+    with qtbot.waitSignal(window.session.loaded, timeout=60_000):
+        panel.load_button.click()
+    qtbot.waitUntil(lambda: window.loaded is not None)
+    assert window.loaded.source == "endpoint"
+    assert panel.facts["Format"].text() == "served by Inference Workbench"
+    assert "the server" in panel.facts["Weights"].text()
+
+    finished = generate(qtbot, window, PROMPT, max_tokens=10)
+    local = [e for e in loaded_llama.generate(GenerationRequest(PROMPT, max_new_tokens=10, ignore_eos=True))
+             if isinstance(e, (TokenGenerated, Finished))]
+    assert [t.token_id for t in window.run.tokens] == [t.token_id for t in local[:-1]]
+    assert window.run.served and window.run.answered.counted_by == "logprobs"
+    kv, memory = window.plots.kv, window.plots.memory
+    if window.run.server_samples:  # the server's /metrics, drawn where the local figures go
+        assert kv.unavailable is None and "server's KV cache in use" in kv.caption.text()
+    else:
+        assert kv.unavailable is not None
+    assert window.plots.point_counts()["kv_measured_dots"] == 0  # no local bytes drawn as if measured
+    assert memory.unavailable is not None or window.run.server_samples
+    assert window.status["device"].text() == "device: server"
+    assert window.status["peak"].text() == "peak: server's"
+    tooltip = window.output.tooltip_for(len(window.transcript.turns) - 1, 1)
+    assert "as its chunk arrived" in tooltip and "logprob" in tooltip
+
+    window.close()
+    settings.sync()
+    saved = open(settings.fileName(), encoding="utf-8").read()
+    assert served.url in saved and "the-key" not in saved  # the URL is remembered, never the key
+
+
+def test_a_wrong_key_is_said_and_the_loaded_model_kept(qtbot, window, served, tiny_llama):
+    load(qtbot, window, tiny_llama)
+    panel = window.model_panel
+    panel.set_source(f"endpoint:{served.url}")
+    panel.load_button.click()
+    text = dismiss_load_error(qtbot, window)
+    assert "401" in text and "API key" in text
+    assert window.loaded is not None and window.loaded.source != "endpoint"  # still the local model
+    panel.set_source(str(tiny_llama))  # chosen again: nothing to load, and it still answers
+    assert not panel.pending()
+    assert generate(qtbot, window, PROMPT, max_tokens=3).tokens == 3
