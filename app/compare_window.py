@@ -287,7 +287,7 @@ class CompareWindow(QMainWindow):
             self._finish_run()
 
     def _on_scored(self, lane: LaneWidget, prompt_ids, scores) -> None:
-        lane.run.prompt_ids = list(prompt_ids)
+        lane.run.prompt_ids = None if prompt_ids is None else list(prompt_ids)
         lane.run.reference_scores = scores
         self._scores_pending.discard(lane.index)
         if not self._scores_pending and self.running:

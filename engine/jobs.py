@@ -62,7 +62,8 @@ class GenerateJob:
 
 @dataclass(frozen=True)
 class Scored:
-    prompt_ids: tuple[int, ...]
+    prompt_ids: tuple[int, ...] | None
+    """``None``: a served model's (the server tokenizes)."""
     logprobs: tuple[float, ...] | None
     """``None``: the model could not score these tokens (another tokenizer's ids, say)."""
 
@@ -79,6 +80,8 @@ class ScoreJob:
     def run(self, ctx: JobContext) -> Scored:
         from engine.measure.compare import teacher_forced_logprobs
 
+        if ctx.model.model is None:  # a served model: its weights are the server's
+            return Scored(None, None)
         prompt_ids = ctx.model.encode(self.request)
         try:
             scores = teacher_forced_logprobs(ctx.model, prompt_ids, list(self.token_ids))

@@ -27,6 +27,7 @@ class ComparePlots:
         self._drawn: tuple = ()  # (run, version) of each lane at the last redraw
         self._runs: list = []  # the lanes' runs the views were started for
         self._drawn_panels: dict[str, tuple] = {}  # plot -> the lanes' (run, version) it shows
+        self._notes: dict[str, str | None] = {}  # plot -> its title naming the served lanes
         self.redraws = 0
 
     def _curve(self, name: str, lane: LaneWidget):
@@ -83,13 +84,25 @@ class ComparePlots:
         x, y = self._draw_series("latency", lanes, lambda r: (r.index()[1:], r.column("latency_s")[1:] * 1000))
         self.latency.fit(max(l.run.count for l in lanes), y)
 
+    def _served_note(self, panel, lanes) -> None:
+        """A title naming the lanes whose figure is a server's (so their missing curve isn't read as zero)."""
+        served = [str(lane.index + 1) for lane in lanes if lane.run.served]
+        title = (f"lane{'s' if len(served) > 1 else ''} {', '.join(served)}: served, the server's own (not seen "
+                 "from here)" if served else None)
+        if self._notes.get(panel.plot.objectName()) != title:
+            self._notes[panel.plot.objectName()] = title
+            panel.plot.setTitle(title, size="8pt")
+
     def _draw_kv(self, lanes) -> None:
-        unit = binary_unit(max((float(np.nanmax(l.run.column("kv_bytes"))) for l in lanes if l.run.count), default=0.0))
+        self._served_note(self.kv, lanes)
+        unit = binary_unit(max((float(np.nanmax(l.run.column("kv_bytes"))) for l in lanes if l.run.has("kv_bytes")),
+                               default=0.0))
         _, y = self._draw_series("kv", lanes, lambda r: (r.index(), r.column("kv_bytes") / unit[0]))
         self.kv.set_label("left", f"KV cache ({unit[1]})")
         self.kv.fit(max(l.run.count for l in lanes), y, unit[1])
 
     def _draw_memory(self, lanes) -> None:
+        self._served_note(self.memory, lanes)
         unit = binary_unit(max((float(np.nanmax(l.run.column("rss"))) for l in lanes if l.run.has("rss")), default=0.0))
         x, y = self._draw_series("memory", lanes, lambda r: (r.column("elapsed_s"), r.column("rss") / unit[0]))
         self.memory.set_label("left", f"memory ({unit[1]})")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from PySide6.QtCore import Signal, Slot
+from PySide6.QtCore import Qt, Signal, Slot
 from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
 
 from app.widgets.model_panel import _compact
 from app.worker import ModelSession
+from engine.endpoint.source import is_endpoint
 from engine.measure.compare import LaneRun, LaneSpec
 from engine.events import Finished, Loaded
 from engine.jobs import GenerateJob, ScoreJob
@@ -66,6 +67,13 @@ class LaneWidget(QFrame):
         self.source.setEditable(True)
         self.source.setObjectName("laneSource")
         self.source.addItem("default (SmolLM2-135M-Instruct)", "default")
+        self.source.setToolTip("'default', a folder, a .gguf file, a hub id, or endpoint:http://HOST:PORT/v1#MODEL")
+        self.endpoint_button = QPushButton("Endpoint…")
+        self.endpoint_button.setObjectName("laneEndpoint")
+        self.endpoint_button.setToolTip("A model served by vLLM, SGLang, llama.cpp, Ollama… in this lane")
+        self.endpoint_button.clicked.connect(self.open_endpoint_dialog)
+        self.endpoint_dialog = None
+        self._api_key: str | None = None  # this session's loads only, never saved
         self.precision = QComboBox()
         for name in PRECISIONS:
             self.precision.addItem(name, name)
@@ -101,7 +109,10 @@ class LaneWidget(QFrame):
         self.metrics.setObjectName("laneMetrics")
 
         form = QFormLayout()
-        form.addRow("Model", self.source)
+        source_row = QHBoxLayout()
+        source_row.addWidget(self.source, 1)
+        source_row.addWidget(self.endpoint_button)
+        form.addRow("Model", source_row)
         form.addRow("Precision", self.precision)
         form.addRow("Device", self.device)
         sampling = QHBoxLayout()
@@ -133,6 +144,7 @@ class LaneWidget(QFrame):
         for combo in (self.source, self.precision, self.device):
             combo.currentIndexChanged.connect(self._show_idle_status)
         self.source.editTextChanged.connect(self._show_idle_status)
+        self.source.currentIndexChanged.connect(lambda *_: self._update_state())
         self._update_state()
 
     # -- configuration ---------------------------------------------------------------
@@ -140,8 +152,29 @@ class LaneWidget(QFrame):
         index, text = self.source.currentIndex(), self.source.currentText().strip()
         model = self.source.itemData(index) if index >= 0 and self.source.itemText(index) == text else text
         sampling = None if self.greedy.isChecked() else SamplingParams(temperature=self.temperature.value())
+        if is_endpoint(model):  # the server's precision and device
+            return LaneSpec(model=model, precision="served", device="remote", sampling=sampling)
         return LaneSpec(model=model or "default", precision=self.precision.currentData(),
                         device=self.device.currentData(), sampling=sampling)
+
+    def open_endpoint_dialog(self) -> None:
+        """A served model for this lane: URL, listed model, key (this session only, never saved)."""
+        from app.endpoint_dialog import EndpointDialog
+        from engine.endpoint import parse_endpoint
+
+        chosen = self.spec().model
+        spec = parse_endpoint(chosen) if is_endpoint(chosen) else None
+        dialog = EndpointDialog(spec.url if spec else "http://127.0.0.1:8000/v1", spec.model if spec else None,
+                                self._api_key, self)
+        dialog.setWindowModality(Qt.WindowModal)
+        dialog.accepted.connect(lambda: self._use_endpoint(dialog.spec_text(), dialog.api_key()))
+        dialog.finished.connect(dialog.deleteLater)
+        self.endpoint_dialog = dialog
+        dialog.open()
+
+    def _use_endpoint(self, spec: str, api_key: str | None) -> None:
+        self._api_key = api_key
+        self.configure(LaneSpec(model=spec, precision="served", device="remote"))
 
     def configure(self, spec: LaneSpec) -> None:
         index = self.source.findData(spec.model)
@@ -149,6 +182,10 @@ class LaneWidget(QFrame):
             self.source.addItem(spec.model, spec.model)
             index = self.source.count() - 1
         self.source.setCurrentIndex(index)
+        self.source.lineEdit().setCursorPosition(0)
+        if is_endpoint(spec.model):
+            self.greedy.setChecked(spec.sampling is None or spec.sampling.greedy)
+            return
         self.precision.setCurrentIndex(self.precision.findData(spec.precision))
         if self.device.findData(spec.device) < 0:
             self.device.addItem(spec.device, spec.device)
@@ -164,7 +201,7 @@ class LaneWidget(QFrame):
 
     def _chosen_request(self) -> LoadRequest:
         spec = self.spec()
-        return LoadRequest(spec.model, spec.precision, spec.device)
+        return LoadRequest(spec.model, spec.precision, spec.device, api_key=self._api_key)
 
     def _set_status(self, text: str, error: bool = False) -> None:
         self.status.setText(text)
@@ -172,6 +209,8 @@ class LaneWidget(QFrame):
 
     def _loaded_text(self) -> str:
         info = self.loaded
+        if info.source == "endpoint":
+            return f"{info.name} · served by {info.device_name} · connected in {format_seconds(info.load_s)}"
         return (f"{info.name} · {info.precision} on {info.device} · weights {format_bytes(info.weights_bytes)} · "
                 f"loaded in {format_seconds(info.load_s)}")
 
@@ -282,7 +321,8 @@ class LaneWidget(QFrame):
     def _on_job_finished(self, job_id: int, result) -> None:
         if job_id == self.score_job:
             self.score_job = None
-            self.scored.emit(self, list(result.prompt_ids), None if result.logprobs is None else list(result.logprobs))
+            self.scored.emit(self, None if result.prompt_ids is None else list(result.prompt_ids),
+                             None if result.logprobs is None else list(result.logprobs))
         elif job_id == self.job:
             self.job = None
             self._on_finished(result)
@@ -349,8 +389,11 @@ class LaneWidget(QFrame):
 
     def _update_state(self) -> None:
         busy = self.loading or self.generating or self.read_only
-        for widget in (self.source, self.precision, self.device, self.greedy, self.load_button):
+        for widget in (self.source, self.precision, self.device, self.greedy, self.load_button, self.endpoint_button):
             widget.setEnabled(not busy)
+        if is_endpoint(self.spec().model):  # a served model's precision and device are the server's
+            self.precision.setEnabled(False)
+            self.device.setEnabled(False)
         self.temperature.setEnabled(not busy and not self.greedy.isChecked())
         self.unload_button.setEnabled(not busy and self.loaded is not None)
         self.state_changed.emit()

@@ -87,3 +87,32 @@ def test_a_wrong_key_is_said_and_the_loaded_model_kept(qtbot, window, served, ti
     panel.set_source(str(tiny_llama))  # chosen again: nothing to load, and it still answers
     assert not panel.pending()
     assert generate(qtbot, window, PROMPT, max_tokens=3).tokens == 3
+
+
+def test_a_local_lane_and_an_endpoint_lane_agree_token_for_token(qtbot, compare, served, tiny_llama, tmp_path):
+    from tests.app.test_compare_window import configure, load_all, run, table_text
+    from engine.measure.compare import LaneSpec
+
+    configure(compare, [LaneSpec(str(tiny_llama), "fp32", "cpu"), LaneSpec(str(tiny_llama), "fp32", "cpu")])
+    lane = compare.lanes[1]
+    lane.open_endpoint_dialog()
+    dialog = lane.endpoint_dialog
+    dialog.url.setText(served.url)
+    dialog.key.setText("the-key")
+    dialog.buttons.button(QDialogButtonBox.Ok).click()
+    assert lane.spec().model == f"endpoint:{served.url}" and not lane.precision.isEnabled()
+    load_all(qtbot, compare)
+    assert "served by Inference Workbench" in lane.status.text()
+    run(qtbot, compare, tokens=12)
+    local, endpoint = compare.summary
+    assert endpoint.token_agreement == 1.0 and endpoint.first_divergence is None  # greedy: the same tokens
+    assert local.decode_tokens_per_s > 0 and endpoint.decode_tokens_per_s > 0  # both speeds in the summary
+    assert endpoint.weights_bytes is None and endpoint.kv_cache_bytes is None
+    assert endpoint.mean_abs_logprob_delta is None  # the server's weights can't score lane 1's answer here
+    rows = table_text(compare)
+    assert any("served at" in cell for cell in rows[1]) and "100.0%" in rows[1]
+    assert lane.output.toPlainText() == compare.lanes[0].output.toPlainText()
+    assert "lane 2: served" in compare.plots.kv.plot.getPlotItem().titleLabel.text
+    written = compare.export(tmp_path / "run.json")
+    saved = (tmp_path / "run.json").read_text()
+    assert "the-key" not in saved and tmp_path / "run.json" in written
