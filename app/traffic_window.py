@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.background import Background
 from app.frame_budget import FrameBudget
 from app.screen import fit_screen
 from app.transcript import Transcript, Turn
@@ -44,9 +45,16 @@ FRAME_BUDGET = 0.1
 RESULT_COLUMNS = ("setting", "done", "req/s", "out tok/s", "TTFT p50", "TPOT p50", "TPOT p99", "E2E p50")
 
 
+THIS_SERVER = "this app's server"
+SERIES_COLOURS = ("#e67e22", "#27ae60", "#8e44ad", "#c0392b", "#16a085", "#7f8c8d")
+"""Earlier loads in the history, one colour per server and model (this load's points are blue)."""
+
+
 class LoadBox(QGroupBox):
-    """The load generator (engine/load) pointed at this server: closed-loop concurrency or Poisson
-    arrivals, bounded in requests and time, each setting a row and a point on the chart."""
+    """The load generator (engine/load) pointed at this server or any OpenAI-compatible one:
+    closed-loop concurrency or Poisson arrivals, bounded in requests and time, each setting a row
+    and a point on the chart, beside the loads of the history (other servers, other days), which
+    every finished load joins."""
 
     _request_done = Signal(str, object)  # setting label, RequestResult (from the load's thread)
     _setting_done = Signal(object)  # SettingResult
@@ -57,6 +65,23 @@ class LoadBox(QGroupBox):
         self.panel = panel
         self.runner = None
         self.results: list = []
+        self._plan = None
+        self._load_id: str | None = None
+        self.history: list = []  # earlier loads (history records of kind "load")
+        self.background = Background(self)
+        self.target = QComboBox()
+        self.target.setObjectName("loadTarget")
+        self.target.setEditable(True)
+        self.target.setInsertPolicy(QComboBox.NoInsert)
+        self.target.addItem(THIS_SERVER, None)
+        self.target.setToolTip("This app's server (Server panel), or any OpenAI-compatible API: "
+                               "http://HOST:PORT/v1 (vLLM, SGLang, llama.cpp, Ollama…)")
+        self.target.currentTextChanged.connect(lambda *_: self.update_state() if hasattr(self, "ceiling") else None)
+        self.key = QLineEdit()
+        self.key.setObjectName("loadKey")
+        self.key.setEchoMode(QLineEdit.Password)
+        self.key.setPlaceholderText("none, or from $INFERENCE_WORKBENCH_API_KEY / $OPENAI_API_KEY")
+        self.key.setToolTip("For another server. Never saved.")
         self.mode = QComboBox()
         self.mode.addItem("Concurrency (closed loop)", "concurrency")
         self.mode.addItem("Rate, requests/s (Poisson arrivals)", "rate")
@@ -77,6 +102,8 @@ class LoadBox(QGroupBox):
         self.max_duration.setValue(300)
         self.max_duration.setSuffix(" s per setting")
         form = QFormLayout()
+        form.addRow("Server", self.target)
+        form.addRow("API key", self.key)
         form.addRow("Mode", self.mode)
         form.addRow("Values", self.values)
         form.addRow("Requests", self.requests)
@@ -87,23 +114,27 @@ class LoadBox(QGroupBox):
         self.run_button.clicked.connect(self.run)
         self.stop_button = QPushButton("Stop")
         self.stop_button.clicked.connect(self.stop)
-        self.save_button = QPushButton("Save JSON…")
+        self.save_button = QPushButton("Save JSON/CSV…")
         self.save_button.clicked.connect(self.save)
         buttons = QHBoxLayout()
         for b in (self.run_button, self.stop_button, self.save_button):
             buttons.addWidget(b)
-        self.status = QLabel("Start the server, then run a load against it.")
+        self.status = QLabel("Start the server, or name another one, then run a load against it.")
         self.status.setWordWrap(True)
         self.table = QTableWidget(0, len(RESULT_COLUMNS))
         self.table.setHorizontalHeaderLabels(RESULT_COLUMNS)
         self.table.verticalHeader().hide()
         self.table.setEditTriggers(QTableWidget.NoEditTriggers)
         self.chart = PlotPanel("Throughput vs latency", "One point per setting: output tok/s of all requests "
-                               "against each request's time per output token (p50). The dashed line is the cost "
-                               "model's ceiling on this machine (weights and KV read once per step).",
+                               "against each request's time per output token (p50), this load's and the history's "
+                               "(other servers, other days). The dashed line is the cost model's ceiling on this "
+                               "machine (weights and KV read once per step).",
                                "tok/s", "TPOT p50 (ms)")
-        self.chart.add_legend("measured", "main", "●")
-        self.chart.add_legend("ceiling", "muted", "╍╍")
+        self.show_history = QCheckBox("earlier loads from the history")
+        self.show_history.setObjectName("showHistory")
+        self.show_history.setChecked(True)
+        self.show_history.toggled.connect(lambda *_: self._draw_points())
+        self.history_points: list = []
         self.points = pg.ScatterPlotItem(size=9, brush=pg.mkBrush("#2d7dd2"), pen=None)
         self.chart.plot.addItem(self.points)
         self.ceiling = self.chart.plot.plot([], [], pen=pg.mkPen("#7f8c8d", style=Qt.DashLine), symbol="o",
@@ -114,18 +145,24 @@ class LoadBox(QGroupBox):
         layout.addLayout(buttons)
         layout.addWidget(self.status)
         layout.addWidget(self.table, 1)
+        layout.addWidget(self.show_history)
         layout.addWidget(self.chart, 2)
         self._request_done.connect(self._on_request)
         self._setting_done.connect(self._on_setting)
         self._ended.connect(self._on_ended)
         self._done = 0
         self.update_state()
+        self.reload_history()
+
+    def targets_this_server(self) -> bool:
+        return self.target.currentText().strip() in (THIS_SERVER, "")
 
     def update_state(self) -> None:
-        serving = self.panel.started is not None
+        serving = self.panel.started is not None or not self.targets_this_server()
         running = self.runner is not None
         self.run_button.setEnabled(serving and not running)
-        self.run_button.setToolTip("" if serving else "Start the server first (Server panel).")
+        self.run_button.setToolTip("" if serving else "Start the server first (Server panel), or name another.")
+        self.key.setEnabled(not self.targets_this_server())
         self.stop_button.setEnabled(running)
         self.save_button.setEnabled(bool(self.results) and not running)
         self._draw_ceiling()
@@ -134,9 +171,16 @@ class LoadBox(QGroupBox):
         from engine.cli_serve import parse_numbers
         from engine.load.generator import LoadPlan
 
-        started = self.panel.started
+        from engine.endpoint import api_key_from_env, parse_endpoint
+
         values = tuple(parse_numbers(self.values.text(), int if self.mode.currentData() == "concurrency" else float))
-        return LoadPlan(url=started.url, model=started.model_name, api_key=self.panel.api_key.text() or None,
+        if self.targets_this_server():
+            started = self.panel.started
+            url, model, key = started.url, started.model_name, self.panel.api_key.text() or None
+        else:
+            spec = parse_endpoint(self.target.currentText())
+            url, model, key = spec.url, spec.model, self.key.text() or api_key_from_env()
+        return LoadPlan(url=url, model=model, api_key=key,
                         concurrency=values if self.mode.currentData() == "concurrency" else (),
                         rates=values if self.mode.currentData() == "rate" else (), requests=self.requests.value(),
                         max_tokens=self.max_tokens.value(), ignore_eos=self.exact.isChecked(),
@@ -147,10 +191,10 @@ class LoadBox(QGroupBox):
         from engine.load.generator import LoadRunner
         from engine.load.prompts import read_prompts
 
-        if self.runner is not None or self.panel.started is None:
+        if self.runner is not None or self.panel.started is None and self.targets_this_server():
             return
         try:
-            plan = self.plan()
+            plan = self._plan = self.plan()
             prompts = read_prompts()
         except EngineError as exc:
             self.status.setText(str(exc))
@@ -162,9 +206,16 @@ class LoadBox(QGroupBox):
                                  on_result=self._setting_done.emit)
         runner = self.runner
 
+        import uuid
+
+        self._load_id = load_id = uuid.uuid4().hex
+
         def work() -> None:
+            from engine.load.report import remember
+
             try:
                 results, error = runner.run(), None
+                remember(plan, results, load_id)  # every load joins the history: one chart across servers and days
             except Exception as exc:  # shown in the box, never lost
                 results, error = [], exc
             try:
@@ -213,12 +264,54 @@ class LoadBox(QGroupBox):
             self.status.setText(f"Done: {len(results)} settings" + (f", {failed} requests failed" if failed else "")
                                 + ". Tokens counted from the server's usage (* where from chunks).")
         self.update_state()
+        self.reload_history()
+
+    def reload_history(self) -> None:
+        """Read the history's loads off the GUI thread; the chart redraws when they arrive."""
+        from engine.storage.history import load_all
+
+        def loads():
+            return [r for r in load_all() if r.kind == "load" and r.extra.get("summary", {}).get("tpot")]
+
+        self.background.submit(loads, self._show_history)
+
+    def _show_history(self, records: list) -> None:
+        self.history = records
+        for record in records:  # the servers loaded before, offered as targets
+            url = record.extra.get("url")
+            if url and self.target.findText(url) < 0 and (self.panel.started is None or url != self.panel.started.url):
+                self.target.addItem(url, url)
+        self._draw_points()
+
+    def _history_series(self) -> dict[tuple[str, str], list]:
+        """Earlier loads by (server URL, model), this load's settings left out (they are drawn in blue)."""
+        series: dict[tuple[str, str], list] = {}
+        for record in self.history:
+            if record.extra.get("load_id") != self._load_id or not self.results:
+                series.setdefault((record.extra.get("url", ""), record.model), []).append(record)
+        return series
 
     def _draw_points(self) -> None:
         xs, ys = [], []
         for label in self.labels:
             self.chart.plot.removeItem(label)
         self.labels = []
+        for item in self.history_points:
+            self.chart.plot.removeItem(item)
+        self.history_points = []
+        legend = [("this load", "main", "●")]
+        if self.show_history.isChecked():
+            for i, ((url, model), records) in enumerate(sorted(self._history_series().items())):
+                colour = SERIES_COLOURS[i % len(SERIES_COLOURS)]
+                points = sorted((r.extra["summary"]["tpot"]["median"] * 1000, r.extra["aggregate_tokens_per_s"])
+                                for r in records)
+                item = pg.ScatterPlotItem([p[0] for p in points], [p[1] for p in points], size=7,
+                                          brush=pg.mkBrush(colour), pen=None, symbol="d")
+                self.chart.plot.addItem(item)
+                self.history_points.append(item)
+                legend.append((f"{model} at {url.split('//')[-1]} ({len(records)})", colour, "◆"))
+        legend.append(("ceiling", "muted", "╍╍"))
+        self.chart.set_legend(legend)
         for setting in self.results:
             s = setting.summary
             if s.tpot is None:
@@ -234,14 +327,14 @@ class LoadBox(QGroupBox):
 
     def _draw_ceiling(self) -> None:
         started = self.panel.started
-        ceilings = started.ceilings if started is not None else ()
+        ceilings = started.ceilings if started is not None and self.targets_this_server() else ()
         self.ceiling.setData([1000 * b / c for b, c in ceilings], [c for _, c in ceilings])
         self._fit()
 
     def _fit(self) -> None:
         """The view around what is drawn: the measured points and the ceiling."""
         xs, ys = [], []
-        for item in (self.points, self.ceiling):
+        for item in (self.points, self.ceiling, *self.history_points):
             x, y = item.getData()
             if x is not None:
                 xs += list(x)
@@ -259,10 +352,16 @@ class LoadBox(QGroupBox):
         if not self.results:
             return
         if path is None:
-            path, _ = QFileDialog.getSaveFileName(self, "Save the load's results", "load.json", "JSON (*.json)")
+            path, _ = QFileDialog.getSaveFileName(self, "Save the load's results", "load.json",
+                                                  "JSON (*.json);;CSV, a row per setting (*.csv)")
             if not path:
                 return
-        write_json(Path(path), self.plan(), self.results)
+        if str(path).endswith(".csv"):
+            from engine.load.report import write_csv
+
+            write_csv(Path(path), self.results)
+        else:
+            write_json(Path(path), self._plan, self.results)
         self.status.setText(f"Saved {path}")
 
 
@@ -363,4 +462,5 @@ class TrafficWindow(QWidget):
     def closeEvent(self, event) -> None:
         self.timer.stop()
         self.load_box.stop()
+        self.load_box.background.close()
         super().closeEvent(event)

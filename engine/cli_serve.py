@@ -63,7 +63,8 @@ def add_parsers(sub, precisions) -> None:
     load = sub.add_parser("load", help="send a measured load to an OpenAI-compatible server (ours or any)")
     load.add_argument("--url", required=True, help="the API's base URL, e.g. http://127.0.0.1:8000/v1")
     load.add_argument("--model", help="the model name (default: the first the server lists)")
-    load.add_argument("--api-key", help="API key (default: $OPENAI_API_KEY if set)")
+    load.add_argument("--api-key", help="API key (default: $INFERENCE_WORKBENCH_API_KEY, else $OPENAI_API_KEY)")
+    load.add_argument("--no-history", action="store_true", help="don't add the settings to the run history")
     mode = load.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", help="closed loop: this many requests in flight, e.g. 1,4,16 (a sweep)")
     mode.add_argument("--rate", help="open loop: requests per second arriving, e.g. 0.5,1,2 (a sweep)")
@@ -111,8 +112,7 @@ def serve(args, load_printer) -> int:
 
 
 def load(args) -> int:
-    import os
-
+    from engine.endpoint import api_key_from_env
     from engine.load.generator import LoadPlan, LoadRunner
     from engine.load.metrics import parse_slo
     from engine.load.prompts import read_prompts
@@ -120,7 +120,7 @@ def load(args) -> int:
     if args.concurrency is None and args.rate is None:
         args.concurrency = "1"
     plan = LoadPlan(
-        url=args.url, model=args.model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+        url=args.url, model=args.model, api_key=args.api_key or api_key_from_env(),
         concurrency=tuple(parse_numbers(args.concurrency, int)) if args.concurrency else (),
         rates=tuple(parse_numbers(args.rate)) if args.rate else (), burstiness=args.burstiness,
         requests=args.requests, max_duration_s=args.max_duration, max_tokens=args.max_tokens,
@@ -131,6 +131,10 @@ def load(args) -> int:
 
     print(summary_header(plan), flush=True)
     results = LoadRunner(plan, prompts, on_result=lambda r: print(summary_line(r), flush=True)).run()
+    if not args.no_history:
+        from engine.load.report import remember
+
+        remember(plan, results)
     if args.json:
         write_json(args.json, plan, results)
         print(f"report   {args.json}")

@@ -58,7 +58,9 @@ def write_json(path: Path, plan: LoadPlan, results: list[SettingResult]) -> None
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"plan": plan_dict, "settings": [r.to_dict() for r in results],
                                 "definitions": "vLLM's: TTFT to first content chunk; TPOT = (E2E - TTFT)/(n - 1); "
-                                               "ITL pooled over chunk gaps; output tokens from usage where sent"},
+                                               "ITL per token, pooled (a chunk's gap shared by the tokens it "
+                                               "carried, where the server's running usage says how many); "
+                                               "output tokens from usage where sent"},
                                indent=2), encoding="utf-8")
 
 
@@ -99,3 +101,49 @@ def write_csv(path: Path, results: list[SettingResult]) -> None:
         writer.writeheader()
         for result in results:
             writer.writerow(csv_row(result))
+
+
+def history_record(plan: LoadPlan, result: SettingResult, load_id: str | None = None):
+    """One setting as a run of the history (kind ``load``): the server's model, its URL, the
+    concurrency reached as the batch, the per-request speed (1 / TPOT p50) and the throughput of
+    all requests; the summary whole in ``extra``. Never the key."""
+    import time
+
+    import httpx
+
+    from engine.storage.history import RunRecord
+
+    s = result.summary
+    done = [r for r in result.results if r.ok]
+    batch = int(result.value) if result.mode == "concurrency" else max(1, s.max_concurrency)
+    prompt = [r.prompt_tokens for r in done if r.prompt_tokens is not None]
+    tpot = s.tpot["median"] if s.tpot else None
+    kind = result.server.kind or "server"
+    return RunRecord(
+        kind="load", when=time.strftime("%Y-%m-%dT%H:%M:%S"), model=result.model, model_ref=plan.url,
+        precision="served", device="remote", device_name=f"{kind} at {httpx.URL(plan.url).netloc.decode()}",
+        hardware="remote", parameters=None, weights_bytes=None, kv_cache_bytes=None, kv_bytes_per_token=None,
+        prompt_tokens=round(sum(prompt) / len(prompt)) if prompt else 0,
+        tokens=round(s.output_tokens / len(done)) if done else 0, batch=batch,
+        decode_tokens_per_s=1 / tpot if tpot else None, ttft_s=s.ttft["median"] if s.ttft else None,
+        peak_memory_bytes=None,
+        extra={"url": plan.url, "mode": result.mode, "value": result.value, "label": result.label,
+               "server_kind": result.server.kind, "aggregate_tokens_per_s": s.output_throughput,
+               "summary": s.to_dict(), "max_tokens": plan.max_tokens, "endpoint": plan.endpoint, "load_id": load_id,
+               **({"error": "; ".join(s.errors[:3])} if not s.completed else {})},
+    )
+
+
+def remember(plan: LoadPlan, results: list[SettingResult], load_id: str | None = None) -> None:
+    """Every setting that completed a request joins the history; a history that can't be written
+    never fails a load (it is logged)."""
+    import logging
+
+    from engine.storage.history import save
+
+    for result in results:
+        if result.summary.completed:
+            try:
+                save(history_record(plan, result, load_id))
+            except OSError as exc:
+                logging.getLogger(__name__).warning("could not save the load to the history: %s", exc)

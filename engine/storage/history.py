@@ -32,7 +32,7 @@ def history_dir() -> Path:
 
 @dataclass(frozen=True)
 class RunRecord:
-    kind: str  # "single", "compare", "sweep", "speculative", "served"
+    kind: str  # "single", "compare", "sweep", "speculative", "served", "load" (a setting of a load generator run)
     when: str
     model: str
     model_ref: str
@@ -41,9 +41,10 @@ class RunRecord:
     device_name: str
     hardware: str
     """The hardware profile it ran on: "this-machine" for the CPU, a profile id for a known GPU."""
-    parameters: int
-    weights_bytes: int
-    kv_cache_bytes: int
+    parameters: int | None
+    """``None``: a served model's (the server knows)."""
+    weights_bytes: int | None
+    kv_cache_bytes: int | None
     kv_bytes_per_token: int | None
     prompt_tokens: int
     tokens: int
@@ -59,7 +60,9 @@ class RunRecord:
 
 
 def hardware_for(device: str, device_name: str) -> str:
-    """The profile a measured run belongs to."""
+    """The profile a measured run belongs to ("remote": a served model, on the server's hardware)."""
+    if device == "remote":
+        return "remote"
     if not device.startswith("cuda"):
         return "this-machine"
     name = device_name.lower()

@@ -116,3 +116,34 @@ def test_a_local_lane_and_an_endpoint_lane_agree_token_for_token(qtbot, compare,
     written = compare.export(tmp_path / "run.json")
     saved = (tmp_path / "run.json").read_text()
     assert "the-key" not in saved and tmp_path / "run.json" in written
+
+
+def test_the_load_generator_against_another_server_lands_beside_earlier_loads(qtbot, window, served, tmp_path):
+    import csv
+
+    traffic = window.open_traffic()
+    box = traffic.load_box
+    assert not box.run_button.isEnabled()  # this app's server isn't started
+    box.target.setEditText(served.url)
+    box.key.setText("the-key")
+    assert box.run_button.isEnabled() and box.key.isEnabled()
+    box.values.setText("1,2")
+    box.requests.setValue(2)
+    box.max_tokens.setValue(3)
+    for round_ in (1, 2):
+        with qtbot.waitSignal(box._ended, timeout=120_000):
+            box.run_button.click()
+        assert box.table.rowCount() == 2 and box.table.item(1, 1).text() == "2/2"
+        qtbot.waitUntil(lambda: len(box.history) == 2 * round_, timeout=30_000)  # every load joins the history
+    assert len(box.points.data) == 2  # this load, in blue
+    (earlier,) = box.history_points  # the first load: one series for this server and model
+    assert len(earlier.data) == 2
+    assert served.url.split("//")[-1] in box.chart.caption.text()
+    assert box.ceiling.getData()[0] is None or len(box.ceiling.getData()[0]) == 0  # no ceiling of this machine
+    out = tmp_path / "load.csv"
+    box.save(str(out))
+    assert [row["setting"] for row in csv.DictReader(out.open())] == ["concurrency 1", "concurrency 2"]
+    assert all("the-key" not in r.extra.__repr__() for r in box.history)
+    box.show_history.setChecked(False)
+    assert box.history_points == []
+    traffic.close()

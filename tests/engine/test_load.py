@@ -128,6 +128,14 @@ def test_load_command_writes_json_without_the_key(server, tmp_path, capsys):
     assert [int(r["completed"]) for r in rows] == [2, 2] and {r["counted_by"] for r in rows} == {"usage"}
     assert float(rows[1]["output_throughput"]) == pytest.approx(report["settings"][1]["summary"]["output_throughput"])
     assert rows[0]["server_kind"] == "vllm"
+    from engine.storage.history import history_dir, load_all
+
+    records = [r for r in load_all() if r.kind == "load"]  # each setting joins the history, never the key
+    assert [(r.batch, r.extra["url"], r.model, r.hardware) for r in records] == [
+        (1, server.url, server.model_name, "remote"), (2, server.url, server.model_name, "remote")]
+    assert records[1].extra["aggregate_tokens_per_s"] == pytest.approx(rows[1] and float(rows[1]["output_throughput"]))
+    assert records[0].decode_tokens_per_s == pytest.approx(1 / float(rows[0]["tpot_p50_s"]))
+    assert all("not-needed-key" not in p.read_text() for p in history_dir().glob("*.json"))
 
 
 def test_unreachable_server_is_a_clear_error(capsys):
