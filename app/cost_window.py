@@ -27,7 +27,7 @@ from app.widgets.cost_charts import BATCHES, CONTEXTS, CostCharts
 from engine.errors import EngineError
 from engine.estimates import costs, hardware
 from engine.estimates.costs import ALL_PRECISIONS, KV_DTYPES
-from engine.estimates.estimate import config_for, count_parameters, shipped_models
+from engine.estimates.estimate import DEFAULT_HUB_ID, config_for, count_parameters, shipped_models
 from engine.storage.history import RunRecord, load_all
 from engine.units import format_bytes, format_count
 
@@ -241,7 +241,7 @@ class CostWindow(QMainWindow):
         self._write_numbers(profile)
         # one chart per event-loop turn; ``updated`` follows the last (charts.drawn)
         self.charts.draw(self.estimate, config, profile, self._points(config, profile), self.kv_dtype.currentData(),
-                         self._count)
+                         self._count, loads=self._loads(), gpus=self._gpus(profile))
 
     def _points(self, config, profile) -> list[RunRecord]:
         """Measured runs of this model (same parameter count), precision and hardware; plain decoding
@@ -250,6 +250,18 @@ class CostWindow(QMainWindow):
         return [r for r in self.records if r.parameters == self._count.total and r.hardware == profile.id
                 and r.precision == self.precision.currentData() and r.kind not in ("speculative", "served")
                 and not r.extra.get("error")]
+
+    def _loads(self) -> list[RunRecord]:
+        """Load sweeps (``inference-workbench load``, the traffic view) against servers of this model,
+        matched by name (a server says ``meta-llama/Llama-3.1-70B-Instruct`` or a short name)."""
+        wanted = _short_name(DEFAULT_HUB_ID if self.model_ref() == "default" else self.model_ref())
+        return [r for r in self.records if r.kind == "load" and r.extra.get("aggregate_tokens_per_s")
+                and _short_name(r.model) == wanted]
+
+    def _gpus(self, profile) -> int:
+        """GPUs the load points are measured against: the plan's, past one GPU."""
+        plan = self._plan(profile)
+        return plan.chosen.gpus if plan is not None and plan.chosen is not None else 1
 
     def _write_numbers(self, profile) -> None:
         e = self.estimate
@@ -327,6 +339,13 @@ class CostWindow(QMainWindow):
             for profile_id, values in dialog.changes().items():
                 hardware.save_edit(profile_id, **values)
             self.reload_hardware()
+
+
+def _short_name(model: str) -> str:
+    """``org/Name-Instruct`` → ``name``: what a hub id and a served model's name share (an instruct
+    tune has its base model's shape, so its load points belong on the same chart)."""
+    name = model.rstrip("/").rsplit("/", 1)[-1].lower()
+    return name.removesuffix("-instruct").removesuffix("-chat")
 
 
 def _read_config(ref: str) -> tuple:

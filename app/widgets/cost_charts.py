@@ -17,13 +17,15 @@ from PySide6.QtWidgets import QGridLayout, QStackedWidget, QWidget
 from app.frame_budget import in_turns
 from app.widgets.live_plots import PlotPanel
 from engine.estimates import costs
+from engine.errors import EngineError
 from engine.estimates.costs import ALL_PRECISIONS
 from engine.storage.history import RunRecord
 
 CONTEXTS = [2 ** k for k in range(7, 18)]  # 128 … 131072
 BATCHES = [2 ** k for k in range(0, 12)]  # 1 … 2048
 COLOURS = {"weights": "#2d7dd2", "kv": "#f39c12", "activations": "#8e44ad", "memory": "#2d7dd2",
-           "compute": "#c0392b", "ceiling": "#27ae60", "measured": "#e74c3c", "device": "#7f8c8d"}
+           "compute": "#c0392b", "ceiling": "#27ae60", "measured": "#e74c3c", "device": "#7f8c8d",
+           "load": "#8e44ad"}
 
 
 def _pen(colour: str, style=Qt.SolidLine, width: int = 1):
@@ -47,6 +49,10 @@ class CostCharts(QWidget):
             self._grid.addWidget(cell, index // 2, index % 2)
         self._curves: dict[str, object] = {}
         self._run_labels: list = []
+        self._loads: list = []
+        self._gpus = 1
+        self.load_shares: list[float] = []
+        """The drawn load points' shares of the ceiling (%), in the order of the records."""
         self._drawing = 0
         self.memory_bars: list[float] = []
         self.speed_ceiling = None
@@ -78,9 +84,12 @@ class CostCharts(QWidget):
         self.speed_plot = PlotPanel(
             "cost-speed", "Decode tokens/sec ceiling against batch: reading the weights (and KV) bounds small "
             "batches (blue region), compute bounds large ones (red region); the ceiling is the lower of the two. "
-            "Dots: measured runs, labelled with their % of the ceiling.", "tokens / s (all requests)", "batch")
+            "Dots: measured runs, labelled with their % of the ceiling. Diamonds: load sweeps against servers "
+            "of this model (concurrency as the batch), as % of the ceiling of the plan's GPU count.",
+            "tokens / s (all requests)", "batch")
         for name, colour, glyph in (("memory-bound", COLOURS["memory"], "╍╍"), ("compute-bound", COLOURS["compute"], "╍╍"),
-                                    ("ceiling", COLOURS["ceiling"], "━━"), ("measured", COLOURS["measured"], "●")):
+                                    ("ceiling", COLOURS["ceiling"], "━━"), ("measured", COLOURS["measured"], "●"),
+                                    ("server loads", COLOURS["load"], "◆")):
             self.speed_plot.add_legend(name, colour, glyph)
         self._regions = [pg.LinearRegionItem(movable=False, brush=pg.mkBrush(45, 125, 210, 28), pen=pg.mkPen(None)),
                          pg.LinearRegionItem(movable=False, brush=pg.mkBrush(192, 57, 43, 28), pen=pg.mkPen(None))]
@@ -108,11 +117,13 @@ class CostCharts(QWidget):
             self._curves[key] = panel.plot.plot([], [], **style)
         return self._curves[key]
 
-    def draw(self, e, config, profile, runs: list[RunRecord], kv_dtype: str, count) -> None:
+    def draw(self, e, config, profile, runs: list[RunRecord], kv_dtype: str, count, loads=(), gpus: int = 1) -> None:
         """Draw ``e`` (the estimate at the chosen batch and context), the sweeps around it, and the
         measured ``runs`` of this model, precision and hardware: one chart per turn of the event
         loop (with a thousand runs a chart and its repaint take ~20–40 ms); ``drawn`` follows.
-        A new call restarts the drawing."""
+        A new call restarts the drawing. ``loads``: load-sweep settings against servers of this model,
+        drawn on the speed chart as shares of the ceiling of ``gpus`` GPUs."""
+        self._loads, self._gpus = list(loads), gpus
         self._drawing += 1
         drawing = self._drawing
         # the batch sweep the speed and $ charts share, estimated once
@@ -180,6 +191,39 @@ class CostCharts(QWidget):
         marker = self._curve("batch-marker", self.speed_plot, pen=None, symbol="t", symbolSize=10,
                              symbolBrush=COLOURS["ceiling"])
         marker.setData([math.log2(e.batch)], [math.log10(e.decode_tokens_per_s_ceiling)])
+        self._draw_loads(e, config, profile)
+
+    def _draw_loads(self, e, config, profile) -> None:
+        """Load sweeps against servers of this model: all requests' tok/s at the concurrency reached,
+        each labelled with its share of the ceiling of the plan's GPU count at that batch and context."""
+        from engine.estimates.parallel import ceiling_for
+
+        for item in getattr(self, "_load_labels", []):
+            self.speed_plot.plot.removeItem(item)
+        self._load_labels = []
+        xs, ys, self.load_shares = [], [], []
+        for record in self._loads:
+            rate = record.extra["aggregate_tokens_per_s"]
+            try:
+                ceiling = ceiling_for(config, profile, e.precision, e.kv_dtype, max(record.context, 1), record.batch,
+                                      self._gpus)
+            except EngineError:
+                continue
+            share = 100 * rate / ceiling
+            xs.append(math.log2(record.batch))
+            ys.append(math.log10(rate))
+            self.load_shares.append(share)
+            gpus = f" of {self._gpus}-GPU ceiling" if self._gpus > 1 else " of ceiling"
+            label = pg.TextItem(f"{share:.0f}%{gpus if len(self._load_labels) == 0 else ''}",
+                                color=COLOURS["load"], anchor=(1, 0))
+            label.setPos(xs[-1], ys[-1])
+            self.speed_plot.plot.addItem(label)
+            self._load_labels.append(label)
+        self._curve("load-runs", self.speed_plot, pen=None, symbol="d", symbolSize=9,
+                    symbolBrush=COLOURS["load"]).setData(xs, ys)
+        if ys:  # the points stay in view
+            low, high = self.speed_plot.item.viewRange()[1]
+            self.speed_plot.item.setYRange(min(low, min(ys) - 0.2), max(high, max(ys) + 0.2), padding=0)
 
     def _draw_money(self, e, config, profile, runs, kv_dtype, count, sweep) -> None:
         """$ per 1M tokens against batch (only for batches that fit, and hardware with a price)."""

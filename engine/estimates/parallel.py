@@ -144,6 +144,19 @@ def plan_tensor_parallel(config, hardware: Hardware, precision: str = "bf16", kv
         usd_per_million_tokens=usd)
 
 
+def ceiling_for(config, hardware: Hardware, precision: str, kv_dtype: str, context: int, batch: int,
+                gpus: int = 1) -> float:
+    """The decode ceiling (tok/s of all requests) at ``batch`` on ``gpus`` of ``hardware`` with tensor
+    parallelism: what a load sweep's point against a server of that size is a share of."""
+    if gpus <= 1 or hardware.kind == "cpu":
+        return estimate(config, hardware, precision, kv_dtype, context, batch).decode_tokens_per_s_ceiling
+    plan = plan_tensor_parallel(config, hardware, precision, kv_dtype, context, batch, largest=gpus)
+    option = next((o for o in plan.options if o.gpus == gpus), None)
+    if option is None:
+        raise InvalidRequestError(f"{gpus} GPUs can't split this model's attention heads evenly.")
+    return option.decode_tokens_per_s_ceiling
+
+
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 

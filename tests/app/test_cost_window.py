@@ -116,3 +116,34 @@ def test_a_model_past_one_gpu_gets_a_plan_and_the_vllm_command(qtbot, costs_wind
     w.hardware.setCurrentIndex(w.hardware.findData("ddr5-desktop"))
     settle(qtbot, w)
     assert w.plan is None and not w.copy_command.isEnabled() and "Past one GPU" not in w.numbers.text()
+
+
+def test_load_sweeps_against_a_server_land_on_the_plan_as_shares_of_its_ceiling(qtbot, costs_window):
+    from engine.estimates import hardware
+    from engine.estimates.estimate import config_for
+    from engine.estimates.parallel import ceiling_for
+    from engine.storage.history import RunRecord, save
+
+    def load_record(model, batch, rate):
+        return RunRecord(kind="load", when="2026-12-01T10:00:00", model=model, model_ref="http://gpu-box:8000/v1",
+                         precision="served", device="remote", device_name="vllm at gpu-box:8000", hardware="remote",
+                         parameters=None, weights_bytes=None, kv_cache_bytes=None, kv_bytes_per_token=None,
+                         prompt_tokens=1000, tokens=1048, batch=batch, decode_tokens_per_s=rate / batch, ttft_s=0.2,
+                         peak_memory_bytes=None, extra={"url": "http://gpu-box:8000/v1", "aggregate_tokens_per_s": rate})
+
+    for batch, rate in ((1, 40.0), (16, 500.0)):
+        save(load_record("meta-llama/Llama-3.1-70B-Instruct", batch, rate))
+    save(load_record("Qwen/Qwen2.5-7B-Instruct", 4, 300.0))  # another model: not on this chart
+    w = costs_window
+    w.set_model("meta-llama/Llama-3.1-70B", "bf16")
+    w.hardware.setCurrentIndex(w.hardware.findData("h100-sxm"))
+    w.context.setValue(CONTEXTS.index(32768))
+    with qtbot.waitSignal(w.updated, timeout=30_000):
+        w.reload_history()
+    settle(qtbot, w)
+    assert w.plan.chosen.gpus == 4
+    config, h100 = config_for("meta-llama/Llama-3.1-70B"), hardware.get("h100-sxm")
+    expected = [100 * rate / ceiling_for(config, h100, "bf16", "bf16", 2048, batch, gpus=4)
+                for batch, rate in ((1, 40.0), (16, 500.0))]
+    assert w.charts.load_shares == pytest.approx(expected)
+    assert [t.textItem.toPlainText() for t in w.charts._load_labels][0].endswith("% of 4-GPU ceiling")

@@ -92,3 +92,21 @@ def test_a_quantized_plan_keeps_every_flag_before_its_note():
     assert "--quantization awq" in flags and "--kv-cache-dtype fp8" in flags  # not lost after a shell comment
     assert note == "a checkpoint quantized to int4"
     assert sglang_command("M", 4, 8192, 2, "fp8", "fp8", 0.9).endswith("--quantization fp8 --kv-cache-dtype fp8_e5m2")
+
+
+def test_a_load_point_is_a_share_of_the_ceiling_of_its_gpu_count():
+    from engine.estimates.parallel import ceiling_for
+
+    config = config_for("meta-llama/Llama-3.1-70B")
+    h100 = hardware.get("h100-sxm")
+    # 16 requests of 2,048 tokens on 4 GPUs: weights/4 + 16 × KV(2048)/4 read once a step, and 16 × the link time
+    kv = 2 * 80 * 8 * 128 * 2 * 2048
+    memory = (-(-WEIGHTS // 4) + 16 * kv // 4) / 3.35e12
+    link = 16 * 3_932_160 / 450e9 + 160 * 5e-6
+    compute = 16 * plan_tensor_parallel(config, h100, "bf16", "bf16", 2048, 16).options[0].compute_time_s / 4
+    assert ceiling_for(config, h100, "bf16", "bf16", 2048, 16, gpus=4) == pytest.approx(
+        16 / (max(memory, compute) + link), rel=1e-3)
+    one = ceiling_for(config, h100, "bf16", "bf16", 2048, 16, gpus=1)
+    assert one < ceiling_for(config, h100, "bf16", "bf16", 2048, 16, gpus=4)  # one GPU reads every weight itself
+    with pytest.raises(InvalidRequestError, match="evenly"):
+        ceiling_for(config, h100, "bf16", "bf16", 2048, 16, gpus=3)
