@@ -432,7 +432,14 @@ class MainWindow(QMainWindow):
         history.remember(self.loaded, event, "single", self.transcript.to_markdown(), self._answer_tokens())
         self._end_generation()
         rate = format_rate(event.decode_tokens_per_s)
-        self.statusBar().showMessage(f"Done: {event.tokens} tokens, {rate}, stopped: {event.reason}", 8000)
+        served = ""
+        if self.run.answered is not None:  # what the server said, beside what was measured here
+            from dataclasses import asdict
+
+            from engine.cli_text import served_line
+
+            served = f" · {served_line(asdict(self.run.answered))}"
+        self.statusBar().showMessage(f"Done: {event.tokens} tokens, {rate}, stopped: {event.reason}{served}", 15000)
         self.generation_finished.emit(event)
 
     def _on_generation_failed(self, exc: Exception) -> None:

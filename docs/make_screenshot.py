@@ -4,6 +4,8 @@
     python docs/make_screenshot.py --compare [--out docs/compare.png]   # the quantization ladder
     python docs/make_screenshot.py --costs [--out docs/costs.png]       # the cost explorer
     python docs/make_screenshot.py --speedups   # docs/batching.png and docs/speculative.png
+    python docs/make_screenshot.py --endpoint http://127.0.0.1:8089/v1   # docs/endpoint.png: a local lane beside
+                                                     # a lane served by that server (llama-server, vLLM…)
     python docs/make_screenshot.py --size 1280x800 --out docs/shots/main-1280x800.png   # any of them, on a
                                                      # screen of that size with the window filling it
 
@@ -39,11 +41,13 @@ def main() -> int:
     parser.add_argument("--draft", default="early-exit:24", help="the draft for --speedups")
     parser.add_argument("--model", default="meta-llama/Llama-3.1-8B", help="the model for --costs")
     parser.add_argument("--hardware", default="h100-sxm", help="the hardware profile for --costs")
+    parser.add_argument("--endpoint", metavar="URL[#MODEL]",
+                        help="the Compare window: the default model here (bf16) beside the model served at URL")
     parser.add_argument("--size", help="WIDTHxHEIGHT: a screen of this size, the window filling it")
     args = parser.parse_args()
     args.screen = tuple(int(v) for v in args.size.lower().split("x")) if args.size else None
-    if args.out == ROOT / "docs" / "screenshot.png" and (args.compare or args.costs):
-        args.out = ROOT / "docs" / ("compare.png" if args.compare else "costs.png")
+    if args.out == ROOT / "docs" / "screenshot.png" and (args.compare or args.costs or args.endpoint):
+        args.out = ROOT / "docs" / ("compare.png" if args.compare else "endpoint.png" if args.endpoint else "costs.png")
 
     scratch = Path(tempfile.mkdtemp(prefix="iw-shot-"))
     if "QT_QPA_PLATFORM" not in os.environ:
@@ -63,7 +67,7 @@ def main() -> int:
     from app.main_window import MainWindow
 
     app = create_app([])
-    if args.compare:
+    if args.compare or args.endpoint:
         return compare_shot(app, args)
     if args.costs:
         return costs_shot(app, args)
@@ -282,8 +286,14 @@ def compare_shot(app, args) -> int:
     window = CompareWindow()
     window.resize(*(args.screen or (1800, 1050)))
     window.show()
-    window.lanes[0].configure(LaneSpec("default", "fp32", "cpu"))
-    window.ladder()
+    if args.endpoint:
+        from engine.endpoint import parse_endpoint
+
+        window.lanes[0].configure(LaneSpec("default", "bf16", "cpu"))
+        window.lanes[1].configure(LaneSpec(parse_endpoint(args.endpoint).text, "served", "remote"))
+    else:
+        window.lanes[0].configure(LaneSpec("default", "fp32", "cpu"))
+        window.ladder()
     window.prompt.setPlainText("In two sentences: why do language models need so much memory?")
     window.max_tokens.setValue(48)
     outcome = {}

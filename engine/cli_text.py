@@ -22,9 +22,7 @@ def summary(r: dict) -> str:
         delta = ""
     served = r.get("endpoint")
     if served:
-        answered = (f"served   {served['chunks']} chunks · tokens counted by {served['counted_by']}"
-                    + (f" · usage {served['usage_prompt_tokens']} prompt + {served['usage_completion_tokens']} answer"
-                       if served["usage_completion_tokens"] is not None else " · the server sent no usage"))
+        answered = "served   " + served_line(served)
         kv_line = "KV cache n/a (the server's own)" + _server_state(served["server_samples"])
         memory_line = "memory   n/a (on the server)"
     lines = [
@@ -47,6 +45,19 @@ def summary(r: dict) -> str:
     return "\n".join(lines)
 
 
+def served_line(answered: dict) -> str:
+    """How a served answer was counted, and the server's own timings where it sent them (llama.cpp):
+    the figures measured here can be checked against the server's."""
+    line = (f"by {answered['server']} · {answered['chunks']} chunks · tokens counted by {answered['counted_by']}"
+            + (f" · usage {answered['usage_prompt_tokens']} prompt + {answered['usage_completion_tokens']} answer"
+               if answered["usage_completion_tokens"] is not None else " · the server sent no usage"))
+    timings = answered.get("timings") or {}
+    own = [f"{name} {format_rate(timings.get(key))}" for name, key in (("prompt", "prompt_per_second"),
+                                                                     ("decode", "predicted_per_second"))
+           if isinstance(timings.get(key), (int, float))]
+    return line + (f" · its own timings: {', '.join(own)}" if own else "")
+
+
 def _server_state(samples: list[dict]) -> str:
     """The peak of what a server's /metrics said while it answered."""
     peak = {key: max((s[key] for s in samples if s[key] is not None), default=None)
@@ -54,6 +65,9 @@ def _server_state(samples: list[dict]) -> str:
     if not samples:
         return ""
     kv = "n/a" if peak["kv_usage"] is None else f"{peak['kv_usage']:.1%}"
+    slots = next((s for s in reversed(samples) if s.get("slots_total")), None)
+    if slots:
+        return f" · server says: {peak['running']:.0f} of {slots['slots_total']} slots busy at most, KV {kv}"
     count = lambda key: "n/a" if peak[key] is None else f"{peak[key]:.0f}"
     return f" · server says: KV {kv} in use at most, {count('running')} running, {count('waiting')} waiting"
 

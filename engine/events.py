@@ -273,13 +273,16 @@ class ServerSampled:
     at_s: float
     """Seconds since the request was sent."""
     kind: str
-    """``vllm``, ``sglang``, ``llama.cpp`` (read from the metric names)."""
+    """``vllm``, ``sglang``, ``llama.cpp`` (read from the metric names, or its ``/slots``)."""
     running: float | None
     waiting: float | None
     kv_usage: float | None
     """Fraction (0-1) of the server's KV cache in use, all its requests together."""
     preemptions: float | None
     request_id: int = 0
+    slots_busy: int | None = None
+    """llama.cpp's ``/slots``: slots decoding a request now, of ``slots_total`` (its ``-np``)."""
+    slots_total: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

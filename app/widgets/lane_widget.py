@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.widgets.model_panel import _compact
+from app.widgets.model_panel import _compact, show_served_choice
 from app.worker import ModelSession
 from engine.endpoint.source import is_endpoint
 from engine.measure.compare import LaneRun, LaneSpec
@@ -145,6 +145,7 @@ class LaneWidget(QFrame):
             combo.currentIndexChanged.connect(self._show_idle_status)
         self.source.editTextChanged.connect(self._show_idle_status)
         self.source.currentIndexChanged.connect(lambda *_: self._update_state())
+        self.source.editTextChanged.connect(lambda *_: self._update_state())
         self._update_state()
 
     # -- configuration ---------------------------------------------------------------
@@ -391,9 +392,7 @@ class LaneWidget(QFrame):
         busy = self.loading or self.generating or self.read_only
         for widget in (self.source, self.precision, self.device, self.greedy, self.load_button, self.endpoint_button):
             widget.setEnabled(not busy)
-        if is_endpoint(self.spec().model):  # a served model's precision and device are the server's
-            self.precision.setEnabled(False)
-            self.device.setEnabled(False)
+        show_served_choice(self.precision, self.device, is_endpoint(self.spec().model))
         self.temperature.setEnabled(not busy and not self.greedy.isChecked())
         self.unload_button.setEnabled(not busy and self.loaded is not None)
         self.state_changed.emit()

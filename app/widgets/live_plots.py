@@ -323,6 +323,11 @@ class LivePlots:
         self._server_running.setData(at, running, connect="finite")
         self._server_waiting.setData(at, waiting, connect="finite")
         top = float(np.nanmax(np.concatenate([running, waiting])))
+        slots = next((s for s in reversed(samples) if s.slots_total), None)
+        title = None if slots is None else f"its slots: {slots.slots_busy} of {slots.slots_total} busy (/slots)"
+        if self._titles.get(self.memory) != title:
+            self._titles[self.memory] = title
+            self.memory.plot.setTitle(title, size="9pt")
         elapsed = buffer.column("elapsed_s")
         self.memory.fit(max(float(at[-1]), float(elapsed[-1]) if buffer.count else 0.0), top, "requests")
 

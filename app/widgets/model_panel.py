@@ -244,6 +244,7 @@ class ModelPanel(QWidget):
             combo.setEnabled(not served and self.load_button.isEnabled())
             combo.setToolTip("A served model runs at the server's precision, on the server's device." if served
                              else "")
+        show_served_choice(self.precision, self.device, served)
         differs = {"model": False, "precision": False, "device": False}
         if loaded is not None:
             differs = {name: a != b for name, a, b in zip(differs, _key(chosen), _key(loaded))}
@@ -322,8 +323,9 @@ class ModelPanel(QWidget):
     # -- settings --------------------------------------------------------------------
     def save(self, settings: QSettings) -> None:
         settings.setValue("model/source", self.request().model)
-        settings.setValue("model/precision", self.precision.currentData())
-        settings.setValue("model/device", self.device.currentData())
+        for key, combo, served in (("model/precision", self.precision, "served"), ("model/device", self.device, "remote")):
+            value = combo.currentData()
+            settings.setValue(key, combo.property("localChoice") if value == served else value)
 
     def restore(self, settings: QSettings) -> None:
         source = settings.value("model/source", "default", type=str)
@@ -335,13 +337,36 @@ class ModelPanel(QWidget):
         self._select(self.device, device)
 
 
+def show_served_choice(precision: QComboBox, device: QComboBox, served: bool) -> None:
+    """While a served model is chosen, the precision and device boxes say the server's (disabled),
+    never a local choice that isn't what runs; the entries go again when a local model is chosen."""
+    for combo, data, text in ((precision, "served", "the server's"), (device, "remote", "the server's")):
+        index = combo.findData(data)
+        if served and index < 0:
+            combo.blockSignals(True)
+            combo.setProperty("localChoice", combo.currentData())
+            combo.addItem(text, data)
+            combo.setCurrentIndex(combo.count() - 1)
+            combo.blockSignals(False)
+        elif not served and index >= 0:
+            combo.blockSignals(True)
+            combo.removeItem(index)
+            back = combo.findData(combo.property("localChoice"))
+            if back >= 0:
+                combo.setCurrentIndex(back)
+            combo.blockSignals(False)
+        combo.setEnabled(combo.isEnabled() and not served)
+
+
 def _served_facts(info: Loaded) -> dict[str, str]:
     """A served model's facts: what its server says; the rest is the server's to know."""
     theirs = "n/a (the server's)"
     return {
         "Model": info.name, "Format": f"served by {info.original_format}", "Precision": "the server's",
-        "Device": "remote", "Hardware": info.device_name, "Weights": theirs,
-        "Load time": f"{format_seconds(info.load_s)} (connecting)", "Architecture": theirs, "Parameters": theirs,
+        "Device": "remote", "Hardware": info.device_name,
+        "Weights": theirs if info.weights_bytes is None else f"{format_bytes(info.weights_bytes)} (the server says)",
+        "Load time": f"{format_seconds(info.load_s)} (connecting)", "Architecture": theirs,
+        "Parameters": theirs if info.parameters is None else f"{format_count(info.parameters)} (the server says)",
         "Context": f"{info.context_length:,} tokens" if info.context_length else "not said by the server",
         "Layers · KV heads · head dim": theirs, "KV per token": theirs,
     }

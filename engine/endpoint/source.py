@@ -176,14 +176,16 @@ def connect(spec: EndpointSpec, api_key: str | None = None,
         report(LoadProgress("resolve", 0, 0, "Looking for the server's /metrics"))
         scrape_once_sync(client, metrics_url(spec.url), state, time.perf_counter())
         kind = OWNERS.get(str(entry.get("owned_by", "")).lower()) or state.kind
-        context = entry.get("max_model_len") or entry.get("context_length")
+        meta = entry.get("meta") if isinstance(entry.get("meta"), dict) else {}  # llama.cpp says a little more
+        context = entry.get("max_model_len") or entry.get("context_length") or meta.get("n_ctx")
+        server = SERVERS.get(kind, "OpenAI-compatible API")
         info = Loaded(
             name=entry["id"], source="endpoint", path=spec.url, precision="served", device="remote",
             device_name=f"{SERVERS.get(kind, 'an OpenAI-compatible server')} at {httpx.URL(spec.url).netloc.decode()}",
-            architecture="", model_type="", parameters=None, weights_bytes=None,
-            load_s=time.perf_counter() - started, context_length=context if isinstance(context, int) else None,
-            num_layers=None, num_kv_heads=None, head_dim=None, vocab_size=None, compute_dtype="",
-            kv_bytes_per_token=None, original_format=SERVERS.get(kind, "OpenAI-compatible API"),
+            architecture="", model_type="", parameters=_int(meta.get("n_params")), weights_bytes=_int(meta.get("size")),
+            load_s=time.perf_counter() - started, context_length=_int(context),
+            num_layers=None, num_kv_heads=None, head_dim=None, vocab_size=_int(meta.get("n_vocab")), compute_dtype="",
+            kv_bytes_per_token=None, original_format=f"{server} {meta['ftype']}" if meta.get("ftype") else server,
         )
     except BaseException:
         client.close()
@@ -191,6 +193,10 @@ def connect(spec: EndpointSpec, api_key: str | None = None,
     report(LoadProgress("ready", 1, 1, f"Connected to {info.device_name}"))
     return EndpointModel(EndpointSpec(spec.url, entry["id"]), client, info, kind,
                          state.kind if state.samples else None, models=tuple(names))
+
+
+def _int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 class EndpointModel:
@@ -366,28 +372,56 @@ class _Watcher:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._ended = threading.Event()
         self._thread: threading.Thread | None = None
+        self._next = 0.0
+        self._slots = True
 
     def watch(self, response) -> None:
         self._thread = threading.Thread(target=self._run, args=(response,), name="endpoint-watch", daemon=True)
         self._thread.start()
 
     def _run(self, response) -> None:
-        from engine.load.scrape import ServerState, metrics_url, scrape_once_sync
-
-        url = metrics_url(self._model.spec.url)
-        state = ServerState(kind=self._model.metrics_kind)
-        next_scrape = 0.0
         while not self._ended.is_set():
             if self._cancel.cancelled:
                 response.close()
                 return
             now = time.perf_counter()
-            if self._model.metrics_kind is not None and now >= next_scrape:
-                next_scrape = now + SCRAPE_INTERVAL_S
-                if scrape_once_sync(self._model._client, url, state, self._origin) and state.samples:
-                    s = state.samples.pop()
-                    self._queue.put(ServerSampled(s.at_s, state.kind, s.running, s.waiting, s.kv_usage, s.preemptions))
+            if now >= self._next:
+                self._next = now + SCRAPE_INTERVAL_S
+                sampled = self._sample()
+                if sampled is not None:
+                    self._queue.put(sampled)
             self._ended.wait(0.05)
+
+    def _sample(self) -> ServerSampled | None:
+        """One reading of the server's ``/metrics`` (and llama.cpp's ``/slots``), if it has them."""
+        import httpx
+
+        from engine.load.scrape import ServerState, metrics_url, read_slots, scrape_once_sync
+
+        model = self._model
+        sample, at = None, time.perf_counter() - self._origin
+        if model.metrics_kind is not None:
+            state = ServerState(kind=model.metrics_kind)
+            if scrape_once_sync(model._client, metrics_url(model.spec.url), state, self._origin) and state.samples:
+                sample = state.samples[-1]
+        busy = total = None
+        if model.kind == "llama.cpp" and self._slots:
+            try:
+                response = model._client.get(metrics_url(model.spec.url).removesuffix("/metrics") + "/slots",
+                                             timeout=5.0)
+                found = read_slots(response.text) if response.status_code == 200 else None
+            except httpx.HTTPError:
+                found = None
+            if found is None:
+                self._slots = False  # not offered (--no-slots): asked once
+            else:
+                busy, total = found
+        if sample is None and busy is None:
+            return None
+        return ServerSampled(sample.at_s if sample else at, model.metrics_kind or model.kind or "",
+                             sample.running if sample else float(busy), sample.waiting if sample else None,
+                             sample.kv_usage if sample else None, sample.preemptions if sample else None,
+                             slots_busy=busy, slots_total=total)
 
     def samples(self) -> Iterator[ServerSampled]:
         while True:

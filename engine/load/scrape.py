@@ -129,6 +129,20 @@ async def scrape(client, metrics_url: str, state: ServerState, origin: float, in
         await asyncio.sleep(interval)
 
 
+def read_slots(text: str) -> tuple[int, int] | None:
+    """llama.cpp's ``/slots``: ``(busy, total)`` from its list of slots (``is_processing`` each), or
+    ``None`` for anything else."""
+    import json
+
+    try:
+        slots = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(slots, list) or not all(isinstance(s, dict) and "is_processing" in s for s in slots):
+        return None
+    return sum(bool(s["is_processing"]) for s in slots), len(slots)
+
+
 def metrics_url(api_url: str) -> str:
     """``http://host:port/v1`` → ``http://host:port/metrics`` (where all three servers put it)."""
     base = api_url.rstrip("/")

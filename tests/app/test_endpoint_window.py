@@ -46,6 +46,7 @@ def test_a_served_model_in_the_main_window(qtbot, window, served, loaded_llama, 
     request = panel.request()
     assert request.model == f"endpoint:{served.url}#{served.model_name}" and request.api_key == "the-key"
     assert not panel.precision.isEnabled() and not panel.device.isEnabled()  # the server's, not ours to pick
+    assert panel.precision.currentText() == panel.device.currentText() == "the server's"  # never a local choice
     with qtbot.waitSignal(window.session.loaded, timeout=60_000):
         panel.load_button.click()
     qtbot.waitUntil(lambda: window.loaded is not None)
@@ -84,8 +85,10 @@ def test_a_wrong_key_is_said_and_the_loaded_model_kept(qtbot, window, served, ti
     text = dismiss_load_error(qtbot, window)
     assert "401" in text and "API key" in text
     assert window.loaded is not None and window.loaded.source != "endpoint"  # still the local model
+    assert panel.precision.currentData() == "served"
     panel.set_source(str(tiny_llama))  # chosen again: nothing to load, and it still answers
-    assert not panel.pending()
+    assert not panel.pending() and (panel.precision.currentData(), panel.device.currentData()) == ("fp32", "cpu")
+    assert panel.precision.findData("served") < 0
     assert generate(qtbot, window, PROMPT, max_tokens=3).tokens == 3
 
 
@@ -101,6 +104,7 @@ def test_a_local_lane_and_an_endpoint_lane_agree_token_for_token(qtbot, compare,
     dialog.key.setText("the-key")
     dialog.buttons.button(QDialogButtonBox.Ok).click()
     assert lane.spec().model == f"endpoint:{served.url}" and not lane.precision.isEnabled()
+    assert lane.precision.currentText() == "the server's"
     load_all(qtbot, compare)
     assert "served by Inference Workbench" in lane.status.text()
     run(qtbot, compare, tokens=12)
