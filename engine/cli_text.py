@@ -48,7 +48,11 @@ def summary(r: dict) -> str:
 def served_line(answered: dict) -> str:
     """How a served answer was counted, and the server's own timings where it sent them (llama.cpp):
     the figures measured here can be checked against the server's."""
-    line = (f"by {answered['server']} · {answered['chunks']} chunks · tokens counted by {answered['counted_by']}"
+    times = list(answered.get("chunk_times_s") or ())
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    per_chunk = f" (p50 {format_seconds(gaps[len(gaps) // 2])} apart)" if gaps else ""
+    line = (f"by {answered['server']} · {answered['chunks']} chunks{per_chunk} · tokens counted by "
+            f"{answered['counted_by']}"
             + (f" · usage {answered['usage_prompt_tokens']} prompt + {answered['usage_completion_tokens']} answer"
                if answered["usage_completion_tokens"] is not None else " · the server sent no usage"))
     timings = answered.get("timings") or {}

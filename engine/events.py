@@ -303,3 +303,6 @@ class EndpointAnswered:
     timings: dict | None = None
     """llama.cpp's own ``timings`` (prompt and predicted ms and tokens/s), when it sends them."""
     request_id: int = 0
+    chunk_times_s: tuple[float, ...] = ()
+    """When each chunk with tokens arrived, seconds after the request was sent (per-chunk latency:
+    the gaps between them; the tokens' own latencies share each gap)."""

@@ -276,6 +276,7 @@ class EndpointModel:
         reader = StreamReader()
         tokens: list[TokenGenerated] = []
         chunks = 0
+        arrivals: list[float] = []
         sent = time.perf_counter()
         first_at = last_at = None
         done = False
@@ -303,6 +304,7 @@ class EndpointModel:
                     if not pieces:
                         continue
                     chunks += 1
+                    arrivals.append(now - sent)
                     latencies = spread(len(pieces), now - (last_at or now), first_at is None, now - sent)
                     first_at = first_at or now
                     last_at = now
@@ -342,7 +344,7 @@ class EndpointModel:
             reason = "stop_string"
         usage = reader.usage or {}
         yield EndpointAnswered(reader.counted_by, chunks, usage.get("prompt_tokens"), usage.get("completion_tokens"),
-                               self.server, reader.timings)
+                               self.server, reader.timings, chunk_times_s=tuple(arrivals))
         yield self._finished(request, reader, tokens, sent, first_at, last_at, reason)
 
     def _finished(self, request, reader: StreamReader, tokens, sent: float, first_at, last_at, reason: str,

@@ -103,6 +103,7 @@ def test_several_tokens_per_chunk_share_the_gap(loaded_llama):
     finally:
         server.stop(drain=False, timeout=30)
     assert len(tokens) == finished.tokens == 10 and answered.chunks == 3  # 4 + 4 + 2
+    assert answered.chunk_times_s == tuple(sorted({t.elapsed_s for t in tokens}))  # per-chunk arrivals
     arrivals = sorted({t.elapsed_s for t in tokens})
     assert len(arrivals) == 3
     by_chunk = [[t for t in tokens if t.elapsed_s == at] for at in arrivals]
