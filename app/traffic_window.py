@@ -76,7 +76,6 @@ class LoadBox(QGroupBox):
         self.target.addItem(THIS_SERVER, None)
         self.target.setToolTip("This app's server (Server panel), or any OpenAI-compatible API: "
                                "http://HOST:PORT/v1 (vLLM, SGLang, llama.cpp, Ollama…)")
-        self.target.currentTextChanged.connect(lambda *_: self.update_state() if hasattr(self, "ceiling") else None)
         self.key = QLineEdit()
         self.key.setObjectName("loadKey")
         self.key.setEchoMode(QLineEdit.Password)
@@ -151,6 +150,7 @@ class LoadBox(QGroupBox):
         self._setting_done.connect(self._on_setting)
         self._ended.connect(self._on_ended)
         self._done = 0
+        self.target.currentTextChanged.connect(lambda *_: self.update_state())
         self.update_state()
         self.reload_history()
 

@@ -117,8 +117,9 @@ def record_point(info: Loaded, point, prompt_tokens: int, steps=()) -> RunRecord
 def save(record: RunRecord, folder: Path | None = None) -> Path:
     folder = folder or history_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    # nanoseconds after the readable time: two runs within one second still sort in order
-    name = f"{record.when.replace(':', '')}-{time.time_ns() % 10**9:09d}-{uuid.uuid4().hex[:8]}.json"
+    # the save's whole nanosecond clock after the readable time: two runs within one second still sort in
+    # order (its sub-second part alone wraps when the second ticks between making a record and saving it)
+    name = f"{record.when.replace(':', '')}-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.json"
     tmp = folder / f".{name}.tmp"
     tmp.write_text(json.dumps(asdict(record), indent=1), encoding="utf-8")
     os.replace(tmp, folder / name)

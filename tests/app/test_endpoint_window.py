@@ -58,6 +58,7 @@ def test_a_served_model_in_the_main_window(qtbot, window, served, loaded_llama, 
     local = [e for e in loaded_llama.generate(GenerationRequest(PROMPT, max_new_tokens=10, ignore_eos=True))
              if isinstance(e, (TokenGenerated, Finished))]
     assert [t.token_id for t in window.run.tokens] == [t.token_id for t in local[:-1]]
+    assert finished.tokens == 10 and finished.text == local[-1].text
     assert window.run.served and window.run.answered.counted_by == "logprobs"
     kv, memory = window.plots.kv, window.plots.memory
     if window.run.server_samples:  # the server's /metrics, drawn where the local figures go

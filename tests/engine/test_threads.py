@@ -33,8 +33,12 @@ def test_a_fixed_count_wins(monkeypatch):
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or torch.get_num_threads() < 2,
                     reason="needs two CPUs and two PyTorch threads")
 def test_a_busy_core_elsewhere_takes_a_thread_away_and_gives_it_back(monkeypatch):
+    from engine.generation import threads
+
     monkeypatch.delenv("INFERENCE_WORKBENCH_THREADS", raising=False)
-    start = torch.get_num_threads()
+    adapt(force=True)
+    start = threads._start_threads  # PyTorch's own count: an earlier test's busy moment may have left fewer
+    torch.set_num_threads(start)
     cpu = sorted(os.sched_getaffinity(0))[-1]
     busy = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
     try:
