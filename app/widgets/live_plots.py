@@ -21,7 +21,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QPalette
-from PySide6.QtWidgets import QGraphicsOpacityEffect, QGraphicsView, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QGraphicsView, QLabel, QVBoxLayout, QWidget
 
 from engine.runs import Run
 from engine.units import binary_unit
@@ -106,13 +106,9 @@ class PlotPanel(QWidget):
         self._note.setText(reason or "")
         self._note.setVisible(reason is not None)
         self._note.setPos(0.5 * self._x_limit or 0.5, 0.5 * (self._shown_y or 1.0))
-        effect = self.plot.graphicsEffect()
-        if reason is not None and effect is None:
-            effect = QGraphicsOpacityEffect(self.plot)
-            effect.setOpacity(0.45)
-            self.plot.setGraphicsEffect(effect)
-        elif reason is None and effect is not None:
-            self.plot.setGraphicsEffect(None)
+        # greyed: the palette's disabled window colour behind the plot, the reason over it
+        grey = self.palette().color(QPalette.Disabled, QPalette.Midlight)
+        self.plot.setBackground(grey if reason is not None else None)
 
     @property
     def unavailable(self) -> str | None:
@@ -296,8 +292,9 @@ class LivePlots:
         """The server's KV in use (%) at each token, from its samples (each at the token then arriving)."""
         samples = [s for s in buffer.server_samples if s.kv_usage is not None]
         if not samples:
-            self.kv.set_unavailable("The server doesn't say its KV cache\n(no /metrics with vLLM, SGLang or "
-                                    "llama.cpp names)" if buffer.count else None)
+            why = ("its /metrics has no KV-cache figure" if buffer.server_samples
+                   else "it shows no /metrics with vLLM, SGLang or llama.cpp names")
+            self.kv.set_unavailable(f"The server doesn't say its KV cache:\n{why}" if buffer.count else None)
             self._server_kv.setData([], [])
             return
         self.kv.set_unavailable(None)
