@@ -85,11 +85,12 @@ class CostCharts(QWidget):
             "cost-speed", "Decode tokens/sec ceiling against batch: reading the weights (and KV) bounds small "
             "batches (blue region), compute bounds large ones (red region); the ceiling is the lower of the two. "
             "Dots: measured runs, labelled with their % of the ceiling. Diamonds: load sweeps against servers "
-            "of this model (concurrency as the batch), as % of the ceiling of the plan's GPU count.",
+            "of this model (concurrency as the batch), each under a bar at its own ceiling: the plan's GPU "
+            "count at that batch and the load's context.",
             "tokens / s (all requests)", "batch")
         for name, colour, glyph in (("memory-bound", COLOURS["memory"], "╍╍"), ("compute-bound", COLOURS["compute"], "╍╍"),
                                     ("ceiling", COLOURS["ceiling"], "━━"), ("measured", COLOURS["measured"], "●"),
-                                    ("server loads", COLOURS["load"], "◆")):
+                                    ("server loads", COLOURS["load"], "◆"), ("their ceilings", COLOURS["load"], "▬")):
             self.speed_plot.add_legend(name, colour, glyph)
         self._regions = [pg.LinearRegionItem(movable=False, brush=pg.mkBrush(45, 125, 210, 28), pen=pg.mkPen(None)),
                          pg.LinearRegionItem(movable=False, brush=pg.mkBrush(192, 57, 43, 28), pen=pg.mkPen(None))]
@@ -201,7 +202,7 @@ class CostCharts(QWidget):
         for item in getattr(self, "_load_labels", []):
             self.speed_plot.plot.removeItem(item)
         self._load_labels = []
-        xs, ys, self.load_shares = [], [], []
+        xs, ys, tops, self.load_shares = [], [], [], []
         for record in self._loads:
             rate = record.extra["aggregate_tokens_per_s"]
             try:
@@ -212,18 +213,22 @@ class CostCharts(QWidget):
             share = 100 * rate / ceiling
             xs.append(math.log2(record.batch))
             ys.append(math.log10(rate))
+            tops.append(math.log10(ceiling))
             self.load_shares.append(share)
-            gpus = f" of {self._gpus}-GPU ceiling" if self._gpus > 1 else " of ceiling"
+            gpus = f" of its {self._gpus}-GPU ceiling" if self._gpus > 1 else " of its ceiling"
             label = pg.TextItem(f"{share:.0f}%{gpus if len(self._load_labels) == 0 else ''}",
-                                color=COLOURS["load"], anchor=(1, 0))
+                                color=COLOURS["load"], anchor=(-0.08, 0.5))
             label.setPos(xs[-1], ys[-1])
             self.speed_plot.plot.addItem(label)
             self._load_labels.append(label)
         self._curve("load-runs", self.speed_plot, pen=None, symbol="d", symbolSize=9,
                     symbolBrush=COLOURS["load"]).setData(xs, ys)
+        # each point's own ceiling (its GPUs, batch and context) as a bar above it: the share made visible
+        self._curve("load-ceilings", self.speed_plot, pen=None, symbol="_", symbolSize=16,
+                    symbolPen=pg.mkPen(COLOURS["load"], width=2)).setData(xs, tops)
         if ys:  # the points stay in view
             low, high = self.speed_plot.item.viewRange()[1]
-            self.speed_plot.item.setYRange(min(low, min(ys) - 0.2), max(high, max(ys) + 0.2), padding=0)
+            self.speed_plot.item.setYRange(min(low, min(ys) - 0.2), max(high, max(tops) + 0.2), padding=0)
 
     def _draw_money(self, e, config, profile, runs, kv_dtype, count, sweep) -> None:
         """$ per 1M tokens against batch (only for batches that fit, and hardware with a price)."""

@@ -146,4 +146,4 @@ def test_load_sweeps_against_a_server_land_on_the_plan_as_shares_of_its_ceiling(
     expected = [100 * rate / ceiling_for(config, h100, "bf16", "bf16", 2048, batch, gpus=4)
                 for batch, rate in ((1, 40.0), (16, 500.0))]
     assert w.charts.load_shares == pytest.approx(expected)
-    assert [t.textItem.toPlainText() for t in w.charts._load_labels][0].endswith("% of 4-GPU ceiling")
+    assert [t.textItem.toPlainText() for t in w.charts._load_labels][0].endswith("% of its 4-GPU ceiling")
