@@ -166,6 +166,7 @@ class LoadBox(QGroupBox):
         self.stop_button.setEnabled(running)
         self.save_button.setEnabled(bool(self.results) and not running)
         self._draw_ceiling()
+        self._draw_points()  # the legend names the ceiling only where it is drawn
 
     def plan(self):
         from engine.cli_serve import parse_numbers
@@ -310,7 +311,8 @@ class LoadBox(QGroupBox):
                 self.chart.plot.addItem(item)
                 self.history_points.append(item)
                 legend.append((f"{model} at {url.split('//')[-1]} ({len(records)})", colour, "◆"))
-        legend.append(("ceiling", "muted", "╍╍"))
+        if self.targets_this_server() and self.panel.started is not None:
+            legend.append(("ceiling", "muted", "╍╍"))  # this machine's: drawn only for this app's server
         self.chart.set_legend(legend)
         for setting in self.results:
             s = setting.summary
