@@ -132,3 +132,18 @@ class EndpointDialog(QDialog):
     def done(self, result: int) -> None:
         self.background.close()
         super().done(result)
+
+
+def ask_for_endpoint(parent: QWidget, chosen: str, api_key: str | None, on_chosen) -> EndpointDialog:
+    """Open the dialog window-modal (never blocking the app), filled from ``chosen`` when it is an
+    endpoint; ``on_chosen(spec_text, api_key)`` runs if the user confirms."""
+    from engine.endpoint import is_endpoint, parse_endpoint
+
+    spec = parse_endpoint(chosen) if is_endpoint(chosen) else None
+    dialog = EndpointDialog(spec.url if spec else "http://127.0.0.1:8000/v1", spec.model if spec else None,
+                            api_key, parent)
+    dialog.setWindowModality(Qt.WindowModal)
+    dialog.accepted.connect(lambda: on_chosen(dialog.spec_text(), dialog.api_key()))
+    dialog.finished.connect(dialog.deleteLater)
+    dialog.open()
+    return dialog

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from PySide6.QtCore import Qt, Signal, Slot
+from PySide6.QtCore import Signal, Slot
 from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -160,18 +160,9 @@ class LaneWidget(QFrame):
 
     def open_endpoint_dialog(self) -> None:
         """A served model for this lane: URL, listed model, key (this session only, never saved)."""
-        from app.endpoint_dialog import EndpointDialog
-        from engine.endpoint import parse_endpoint
+        from app.endpoint_dialog import ask_for_endpoint
 
-        chosen = self.spec().model
-        spec = parse_endpoint(chosen) if is_endpoint(chosen) else None
-        dialog = EndpointDialog(spec.url if spec else "http://127.0.0.1:8000/v1", spec.model if spec else None,
-                                self._api_key, self)
-        dialog.setWindowModality(Qt.WindowModal)
-        dialog.accepted.connect(lambda: self._use_endpoint(dialog.spec_text(), dialog.api_key()))
-        dialog.finished.connect(dialog.deleteLater)
-        self.endpoint_dialog = dialog
-        dialog.open()
+        self.endpoint_dialog = ask_for_endpoint(self, self.spec().model, self._api_key, self._use_endpoint)
 
     def _use_endpoint(self, spec: str, api_key: str | None) -> None:
         self._api_key = api_key

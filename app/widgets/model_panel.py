@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import QSettings, Qt, Signal
+from PySide6.QtCore import QSettings, Signal
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -206,18 +206,9 @@ class ModelPanel(QWidget):
 
     def open_endpoint_dialog(self) -> None:
         """Ask for a served model's URL, name and key (window-modal, not blocking the app)."""
-        from app.endpoint_dialog import EndpointDialog
-        from engine.endpoint import parse_endpoint
+        from app.endpoint_dialog import ask_for_endpoint
 
-        chosen = self.request().model
-        spec = parse_endpoint(chosen) if is_endpoint(chosen) else None
-        dialog = EndpointDialog(spec.url if spec else "http://127.0.0.1:8000/v1", spec.model if spec else None,
-                                self._api_key, self)
-        dialog.setWindowModality(Qt.WindowModal)
-        dialog.accepted.connect(lambda: self._use_endpoint(dialog.spec_text(), dialog.api_key()))
-        dialog.finished.connect(dialog.deleteLater)
-        self.endpoint_dialog = dialog
-        dialog.open()
+        self.endpoint_dialog = ask_for_endpoint(self, self.request().model, self._api_key, self._use_endpoint)
 
     def _use_endpoint(self, spec: str, api_key: str | None) -> None:
         self._api_key = api_key

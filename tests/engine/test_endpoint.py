@@ -19,19 +19,14 @@ from engine.errors import EndpointAuthError, EndpointError, InvalidRequestError
 from engine.events import EndpointAnswered, Finished, TokenGenerated
 from engine.generation.cancel import CancelToken
 from engine.request import GenerationRequest
-from engine.serve.server import Server, ServeSettings
+from tests.serving import serve
 
 PROMPT = "The quick brown fox"
 
 
-def _serve(loaded, **settings) -> Server:
-    base = dict(port=0, max_batch=4, history=False, kv_budget_bytes=1 << 30)
-    return Server(loaded, ServeSettings(**{**base, **settings})).start()
-
-
 @pytest.fixture(scope="module")
 def server(loaded_llama):
-    server = _serve(loaded_llama)
+    server = serve(loaded_llama)
     yield server
     assert server.stop(drain=False, timeout=30)
 
@@ -95,7 +90,7 @@ def test_raw_mode_uses_completions_and_a_model_picked_by_name(server, loaded_lla
 
 
 def test_several_tokens_per_chunk_share_the_gap(loaded_llama):
-    server = _serve(loaded_llama, stream_interval=4)
+    server = serve(loaded_llama, stream_interval=4)
     try:
         model = connect(parse_endpoint(f"endpoint:{server.url}"))
         tokens, answered, finished = _events(model, GenerationRequest(PROMPT, max_new_tokens=10, ignore_eos=True))
@@ -134,7 +129,7 @@ def test_the_reader_counts_by_usage_or_by_chunks_and_says_which():
 
 
 def test_wrong_key_is_a_401_said_as_such(loaded_llama):
-    server = _serve(loaded_llama, api_key="right-key")
+    server = serve(loaded_llama, api_key="right-key")
     try:
         with pytest.raises(EndpointAuthError, match="401.*API key is wrong or missing") as caught:
             connect(parse_endpoint(f"endpoint:{server.url}"), api_key="wrong-key")
@@ -224,7 +219,7 @@ def test_the_load_generator_times_each_token_of_a_several_token_chunk(loaded_lla
     from engine.load.generator import LoadPlan, LoadRunner
     from engine.load.prompts import Prompt
 
-    server = _serve(loaded_llama, stream_interval=3)
+    server = serve(loaded_llama, stream_interval=3)
     try:
         plan = LoadPlan(url=server.url, concurrency=(2,), requests=2, max_tokens=7, ignore_eos=True).validated()
         (setting,) = LoadRunner(plan, [Prompt(PROMPT)]).run()

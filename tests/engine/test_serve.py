@@ -12,21 +12,17 @@ import httpx
 import pytest
 
 from engine.events import Finished, StepCompleted
-from engine.serve.server import Server, ServeSettings
+from engine.serve.server import ServeSettings
+from tests.serving import serve
 from engine.serve.service import RequestEvent, TrafficStep
 
 PROMPTS = ["The quick brown fox", "Memory bandwidth limits", "A key-value cache stores", "Quantization stores",
            "Emoji and flags", "leading spaces and", "Café, naïve, résumé", "日本語のテキスト"]
 
 
-def _serve(loaded, **settings) -> Server:
-    base = dict(port=0, max_batch=8, history=False, kv_budget_bytes=1 << 30)
-    return Server(loaded, ServeSettings(**{**base, **settings})).start()
-
-
 @pytest.fixture(scope="module")
 def server(loaded_llama):
-    server = _serve(loaded_llama)
+    server = serve(loaded_llama)
     yield server
     assert server.stop(drain=False, timeout=30)
 
@@ -238,7 +234,7 @@ def test_key_body_limit_queue_limit_and_history(loaded_llama, tmp_path, monkeypa
 
     from engine.storage import history
 
-    server = _serve(loaded_llama, api_key="sekrit-key-123", max_batch=1, max_waiting=1, max_body_bytes=2000,
+    server = serve(loaded_llama, api_key="sekrit-key-123", max_batch=1, max_waiting=1, max_body_bytes=2000,
                     history=True)
     try:
         anonymous = httpx.post(f"{server.url}/chat/completions", json=chat(server, "x"))
@@ -283,7 +279,7 @@ def test_key_body_limit_queue_limit_and_history(loaded_llama, tmp_path, monkeypa
 
 
 def test_stop_during_traffic_ends_every_stream_cleanly(loaded_llama):
-    server = _serve(loaded_llama, max_batch=4)
+    server = serve(loaded_llama, max_batch=4)
     stopping = []
 
     async def stream(client, prompt):
@@ -314,7 +310,7 @@ def test_stop_during_traffic_ends_every_stream_cleanly(loaded_llama):
 def test_metrics_use_vllm_names_and_count_what_was_served(loaded_llama):
     from prometheus_client.parser import text_string_to_metric_families
 
-    server = _serve(loaded_llama)
+    server = serve(loaded_llama)
     try:
         with httpx.Client(base_url=server.url, timeout=60) as http:
             used = [http.post("/chat/completions", json=chat(server, p, max_tokens=5, ignore_eos=True)).json()["usage"]
@@ -351,7 +347,7 @@ def test_serve_command_refuses_a_public_address_without_a_key(capsys):
 
 
 def test_an_engine_failure_ends_the_requests_in_flight_with_an_error(loaded_llama, monkeypatch):
-    server = _serve(loaded_llama)
+    server = serve(loaded_llama)
     try:
         def broken(*args, **kwargs):
             raise RuntimeError("boom")
