@@ -122,7 +122,7 @@ def test_fused_layers_leave_the_model_itself_working(long_models, arch, precisio
     assert int(ours.argmax()) == int(theirs.argmax())
 
 
-def test_the_compiled_decode_step_gives_the_same_tokens(long_models):
+def test_the_compiled_decode_step_gives_the_same_tokens(long_models, monkeypatch):
     loaded = load_model(LoadRequest(str(long_models["llama"]), "fp32-fast", "cpu"))
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=40, ignore_eos=True)
     _, eager = run(loaded, request)
@@ -143,6 +143,23 @@ def test_the_compiled_decode_step_gives_the_same_tokens(long_models):
     loaded.fast.compiled_capacities = frozenset({256})
     _, mixed = run(loaded, long)
     assert mixed.token_ids == reference.token_ids
+    # built for this thread count: with another (the count adapts to the machine's load) the step
+    # would recompile in the generating thread for minutes, so the eager step runs instead
+    assert loaded.fast.compiled_threads == torch.get_num_threads()
+    calls = []
+    compiled = loaded.fast.compiled
+    loaded.fast.compiled = lambda *a: calls.append(1) or compiled(*a)
+    before = torch.get_num_threads()
+    try:
+        run(loaded, GenerationRequest(PROMPT, mode="raw", max_new_tokens=3, ignore_eos=True))
+        assert calls  # the compiled step, at its own thread count
+        calls.clear()
+        torch.set_num_threads(before + 1)
+        monkeypatch.setenv("INFERENCE_WORKBENCH_THREADS", str(before + 1))  # the adaptation keeps it
+        _, other = run(loaded, GenerationRequest(PROMPT, mode="raw", max_new_tokens=3, ignore_eos=True))
+        assert not calls and other.tokens == 3
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_failed_compile_leaves_the_eager_step(long_models, monkeypatch):
