@@ -149,12 +149,14 @@ class FastDecoder:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             step = self.compiled or torch.compile(_decode_step, dynamic=False, options=options)
             threads = threads or self.compiled_threads or torch.get_num_threads()
-            token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
             for capacity in capacities:
                 if cancelled():
                     break
                 scratch = SlotCache(self, slots=1, capacity=capacity)  # one sequence, as a step runs
                 with torch.inference_mode(), _num_threads(threads):
+                    # made in inference mode, as the engine core's are: a tensor made outside it has
+                    # another dispatch key set, and the first real step would recompile inline
+                    token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
                     for position in range(2):  # a second call confirms no recompilation is pending
                         step(self, scratch.keys, scratch.values, scratch.cos, scratch.sin, token,
                              torch.tensor([position], device=self.device))

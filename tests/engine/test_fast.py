@@ -132,8 +132,13 @@ def test_the_compiled_decode_step_gives_the_same_tokens(long_models, monkeypatch
     report = reports[0]
     assert report.error is None and report.capacities == (256,) and report.seconds > 0
     assert loaded.fast.compiled_capacities == {256}
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
     events, compiled = run(loaded, request)
     assert compiled.token_ids == eager.token_ids
+    assert counters["stats"]["unique_graphs"] == graphs  # the engine's tensors match what was compiled: no
+    # recompiling inline in the generating thread (minutes, with the C++ GEMM templates)
     tokens = [e for e in events if isinstance(e, TokenGenerated)]
     assert all(t.kv_cache_bytes == t.kv_cache_bytes_predicted for t in tokens)
     # an answer that needs a 512-token cache (a size not compiled here) runs the eager step
