@@ -146,17 +146,25 @@ class FastDecoder:
         start = time.perf_counter()
         done: list[int] = []
         try:
-            options = CPU_COMPILE_OPTIONS if self.device.type == "cpu" else None
+            import contextlib
+
+            from torch._inductor import config as inductor_config
+
+            # set while compiling (torch.compile's own ``options=`` left the frozen C++ GEMMs out: the
+            # step ran at the default's speed), then put back
+            def options():
+                return (inductor_config.patch(CPU_COMPILE_OPTIONS) if self.device.type == "cpu"
+                        else contextlib.nullcontext())
             # one entry per model and cache size (a comparison's lanes each compile theirs): more than
             # dynamo's default of 8, past which it would quietly run the step uncompiled
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            step = self.compiled or torch.compile(_decode_step, dynamic=False, options=options)
+            step = self.compiled or torch.compile(_decode_step, dynamic=False)
             threads = threads or self.compiled_threads or torch.get_num_threads()
             for capacity in capacities:
                 if cancelled():
                     break
                 scratch = SlotCache(self, slots=1, capacity=capacity)  # one sequence, as a step runs
-                with torch.inference_mode(), _num_threads(threads):
+                with torch.inference_mode(), _num_threads(threads), options():
                     # made in inference mode, as the engine core's are: a tensor made outside it has
                     # another dispatch key set, and the first real step would recompile inline
                     token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
