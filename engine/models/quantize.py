@@ -62,13 +62,21 @@ class Int8WeightOnlyLinear(_BlockedLinear):
         super().__init__(weight.shape[1], weight.shape[0], linear.bias)
         scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         quantized = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.register_buffer("weight", quantized.contiguous())
-        self.register_buffer("scales", scale.to(torch.bfloat16))
+        scale = scale.to(torch.bfloat16)
+        if len(self.blocks) == 1:
+            self.register_buffer("weight", quantized.contiguous())
+            self.register_buffer("scales", scale)
+        else:  # a tensor per block, not slices of one (see BlockedDenseLinear: frozen slices went wrong)
+            for i, (start, end) in enumerate(self.blocks):
+                self.register_buffer(f"weight{i}", quantized[start:end].clone())
+                self.register_buffer(f"scales{i}", scale[start:end].clone())
+            self._index = {start: i for i, (start, _) in enumerate(self.blocks)}
 
     def _matmul(self, x, start, end):
         if len(self.blocks) == 1:
             return torch._weight_int8pack_mm(x, self.weight, self.scales)
-        return torch._weight_int8pack_mm(x, self.weight[start:end], self.scales[start:end])
+        i = self._index[start]
+        return torch._weight_int8pack_mm(x, getattr(self, f"weight{i}"), getattr(self, f"scales{i}"))
 
     @classmethod
     def fuse(cls, parts: list["Int8WeightOnlyLinear"]) -> "Int8WeightOnlyLinear":
@@ -124,19 +132,23 @@ class Int4WeightOnlyLinear(_BlockedLinear):
 
 
 class BlockedDenseLinear(_BlockedLinear):
-    """A plain bf16 or fp32 weight, multiplied in row blocks (the tall head is slow in one piece)."""
+    """A plain bf16 or fp32 weight, multiplied in row blocks (the tall head is slow in one piece).
+    Each block is a tensor of its own, not a slice of one weight: frozen into a compiled step with
+    inductor's C++ GEMM templates, slices of one tensor gave wrong products (every block read as
+    the first: the head's logits came out tied)."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
         weight = linear.weight.detach().to(dtype)
         super().__init__(weight.shape[1], weight.shape[0], None)
         self.dtype = dtype
-        self.register_buffer("weight", weight.contiguous())
+        for i, (start, end) in enumerate(self.blocks):
+            self.register_buffer(f"block{i}", weight[start:end].clone())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
 
     def forward(self, x):
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(self.dtype)
-        parts = [nn.functional.linear(flat, self.weight[start:end]) for start, end in self.blocks]
+        parts = [nn.functional.linear(flat, getattr(self, f"block{i}")) for i in range(len(self.blocks))]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         if self.bias is not None:
             out = out + self.bias
