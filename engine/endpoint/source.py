@@ -136,14 +136,19 @@ def _listed(client, url: str) -> list[dict]:
     return listed
 
 
-def list_models(url: str, api_key: str | None = None) -> list[str]:
-    """The model names a server lists (the key as :func:`connect` takes it)."""
+def _client(url: str, api_key: str | None, timeout, **more):
+    """An httpx client for the API at ``url``, with the key given or read from the environment."""
     import httpx
 
-    spec = parse_endpoint(url)
     key = api_key or api_key_from_env()
-    with httpx.Client(base_url=spec.url, headers={"Authorization": f"Bearer {key}"} if key else {},
-                      timeout=httpx.Timeout(CONNECT_TIMEOUT_S)) as client:
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=timeout,
+                        **more)
+
+
+def list_models(url: str, api_key: str | None = None) -> list[str]:
+    """The model names a server lists (the key as :func:`connect` takes it)."""
+    spec = parse_endpoint(url)
+    with _client(spec.url, api_key, CONNECT_TIMEOUT_S) as client:
         return [m["id"] for m in _listed(client, spec.url)]
 
 
@@ -159,11 +164,9 @@ def connect(spec: EndpointSpec, api_key: str | None = None,
 
     report = progress or (lambda event: None)
     started = time.perf_counter()
-    key = api_key or api_key_from_env()
     report(LoadProgress("resolve", 0, 0, f"Asking {spec.url}/models"))
-    client = httpx.Client(base_url=spec.url, headers={"Authorization": f"Bearer {key}"} if key else {},
-                          timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
-                          limits=httpx.Limits(max_connections=8))
+    client = _client(spec.url, api_key, httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
+                     limits=httpx.Limits(max_connections=8))
     try:
         listed = _listed(client, spec.url)
         names = [m["id"] for m in listed]
