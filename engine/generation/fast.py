@@ -124,8 +124,9 @@ class FastDecoder:
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
-        self.dtype = self.embed.weight.dtype
-        self.device = self.embed.weight.device
+        table = next(self.embed.parameters(), None)
+        table = table if table is not None else next(self.embed.buffers())  # blocks shared with the head
+        self.dtype, self.device = table.dtype, table.device
         self.compiled = None
         """The decode step compiled by torch.compile, once :meth:`compile` has finished."""
         self.compiled_capacities: frozenset[int] = frozenset()

@@ -155,6 +155,30 @@ class BlockedDenseLinear(_BlockedLinear):
         return out.reshape(*shape[:-1], self.out_features)
 
 
+class BlockedEmbedding(nn.Module):
+    """The input embedding of a model whose head was tied to it, looking its rows up in the head's
+    row blocks (:class:`BlockedDenseLinear`): one copy of the table, as the tied model had, where a
+    copy for the head would add its whole size (fp32 +108 MiB on the default model)."""
+
+    def __init__(self, head: BlockedDenseLinear, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.padding_idx = padding_idx
+        self.blocks = head.blocks
+        for i in range(len(self.blocks)):  # the same tensors as the head's (no copy)
+            self.register_buffer(f"block{i}", getattr(head, f"block{i}"))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = None
+        for i, (start, end) in enumerate(self.blocks):
+            rows = nn.functional.embedding((ids - start).clamp(0, end - start - 1), getattr(self, f"block{i}"))
+            out = rows if out is None else torch.where((ids >= start).unsqueeze(-1), rows, out)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, in {len(self.blocks)} row blocks shared with the head"
+
+
 def fuse_rows(parts: list[nn.Module]) -> nn.Module | None:
     """A layer computing the concatenated outputs of ``parts`` with one kernel call, sharing
     their memory; ``None`` where the scheme can't (int4's packed blocks, mixed kinds)."""
@@ -182,8 +206,9 @@ def fuse_rows(parts: list[nn.Module]) -> nn.Module | None:
 
 def quantize_linears(model: nn.Module, scheme: str) -> int:
     """Swap every ``nn.Linear`` of ``model`` (the head included) for the ``scheme`` handler, in
-    place; return how many were swapped. A head tied to the embeddings gets its own copy (the
-    embedding table stays as it is: looking up one row per token reads almost nothing)."""
+    place; return how many were swapped. A quantized head tied to the embeddings gets its own
+    copy (the embedding table stays as it is: looking up one row per token reads almost nothing);
+    a dense head in row blocks keeps the tie: the embedding looks its rows up in the head's blocks."""
     make = {"int8": Int8WeightOnlyLinear, "int4": Int4WeightOnlyLinear,
             "bf16": lambda linear: BlockedDenseLinear(linear, torch.bfloat16),
             "fp32": lambda linear: BlockedDenseLinear(linear, torch.float32)}[scheme]
@@ -191,6 +216,8 @@ def quantize_linears(model: nn.Module, scheme: str) -> int:
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear)]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = head is not None and embed is not None and head.weight is embed.weight
     for parent, name, child in targets:
         if scheme in ("bf16", "fp32") and child.out_features < ROW_BLOCK * 2:
             continue  # a dense matrix of ordinary height gains nothing from blocks
@@ -203,6 +230,8 @@ def quantize_linears(model: nn.Module, scheme: str) -> int:
             replacement = Int8WeightOnlyLinear(child)
         setattr(parent, name, replacement)
         swapped += 1
+        if child is head and tied and isinstance(replacement, BlockedDenseLinear):
+            model.set_input_embeddings(BlockedEmbedding(replacement, getattr(embed, "padding_idx", None)))
     if hasattr(model.config, "tie_word_embeddings") and swapped:
         model.config.tie_word_embeddings = False  # the head is a separate (quantized) copy now
     return swapped

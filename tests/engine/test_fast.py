@@ -204,3 +204,30 @@ def test_a_compiled_step_with_a_head_in_row_blocks_gives_the_eager_tokens(tmp_pa
     eager_scores = [e.logprob for e in events if isinstance(e, TokenGenerated)][:checked]
     compiled_scores = [e.logprob for e in compiled_events if isinstance(e, TokenGenerated)][:checked]
     assert max(abs(a - b) for a, b in zip(eager_scores, compiled_scores)) < (5e-2 if precision == "fp32-fast" else 0.25)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_tied_head_in_row_blocks_keeps_one_copy_of_the_table(tmp_path, byte_tokenizer, precision):
+    """A head tied to the embedding (the default model's) and tall enough for row blocks: the
+    embedding looks its rows up in the head's blocks, so the fast path's weights are the tied
+    model's bytes, as predicted (the blocks as copies beside the table added its whole size)."""
+    from engine.models.quantize import ROW_BLOCK, BlockedDenseLinear, BlockedEmbedding
+    from tests.tiny import build_model_folder
+
+    folder = build_model_folder(tmp_path / "tied", "llama", byte_tokenizer, vocab_size=2 * ROW_BLOCK + 808,
+                                tie_word_embeddings=True)
+    reference = load_model(LoadRequest(str(folder), precision, "cpu"))
+    fast = load_model(LoadRequest(str(folder), f"{precision}-fast", "cpu"))
+    head, embed = fast.model.get_output_embeddings(), fast.model.get_input_embeddings()
+    assert isinstance(head, BlockedDenseLinear) and isinstance(embed, BlockedEmbedding)
+    assert all(getattr(embed, f"block{i}") is getattr(head, f"block{i}") for i in range(len(head.blocks)))
+    predicted = weights_bytes(count_parameters(config_for(str(folder))), f"{precision}-fast")
+    assert fast.info.weights_bytes == reference.info.weights_bytes
+    assert 0 <= fast.info.weights_bytes - predicted <= 64  # the rotary frequency buffers, beside the weights
+    # every token id looks up its own row, across the blocks' edges
+    ids = torch.tensor([[0, ROW_BLOCK - 1, ROW_BLOCK, 2 * ROW_BLOCK, 2 * ROW_BLOCK + 807]])
+    with torch.inference_mode():
+        expected = reference.model.get_input_embeddings()(ids).to(embed(ids).dtype)
+        assert torch.equal(embed(ids), expected)
+    request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=12, ignore_eos=True)
+    assert run(fast, request)[1].token_ids == run(reference, request)[1].token_ids
