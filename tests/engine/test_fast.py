@@ -231,3 +231,22 @@ def test_a_tied_head_in_row_blocks_keeps_one_copy_of_the_table(tmp_path, byte_to
         assert torch.equal(embed(ids), expected)
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=12, ignore_eos=True)
     assert run(fast, request)[1].token_ids == run(reference, request)[1].token_ids
+
+
+def test_two_models_compiled_in_one_process_each_run_their_own_weights(tmp_path, byte_tokenizer):
+    """Each decoder compiles a step of its own (the guards skip the weights, so two models sharing
+    one compiled function could run each other's): two models of the same shape, different
+    weights, both compiled, each gives its own eager tokens."""
+    from tests.tiny import build_model_folder
+
+    request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=8, ignore_eos=True)
+    models, eager = [], []
+    for seed in (1, 2):
+        folder = build_model_folder(tmp_path / f"seed{seed}", "llama", byte_tokenizer, seed=seed)
+        loaded = load_model(LoadRequest(str(folder), "fp32-fast", "cpu"))
+        eager.append(run(loaded, request)[1].token_ids)
+        models.append(loaded)
+    assert eager[0] != eager[1]
+    for loaded in models:
+        assert loaded.fast.compile(capacities=(256,)).capacities == (256,)
+    assert [run(loaded, request)[1].token_ids for loaded in models] == eager
