@@ -84,20 +84,32 @@ class Int8WeightOnlyLinear(_BlockedLinear):
         instead of several. The parts' weights become views of the fused ones (no extra memory),
         so they keep working on their own."""
         fused = cls.__new__(cls)
-        biases = [p.bias for p in parts]
-        bias = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else torch.zeros(p.out_features, dtype=torch.bfloat16) for p, b in zip(parts, biases)])
-        _BlockedLinear.__init__(fused, parts[0].in_features, sum(p.out_features for p in parts), bias)
+        _BlockedLinear.__init__(fused, parts[0].in_features, sum(p.out_features for p in parts), _fused_bias(parts))
         fused.register_buffer("weight", torch.cat([p.weight for p in parts]))
         fused.register_buffer("scales", torch.cat([p.scales for p in parts]))
-        start = 0
-        for part in parts:
-            end = start + part.out_features
-            part.weight, part.scales = fused.weight[start:end], fused.scales[start:end]
-            if part.bias is not None:
-                part.bias = nn.Parameter(fused.bias[start:end], requires_grad=False)
-            start = end
+        for part, rows in _share_bias(fused, parts):
+            part.weight, part.scales = fused.weight[rows], fused.scales[rows]
         return fused
+
+
+def _fused_bias(parts: list[_BlockedLinear]) -> torch.Tensor | None:
+    """The bias of a layer fusing ``parts`` (zeros for a part without one), or ``None``."""
+    if all(p.bias is None for p in parts):
+        return None
+    return torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=torch.bfloat16)
+                      for p in parts])
+
+
+def _share_bias(fused: _BlockedLinear, parts: list[_BlockedLinear]) -> list[tuple[nn.Module, slice]]:
+    """Each part's rows in ``fused``, its bias made a view of the fused one's."""
+    shares, start = [], 0
+    for part in parts:
+        rows = slice(start, start + part.out_features)
+        if part.bias is not None:
+            part.bias = nn.Parameter(fused.bias[rows], requires_grad=False)
+        shares.append((part, rows))
+        start = rows.stop
+    return shares
 
 
 class Int4WeightOnlyLinear(_BlockedLinear):
@@ -127,8 +139,33 @@ class Int4WeightOnlyLinear(_BlockedLinear):
 
     def _matmul(self, x, start, end):
         i = self._index[start]
+        # a fused layer's part holds a view of its scales, which the kernel would read wrong (silently)
         return torch._weight_int4pack_mm_for_cpu(x, getattr(self, f"packed{i}"), self.group,
-                                                 getattr(self, f"scales_zeros{i}"))
+                                                 getattr(self, f"scales_zeros{i}").contiguous())
+
+    @classmethod
+    def fuse(cls, parts: list["Int4WeightOnlyLinear"]) -> "Int4WeightOnlyLinear | None":
+        """One layer computing all of ``parts`` (q/k/v, gate/up): one kernel call instead of
+        several, the parts' packed weights becoming views of the fused one's rows (no extra
+        memory). ``None`` where the parts can't share its rows: the packing interleaves rows in
+        blocks of 64, so each part must be a whole number of them (checked by multiplying), all
+        in one row block. Measured on the default model (compiled step, interleaved): 12.4 → 11.9 ms."""
+        group = parts[0].group
+        rows = sum(p.out_features for p in parts)
+        if rows > ROW_BLOCK or any(len(p.blocks) != 1 or p.out_features % 64 or p.group != group for p in parts):
+            return None
+        fused = cls.__new__(cls)
+        _BlockedLinear.__init__(fused, parts[0].in_features, rows, _fused_bias(parts))
+        fused.group, fused._index = group, {0: 0}
+        fused.register_buffer("packed0", torch.cat([p.packed0 for p in parts]))
+        fused.register_buffer("scales_zeros0", torch.cat([p.scales_zeros0 for p in parts], dim=1))
+        with torch.no_grad():
+            x = torch.randn(1, fused.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+            if not torch.equal(fused._matmul(x, 0, rows), torch.cat([p._matmul(x, 0, p.out_features) for p in parts], -1)):
+                return None  # another packing than this one's blocks of 64: the parts stay apart
+        for part, share in _share_bias(fused, parts):
+            part.packed0, part.scales_zeros0 = fused.packed0[share], fused.scales_zeros0[:, share]
+        return fused
 
 
 class BlockedDenseLinear(_BlockedLinear):
@@ -181,9 +218,11 @@ class BlockedEmbedding(nn.Module):
 
 def fuse_rows(parts: list[nn.Module]) -> nn.Module | None:
     """A layer computing the concatenated outputs of ``parts`` with one kernel call, sharing
-    their memory; ``None`` where the scheme can't (int4's packed blocks, mixed kinds)."""
+    their memory; ``None`` where the scheme can't (mixed kinds, int4 rows that don't fit its packing)."""
     if all(type(p) is Int8WeightOnlyLinear for p in parts):
         return Int8WeightOnlyLinear.fuse(parts)
+    if all(type(p) is Int4WeightOnlyLinear for p in parts):
+        return Int4WeightOnlyLinear.fuse(parts)
     if all(type(p) is nn.Linear for p in parts):
         weight = torch.cat([p.weight.detach() for p in parts])
         has_bias = any(p.bias is not None for p in parts)

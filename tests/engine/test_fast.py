@@ -86,6 +86,25 @@ def test_quantized_layers_match_the_dense_product():
             assert (int8 - reference).abs().mean() < (int4 - reference).abs().mean()
 
 
+def test_int4_layers_fuse_when_their_rows_fit_the_packing():
+    """q/k/v (576, 192, 192 rows) fuse into one int4 layer whose rows are the parts' (exactly), and
+    each part, now a view of the fused rows, still computes what it did; a part of 48 rows (the
+    packing interleaves blocks of 64) is left apart."""
+    from engine.models.quantize import fuse_rows
+
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        parts = [Int4WeightOnlyLinear(torch.nn.Linear(576, rows, bias=rows == 192)) for rows in (576, 192, 192)]
+        x = torch.randn(2, 576)
+        before = [p(x) for p in parts]
+        fused = fuse_rows(parts)
+        assert isinstance(fused, Int4WeightOnlyLinear)
+        assert torch.equal(fused(x), torch.cat(before, dim=-1))
+        assert all(torch.equal(p(x), b) for p, b in zip(parts, before))
+        assert all(p.packed0.untyped_storage().data_ptr() == fused.packed0.untyped_storage().data_ptr() for p in parts)
+        assert fuse_rows([Int4WeightOnlyLinear(torch.nn.Linear(576, rows)) for rows in (576, 48)]) is None
+
+
 def test_int4_falls_back_to_int8_for_shapes_its_kernel_refuses(tiny_models):
     model = load_model(LoadRequest(str(tiny_models["llama"]), "fp32", "cpu")).model
     model.model.layers[0].mlp.down_proj = torch.nn.Linear(128, 60, bias=False)  # 60 rows: not a multiple of 16
