@@ -379,8 +379,7 @@ def _decode_batch(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per
                 part_q = q.index_select(0, selector)
                 part_k = keys[:, :, :span].index_select(0, selector)
                 part_v = values[:, :, :span].index_select(0, selector)
-            out = F.scaled_dot_product_attention(part_q, part_k, part_v, attn_mask=mask, scale=layer.scaling,
-                                                 enable_gqa=d.kv_heads != d.heads)
+            out = _attend_one(part_q, part_k, part_v, mask, layer.scaling)
             if attended is None:
                 attended = out
             elif isinstance(selector, slice):
