@@ -9,7 +9,9 @@ rotary embedding, attention over a static cache written in place, the MLP, the h
 
 It emits exactly the events of the reference path (the engine core, engine/generation/core.py, drives both
 through a runner: :class:`SlotCache` here); fp32 and bf16 give the reference path's greedy
-tokens (tested). A model it can't run is refused with a clear message (no silent fall-back),
+tokens (tested). The compiled step and the batched step attend in fp32 (:func:`_attend_one`), so
+in bf16 they round less than the reference path and may part from its tokens where it parts
+from fp32's (README: the fast path). A model it can't run is refused with a clear message (no silent fall-back),
 from the config or the GGUF header before any weight is read where they already say so; the
 reference precisions run every model.
 """
