@@ -94,3 +94,27 @@ def test_bad_parameters_are_refused_with_a_message(field, value):
 def test_numeric_strings_are_accepted():
     params = SamplingParams(temperature="0.7", top_k="40", seed="3").validated()
     assert (params.temperature, params.top_k, params.seed) == (0.7, 40, 3)
+
+
+@pytest.mark.parametrize("vocab", [49152, 32000, 50257, 151936, 300])
+def test_top_scores_are_the_largest_scores_best_first(vocab):
+    """The chunked search (the k largest lie in the k chunks with the largest maxima) gives what
+    sorting the whole vocabulary gives, the tail past the last whole chunk and ties included."""
+    import numpy as np
+
+    from engine.generation.decoding import top_scores
+
+    rng = np.random.default_rng(vocab)
+    for trial in range(200):
+        values = rng.standard_normal(vocab).astype(np.float32)
+        if trial % 2:
+            values = np.round(values * 2) / 2  # many ties
+        if trial % 5 == 0:
+            values[-1] = 10.0  # the best score in the tail past the last whole chunk of 128
+        k = int(rng.integers(1, 21))
+        ids, scores = top_scores(torch.from_numpy(values), k)
+        expected = np.lexsort((np.arange(vocab), -values))[:k]
+        assert scores == values[expected].tolist()
+        assert len(set(ids)) == k and [float(values[i]) for i in ids] == scores
+        if trial % 2 == 0:  # no ties: the very ids
+            assert ids == expected.tolist()
