@@ -38,8 +38,9 @@ class LoadFeedback(QObject):
     @Slot(object)
     def on_compile_started(self) -> None:
         self.main.model_panel.stage.setText(
-            "Fast path: compiling the decode step in the background (about 40 s per cache size the first "
-            "time, seconds later; generation runs, slower, until then).")
+            "Fast path: compiling the decode step in the background (about 2 minutes for the first cache "
+            "size the first time on two cores, seconds later; until then generation runs uncompiled, slower, "
+            "and at moments of the compile much slower).")
 
     def on_compile_finished(self, report) -> None:
         if self.main.loaded is None:

@@ -190,7 +190,10 @@ class FastDecoder:
         threads = torch.get_num_threads()  # the generating thread's (OpenMP keeps a count per thread)
 
         def run() -> None:
-            report = self.compile(capacities, cancelled=lambda: self._stop_compile, threads=threads)
+            from engine.generation.threads import reserve_core
+
+            with reserve_core():  # a generation meanwhile leaves the compile a core
+                report = self.compile(capacities, cancelled=lambda: self._stop_compile, threads=threads)
             if on_done is not None:
                 on_done(report)
 
