@@ -206,6 +206,10 @@ class BlockedEmbedding(nn.Module):
             self.register_buffer(f"block{i}", getattr(head, f"block{i}"))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling() and ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.num_embeddings:
+            # as nn.Embedding says (the blocks' clamped lookups would return another token's row);
+            # the compiled step's ids are the engine's own tokens, already checked
+            raise IndexError(f"token id out of range: ids must lie in [0, {self.num_embeddings})")
         out = None
         for i, (start, end) in enumerate(self.blocks):
             rows = nn.functional.embedding((ids - start).clamp(0, end - start - 1), getattr(self, f"block{i}"))

@@ -248,6 +248,9 @@ def test_a_tied_head_in_row_blocks_keeps_one_copy_of_the_table(tmp_path, byte_to
     with torch.inference_mode():
         expected = reference.model.get_input_embeddings()(ids).to(embed(ids).dtype)
         assert torch.equal(embed(ids), expected)
+        for wrong in (-1, 2 * ROW_BLOCK + 808):  # refused as nn.Embedding refuses them, not clamped to another row
+            with pytest.raises(IndexError):
+                embed(torch.tensor([[3, wrong]]))
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=12, ignore_eos=True)
     assert run(fast, request)[1].token_ids == run(reference, request)[1].token_ids
 
