@@ -36,16 +36,17 @@ class _BlockedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
         self.blocks = _blocks(out_features)
 
-    def _matmul(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        """``x`` times the rows of row block number ``block``."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)
         if len(self.blocks) == 1:
-            out = self._matmul(flat, 0, self.out_features)
+            out = self._matmul(flat, 0)
         else:
-            out = torch.cat([self._matmul(flat, start, end) for start, end in self.blocks], dim=-1)
+            out = torch.cat([self._matmul(flat, i) for i in range(len(self.blocks))], dim=-1)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
@@ -70,13 +71,11 @@ class Int8WeightOnlyLinear(_BlockedLinear):
             for i, (start, end) in enumerate(self.blocks):
                 self.register_buffer(f"weight{i}", quantized[start:end].clone())
                 self.register_buffer(f"scales{i}", scale[start:end].clone())
-            self._index = {start: i for i, (start, _) in enumerate(self.blocks)}
 
-    def _matmul(self, x, start, end):
+    def _matmul(self, x, block):
         if len(self.blocks) == 1:
             return torch._weight_int8pack_mm(x, self.weight, self.scales)
-        i = self._index[start]
-        return torch._weight_int8pack_mm(x, getattr(self, f"weight{i}"), getattr(self, f"scales{i}"))
+        return torch._weight_int8pack_mm(x, getattr(self, f"weight{block}"), getattr(self, f"scales{block}"))
 
     @classmethod
     def fuse(cls, parts: list["Int8WeightOnlyLinear"]) -> "Int8WeightOnlyLinear":
@@ -135,13 +134,11 @@ class Int4WeightOnlyLinear(_BlockedLinear):
         scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
         for i, (start, end) in enumerate(self.blocks):
             self.register_buffer(f"scales_zeros{i}", scales_zeros[:, start:end].contiguous())
-        self._index = {start: i for i, (start, _) in enumerate(self.blocks)}
 
-    def _matmul(self, x, start, end):
-        i = self._index[start]
+    def _matmul(self, x, block):
         # a fused layer's part holds a view of its scales, which the kernel would read wrong (silently)
-        return torch._weight_int4pack_mm_for_cpu(x, getattr(self, f"packed{i}"), self.group,
-                                                 getattr(self, f"scales_zeros{i}").contiguous())
+        return torch._weight_int4pack_mm_for_cpu(x, getattr(self, f"packed{block}"), self.group,
+                                                 getattr(self, f"scales_zeros{block}").contiguous())
 
     @classmethod
     def fuse(cls, parts: list["Int4WeightOnlyLinear"]) -> "Int4WeightOnlyLinear | None":
@@ -156,12 +153,12 @@ class Int4WeightOnlyLinear(_BlockedLinear):
             return None
         fused = cls.__new__(cls)
         _BlockedLinear.__init__(fused, parts[0].in_features, rows, _fused_bias(parts))
-        fused.group, fused._index = group, {0: 0}
+        fused.group = group
         fused.register_buffer("packed0", torch.cat([p.packed0 for p in parts]))
         fused.register_buffer("scales_zeros0", torch.cat([p.scales_zeros0 for p in parts], dim=1))
         with torch.no_grad():
             x = torch.randn(1, fused.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-            if not torch.equal(fused._matmul(x, 0, rows), torch.cat([p._matmul(x, 0, p.out_features) for p in parts], -1)):
+            if not torch.equal(fused._matmul(x, 0), torch.cat([p._matmul(x, 0) for p in parts], -1)):
                 return None  # another packing than this one's blocks of 64: the parts stay apart
         for part, share in _share_bias(fused, parts):
             part.packed0, part.scales_zeros0 = fused.packed0[share], fused.scales_zeros0[:, share]
