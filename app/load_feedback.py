@@ -38,20 +38,23 @@ class LoadFeedback(QObject):
     @Slot(object)
     def on_compile_started(self) -> None:
         self.main.model_panel.stage.setText(
-            "Fast path: compiling the decode step in the background (about 2 minutes for the first cache "
-            "size the first time on two cores, seconds later; until then generation runs uncompiled, slower, "
-            "and at moments of the compile much slower).")
+            "Fast path: getting the compiled decode step ready. Built once per model, precision and thread "
+            "count by a background process at low priority (1-2 minutes on two cores), loaded in seconds "
+            "afterwards; until then generation runs the eager step.")
 
     def on_compile_finished(self, report) -> None:
         if self.main.loaded is None:
             return
+        if report.error == "cancelled":
+            return
         if report.error:
-            self.main.model_panel.stage.setText(f"Fast path: compiling failed, the eager step is in use ({report.error}).")
-        elif report.capacities:
-            sizes = ", ".join(str(c) for c in sorted(report.capacities))
-            self.main.model_panel.stage.setText(
-                f"Fast path: decode step compiled in {report.seconds:.0f} s for caches of {sizes} tokens "
-                f"(kept in {report.cache_dir}).")
+            self.main.model_panel.stage.setText(f"Fast path: no compiled step, the eager step is in use ({report.error}).")
+            return
+        how = "built" if report.built else "loaded from the cache"
+        self.main.model_panel.stage.setText(
+            f"Fast path: compiled decode step {how} in {report.seconds:.0f} s; it runs the tokens while "
+            f"generation has its {report.threads} threads (the eager step when the machine's load takes one) "
+            f"({report.package_bytes / 2**20:.0f} MiB in {report.package}).")
 
     def show_failure(self, exc: Exception, after: str) -> QMessageBox | None:
         """Say why a load failed, under the prompt (with ``after``: what is still loaded, whether a

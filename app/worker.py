@@ -41,7 +41,7 @@ class EngineWorker(QObject):
     job_finished = Signal(int, object)  # job id, its result
     job_failed = Signal(int, object)  # job id, Exception
     compile_started = Signal()
-    compile_finished = Signal(object)  # engine.generation.fast.CompileReport (emitted from the compile thread)
+    compile_finished = Signal(object)  # engine.generation.compiled_step.CompileReport (from the compile thread)
 
     def __init__(self) -> None:
         super().__init__()  # no parent: moveToThread needs a parentless object
@@ -126,7 +126,7 @@ class EngineWorker(QObject):
         if self._model is not None:
             model, self._model = self._model, None
             if model.fast is not None:
-                model.fast.stop_compiling(timeout=0)  # it ends after the size it is compiling now
+                model.fast.stop_compiling(timeout=0)  # its build process is killed within a fraction of a second
             model.close()
 
     def _drop_draft(self) -> None:

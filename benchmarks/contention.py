@@ -77,10 +77,7 @@ def main() -> int:
         print(f"loading {name} …", flush=True)
         loaded = load_model(LoadRequest("default", name.removesuffix("+compiled"), "cpu"))
         if name.endswith("+compiled"):
-            from engine.generation.fast import _bucket
-
-            report = loaded.fast.compile(capacities=(_bucket(len(loaded.encode(request)) + args.tokens),))
-            print(f"  compiled in {report.seconds:.1f} s" + (f" — failed: {report.error}" if report.error else ""))
+            print(f"  {loaded.fast.compile().describe()}")
         models[name] = loaded
 
     def steps(loaded) -> list[float]:

@@ -102,9 +102,7 @@ def check(name: str, device: str, tokens: int, rounds: int, cpu_too: bool) -> di
         except EngineError as exc:
             row["cpu_refused"] = str(exc)
     if name.endswith("-fast") and loaded.fast is not None:
-        from engine.generation.fast import _bucket
-
-        report = loaded.fast.compile(capacities=(_bucket(ids.shape[1] + tokens),))
+        report = loaded.fast.compile()
         row["compile_s"], row["compile_error"] = report.seconds, report.error
     ours, theirs_steps, on_cpu = [], [], []
     last = final = None

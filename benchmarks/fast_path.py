@@ -16,9 +16,9 @@ is built outside the project (never a CI step); see the README's benchmarks sect
     python benchmarks/fast_path.py --tokens 64 --rounds 3
     python benchmarks/fast_path.py --engines generate-fp32,int8-fast,int8-fast+compiled --rounds 5
 
-"+compiled" engines compile the decode step first (torch.compile with the fast path's options,
-cached on disk in the user cache: ~2 minutes per engine the first time on two cores, seconds
-afterwards).
+"+compiled" engines make the compiled decode step ready first (engine/generation/compiled_step.py:
+built by a child process into the user cache, 1-2 minutes per engine the first time on two
+cores, loaded in seconds afterwards).
 """
 
 from __future__ import annotations
@@ -132,10 +132,7 @@ def make_engine(name: str, tokens: int):
         return run, loaded.info.weights_bytes
     loaded = load_model(LoadRequest("default", name.removesuffix("+compiled"), "cpu"))
     if name.endswith("+compiled"):
-        from engine.generation.fast import _bucket
-
-        report = loaded.fast.compile(capacities=(_bucket(len(loaded.encode(request)) + tokens),))
-        print(f"  compiled in {report.seconds:.1f} s" + (f" — failed: {report.error}" if report.error else ""))
+        print(f"  {loaded.fast.compile().describe()}")
 
     def run() -> list[float]:
         return [e.latency_s for e in loaded.generate(request) if isinstance(e, TokenGenerated)][1:]

@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
-import types
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F
@@ -31,31 +28,17 @@ from torch.nn import functional as F
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 MIN_CAPACITY = 256
-COMPILE_CAPACITIES = (512, 256, 1024, 2048)
-"""Cache sizes the decode step is compiled for in the background, most used first (a chat
-turn of a few hundred tokens fits 512). Larger caches run the eager step."""
 CPU_COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                        "size_asserts": False}
-"""Inductor's options for the decode step on a CPU: the weights frozen into the graph as constants
-(prepacked), and its matrix products generated as C++ micro-kernels (AVX-512/AMX where the CPU has
-them) picked by timing on this machine, instead of calls into oneDNN/MKL. Measured here (2 cores,
-default model, the compiled step alone): bf16 28.6 → 62.9 tok/s, fp32 ~24 → 42.5, int8 65 → 102,
-int4 73 → 106 (benchmarks/fast_path.py has the side-by-side figures). The price: ~2 minutes of
-background compiling for the first cache size on a new machine (inductor caches it on disk: seconds
-later), and frozen copies of some weights (+50% of bf16's weight bytes). ``size_asserts`` off: the
-generated wrapper checked ~1,000 tensor shapes a step (0.6 ms of a 12 ms int4 step) that the fixed
-shapes of the step already guarantee."""
-
-
-@dataclass(frozen=True)
-class CompileReport:
-    """The background compile of the decode step ended."""
-
-    capacities: tuple[int, ...]
-    """Cache sizes compiled (an answer whose cache fits one of these uses the compiled step)."""
-    seconds: float
-    cache_dir: str
-    error: str | None = None
+"""Inductor's options for the decode step on a CPU (engine/generation/compiled_step.py builds it
+with them): the weights frozen into the step as constants (prepacked), and its matrix products
+generated as C++ micro-kernels (AVX-512/AMX where the CPU has them) picked by timing on this
+machine, instead of calls into oneDNN/MKL. Measured here (2 cores, default model, the compiled
+step alone, under torch.compile): bf16 28.6 → 62.9 tok/s, fp32 ~24 → 42.5, int8 65 → 102, int4
+73 → 106 (benchmarks/fast_path.py has the side-by-side figures). The price: 1-2 minutes of building
+in a background process, once per model, precision and thread count, and packed copies of the
+weights beside them. ``size_asserts`` off: the generated code checked ~1,000 tensor shapes a step
+(0.6 ms of a 12 ms int4 step) that the fixed shapes of the step already guarantee."""
 
 
 def _bucket(tokens: int, smallest: int = MIN_CAPACITY) -> int:
@@ -131,69 +114,37 @@ class FastDecoder:
         table = table if table is not None else next(self.embed.buffers())  # blocks shared with the head
         self.dtype, self.device = table.dtype, table.device
         self.compiled = None
-        """The decode step compiled by torch.compile, once :meth:`compile` has finished."""
-        self.compiled_capacities: frozenset[int] = frozenset()
+        """The compiled decode step (engine/generation/compiled_step.py), once :meth:`compile` has
+        loaded it: called as :func:`_decode_step` is, for any cache size."""
         self.compiled_threads: int | None = None
-        """PyTorch threads the step was compiled for: its generated code is built for that count, and
-        a call with another (the thread count adapts to the machine's load) would recompile it in
-        the generating thread, for minutes; such a step runs the eager step instead."""
+        """PyTorch threads the step was built for: its generated code runs that many, so at another
+        count (the thread count adapts to the machine's load) the eager step runs instead."""
+        self.request = None
+        """The :class:`~engine.models.loading.LoadRequest` that loaded these weights: a child process
+        loads them again to build the compiled step."""
+        self._stop_compile = threading.Event()
         self._compile_thread: threading.Thread | None = None
 
-    def compile(self, capacities: Iterable[int] = COMPILE_CAPACITIES,
-                cancelled: Callable[[], bool] = lambda: False, threads: int | None = None) -> CompileReport:
-        """Compile the decode step for these cache sizes (inductor keeps the result on disk, in
-        the user cache: about 2 minutes for the first and one for each other the first time on two
-        cores, seconds later). Each size becomes usable as soon as it is compiled."""
-        from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+    def compile(self, threads: int | None = None, cancelled: Callable[[], bool] | None = None):
+        """Make the compiled step usable: loaded from the user cache (about a second), or first built
+        there by a child process (1-2 minutes on two cores; generations meanwhile run the eager
+        step, the child at the lowest priority). Returns a
+        :class:`~engine.generation.compiled_step.CompileReport`."""
+        from engine.generation.compiled_step import compile_step
 
-        folder = inductor_cache_dir()
-        start = time.perf_counter()
-        done: list[int] = []
-        try:
-            import contextlib
+        threads = threads or torch.get_num_threads()
+        step, report = compile_step(self, self.request, threads, cancelled or self._stop_compile.is_set)
+        if step is not None:
+            self.compiled, self.compiled_threads = step, threads
+        return report
 
-            from torch._inductor import config as inductor_config
-
-            # set while compiling (torch.compile's own ``options=`` left the frozen C++ GEMMs out: the
-            # step ran at the default's speed), then put back
-            def options():
-                return (inductor_config.patch(CPU_COMPILE_OPTIONS) if self.device.type == "cpu"
-                        else contextlib.nullcontext())
-            # an entry per cache size and thread count: past dynamo's limit it would quietly run the
-            # step uncompiled
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            step = self.compiled or torch.compile(_own_decode_step(), dynamic=False,
-                                                  options={"guard_filter_fn": _no_guards_on_weights})
-            threads = threads or self.compiled_threads or torch.get_num_threads()
-            for capacity in capacities:
-                if cancelled():
-                    break
-                scratch = SlotCache(self, slots=1, capacity=capacity)  # one sequence, as a step runs
-                with torch.inference_mode(), _num_threads(threads), options():
-                    # made in inference mode, as the engine core's are: a tensor made outside it has
-                    # another dispatch key set, and the first real step would recompile inline
-                    token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-                    for position in range(2):  # a second call confirms no recompilation is pending
-                        step(self, scratch.keys, scratch.values, scratch.cos, scratch.sin, token,
-                             torch.tensor([position], device=self.device))
-                self.compiled, self.compiled_threads = step, threads
-                done.append(capacity)
-                self.compiled_capacities = frozenset(done)
-        except Exception as exc:  # no C++ compiler, an unsupported op…: the eager step still works
-            return CompileReport(tuple(done), time.perf_counter() - start, folder, f"{type(exc).__name__}: {exc}")
-        return CompileReport(tuple(done), time.perf_counter() - start, folder)
-
-    def compile_in_background(self, on_done: Callable[[CompileReport], None] | None = None,
-                              capacities: Iterable[int] = COMPILE_CAPACITIES) -> threading.Thread:
+    def compile_in_background(self, on_done: Callable | None = None) -> threading.Thread:
         """:meth:`compile` on a daemon thread; generations use the eager step until it is ready."""
-        self._stop_compile = False
+        self._stop_compile.clear()
         threads = torch.get_num_threads()  # the generating thread's (OpenMP keeps a count per thread)
 
         def run() -> None:
-            from engine.generation.threads import reserve_core
-
-            with reserve_core():  # a generation meanwhile leaves the compile a core
-                report = self.compile(capacities, cancelled=lambda: self._stop_compile, threads=threads)
+            report = self.compile(threads)
             if on_done is not None:
                 on_done(report)
 
@@ -202,8 +153,8 @@ class FastDecoder:
         return self._compile_thread
 
     def stop_compiling(self, timeout: float | None = None) -> None:
-        """Stop after the size being compiled now (one torch.compile call can't be interrupted)."""
-        self._stop_compile = True
+        """End a build in progress (its child process is killed within a fraction of a second)."""
+        self._stop_compile.set()
         if self._compile_thread is not None:
             self._compile_thread.join(timeout)
 
@@ -315,25 +266,6 @@ def _decode_step(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_
         values.index_copy_(2, position, v)
         hidden = _rest_of_layer(d, layer, hidden, _attend_one(q, keys, values, mask, layer.scaling))
     return d.head(d.norm(hidden))[0, -1]
-
-
-def _own_decode_step() -> Callable:
-    """:func:`_decode_step` with a code object of its own, for one decoder to compile. dynamo keeps
-    its compiled entries on the code object, so a model's steps are looked up among its own only,
-    never another model's (a comparison compiles one per lane); that is what lets the guards skip
-    the weights (:func:`_no_guards_on_weights`)."""
-    code = _decode_step.__code__
-    return types.FunctionType(code.replace(), _decode_step.__globals__, _decode_step.__name__)
-
-
-def _no_guards_on_weights(entries) -> list[bool]:
-    """dynamo's guards to keep for a decoder's own step: all but the ~3,000 on the decoder's
-    modules and weights (``d.…``), which its checks before every step spent ~0.7 ms of an 8 ms
-    int8 step re-confirming. A decoder's layers never change after loading, its weights are frozen
-    into the compiled code as constants on a CPU (read afresh at each call elsewhere), and the step
-    is this decoder's alone (:func:`_own_decode_step`). Kept: the cache tensors' shapes (one entry
-    per cache size), the thread count and the other global state."""
-    return [not entry.name.startswith(("d.", "d[")) for entry in entries]
 
 
 ATTENTION_BUCKET = 64
@@ -494,7 +426,7 @@ class SlotCache:
         rows = slice(0, batch)
         if batch == 1:  # one sequence: the single-sequence step (compiled when ready), no mask over idle slots
             keys, values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
-            if self.capacity in self.d.compiled_capacities and torch.get_num_threads() == self.d.compiled_threads:
+            if self.d.compiled is not None and torch.get_num_threads() == self.d.compiled_threads:
                 logits = self.d.compiled(self.d, keys, values, self.cos, self.sin, ids, positions).unsqueeze(0)
             else:
                 logits = _forward(self.d, keys, values, self.cos, self.sin, ids, int(positions[0])).unsqueeze(0)
@@ -522,6 +454,5 @@ def early_exit_decoder(d: FastDecoder, layers: int) -> FastDecoder:
     it runs the eager step (the compiled one is the whole model's)."""
     view = copy.copy(d)
     view.layers = d.layers[:layers]
-    view.compiled, view.compiled_capacities, view._compile_thread = None, frozenset(), None
-    view.compiled_threads = None
+    view.compiled, view.compiled_threads, view._compile_thread = None, None, None
     return view

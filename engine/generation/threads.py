@@ -35,26 +35,6 @@ SPARE = 0.25
 
 _local = threading.local()
 _start_threads: int | None = None
-_reserved = 0
-_reserved_lock = threading.Lock()
-
-
-class reserve_core:
-    """A core this process's own background work keeps busy while the block runs (the fast
-    path's compile: its autotuning runs kernels on every thread). The others' load is measured
-    as other processes' time, so without this a generation would keep every thread beside it and
-    stall at each barrier, as beside another program: bf16 eager decoding fell to ~1 token/s
-    for stretches of a minute during a background compile (15-20 tokens/s otherwise)."""
-
-    def __enter__(self) -> None:
-        global _reserved
-        with _reserved_lock:
-            _reserved += 1
-
-    def __exit__(self, *exc) -> None:
-        global _reserved
-        with _reserved_lock:
-            _reserved -= 1
 
 
 @dataclass(frozen=True)
@@ -62,8 +42,8 @@ class ThreadChoice:
     threads: int
     """Threads the matrix work uses from now on."""
     others_cores: float | None
-    """Cores other processes kept busy over the last span, and any this process reserved for its own
-    background work (:class:`reserve_core`); ``None`` before a first span."""
+    """Cores other processes kept busy over the last span (the fast path's build process among
+    them); ``None`` before a first span."""
     cores: int
     """CPUs this process may run on."""
 
@@ -139,7 +119,7 @@ def adapt(force: bool = False) -> ThreadChoice | None:
     span = now - last[0]
     # this process's own time counts on every CPU it ran on, including any outside ``cpus``
     # (never, with affinity): the difference is the others' share of our CPUs
-    others = max(0.0, ((busy - last[1]) - (own - last[2])) / span) + _reserved
+    others = max(0.0, ((busy - last[1]) - (own - last[2])) / span)
     threads = choose(others, len(cpus), _start_threads)
     if threads != torch.get_num_threads():
         torch.set_num_threads(threads)

@@ -6,6 +6,7 @@ device can't run) is refused before any weight is read.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from collections.abc import Callable
@@ -164,6 +165,9 @@ def _load(request: LoadRequest, reporter: ProgressReporter, precision: Precision
     reporter.report("ready", 1, 1, "Ready")
     loaded = LoadedModel(model, tokenizer, info, device, precision, layout)
     loaded.fast = fast
+    if fast is not None:  # what a child process loads again to build the compiled step: the same folder
+        fast.request = dataclasses.replace(request, model=str(resolved.folder), device=str(device), offline=True,
+                                           api_key=None)
     return loaded
 
 

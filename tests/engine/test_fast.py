@@ -141,42 +141,43 @@ def test_fused_layers_leave_the_model_itself_working(long_models, arch, precisio
     assert int(ours.argmax()) == int(theirs.argmax())
 
 
-def test_the_compiled_decode_step_gives_the_same_tokens(long_models, monkeypatch):
+def test_the_compiled_decode_step_gives_the_same_tokens(long_models, isolated_cache, monkeypatch):
+    """Built by a child process into the user cache, loaded here: the eager step's tokens, for
+    every cache size (the capacity is a dynamic dimension of one build), at its own thread count
+    only; a later load of the same weights loads the package instead of building it."""
+    from engine.generation.compiled_step import CompileReport
+
+    # a fixed count: the build's process is "other load", after which the count would adapt
+    monkeypatch.setenv("INFERENCE_WORKBENCH_THREADS", str(torch.get_num_threads()))
     loaded = load_model(LoadRequest(str(long_models["llama"]), "fp32-fast", "cpu"))
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=40, ignore_eos=True)
+    long = GenerationRequest(PROMPT, mode="raw", max_new_tokens=300, ignore_eos=True)  # a 512-token cache
     _, eager = run(loaded, request)
-    reports = []
-    thread = loaded.fast.compile_in_background(reports.append, capacities=(256,))
+    _, eager_long = run(loaded, long)
+    reports: list[CompileReport] = []
+    thread = loaded.fast.compile_in_background(reports.append)
     thread.join(timeout=600)
     report = reports[0]
-    assert report.error is None and report.capacities == (256,) and report.seconds > 0
-    assert loaded.fast.compiled_capacities == {256}
-    from torch._dynamo.utils import counters
-
-    graphs = counters["stats"]["unique_graphs"]
-    events, compiled = run(loaded, request)
-    assert compiled.token_ids == eager.token_ids
-    assert counters["stats"]["unique_graphs"] == graphs  # the engine's tensors match what was compiled: no
-    # recompiling inline in the generating thread (minutes, with the C++ GEMM templates)
-    tokens = [e for e in events if isinstance(e, TokenGenerated)]
-    assert all(t.kv_cache_bytes == t.kv_cache_bytes_predicted for t in tokens)
-    # an answer that needs a 512-token cache (a size not compiled here) runs the eager step
-    long = GenerationRequest(PROMPT, mode="raw", max_new_tokens=260, ignore_eos=True)
-    loaded.fast.compiled_capacities = frozenset()
-    _, reference = run(loaded, long)
-    loaded.fast.compiled_capacities = frozenset({256})
-    _, mixed = run(loaded, long)
-    assert mixed.token_ids == reference.token_ids
-    # built for this thread count: with another (the count adapts to the machine's load) the step
-    # would recompile in the generating thread for minutes, so the eager step runs instead
-    assert loaded.fast.compiled_threads == torch.get_num_threads()
+    assert report.error is None and report.built and report.seconds > 0
+    package = isolated_cache / "compiled"
+    assert [p.name for p in package.glob("*.pt2")] == [report.package.rsplit("/", 1)[-1]]  # no partial file left
+    assert report.package_bytes == (package / report.package.rsplit("/", 1)[-1]).stat().st_size
     calls = []
     compiled = loaded.fast.compiled
-    loaded.fast.compiled = lambda *a: calls.append(1) or compiled(*a)
+    loaded.fast.compiled = lambda *a: calls.append(a[1][0].shape[2]) or compiled(*a)
+    events, answer = run(loaded, request)
+    assert answer.token_ids == eager.token_ids and set(calls) == {256}
+    tokens = [e for e in events if isinstance(e, TokenGenerated)]
+    assert all(t.kv_cache_bytes == t.kv_cache_bytes_predicted for t in tokens)
+    assert [t.logprob for t in tokens] == pytest.approx([t.logprob for t in run(loaded, request)[0]
+                                                         if isinstance(t, TokenGenerated)], abs=1e-5)
+    calls.clear()
+    assert run(loaded, long)[1].token_ids == eager_long.token_ids and set(calls) == {512}  # the same build
+    # built for this thread count: with another (the count adapts to the machine's load) its
+    # generated code would still run the other count's threads, so the eager step runs instead
+    assert loaded.fast.compiled_threads == torch.get_num_threads()
     before = torch.get_num_threads()
     try:
-        run(loaded, GenerationRequest(PROMPT, mode="raw", max_new_tokens=3, ignore_eos=True))
-        assert calls  # the compiled step, at its own thread count
         calls.clear()
         torch.set_num_threads(before + 1)
         monkeypatch.setenv("INFERENCE_WORKBENCH_THREADS", str(before + 1))  # the adaptation keeps it
@@ -184,23 +185,64 @@ def test_the_compiled_decode_step_gives_the_same_tokens(long_models, monkeypatch
         assert not calls and other.tokens == 3
     finally:
         torch.set_num_threads(before)
+        monkeypatch.setenv("INFERENCE_WORKBENCH_THREADS", str(before))
+    # the same weights loaded again: the package is loaded, not built
+    again = load_model(LoadRequest(str(long_models["llama"]), "fp32-fast", "cpu"))
+    cached = again.fast.compile()
+    assert cached.error is None and not cached.built and cached.package == report.package
+    assert run(again, request)[1].token_ids == eager.token_ids
+    # a damaged package is refused, removed, and the eager step goes on
+    with open(report.package, "r+b") as f:
+        f.truncate(4096)
+    third = load_model(LoadRequest(str(long_models["llama"]), "fp32-fast", "cpu"))
+    damaged = third.fast.compile()
+    assert damaged.error and third.fast.compiled is None and not (package / report.package.rsplit("/", 1)[-1]).exists()
+    assert run(third, request)[1].token_ids == eager.token_ids
 
 
-def test_a_failed_compile_leaves_the_eager_step(long_models, monkeypatch):
-    loaded = load_model(LoadRequest(str(long_models["llama"]), "int8-fast", "cpu"))
+def test_a_package_built_from_other_weights_is_refused(long_models, isolated_cache):
+    """The loader checks the weights' fingerprint the package was built from."""
+    from engine.generation import compiled_step
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("no C++ compiler")
+    llama = load_model(LoadRequest(str(long_models["llama"]), "fp32-fast", "cpu"))
+    qwen = load_model(LoadRequest(str(long_models["qwen2"]), "fp32-fast", "cpu"))
+    assert compiled_step.fingerprint(llama.fast) != compiled_step.fingerprint(qwen.fast)
+    assert compiled_step.fingerprint(llama.fast) == compiled_step.fingerprint(
+        load_model(LoadRequest(str(long_models["llama"]), "fp32-fast", "cpu")).fast)
+    assert compiled_step.package_path(llama.fast, 2) != compiled_step.package_path(qwen.fast, 2)
+    assert compiled_step.package_path(llama.fast, 1) != compiled_step.package_path(llama.fast, 2)
 
-    monkeypatch.setattr(torch, "compile", broken)
-    report = loaded.fast.compile(capacities=(256,))
-    assert report.error == "RuntimeError: no C++ compiler" and report.capacities == ()
+
+def test_a_failed_build_leaves_the_eager_step(tmp_path, byte_tokenizer, isolated_cache):
+    """The weights on disk changed after loading: the child process, which loads them again,
+    refuses to build a step for other weights than the parent's, and says so."""
+    from tests.tiny import build_model_folder
+
+    folder = build_model_folder(tmp_path / "changing", "llama", byte_tokenizer, seed=1)
+    loaded = load_model(LoadRequest(str(folder), "int8-fast", "cpu"))
+    build_model_folder(folder, "llama", byte_tokenizer, seed=2)
+    report = loaded.fast.compile()
+    assert "changed since it was loaded" in report.error and not report.built
+    assert loaded.fast.compiled is None and not list((isolated_cache / "compiled").glob("*.pt2"))
     _, final = run(loaded, GenerationRequest(PROMPT, mode="raw", max_new_tokens=5, ignore_eos=True))
     assert final.tokens == 5
 
 
+def test_stopping_a_build_ends_its_process(long_models, isolated_cache):
+    loaded = load_model(LoadRequest(str(long_models["qwen2"]), "fp32-fast", "cpu"))
+    reports = []
+    thread = loaded.fast.compile_in_background(reports.append)
+    loaded.fast.stop_compiling(timeout=30)
+    assert not thread.is_alive() and reports[0].error == "cancelled"
+    assert loaded.fast.compiled is None and not list((isolated_cache / "compiled").glob("*.pt2"))
+    import multiprocessing
+
+    assert not [p for p in multiprocessing.active_children() if p.name == "fast-path-build"]
+
+
 @pytest.mark.parametrize("precision", ["fp32-fast", "int8-fast"])
-def test_a_compiled_step_with_a_head_in_row_blocks_gives_the_eager_tokens(tmp_path, byte_tokenizer, precision):
+def test_a_compiled_step_with_a_head_in_row_blocks_gives_the_eager_tokens(tmp_path, byte_tokenizer, precision,
+                                                                         isolated_cache):
     """A head taller than two row blocks (a 9,000-token vocabulary) is multiplied block by block;
     frozen into the compiled step with the C++ GEMM templates, blocks that were slices of one
     weight gave wrong logits (tied from the first token). The compiled step must agree with the
@@ -212,8 +254,8 @@ def test_a_compiled_step_with_a_head_in_row_blocks_gives_the_eager_tokens(tmp_pa
     loaded = load_model(LoadRequest(str(folder), precision, "cpu"))
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=12, ignore_eos=True)
     events, eager = run(loaded, request)
-    report = loaded.fast.compile(capacities=(256,))
-    assert report.error is None and report.capacities == (256,)
+    report = loaded.fast.compile()
+    assert report.error is None and report.built
     compiled_events, compiled = run(loaded, request)
     # fp32: the same tokens throughout; int8: the compiled step's attention is in fp32 where the eager
     # one's is in bf16, so on a random model a near-tie may later go the other way: its first step
@@ -255,10 +297,9 @@ def test_a_tied_head_in_row_blocks_keeps_one_copy_of_the_table(tmp_path, byte_to
     assert run(fast, request)[1].token_ids == run(reference, request)[1].token_ids
 
 
-def test_two_models_compiled_in_one_process_each_run_their_own_weights(tmp_path, byte_tokenizer):
-    """Each decoder compiles a step of its own (the guards skip the weights, so two models sharing
-    one compiled function could run each other's): two models of the same shape, different
-    weights, both compiled, each gives its own eager tokens."""
+def test_two_models_compiled_in_one_process_each_run_their_own_weights(tmp_path, byte_tokenizer, isolated_cache):
+    """Two models of the same shape, different weights, both compiled: two packages (named by the
+    weights), and each model gives its own eager tokens."""
     from tests.tiny import build_model_folder
 
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=8, ignore_eos=True)
@@ -270,5 +311,6 @@ def test_two_models_compiled_in_one_process_each_run_their_own_weights(tmp_path,
         models.append(loaded)
     assert eager[0] != eager[1]
     for loaded in models:
-        assert loaded.fast.compile(capacities=(256,)).capacities == (256,)
+        assert loaded.fast.compile().built
+    assert len(list((isolated_cache / "compiled").glob("step-*.pt2"))) == 2
     assert [run(loaded, request)[1].token_ids for loaded in models] == eager

@@ -58,26 +58,3 @@ def test_a_busy_core_elsewhere_takes_a_thread_away_and_gives_it_back(monkeypatch
     while time.monotonic() < deadline and torch.get_num_threads() < start:
         adapt()
     assert torch.get_num_threads() == start
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or torch.get_num_threads() < 2,
-                    reason="needs two CPUs and two PyTorch threads")
-def test_a_core_reserved_for_background_work_here_takes_a_thread_while_it_runs(monkeypatch):
-    """The fast path's background compile runs in this process (its CPU time is not "other
-    processes'"): while it holds its reservation, generations leave it a core."""
-    from engine.generation import threads
-
-    monkeypatch.delenv("INFERENCE_WORKBENCH_THREADS", raising=False)
-    adapt(force=True)
-    start = threads._start_threads
-    torch.set_num_threads(start)
-    with threads.reserve_core():
-        time.sleep(0.06)  # adapt measures over a span of real time (at least 50 ms)
-        choice = adapt(force=True)
-        assert choice.others_cores >= 1 and torch.get_num_threads() <= start - 1
-    time.sleep(0.06)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and torch.get_num_threads() < start:  # back once the others' load allows
-        adapt(force=True)
-        time.sleep(0.06)
-    assert torch.get_num_threads() == start

@@ -1,0 +1,304 @@
+"""The fast path's compiled decode step, built ahead of time in a child process and kept on disk.
+
+The step (:func:`engine.generation.fast._decode_step`) is exported once (``torch.export``, the
+cache's capacity a dynamic dimension, so one build serves every cache size) and compiled by
+AOTInductor with the fast path's CPU options (frozen weights, C++ GEMM micro-kernels picked by
+timing on this machine) into a package in the user cache. Loading the package takes about a
+second; the step then runs in C++ from its first kernel to its last, with no Python wrapper and
+no guards between them.
+
+Why not ``torch.compile`` in a thread of the app, as before: while inductor traces, torch.fx
+patches ``nn.Module.__call__`` for the whole process, and a generation running meanwhile failed
+with "NameError: module is not installed as a submodule"; inductor's Python held the GIL so long
+that such a generation ran at 0.5-0.7 tokens/s for the whole compile (measured: 64 tokens in
+94 s); and inductor's own disk cache refuses graphs holding prepacked (mkldnn) weights, so every
+load compiled again for 80-100 s per cache size. A child process at the lowest priority avoids
+all three, and what it leaves on disk is loaded by every later load of the same weights.
+
+The package holds the model's weights and the GEMM kernels' packed copies; on loading, the
+model's own tensors take the weights' place (``user_managed``: no second copy), so memory grows
+by the packed copies only. A package is named by what its code depends on: a fingerprint of the
+weights, the thread count, PyTorch's version, the CPU's vector ISA and this package's source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+PACKAGES_KEPT = 4
+"""Packages kept in the user cache (the least recently used go first): about twice the weights' bytes each."""
+MAX_CAPACITY = 1 << 16
+WAIT_POLL_S = 0.2
+"""How often the wait for the child looks at the cancel flag."""
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """The compiled step is ready (or could not be made: ``error``; the eager step runs)."""
+
+    seconds: float
+    threads: int
+    """PyTorch threads the step was built for (and runs at)."""
+    package: str
+    """The package's path (in the user cache)."""
+    built: bool = False
+    """Built now by a child process (else loaded from an earlier build)."""
+    package_bytes: int = 0
+    error: str | None = None
+
+    def describe(self) -> str:
+        """One line: how the step was made ready, or why it wasn't."""
+        if self.error:
+            return f"no compiled step, the eager step is in use: {self.error}"
+        how = "built" if self.built else "loaded from the cache"
+        return (f"compiled step {how} in {self.seconds:.1f} s ({self.threads} threads, "
+                f"{self.package_bytes / 2**20:.0f} MiB in {self.package})")
+
+
+class StepModule(torch.nn.Module):
+    """The decode step as a module for ``torch.export``: the model and the fused q/k/v and
+    gate/up projections registered, so every weight has a name the loader can hand back."""
+
+    def __init__(self, d) -> None:
+        super().__init__()
+        self.model = d.model
+        self.fused = torch.nn.ModuleList([m for layer in d.layers for m in (layer.qkv, layer.gate_up)
+                                          if m is not None])
+        object.__setattr__(self, "decoder", d)  # not a submodule: its modules are registered above
+
+    def forward(self, keys, values, cos, sin, ids, position):
+        from engine.generation.fast import _decode_step
+
+        return _decode_step(self.decoder, keys, values, cos, sin, ids, position)
+
+
+def _named_tensors(d) -> dict[str, torch.Tensor]:
+    module = StepModule(d)
+    named = dict(module.named_parameters(remove_duplicate=False))
+    named.update(module.named_buffers(remove_duplicate=False))
+    return named
+
+
+def fingerprint(d) -> str:
+    """A digest of the decoder's weights: names, shapes, dtypes and ~4,000 values of each (so a
+    package is never loaded beside other weights than those it was built from)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(_named_tensors(d).items()):
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)].contiguous()
+        digest.update(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"")
+    return digest.hexdigest()[:24]
+
+
+def _source_digest() -> str:
+    from engine.generation import fast
+    from engine.models import quantize
+
+    digest = hashlib.sha256()
+    for module in (fast, quantize):
+        digest.update(Path(module.__file__).read_bytes())
+    digest.update(Path(__file__).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def package_path(d, threads: int, weights: str | None = None) -> Path:
+    """Where the package for this decoder's weights at ``threads`` threads lives."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    from engine.storage.paths import cache_dir
+
+    key = json.dumps([weights or fingerprint(d), threads, torch.__version__, str(pick_vec_isa()), _source_digest()])
+    return cache_dir() / "compiled" / f"step-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
+
+
+def export_step(d):
+    """``torch.export`` of the decode step at a 512-token cache, the capacity left dynamic."""
+    from engine.generation.fast import _rotary_tables
+
+    capacity = 512
+    shape = (1, d.kv_heads, capacity, d.head_dim)
+    keys = [torch.zeros(shape, dtype=d.dtype, device=d.device) for _ in d.layers]
+    values = [torch.zeros(shape, dtype=d.dtype, device=d.device) for _ in d.layers]
+    cos, sin = _rotary_tables(d, capacity)
+    ids = torch.zeros((1, 1), dtype=torch.long, device=d.device)
+    position = torch.zeros(1, dtype=torch.long, device=d.device)
+    from engine.generation.fast import MIN_CAPACITY
+
+    size = torch.export.Dim("capacity", min=MIN_CAPACITY, max=MAX_CAPACITY)
+    dynamic = ([{2: size}] * len(keys), [{2: size}] * len(values), {2: size}, {2: size}, None, None)
+    with torch.no_grad():
+        return torch.export.export(StepModule(d), (keys, values, cos.clone(), sin.clone(), ids, position),
+                                   dynamic_shapes=dynamic, strict=False)
+
+
+def _partial(path: Path, pid: int) -> Path:
+    """Where the process ``pid`` writes ``path`` before renaming it into place."""
+    return path.with_name(f"{path.stem}.{pid}.partial.pt2")
+
+
+def build_package(d, path: Path, threads: int, weights: str) -> None:
+    """Export and compile the step into ``path`` (written whole, then renamed into place)."""
+    from engine.generation.fast import CPU_COMPILE_OPTIONS
+
+    torch.set_num_threads(threads)
+    program = export_step(d)
+    options = dict(CPU_COMPILE_OPTIONS) if d.device.type == "cpu" else {}
+    options.update({"aot_inductor.package_constants_in_so": False,
+                    "aot_inductor.package_constants_on_disk_format": "pickle_weights",
+                    "aot_inductor.metadata": {"weights": weights, "threads": str(threads)}})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = _partial(path, os.getpid())
+    try:
+        torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def load_package(d, path: Path, weights: str):
+    """The compiled step from ``path``, its weights the decoder's own tensors and its packed
+    copies read from the package. Refuses a package built from other weights."""
+    import io
+
+    from torch.export.pt2_archive._package import PT2ArchiveReader
+    from torch.export.pt2_archive.constants import AOTINDUCTOR_DIR, WEIGHTS_DIR
+
+    runner = torch._inductor.aoti_load_package(str(path))
+    built_from = runner.get_metadata().get("weights")
+    if built_from != weights:
+        raise ValueError(f"the package was built from other weights ({built_from}, these are {weights})")
+    ours = _named_tensors(d)
+    constants: dict[str, torch.Tensor] = {}
+    files: dict[str, torch.Tensor] = {}
+    with PT2ArchiveReader(str(path)) as reader:
+        config = json.loads(reader.read_string(f"{AOTINDUCTOR_DIR}model/weights_config.json"))
+        for name, (file, shape, stride, offset) in config.items():
+            mine = ours.get(name)
+            if mine is not None and tuple(mine.shape) == tuple(shape) and tuple(mine.stride()) == tuple(stride):
+                constants[name] = mine
+                continue
+            if file not in files:
+                files[file] = torch.load(io.BytesIO(reader.read_bytes(WEIGHTS_DIR + file)), weights_only=True)
+            constants[name] = files[file].as_strided(shape, stride, offset)
+    # the runner keeps pointers, not references: the tensors stay alive with the step
+    runner.load_constants(constants, check_full_update=True, user_managed=True)
+    os.utime(path)  # recently used: kept when old packages are pruned
+    return _LoadedStep(runner, constants)
+
+
+class _LoadedStep:
+    """A loaded package, called as the step is (the decoder argument is its own, already inside)."""
+
+    def __init__(self, runner, constants: dict[str, torch.Tensor]) -> None:
+        self.runner, self.constants = runner, constants
+
+    def __call__(self, d, keys, values, cos, sin, ids, position) -> torch.Tensor:
+        return self.runner(keys, values, cos, sin, ids, position)
+
+
+def _prune(folder: Path, keep: Path) -> None:
+    packages = sorted(folder.glob("step-*.pt2"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in [p for p in packages if p != keep][PACKAGES_KEPT - 1:]:
+        if ".partial" not in old.name:
+            old.unlink(missing_ok=True)
+
+
+def _memory_shortfall(d) -> str | None:
+    """Why a child can't build the package beside the loaded model now, or ``None``."""
+    import psutil
+
+    weights = sum(t.numel() * t.element_size() for t in set(_named_tensors(d).values()))
+    needed = 3 * weights + (1 << 30)  # its own copy of the model, the packed copies, inductor itself
+    free = psutil.virtual_memory().available
+    if free < needed:
+        return (f"not enough free memory to build it beside the loaded model (about {needed / 2**30:.1f} GiB "
+                f"needed, {free / 2**30:.1f} GiB free); the eager step is in use")
+    return None
+
+
+def _child(request, threads: int, path: str, weights: str, conn) -> None:
+    """In the child process: load the model as the parent did, check it is the same, build."""
+    try:
+        import psutil
+
+        psutil.Process().nice(19 if os.name == "posix" else psutil.IDLE_PRIORITY_CLASS)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        log = open(Path(path).parent / "build.log", "w")  # inductor's autotuning tables, not the app's terminal
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        from engine.models.loading import load_model
+
+        loaded = load_model(request)
+        mine = fingerprint(loaded.fast)
+        if mine != weights:
+            raise ValueError("the model on disk changed since it was loaded; load it again")
+        build_package(loaded.fast, Path(path), threads, weights)
+        conn.send(None)
+    except BaseException as exc:  # the parent reports it; the eager step keeps running
+        message = f"{type(exc).__name__}: {exc}"
+        conn.send(message if len(message) <= 600 else message[:600] + " …")
+
+
+def child_context():
+    import multiprocessing
+
+    return multiprocessing.get_context("spawn")  # a fresh interpreter: no state (or threads) forked from the app
+
+
+def compile_step(d, request, threads: int, cancelled: Callable[[], bool] = lambda: False) -> tuple[object, CompileReport]:
+    """The compiled step for decoder ``d`` (loaded with ``request``): loaded from the user cache,
+    or built there first by a child process at the lowest priority (the caller waits with the
+    GIL released; ``cancelled`` ends the child). Returns (step or ``None``, report)."""
+    start = time.perf_counter()
+    weights = fingerprint(d)
+    path = package_path(d, threads, weights)
+
+    def report(**fields) -> CompileReport:
+        size = path.stat().st_size if path.exists() else 0
+        return CompileReport(time.perf_counter() - start, threads, str(path), package_bytes=size, **fields)
+
+    if cancelled():
+        return None, report(error="cancelled")
+    built = False
+    if not path.exists():
+        if request is None:
+            return None, report(error="the model was not loaded from a source a child process can load again")
+        shortfall = _memory_shortfall(d)
+        if shortfall:
+            return None, report(error=shortfall)
+        context = child_context()
+        receive, send = context.Pipe(duplex=False)
+        child = context.Process(target=_child, args=(request, threads, str(path), weights, send),
+                                name="fast-path-build", daemon=True)
+        child.start()
+        send.close()
+        try:
+            while child.is_alive() and not cancelled():
+                child.join(WAIT_POLL_S)
+            if child.is_alive():
+                child.kill()
+                child.join()
+                _partial(path, child.pid).unlink(missing_ok=True)
+                return None, report(error="cancelled")
+            error = receive.recv() if receive.poll() else f"the build process ended with code {child.exitcode}"
+        finally:
+            receive.close()
+        if error:
+            return None, report(error=error)
+        built = True
+        _prune(path.parent, path)
+    try:
+        step = load_package(d, path, weights)
+    except Exception as exc:  # a damaged or foreign package: removed, so the next load builds afresh
+        path.unlink(missing_ok=True)
+        return None, report(error=f"{type(exc).__name__}: {exc}")
+    return step, report(built=built)
