@@ -35,7 +35,6 @@ import torch
 
 PACKAGES_KEPT = 4
 """Packages kept in the user cache (the least recently used go first): about twice the weights' bytes each."""
-MAX_CAPACITY = 1 << 16
 WAIT_POLL_S = 0.2
 """How often the wait for the child looks at the cancel flag."""
 
@@ -131,9 +130,9 @@ def export_step(d):
     cos, sin = _rotary_tables(d, capacity)
     ids = torch.zeros((1, 1), dtype=torch.long, device=d.device)
     position = torch.zeros(1, dtype=torch.long, device=d.device)
-    from engine.generation.fast import MIN_CAPACITY
+    from engine.generation.fast import MAX_COMPILED_CAPACITY, MIN_CAPACITY
 
-    size = torch.export.Dim("capacity", min=MIN_CAPACITY, max=MAX_CAPACITY)
+    size = torch.export.Dim("capacity", min=MIN_CAPACITY, max=MAX_COMPILED_CAPACITY)
     dynamic = ([{2: size}] * len(keys), [{2: size}] * len(values), {2: size}, {2: size}, None, None)
     with torch.no_grad():
         return torch.export.export(StepModule(d), (keys, values, cos.clone(), sin.clone(), ids, position),
@@ -206,9 +205,15 @@ class _LoadedStep:
 
 
 def _prune(folder: Path, keep: Path) -> None:
+    """Keep the :data:`PACKAGES_KEPT` most recently used packages; drop partial files a build
+    process left when it was killed with its parent (older than an hour)."""
     packages = sorted(folder.glob("step-*.pt2"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in [p for p in packages if p != keep][PACKAGES_KEPT - 1:]:
-        if ".partial" not in old.name:
+    partial = [p for p in packages if ".partial" in p.name]
+    for old in [p for p in packages if p != keep and p not in partial][PACKAGES_KEPT - 1:]:
+        old.unlink(missing_ok=True)
+        old.with_suffix(".log").unlink(missing_ok=True)
+    for old in partial:
+        if time.time() - old.stat().st_mtime > 3600:
             old.unlink(missing_ok=True)
 
 
@@ -232,7 +237,7 @@ def _child(request, threads: int, path: str, weights: str, conn) -> None:
 
         psutil.Process().nice(19 if os.name == "posix" else psutil.IDLE_PRIORITY_CLASS)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        log = open(Path(path).parent / "build.log", "w")  # inductor's autotuning tables, not the app's terminal
+        log = open(Path(path).with_suffix(".log"), "w")  # inductor's autotuning tables, not the app's terminal
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         from engine.models.loading import load_model

@@ -28,6 +28,8 @@ from torch.nn import functional as F
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 MIN_CAPACITY = 256
+MAX_COMPILED_CAPACITY = 1 << 16
+"""The largest cache the compiled step is built for (its capacity is dynamic up to this)."""
 CPU_COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                        "size_asserts": False}
 """Inductor's options for the decode step on a CPU (engine/generation/compiled_step.py builds it
@@ -426,7 +428,8 @@ class SlotCache:
         rows = slice(0, batch)
         if batch == 1:  # one sequence: the single-sequence step (compiled when ready), no mask over idle slots
             keys, values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
-            if self.d.compiled is not None and torch.get_num_threads() == self.d.compiled_threads:
+            if (self.d.compiled is not None and torch.get_num_threads() == self.d.compiled_threads
+                    and self.capacity <= MAX_COMPILED_CAPACITY):
                 logits = self.d.compiled(self.d, keys, values, self.cos, self.sin, ids, positions).unsqueeze(0)
             else:
                 logits = _forward(self.d, keys, values, self.cos, self.sin, ids, int(positions[0])).unsqueeze(0)

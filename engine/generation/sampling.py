@@ -9,8 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

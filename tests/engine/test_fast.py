@@ -314,3 +314,30 @@ def test_two_models_compiled_in_one_process_each_run_their_own_weights(tmp_path,
         assert loaded.fast.compile().built
     assert len(list((isolated_cache / "compiled").glob("step-*.pt2"))) == 2
     assert [run(loaded, request)[1].token_ids for loaded in models] == eager
+
+
+def test_old_packages_and_stale_partial_files_are_pruned(tmp_path):
+    """The most recently used packages stay (the one just built always), with their logs; a partial
+    file stays while a build may still be writing it, and goes once it is an hour old."""
+    import os
+    import time
+
+    from engine.generation.compiled_step import PACKAGES_KEPT, _prune
+
+    now = time.time()
+    packages = [tmp_path / f"step-{i}.pt2" for i in range(PACKAGES_KEPT + 2)]
+    for age, package in enumerate(packages):
+        for path in (package, package.with_suffix(".log")):
+            path.write_bytes(b"x")
+            os.utime(path, (now - 60 * age, now - 60 * age))
+    fresh, stale = tmp_path / "step-a.11.partial.pt2", tmp_path / "step-b.12.partial.pt2"
+    fresh.write_bytes(b"x")
+    stale.write_bytes(b"x")
+    os.utime(stale, (now - 7200, now - 7200))
+    keep = packages[-1]  # the oldest, but the one just built
+    _prune(tmp_path, keep)
+    left = sorted(p.name for p in tmp_path.glob("*.pt2"))
+    expected = sorted([p.name for p in packages[:PACKAGES_KEPT - 1]] + [keep.name, fresh.name])
+    assert left == expected
+    assert sorted(p.name for p in tmp_path.glob("*.log")) == sorted(p.with_suffix(".log").name
+                                                                    for p in packages[:PACKAGES_KEPT - 1] + [keep])
