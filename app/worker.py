@@ -90,7 +90,9 @@ class EngineWorker(QObject):
         self.loaded.emit(model.info)
         if model.fast is not None:  # the fast path compiles its decode step while the model is usable
             self.compile_started.emit()
-            model.fast.compile_in_background(self.compile_finished.emit)
+            from engine.generation.compiled_step import compile_in_background
+
+            compile_in_background(model.fast, self.compile_finished.emit)
 
     @Slot(object)
     def predict(self, request) -> None:
@@ -126,7 +128,9 @@ class EngineWorker(QObject):
         if self._model is not None:
             model, self._model = self._model, None
             if model.fast is not None:
-                model.fast.stop_compiling(timeout=0)  # its build process is killed within a fraction of a second
+                from engine.generation.compiled_step import stop_compiling
+
+                stop_compiling(model.fast, timeout=0)  # its build process is killed within a fraction of a second
             model.close()
 
     def _drop_draft(self) -> None:

@@ -31,6 +31,7 @@ import time
 import torch
 
 from engine.events import TokenGenerated
+from engine.generation.compiled_step import compile_decoder
 from engine.models.loading import LoadRequest, load_model
 from engine.request import GenerationRequest
 
@@ -77,7 +78,7 @@ def main() -> int:
         print(f"loading {name} …", flush=True)
         loaded = load_model(LoadRequest("default", name.removesuffix("+compiled"), "cpu"))
         if name.endswith("+compiled"):
-            print(f"  {loaded.fast.compile().describe()}")
+            print(f"  {compile_decoder(loaded.fast).describe()}")
         models[name] = loaded
 
     def steps(loaded) -> list[float]:

@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from engine.generation.core import CoreSettings, EngineCore
+from engine.generation.compiled_step import compile_decoder
 from engine.events import Finished, TokenGenerated
 from engine.models.loading import LoadRequest, load_model
 from engine.request import GenerationRequest
@@ -97,7 +98,7 @@ def main() -> int:
 
     loaded = load_model(LoadRequest("default", args.precision, "cpu"))
     if args.compile and loaded.fast is not None:
-        loaded.fast.compile(capacities=(256,))
+        compile_decoder(loaded.fast)
     settings = CoreSettings(token_budget=args.token_budget, max_batch=64)
 
     # 1. one request: today's plain path against the core, interleaved

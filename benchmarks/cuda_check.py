@@ -35,6 +35,7 @@ import torch
 from engine.errors import EngineError
 from engine.estimates.estimate import config_for, count_parameters, weights_bytes
 from engine.events import Finished, TokenGenerated
+from engine.generation.compiled_step import compile_decoder
 from engine.measure.bench import versions
 from engine.models.loading import LoadRequest, load_model
 from engine.request import GenerationRequest
@@ -102,7 +103,7 @@ def check(name: str, device: str, tokens: int, rounds: int, cpu_too: bool) -> di
         except EngineError as exc:
             row["cpu_refused"] = str(exc)
     if name.endswith("-fast") and loaded.fast is not None:
-        report = loaded.fast.compile()
+        report = compile_decoder(loaded.fast)
         row["compile_s"], row["compile_error"] = report.seconds, report.error
     ours, theirs_steps, on_cpu = [], [], []
     last = final = None

@@ -31,6 +31,7 @@ import statistics
 
 import torch
 
+from engine.generation.compiled_step import compile_decoder
 from engine.measure.bench import versions
 from engine.events import TokenGenerated
 from engine.models.loading import LoadRequest, load_model
@@ -132,7 +133,7 @@ def make_engine(name: str, tokens: int):
         return run, loaded.info.weights_bytes
     loaded = load_model(LoadRequest("default", name.removesuffix("+compiled"), "cpu"))
     if name.endswith("+compiled"):
-        print(f"  {loaded.fast.compile().describe()}")
+        print(f"  {compile_decoder(loaded.fast).describe()}")
 
     def run() -> list[float]:
         return [e.latency_s for e in loaded.generate(request) if isinstance(e, TokenGenerated)][1:]

@@ -205,7 +205,9 @@ def _bench(args) -> int:
         if loaded.fast is None:
             raise InvalidRequestError("--compile needs a fast-path precision (fp32-fast, bf16-fast, int8-fast, int4-fast).")
         print("Getting the compiled decode step ready …", file=sys.stderr, flush=True)
-        compiled = loaded.fast.compile()
+        from engine.generation.compiled_step import compile_decoder
+
+        compiled = compile_decoder(loaded.fast)
         print(f"  {compiled.describe()}", file=sys.stderr)
     draft = None
     if args.draft:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -307,3 +308,36 @@ def compile_step(d, request, threads: int, cancelled: Callable[[], bool] = lambd
         path.unlink(missing_ok=True)
         return None, report(error=f"{type(exc).__name__}: {exc}")
     return step, report(built=built)
+
+
+def compile_decoder(d, threads: int | None = None, cancelled: Callable[[], bool] | None = None) -> CompileReport:
+    """Make decoder ``d``'s compiled step usable (``d.compiled``): loaded from the user cache
+    (about a second), or first built there by a child process (1-2 minutes on two cores;
+    generations meanwhile run the eager step, the child at the lowest priority)."""
+    threads = threads or torch.get_num_threads()
+    step, report = compile_step(d, d.request, threads, cancelled or d._stop_compile.is_set)
+    if step is not None:
+        d.compiled, d.compiled_threads = step, threads
+    return report
+
+
+def compile_in_background(d, on_done: Callable[[CompileReport], None] | None = None) -> threading.Thread:
+    """:func:`compile_decoder` on a daemon thread; generations use the eager step until it is ready."""
+    d._stop_compile.clear()
+    threads = torch.get_num_threads()  # the generating thread's (OpenMP keeps a count per thread)
+
+    def run() -> None:
+        report = compile_decoder(d, threads)
+        if on_done is not None:
+            on_done(report)
+
+    d._compile_thread = threading.Thread(target=run, name="fast-path-compile", daemon=True)
+    d._compile_thread.start()
+    return d._compile_thread
+
+
+def stop_compiling(d, timeout: float | None = None) -> None:
+    """End ``d``'s build in progress (its child process is killed within a fraction of a second)."""
+    d._stop_compile.set()
+    if d._compile_thread is not None:
+        d._compile_thread.join(timeout)

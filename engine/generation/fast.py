@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F
@@ -116,8 +115,8 @@ class FastDecoder:
         table = table if table is not None else next(self.embed.buffers())  # blocks shared with the head
         self.dtype, self.device = table.dtype, table.device
         self.compiled = None
-        """The compiled decode step (engine/generation/compiled_step.py), once :meth:`compile` has
-        loaded it: called as :func:`_decode_step` is, for any cache size."""
+        """The compiled decode step, once engine/generation/compiled_step.py has made it ready:
+        called as :func:`_decode_step` is, for any cache size."""
         self.compiled_threads: int | None = None
         """PyTorch threads the step was built for: its generated code runs that many, so at another
         count (the thread count adapts to the machine's load) the eager step runs instead."""
@@ -126,39 +125,6 @@ class FastDecoder:
         loads them again to build the compiled step."""
         self._stop_compile = threading.Event()
         self._compile_thread: threading.Thread | None = None
-
-    def compile(self, threads: int | None = None, cancelled: Callable[[], bool] | None = None):
-        """Make the compiled step usable: loaded from the user cache (about a second), or first built
-        there by a child process (1-2 minutes on two cores; generations meanwhile run the eager
-        step, the child at the lowest priority). Returns a
-        :class:`~engine.generation.compiled_step.CompileReport`."""
-        from engine.generation.compiled_step import compile_step
-
-        threads = threads or torch.get_num_threads()
-        step, report = compile_step(self, self.request, threads, cancelled or self._stop_compile.is_set)
-        if step is not None:
-            self.compiled, self.compiled_threads = step, threads
-        return report
-
-    def compile_in_background(self, on_done: Callable | None = None) -> threading.Thread:
-        """:meth:`compile` on a daemon thread; generations use the eager step until it is ready."""
-        self._stop_compile.clear()
-        threads = torch.get_num_threads()  # the generating thread's (OpenMP keeps a count per thread)
-
-        def run() -> None:
-            report = self.compile(threads)
-            if on_done is not None:
-                on_done(report)
-
-        self._compile_thread = threading.Thread(target=run, name="fast-path-compile", daemon=True)
-        self._compile_thread.start()
-        return self._compile_thread
-
-    def stop_compiling(self, timeout: float | None = None) -> None:
-        """End a build in progress (its child process is killed within a fraction of a second)."""
-        self._stop_compile.set()
-        if self._compile_thread is not None:
-            self._compile_thread.join(timeout)
 
 
 class _num_threads:

@@ -4,6 +4,7 @@ import torch
 from engine.errors import UnsupportedPrecisionError
 from engine.estimates.estimate import config_for, count_parameters, weights_bytes
 from engine.events import Finished, Prefilled, TokenGenerated
+from engine.generation.compiled_step import compile_decoder, compile_in_background, stop_compiling
 from engine.generation.fast import SlotCache
 from engine.models.loading import LoadRequest, load_model
 from engine.models.quantize import Int4WeightOnlyLinear, Int8WeightOnlyLinear, quantize_linears
@@ -155,7 +156,7 @@ def test_the_compiled_decode_step_gives_the_same_tokens(long_models, isolated_ca
     _, eager = run(loaded, request)
     _, eager_long = run(loaded, long)
     reports: list[CompileReport] = []
-    thread = loaded.fast.compile_in_background(reports.append)
+    thread = compile_in_background(loaded.fast, reports.append)
     thread.join(timeout=600)
     report = reports[0]
     assert report.error is None and report.built and report.seconds > 0
@@ -188,14 +189,14 @@ def test_the_compiled_decode_step_gives_the_same_tokens(long_models, isolated_ca
         monkeypatch.setenv("INFERENCE_WORKBENCH_THREADS", str(before))
     # the same weights loaded again: the package is loaded, not built
     again = load_model(LoadRequest(str(long_models["llama"]), "fp32-fast", "cpu"))
-    cached = again.fast.compile()
+    cached = compile_decoder(again.fast)
     assert cached.error is None and not cached.built and cached.package == report.package
     assert run(again, request)[1].token_ids == eager.token_ids
     # a damaged package is refused, removed, and the eager step goes on
     with open(report.package, "r+b") as f:
         f.truncate(4096)
     third = load_model(LoadRequest(str(long_models["llama"]), "fp32-fast", "cpu"))
-    damaged = third.fast.compile()
+    damaged = compile_decoder(third.fast)
     assert damaged.error and third.fast.compiled is None and not (package / report.package.rsplit("/", 1)[-1]).exists()
     assert run(third, request)[1].token_ids == eager.token_ids
 
@@ -221,7 +222,7 @@ def test_a_failed_build_leaves_the_eager_step(tmp_path, byte_tokenizer, isolated
     folder = build_model_folder(tmp_path / "changing", "llama", byte_tokenizer, seed=1)
     loaded = load_model(LoadRequest(str(folder), "int8-fast", "cpu"))
     build_model_folder(folder, "llama", byte_tokenizer, seed=2)
-    report = loaded.fast.compile()
+    report = compile_decoder(loaded.fast)
     assert "changed since it was loaded" in report.error and not report.built
     assert loaded.fast.compiled is None and not list((isolated_cache / "compiled").glob("*.pt2"))
     _, final = run(loaded, GenerationRequest(PROMPT, mode="raw", max_new_tokens=5, ignore_eos=True))
@@ -231,8 +232,8 @@ def test_a_failed_build_leaves_the_eager_step(tmp_path, byte_tokenizer, isolated
 def test_stopping_a_build_ends_its_process(long_models, isolated_cache):
     loaded = load_model(LoadRequest(str(long_models["qwen2"]), "fp32-fast", "cpu"))
     reports = []
-    thread = loaded.fast.compile_in_background(reports.append)
-    loaded.fast.stop_compiling(timeout=30)
+    thread = compile_in_background(loaded.fast, reports.append)
+    stop_compiling(loaded.fast, timeout=30)
     assert not thread.is_alive() and reports[0].error == "cancelled"
     assert loaded.fast.compiled is None and not list((isolated_cache / "compiled").glob("*.pt2"))
     import multiprocessing
@@ -254,7 +255,7 @@ def test_a_compiled_step_with_a_head_in_row_blocks_gives_the_eager_tokens(tmp_pa
     loaded = load_model(LoadRequest(str(folder), precision, "cpu"))
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=12, ignore_eos=True)
     events, eager = run(loaded, request)
-    report = loaded.fast.compile()
+    report = compile_decoder(loaded.fast)
     assert report.error is None and report.built
     compiled_events, compiled = run(loaded, request)
     # fp32: the same tokens throughout; int8: the compiled step's attention is in fp32 where the eager
@@ -311,7 +312,7 @@ def test_two_models_compiled_in_one_process_each_run_their_own_weights(tmp_path,
         models.append(loaded)
     assert eager[0] != eager[1]
     for loaded in models:
-        assert loaded.fast.compile().built
+        assert compile_decoder(loaded.fast).built
     assert len(list((isolated_cache / "compiled").glob("step-*.pt2"))) == 2
     assert [run(loaded, request)[1].token_ids for loaded in models] == eager
 
