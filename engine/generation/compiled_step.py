@@ -295,7 +295,10 @@ def compile_step(d, request, threads: int, cancelled: Callable[[], bool] = lambd
                 child.join()
                 _partial(path, child.pid).unlink(missing_ok=True)
                 return None, report(error="cancelled")
-            error = receive.recv() if receive.poll() else f"the build process ended with code {child.exitcode}"
+            try:
+                error = receive.recv()
+            except EOFError:  # it ended without a word: killed, out of memory, exited on import
+                error = f"the build process ended with code {child.exitcode} before it finished"
         finally:
             receive.close()
         if error:
