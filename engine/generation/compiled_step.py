@@ -18,7 +18,8 @@ all three, and what it leaves on disk is loaded by every later load of the same 
 The package holds the model's weights and the GEMM kernels' packed copies; on loading, the
 model's own tensors take the weights' place (``user_managed``: no second copy), so memory grows
 by the packed copies only. A package is named by what its code depends on: a fingerprint of the
-weights, the thread count, PyTorch's version, the CPU's vector ISA and this package's source.
+weights, the thread count, PyTorch's version, the CPU's vector ISA and the fast path's source
+(fast.py, quantize.py, this module).
 """
 
 from __future__ import annotations

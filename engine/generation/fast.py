@@ -223,7 +223,8 @@ def _decode_step(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_
                  position: torch.Tensor) -> torch.Tensor:
     """One decode step (one token at ``position``, a 1-element tensor) with every shape fixed by
     the cache's capacity: attention runs over the whole cache with the unwritten slots masked
-    out. What torch.compile gets: fixed shapes compile once per capacity and never retrace."""
+    out. What the compiled step is exported from (engine/generation/compiled_step.py): the
+    capacity is its only varying size, a dynamic dimension of one build."""
     capacity = keys_per_layer[0].shape[2]
     cos, sin = cos_table.index_select(2, position), sin_table.index_select(2, position)
     mask = (torch.arange(capacity, device=position.device) <= position).view(1, 1, 1, capacity)
