@@ -317,6 +317,32 @@ def test_two_models_compiled_in_one_process_each_run_their_own_weights(tmp_path,
     assert [run(loaded, request)[1].token_ids for loaded in models] == eager
 
 
+def test_a_build_process_that_dies_is_reported(long_models, isolated_cache):
+    """Killed from outside (out of memory, a user's kill): the report says how it ended, and the
+    eager step goes on."""
+    import multiprocessing
+    import os
+    import signal
+    import time
+
+    loaded = load_model(LoadRequest(str(long_models["llama"]), "int8-fast", "cpu"))
+    reports = []
+    thread = compile_in_background(loaded.fast, reports.append)
+    deadline = time.monotonic() + 60
+    children = []
+    while not children and time.monotonic() < deadline:
+        children = [p for p in multiprocessing.active_children() if p.name == "fast-path-build"]
+        thread.join(0.05)
+    assert children, "no build process started"
+    os.kill(children[0].pid, signal.SIGKILL)
+    thread.join(60)
+    assert not thread.is_alive()
+    assert reports[0].error == f"the build process ended with code {-signal.SIGKILL} before it finished"
+    assert loaded.fast.compiled is None
+    _, final = run(loaded, GenerationRequest(PROMPT, mode="raw", max_new_tokens=5, ignore_eos=True))
+    assert final.tokens == 5
+
+
 def test_old_packages_and_stale_partial_files_are_pruned(tmp_path):
     """The most recently used packages stay (the one just built always), with their logs; a partial
     file stays while a build may still be writing it, and goes once it is an hour old."""
