@@ -98,6 +98,12 @@ def serve(args, load_printer) -> int:
     loaded = load_model(LoadRequest(model=args.model, precision=args.precision, device=args.device,
                                     offline=True if args.offline else None), progress=load_printer)
     server = Server(loaded, settings)
+    if loaded.fast is not None:  # one sequence at a time runs the compiled step once it is ready
+        from engine.generation.compiled_step import compile_in_background, stop_compiling
+
+        print("Fast path: getting the compiled decode step ready in the background …", file=sys.stderr, flush=True)
+        compile_in_background(loaded.fast, lambda report: print(f"Fast path: {report.describe()}", file=sys.stderr,
+                                                                flush=True))
     from engine.units import format_bytes
 
     print(f"Serving {server.model_name} at {server.url} (batch up to {settings.max_batch}, KV budget "
@@ -107,6 +113,8 @@ def serve(args, load_printer) -> int:
           flush=True)
     server.drain = False  # Ctrl-C: every open stream ends now, with its last chunk
     server.serve_forever()
+    if loaded.fast is not None:
+        stop_compiling(loaded.fast, timeout=5)
     print(f"stopped after {server.service.served} requests", file=sys.stderr)
     return 0
 
