@@ -232,6 +232,27 @@ def _memory_shortfall(d) -> str | None:
     return None
 
 
+def _compile_each_kernel_template_once() -> None:
+    """In the build process only: inductor compiles a jinja template from its source for every
+    C++ GEMM kernel it renders (~4,700 compilations of 36 distinct sources for the default model);
+    each source is compiled once here. Measured: an int4-fast build 87.0 → 67.4 s."""
+    try:
+        from torch._inductor.codegen.common import KernelTemplate
+    except ImportError:  # another PyTorch: its own behaviour
+        return
+    original = KernelTemplate.__dict__.get("_template_from_string")
+    if not isinstance(original, staticmethod):
+        return
+    compiled: dict[str, object] = {}
+
+    def once(source: str):
+        if source not in compiled:
+            compiled[source] = original.__func__(source)
+        return compiled[source]
+
+    KernelTemplate._template_from_string = staticmethod(once)
+
+
 def _child(request, threads: int, path: str, weights: str, conn) -> None:
     """In the child process: load the model as the parent did, check it is the same, build."""
     try:
@@ -248,6 +269,7 @@ def _child(request, threads: int, path: str, weights: str, conn) -> None:
         mine = fingerprint(loaded.fast)
         if mine != weights:
             raise ValueError("the model on disk changed since it was loaded; load it again")
+        _compile_each_kernel_template_once()
         build_package(loaded.fast, Path(path), threads, weights)
         conn.send(None)
     except BaseException as exc:  # the parent reports it; the eager step keeps running
