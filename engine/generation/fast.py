@@ -127,20 +127,6 @@ class FastDecoder:
         self._compile_thread: threading.Thread | None = None
 
 
-class _num_threads:
-    """PyTorch's thread count set for a block (per calling thread, as OpenMP keeps it)."""
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-
-    def __enter__(self) -> None:
-        self.before = torch.get_num_threads()
-        torch.set_num_threads(self.count)
-
-    def __exit__(self, *exc) -> None:
-        torch.set_num_threads(self.before)
-
-
 def _rotary_tables(d: "FastDecoder", capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary cos and sin of every position of a cache, [1, 1, capacity, head_dim] each."""
     positions = torch.arange(capacity, device=d.device).unsqueeze(0)
