@@ -197,13 +197,18 @@ def load_package(d, path: Path, weights: str):
 
 
 class _LoadedStep:
-    """A loaded package, called as the step is (the decoder argument is its own, already inside)."""
+    """A loaded package, called as the step is (the decoder argument is its own, already inside).
+
+    It hands the runner its inputs as the flat list they export to (keys, values, cos, sin, ids,
+    position): the package's own ``__call__`` parsed its call spec and flattened the 60-odd
+    tensors again at every token, ~0.12 ms of a 7.7 ms int4 step."""
 
     def __init__(self, runner, constants: dict[str, torch.Tensor]) -> None:
         self.runner, self.constants = runner, constants
+        self._run = runner.loader.boxed_run
 
     def __call__(self, d, keys, values, cos, sin, ids, position) -> torch.Tensor:
-        return self.runner(keys, values, cos, sin, ids, position)
+        return self._run([*keys, *values, cos, sin, ids, position])[0]
 
 
 def _prune(folder: Path, keep: Path) -> None:
