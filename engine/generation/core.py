@@ -17,6 +17,7 @@ one cache per request, one after another) or the fast path's slot cache (one bat
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -25,9 +26,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from engine.generation.cancel import CancelToken
-from engine.generation.decoding import PREFILL_CHUNK, SeenTokens, finished_event, stop_reason, top_scores
+from engine.generation.decoding import (PREFILL_CHUNK, SeenTokens, failed_event, finished_event, stop_reason,
+                                        top_scores)
 from engine.generation.detokenize import IncrementalDetokenizer
-from engine.errors import InvalidRequestError, non_finite_message
+from engine.errors import InvalidRequestError, is_out_of_memory, non_finite_message
 from engine.events import Alternative, Finished, GenerationEvent, Prefilled, StepCompleted, TokenGenerated
 from engine.measure.memory import MemoryProbe
 from engine.request import GenerationRequest
@@ -37,6 +39,8 @@ from engine.generation.threads import adapt as adapt_threads
 if TYPE_CHECKING:
     from engine.models.model import LoadedModel
     from engine.generation.speculative import Speculation
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,11 @@ class EngineCore:
 
     # -- requests ----------------------------------------------------------------------
     def submit(self, request: GenerationRequest, cancel: CancelToken | None = None,
-               prompt_ids: list[int] | None = None) -> int:
-        """Queue a request; returns its id. Raises now for a bad request (empty, over-long prompt)."""
+               prompt_ids: list[int] | None = None, arrived: float | None = None) -> int:
+        """Queue a request; returns its id. Raises now for a bad request (empty, over-long prompt,
+        token ids outside the vocabulary). ``arrived``: when the caller received it
+        (``time.perf_counter()``; default now): its TTFT and total time count from then, so a
+        server's wait before the core picks the request up is part of them."""
         request = request.validated()
         prompt = list(prompt_ids) if prompt_ids is not None else self.loaded.encode(request)
         self.loaded.check_prompt(prompt)  # token ids given by the caller too
@@ -115,7 +122,7 @@ class EngineCore:
                                       f"of {budget:,}: shorten it or raise the budget.")
         rid, self._next_id = self._next_id, self._next_id + 1
         self.waiting.append(_Request(rid, request, prompt, cancel or CancelToken(), reserve, longest,
-                                     time.perf_counter()))
+                                     time.perf_counter() if arrived is None else arrived))
         return rid
 
     @property
@@ -136,7 +143,11 @@ class EngineCore:
 
     def _step(self) -> Iterator[GenerationEvent]:
         """One step's events, made as they are consumed: a speculative step's tokens one by one,
-        so a cancel pressed while one is shown stops before the next."""
+        so a cancel pressed while one is shown stops before the next.
+
+        Whatever fails in one request's own work (its admission, its prompt chunk, its sampling,
+        detokenizing, stop rules, speculation) ends that request alone with the error; the
+        batched decode pass and running out of memory are everyone's, and raise."""
         import torch
 
         adapt_threads()
@@ -145,7 +156,7 @@ class EngineCore:
             # unless its last token left half a character: one more token completes it (and ends it)
             if r.cancel.cancelled and not (r.detok is not None and r.detok.pending):
                 yield self._finish(r, "cancelled")
-        self._admit()
+        yield from self._admit()
         decoding = [r for r in self.running if r.next_token is not None]
         budget = self.settings.token_budget - len(decoding)
         chunks: list[tuple[_Request, int]] = []
@@ -159,15 +170,22 @@ class EngineCore:
             chunks.append((r, size))
             budget -= size
         logits: dict[int, torch.Tensor] = {}
+        failed: list[tuple[_Request, Exception]] = []
         with torch.inference_mode():
             for r, size in chunks:
                 if r.prefill_started is None:
                     r.prefill_started = time.perf_counter()
-                ids = torch.tensor([r.prompt[r.prefilled:r.prefilled + size]], dtype=torch.long,
-                                   device=self.loaded.device)
-                out = self.runner.prefill(r.rid, ids)
-                if self.speculation is not None:
-                    self.speculation.prefill(r.rid, ids)
+                try:
+                    ids = torch.tensor([r.prompt[r.prefilled:r.prefilled + size]], dtype=torch.long,
+                                       device=self.loaded.device)
+                    out = self.runner.prefill(r.rid, ids)
+                    if self.speculation is not None:
+                        self.speculation.prefill(r.rid, ids)
+                except Exception as exc:
+                    if is_out_of_memory(exc):
+                        raise
+                    failed.append((r, exc))
+                    continue
                 r.prefilled += size
                 if r.prefilled == len(r.prompt):
                     logits[r.rid] = out
@@ -175,15 +193,17 @@ class EngineCore:
                 out = self.runner.decode([r.rid for r in decoding], [r.next_token for r in decoding])
                 for row, r in enumerate(decoding):
                     logits[r.rid] = out[row]
+        for r, exc in failed:
+            yield self._fail(r, exc)
         memory = self.probe.sample()
         now = time.perf_counter()
         for r in list(self.running):
             if r.rid in logits:
-                yield from self._token(r, logits[r.rid], began, now, memory)
+                yield from self._guarded(r, self._token(r, logits[r.rid], began, now, memory))
         if self.speculation is not None:
             for r in decoding:
                 if r in self.running:
-                    yield from self._speculate(r)
+                    yield from self._guarded(r, self._speculate(r))
             now = time.perf_counter()
         kv = self.kv_bytes()
         predicted = [self.loaded.predicted_kv_bytes(r.prefilled + max(0, len(r.tokens) - 1)) for r in self.running]
@@ -194,6 +214,44 @@ class EngineCore:
             kv_cache_bytes_predicted=None if None in predicted else sum(predicted),
             step_s=now - began, elapsed_s=now - self.start, memory=memory)
         self.steps += 1
+
+    # -- one request failing alone ----------------------------------------------------------
+    def _guarded(self, r: _Request, events: Iterator[GenerationEvent]) -> Iterator[GenerationEvent]:
+        """``events`` of ``r``'s own work; if that work fails, ``r`` ends with the error instead."""
+        try:
+            yield from events
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise
+            yield self._fail(r, exc)
+
+    def _fail(self, r: _Request, exc: Exception) -> Finished:
+        """End ``r`` because its own work raised ``exc``; the other requests go on."""
+        log.error("request %d failed; the others go on", r.rid, exc_info=exc)
+        message = f"The engine failed on this request: {type(exc).__name__}: {exc}"
+        if r not in self.running and r not in self.waiting:
+            return failed_event(r.rid, message)  # already ended (it failed while finishing)
+        try:
+            return self._finish(r, "error", error=message)
+        except Exception:  # its state is too broken to total: drop it by hand
+            log.exception("request %d could not be finished cleanly", r.rid)
+            return self._drop(r, message)
+
+    def _drop(self, r: _Request, message: str) -> Finished:
+        """Take ``r`` out of the core whatever state a failure left it in."""
+        if r in self.running:
+            self.running.remove(r)
+            self.reserved -= r.reserve
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        for part in (self.runner, self.speculation):
+            if part is not None:
+                try:
+                    part.remove(r.rid)
+                except Exception:  # it held nothing for ``r`` (the failure came before it did)
+                    pass
+        return failed_event(r.rid, message, tokens=len(r.tokens), prompt_tokens=len(r.prompt),
+                            total_s=time.perf_counter() - r.arrived)
 
     def _speculate(self, r: _Request) -> Iterator[GenerationEvent]:
         """A speculative step of ``r`` (engine/generation/speculative.py): the draft's guesses, checked by the
@@ -223,25 +281,33 @@ class EngineCore:
             message = non_finite_message(self.loaded.info.precision, self.loaded.info.name, len(r.tokens))
             yield self._finish(r, "error", error=message)
 
-    def _admit(self) -> None:
+    def _admit(self) -> Iterator[Finished]:
+        """Move waiting requests into the batch while it has room; a request whose set-up fails
+        ends here (its :class:`Finished`), and the next one is admitted."""
         budget = self.settings.kv_budget_bytes
         while self.waiting and len(self.running) < self.settings.max_batch:
             r = self.waiting[0]
             if budget is not None and self.running and self.reserved + r.reserve > budget:
                 break  # waits for a running request to end (first come, first served)
             self.waiting.popleft()
-            device = self.loaded.device
-            r.sampler = make_sampler(r.request.sampling, device)
-            r.detok = IncrementalDetokenizer(self.loaded.tokenizer)
-            room = r.request.max_new_tokens
-            r.seen = SeenTokens(r.prompt, min(room, 4096), device)
-            # alone, the cache is sized for the whole answer at once (no copies as it grows);
-            # in a batch every slot shares the capacity, so it grows only as far as needed
-            self.runner.add(r.rid, r.longest if self.settings.max_batch == 1 else len(r.prompt) + 1)
-            if self.speculation is not None:
-                self.speculation.add(r.rid, r.request, r.longest)
             self.running.append(r)
             self.reserved += r.reserve
+            try:
+                device = self.loaded.device
+                r.sampler = make_sampler(r.request.sampling, device)
+                r.detok = IncrementalDetokenizer(self.loaded.tokenizer)
+                room = r.request.max_new_tokens
+                r.seen = SeenTokens(r.prompt, min(room, 4096), device)
+                # alone, the cache is sized for the whole answer at once (no copies as it grows);
+                # in a batch every slot shares the capacity, so it grows only as far as needed
+                self.runner.add(r.rid, r.longest if self.settings.max_batch == 1 else len(r.prompt) + 1)
+                if self.speculation is not None:
+                    self.speculation.add(r.rid, r.request, r.longest)
+            except Exception as exc:
+                if is_out_of_memory(exc):
+                    raise
+                log.error("request %d failed at admission; the others go on", r.rid, exc_info=exc)
+                yield self._drop(r, f"The engine failed on this request: {type(exc).__name__}: {exc}")
 
     def _token(self, r: _Request, logits, began: float, now: float, memory, token: int | None = None,
                drafted: bool | None = None, latency: float | None = None, unused: float = 0.0,
@@ -320,8 +386,8 @@ class EngineCore:
         counts = {}
         if admitted:
             self.running.remove(r)
-            self.runner.remove(r.rid)
             self.reserved -= r.reserve
+            self.runner.remove(r.rid)
             if self.speculation is not None:
                 counts = self.speculation.counts(r.rid)
                 self.speculation.remove(r.rid)

@@ -69,6 +69,14 @@ def finished_event(reason: str, tokens: list[int], latencies: list[float], promp
     )
 
 
+def failed_event(request_id: int, message: str, tokens: int = 0, prompt_tokens: int = 0,
+                 total_s: float = 0.0) -> Finished:
+    """The Finished event of a request that failed where its totals can't be trusted."""
+    return Finished(reason="error", tokens=tokens, prompt_tokens=prompt_tokens, ttft_s=None, decode_s=0.0,
+                    decode_tokens_per_s=None, total_s=total_s, peak_memory_bytes=None, peak_rss_bytes=None,
+                    kv_cache_bytes=0, kv_cache_bytes_predicted=None, request_id=request_id, error=message)
+
+
 def stop_reason(token: int, piece: str, text: str, request: GenerationRequest, eos: frozenset[int],
                 generated: int, length: int, context: int | None,
                 cancel: CancelToken) -> tuple[str | None, str | None]:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from engine import heap
 from engine.generation.cancel import CancelToken
-from engine.errors import EngineError, PromptTooLongError
+from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
 from engine.events import GenerationEvent, Loaded
 from engine.generation.kv import KVLayout
 from engine.models.precision import Precision, dtype_bytes
@@ -48,8 +48,23 @@ class LoadedModel:
         self.check_prompt(ids)
         return ids
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Rows of the input embedding: the token ids the model can read (0 to this, less one)."""
+        embeddings = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        rows = getattr(embeddings, "num_embeddings", None)
+        return int(rows) if rows is not None else self.info.vocab_size
+
     def check_prompt(self, ids: list[int]) -> None:
-        """Raise if ``ids`` leave no room to answer in the context window."""
+        """Raise if ``ids`` are not token ids of this model, or leave no room to answer in the
+        context window."""
+        vocab = self.vocab_size
+        if vocab is not None:
+            bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"The prompt holds token id {bad!r}, which is not a token of {self.info.name}: its ids run "
+                    f"from 0 to {vocab - 1}.")
         limit = self.info.context_length
         if limit is not None and len(ids) >= limit:
             raise PromptTooLongError(
