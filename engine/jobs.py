@@ -21,6 +21,7 @@ from engine.request import GenerationRequest
 if TYPE_CHECKING:
     from engine.models.model import LoadedModel
     from engine.measure.sweep import SweepPoint, SweepSkip
+    from engine.serve.protocol import Defaults
 
 
 @dataclass
@@ -185,6 +186,8 @@ class ServerStarted:
     """Whether clients need a key (the key itself never leaves the job)."""
     ceilings: tuple[tuple[int, float], ...] = ()
     """The cost model's decode ceiling (batch, tok/s all requests) on this machine."""
+    defaults: "Defaults | None" = None
+    """What requests that leave sampling or ``max_tokens`` out get (engine/serve/protocol.py)."""
 
 
 @dataclass(frozen=True)
@@ -254,10 +257,12 @@ class ServeJob:
         try:
             ceilings = tuple((b, c) for b in sorted({1, 2, 4, 8, 16, 32, 64, settings.max_batch})
                              if b <= settings.max_batch and (c := ceiling_for(ctx.model, b, 512)) is not None)
-            ctx.emit(ServerStarted(server.url, server.model_name, settings.max_batch, settings.kv_budget_bytes,
-                                   bool(self.settings.api_key), ceilings))
-            watcher.start()
+            # the door opens before anyone hears of the start: the window submits once it has
+            # (opened after, a prompt sent at once on a busy machine met a closed door)
             self.door.open(server.service, ctx.emit)
+            ctx.emit(ServerStarted(server.url, server.model_name, settings.max_batch, settings.kv_budget_bytes,
+                                   bool(self.settings.api_key), ceilings, server.defaults))
+            watcher.start()
             server.run_core()
             requested = ctx.cancel.cancelled
         finally:

@@ -3,6 +3,11 @@ label ``model_name``) so a Grafana board made for vLLM reads it unchanged.
 
 Gauges are read when scraped (requests running and waiting, KV cache used); histograms and
 counters are fed by the core's events (engine/serve/service.py's listener), on the core's thread.
+
+Times are a client's, as vLLM's are: from the request's arrival at the HTTP front end (its wait
+for the core included) to each token's event. TTFT: arrival to first token; inter-token latency:
+the gap between two tokens of one request (not the length of the step that made the second);
+time per output token: (last token − first token) / (tokens − 1); end-to-end: arrival to finish.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ class ServerMetrics:
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self._success = counter("vllm:request_success", "Requests finished, by reason.", ("finished_reason",))
         self._labels = labels
+        self._times: dict[int, list[float]] = {}
+        """Each unfinished request's first and latest token, seconds since its arrival."""
         service.listen(self.on_event)
 
     def on_event(self, event) -> None:
@@ -73,11 +80,18 @@ class ServerMetrics:
             inner = event.event
             if isinstance(inner, TokenGenerated):
                 self.generation_tokens.inc()
-                (self.ttft if inner.index == 0 else self.itl).observe(inner.latency_s)
+                times = self._times.get(event.request_id)
+                if times is None:
+                    self.ttft.observe(inner.elapsed_s)
+                    self._times[event.request_id] = [inner.elapsed_s, inner.elapsed_s]
+                else:
+                    self.itl.observe(max(0.0, inner.elapsed_s - times[1]))
+                    times[1] = inner.elapsed_s
             elif isinstance(inner, Finished):
+                times = self._times.pop(event.request_id, None)
                 self.e2e.observe(inner.total_s)
-                if inner.tokens > 1:
-                    self.tpot.observe(inner.decode_s / (inner.tokens - 1))
+                if times is not None and inner.tokens > 1:
+                    self.tpot.observe((times[1] - times[0]) / (inner.tokens - 1))
                 self._success.labels(**self._labels, finished_reason=FINISH_REASONS[inner.reason]).inc()
 
     def render(self) -> bytes:

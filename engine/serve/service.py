@@ -6,8 +6,11 @@ The server (engine/serve/api.py) is one such caller, the window's traffic view a
 tokenizer is not shared across threads), then either refused (:class:`Rejected`: too long,
 malformed) or taken (:class:`Accepted`), after which its ``Prefilled``/``TokenGenerated``
 (wrapped as :class:`Token`, with how the token reads alone)/``Finished`` follow. Cancelling a
-ticket ends its request before the next step and frees its cache. Too many waiting requests
-raise :class:`QueueFullError` at once, in the caller's thread.
+ticket ends its request before the next step and frees its cache. More requests than a full
+batch and ``max_waiting`` behind it raise :class:`QueueFullError` at once, in the caller's thread.
+
+Whatever goes wrong with one request (its prompt, its sampling, a caller's callback failing)
+ends that request alone; only a failing batched step or running out of memory ends them all.
 """
 
 from __future__ import annotations
@@ -115,6 +118,10 @@ class Ticket:
     prompt_ids: list[int] | None = None
     cancel: CancelToken = field(default_factory=CancelToken)
     request_id: int | None = None
+    arrived: float = field(default_factory=time.perf_counter)
+    """When the caller received the request (``time.perf_counter()``): its TTFT and total time
+    count from here, the wait before the core takes it included (the HTTP front end sets it as a
+    request comes in, as vLLM times from arrival)."""
 
     def abort(self) -> None:
         """End the request (thread-safe): it leaves the core before the next step."""
@@ -147,13 +154,16 @@ class CoreService:
 
     # -- callers' side (any thread) -----------------------------------------------------------
     def submit(self, ticket: Ticket) -> Ticket:
+        """Queue ``ticket``'s request: taken while a full batch (``max_batch``) and ``max_waiting``
+        behind it leave room, counting requests the core has not picked up yet."""
         with self._lock:
             if not self._accepting:
                 raise NotServingError("The server is shutting down and takes no new requests.")
-            if len(self._inbox) + self._waiting >= self.max_waiting:
-                raise QueueFullError(f"{self.max_waiting} requests are already waiting; try again later.")
+            if len(self._inbox) + len(self._tickets) >= self.settings.max_batch + self.max_waiting:
+                raise QueueFullError(f"{self.settings.max_batch} requests are running and {self.max_waiting} "
+                                     "waiting, as many as this server takes; try again later.")
             self._inbox.append(ticket)
-            self._lock.notify()
+            self._lock.notify_all()  # the core, and never only a caller of wait_until
         return ticket
 
     def listen(self, listener: Callable[[object], None]) -> Callable[[], None]:
@@ -191,7 +201,7 @@ class CoreService:
             if not drain:
                 for ticket in [*self._inbox, *self._tickets.values()]:
                     ticket.cancel.cancel()
-            self._lock.notify()
+            self._lock.notify_all()
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the thread to end; ``True`` if it did."""
@@ -245,20 +255,23 @@ class CoreService:
     def _accept(self, ticket: Ticket) -> None:
         try:
             ids = ticket.prompt_ids if ticket.prompt_ids is not None else self.loaded.encode(ticket.request)
-            rid = self.core.submit(ticket.request, ticket.cancel, ids)
+            rid = self.core.submit(ticket.request, ticket.cancel, ids, arrived=ticket.arrived)
         except EngineError as exc:
-            ticket.sink(Rejected(exc))
+            self._send(ticket, Rejected(exc))
             return
-        except Exception as exc:  # a tokenizer failing on odd input: the caller's problem, said
-            ticket.sink(Rejected(InvalidRequestError(f"The prompt could not be read: {type(exc).__name__}: {exc}")))
+        except Exception:  # a tokenizer failing on odd input: the caller's problem, said in its terms
+            log.exception("a prompt could not be tokenized")
+            self._send(ticket, Rejected(InvalidRequestError(
+                "The model's tokenizer could not read this prompt as text; check that it is plain Unicode "
+                "text (no control or invalid characters).")))
             return
         ticket.request_id = rid
         with self._lock:
             self._tickets[rid] = ticket
             self._waiting = len(self.core.waiting)
-        ticket.sink(Accepted(rid, len(ids)))
+        self._send(ticket, Accepted(rid, len(ids)))
         if self._listeners:
-            self._tell(RequestArrived(rid, self._now(), ticket.client, ticket.endpoint, len(ids),
+            self._tell(RequestArrived(rid, ticket.arrived - self.started, ticket.client, ticket.endpoint, len(ids),
                                       ticket.request.max_new_tokens, ticket.request.prompt, tuple(ids)))
 
     def _step(self) -> None:
@@ -289,15 +302,30 @@ class CoreService:
         if ticket is None:
             return
         if isinstance(event, TokenGenerated):
-            ticket.sink(Token(event, self.loaded.token_text(event.token_id)))
+            try:
+                token = Token(event, self.loaded.token_text(event.token_id))
+            except Exception:  # this token won't read alone: its request ends, not the core
+                log.exception("request %d: token %d could not be read", rid, event.token_id)
+                ticket.abort()
+                token = Token(event, "")
+            self._send(ticket, token)
         else:
-            ticket.sink(event)
+            self._send(ticket, event)
         if self._listeners:
             self._tell(RequestEvent(rid, event, now))
         if isinstance(event, Finished):
             with self._lock:
                 self._tickets.pop(rid, None)
             self.served += 1
+
+    def _send(self, ticket: Ticket, event) -> None:
+        """``event`` to ``ticket``'s caller; a caller whose callback fails loses its request (ended
+        before the next step), never the core."""
+        try:
+            ticket.sink(event)
+        except Exception:
+            log.exception("a caller's callback failed; its request ends")
+            ticket.abort()
 
     def _states(self) -> tuple[RequestState, ...]:
         core = self.core
@@ -308,10 +336,11 @@ class CoreService:
         return tuple(out)
 
     def _fail_all(self, exc: Exception) -> None:
-        """A step failed (out of memory, a bug): every request in the core ends with the error,
-        and a fresh core takes the next ones (the old one's state is not to be trusted)."""
+        """A batched step failed (out of memory, a bug): every request in the core ends with the
+        error, and a fresh core takes the next ones (the old one's state is not to be trusted)."""
         from engine.errors import is_out_of_memory
         from engine.generation.core import EngineCore
+        from engine.generation.decoding import failed_event
 
         log.exception("engine step failed")
         message = ("Out of memory: too many requests or too long ones for this machine; the server ended the "
@@ -319,10 +348,7 @@ class CoreService:
                    f"The engine failed: {type(exc).__name__}: {exc}")
         now = self._now()
         for rid in list(self._tickets):  # ended as a step ends them: callers, listeners, the count
-            self._deliver(Finished(reason="error", tokens=0, prompt_tokens=0, ttft_s=None, decode_s=0.0,
-                                   decode_tokens_per_s=None, total_s=0.0, peak_memory_bytes=None, peak_rss_bytes=None,
-                                   kv_cache_bytes=0, kv_cache_bytes_predicted=None, request_id=rid, error=message),
-                          now)
+            self._deliver(failed_event(rid, message), now)
         self.core = EngineCore(self.loaded, self.settings, speculation=self.core.speculation)
         with self._lock:
             self._waiting, self._kv = 0, 0
