@@ -56,6 +56,9 @@ def add_parsers(sub, precisions) -> None:
                        "%(default)s)")
     serve.add_argument("--stream-interval", type=int, default=1,
                        help="tokens per streamed chunk, as vLLM's option (default: %(default)s)")
+    serve.add_argument("--default-max-tokens", type=int,
+                       help="answer limit of a request without max_tokens (default: the model's generation_config "
+                            "max_new_tokens, else 512)")
     serve.add_argument("--served-model-name", help="the model name clients send (default: the model's)")
     serve.add_argument("--no-history", action="store_true", help="don't add served requests to the run history")
     serve.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub")
@@ -93,7 +96,8 @@ def serve(args, load_printer) -> int:
                              kv_budget_bytes=parse_size(args.kv_budget) if args.kv_budget else None,
                              max_waiting=args.max_waiting, token_budget=args.token_budget,
                              history=not args.no_history,
-                             model_name=args.served_model_name, stream_interval=args.stream_interval).validated()
+                             model_name=args.served_model_name, stream_interval=args.stream_interval,
+                             default_max_tokens=args.default_max_tokens).validated()
     print(f"Loading {args.model} ({args.precision}) …", file=sys.stderr, flush=True)
     loaded = load_model(LoadRequest(model=args.model, precision=args.precision, device=args.device,
                                     offline=True if args.offline else None), progress=load_printer)
@@ -108,8 +112,10 @@ def serve(args, load_printer) -> int:
 
     print(f"Serving {server.model_name} at {server.url} (batch up to {settings.max_batch}, KV budget "
           f"{format_bytes(server.service.settings.kv_budget_bytes)}); Ctrl-C stops.", flush=True)
+    print(f"  {server.defaults.describe()}", flush=True)
     print(f"  curl {server.url}/chat/completions -H 'Content-Type: application/json' -d "
-          f"'{{\"model\": \"{server.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'",
+          f"'{{\"model\": \"{server.model_name}\", \"max_tokens\": 64, "
+          f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'",
           flush=True)
     server.drain = False  # Ctrl-C: every open stream ends now, with its last chunk
     server.serve_forever()

@@ -33,25 +33,31 @@ from engine.serve.service import Accepted, Rejected
 from engine.serve.traffic import TrafficLog
 
 
+EXAMPLE_MAX_TOKENS = 128
+
+
 def examples(url: str, model: str, key: bool) -> dict[str, str]:
-    """Requests a client would send to this server, ready to paste."""
+    """Requests a client would send to this server, ready to paste: each with a ``max_tokens``
+    (an answer in seconds) and no sampling values, so the model's own defaults apply."""
+    limit = EXAMPLE_MAX_TOKENS
     auth_header = ' \\\n  -H "Authorization: Bearer $WORKBENCH_API_KEY"' if key else ""
     key_arg = 'os.environ["WORKBENCH_API_KEY"]' if key else '"not-needed"'
     js_auth = ', Authorization: `Bearer ${process.env.WORKBENCH_API_KEY}`' if key else ""
     return {
         "curl": (f"curl {url}/chat/completions{auth_header} \\\n  -H 'Content-Type: application/json' \\\n"
-                 f"  -d '{{\"model\": \"{model}\", \"stream\": true,\n"
+                 f"  -d '{{\"model\": \"{model}\", \"stream\": true, \"max_tokens\": {limit},\n"
                  f"       \"messages\": [{{\"role\": \"user\", \"content\": \"What is a KV cache?\"}}]}}'"),
         "Python (openai)": (
             "import os\nfrom openai import OpenAI\n\n"
             f"client = OpenAI(base_url=\"{url}\", api_key={key_arg})\n"
             f"stream = client.chat.completions.create(\n    model=\"{model}\",\n"
-            "    messages=[{\"role\": \"user\", \"content\": \"What is a KV cache?\"}],\n    stream=True,\n)\n"
+            "    messages=[{\"role\": \"user\", \"content\": \"What is a KV cache?\"}],\n"
+            f"    max_tokens={limit},\n    stream=True,\n)\n"
             "for chunk in stream:\n    print(chunk.choices[0].delta.content or \"\", end=\"\", flush=True)\n"),
         "JavaScript (fetch)": (
             f"const response = await fetch(\"{url}/chat/completions\", {{\n  method: \"POST\",\n"
             f"  headers: {{ \"Content-Type\": \"application/json\"{js_auth} }},\n"
-            f"  body: JSON.stringify({{\n    model: \"{model}\",\n"
+            f"  body: JSON.stringify({{\n    model: \"{model}\",\n    max_tokens: {limit},\n"
             "    messages: [{ role: \"user\", content: \"What is a KV cache?\" }],\n  }),\n});\n"
             "const answer = await response.json();\nconsole.log(answer.choices[0].message.content);\n"),
     }
@@ -94,13 +100,21 @@ class ServerPanel(QWidget):
         self.kv_budget = QLineEdit("auto")
         self.kv_budget.setToolTip("KV-cache bytes the running requests may reserve together, e.g. 2GiB "
                                   "(auto: half the free memory, 90% of a GPU's).")
+        self.default_max_tokens = QSpinBox()
+        self.default_max_tokens.setRange(0, 1_000_000)
+        self.default_max_tokens.setValue(0)
+        self.default_max_tokens.setSpecialValueText("auto (the model's, else 512)")
+        self.default_max_tokens.setToolTip("Where a request gives no max_tokens, its answer stops here (serve "
+                                           "--default-max-tokens): a forgotten limit never holds the server for "
+                                           "minutes.")
         form = QFormLayout()
         form.addRow("Host", self.host)
         form.addRow("Port", self.port)
         form.addRow("API key", self.api_key)
         form.addRow("Max batch", self.max_batch)
         form.addRow("KV budget", self.kv_budget)
-        self._fields = (self.host, self.port, self.api_key, self.max_batch, self.kv_budget)
+        form.addRow("Default max tokens", self.default_max_tokens)
+        self._fields = (self.host, self.port, self.api_key, self.max_batch, self.kv_budget, self.default_max_tokens)
 
         self.start_button = QPushButton("Start server")
         self.start_button.clicked.connect(self.start)
@@ -147,6 +161,11 @@ class ServerPanel(QWidget):
         layout.addLayout(buttons)
         layout.addWidget(self.status)
         layout.addLayout(url_row)
+        self.defaults = QLabel()
+        self.defaults.setWordWrap(True)
+        self.defaults.setToolTip("What a request that leaves these out gets (the model's generation_config, "
+                                 "else OpenAI's defaults).")
+        layout.addWidget(self.defaults)
         layout.addWidget(self.examples, 1)
         layout.addLayout(bottom)
 
@@ -185,7 +204,8 @@ class ServerPanel(QWidget):
         budget = self.kv_budget.text().strip()
         return ServeSettings(host=self.host.text().strip(), port=self.port.value(),
                              api_key=self.api_key.text() or None, max_batch=self.max_batch.value(),
-                             kv_budget_bytes=None if budget.lower() in ("", "auto") else parse_size(budget)).validated()
+                             kv_budget_bytes=None if budget.lower() in ("", "auto") else parse_size(budget),
+                             default_max_tokens=self.default_max_tokens.value() or None).validated()
 
     @Slot()
     def start(self) -> None:
@@ -249,6 +269,7 @@ class ServerPanel(QWidget):
                 self.url.setText(event.url)
                 for name, text in examples(event.url, event.model_name, event.api_key).items():
                     self._example_views[name].setPlainText(text)
+                self.defaults.setText(event.defaults.describe() if event.defaults is not None else "")
                 self._update()
                 self.state_changed.emit()
             else:
@@ -310,6 +331,7 @@ class ServerPanel(QWidget):
     def _ended(self, message: str, error: bool = False) -> None:
         self.job, self._job, self.started, self._stopping = None, None, None, False
         self.url.clear()
+        self.defaults.clear()
         for view in self._example_views.values():
             view.clear()
         self._say(message, error)

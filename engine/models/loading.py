@@ -150,6 +150,10 @@ def _load(request: LoadRequest, reporter: ProgressReporter, precision: Precision
                 **precision.load_kwargs(device.type),
             )
         model.eval()
+        if resolved.source == "default" and getattr(model, "generation_config", None) is not None:
+            from engine.models import default_model
+
+            default_model.apply_sampling(model.generation_config)
         fast = _prepare_fast(model, precision, resolved.name, reporter)
         reporter.report("warmup", 0, 1, "Warming up (one short forward pass)")
         _warm_up(model, device)

@@ -3,8 +3,20 @@ engine core (engine/serve/service.py) and the core's events back into OpenAI res
 as server-sent events or whole. Nothing here decodes: the core does, for every caller at once.
 
 Errors are OpenAI-style JSON bodies with the matching status, never a traceback: 400 malformed
-JSON or parameter, 401 key, 404 unknown model or path, 413 body or prompt too long, 429 queue
-full, 503 shutting down, 500 the engine failed. A client that goes away cancels its request.
+JSON or parameter, 401 key, 403 a Host name this loopback server does not answer to, 404 unknown
+model or path, 413 body or prompt too long, 415 a body that is not ``application/json``, 429
+queue full, 503 shutting down, 500 the engine failed on that request. A client that goes away
+cancels its request.
+
+A server on loopback answers only requests addressed to it by a loopback name (localhost,
+127.0.0.1, [::1] or the host it was bound to): a web page the user visits can make the browser
+send requests to 127.0.0.1, but through a name it controls (DNS rebinding, Ollama's
+CVE-2024-28224) its requests carry that name. And a POST must say ``application/json``: a
+page's cross-origin "simple" request (``text/plain``) needs no preflight, so without that rule
+any page could make a keyless server work.
+
+A request is timed from the moment it reaches its handler (vLLM's arrival time): the wait before
+the engine core picks it up is part of its TTFT and end-to-end time in ``/metrics``.
 """
 
 from __future__ import annotations
@@ -79,13 +91,47 @@ class _BodyLimit:
         await self.app(scope, counted, send)
 
 
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def host_name(header: str) -> str:
+    """The name part of a ``Host`` header (``[::1]:8000`` → ``::1``, ``LocalHost:80`` → ``localhost``)."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+class _HostCheck:
+    """Refuse (403) requests whose ``Host`` names none of ``allowed``."""
+
+    def __init__(self, app, allowed: frozenset[str]) -> None:
+        self.app, self.allowed = app, allowed
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            given = dict(scope.get("headers") or ()).get(b"host")
+            name = host_name(given.decode("latin-1")) if given is not None else None
+            if name is not None and name not in self.allowed:
+                shown = ", ".join(sorted(self.allowed))
+                return await _error(403, f"This server answers only requests addressed to {shown}, not "
+                                         f"'{name[:100]}' (a web page can reach a loopback server through a name "
+                                         "of its own: DNS rebinding).", code="host_not_allowed")(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def create_app(service: CoreService, model_name: str, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, metrics: ServerMetrics | None = None,
-               stream_interval: int = 1) -> FastAPI:
+               stream_interval: int = 1, defaults: protocol.Defaults | None = None,
+               allowed_hosts: frozenset[str] | None = None) -> FastAPI:
     """The ASGI app serving ``service``'s model as ``model_name``; a stream sends a chunk every
-    ``stream_interval`` tokens."""
+    ``stream_interval`` tokens. ``defaults``: what requests that leave fields out get (none:
+    :func:`protocol.model_defaults` of the model). ``allowed_hosts``: the only names the ``Host``
+    header may give (``None``: any; a server bound to loopback passes its names)."""
     app = FastAPI(title="Inference Workbench", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = metrics or ServerMetrics(service, model_name)
+    if defaults is None:
+        defaults = protocol.model_defaults(getattr(service.loaded.model, "generation_config", None))
     context = service.loaded.info.context_length
     created = int(time.time())
 
@@ -117,10 +163,16 @@ def create_app(service: CoreService, model_name: str, api_key: str | None = None
 
     async def read(request: Request, kind):
         authorize(request)
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json":
+            raise _Refused(415, f"The request body must be sent as application/json, not {media[:100] or 'untyped'} "
+                                "(set the Content-Type header).", code="unsupported_media_type")
         try:
             body = json.loads(await request.body())
         except (ValueError, UnicodeDecodeError):
             raise _Refused(400, "The request body is not valid JSON.") from None
+        except RecursionError:
+            raise _Refused(400, "The request body nests JSON too deeply to read.") from None
         try:
             parsed = protocol.parse(kind, body)
         except InvalidRequestError as exc:
@@ -130,7 +182,8 @@ def create_app(service: CoreService, model_name: str, api_key: str | None = None
                            code="model_not_found", param="model")
         return parsed
 
-    async def start(request: Request, engine_request, ids, endpoint: str) -> tuple[Ticket, asyncio.Queue, Accepted]:
+    async def start(request: Request, engine_request, ids, endpoint: str,
+                    arrived: float) -> tuple[Ticket, asyncio.Queue, Accepted]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -141,7 +194,7 @@ def create_app(service: CoreService, model_name: str, api_key: str | None = None
                 pass
 
         client = f"{request.client.host}:{request.client.port}" if request.client else ""
-        ticket = Ticket(engine_request, sink, client, endpoint, ids)
+        ticket = Ticket(engine_request, sink, client, endpoint, ids, arrived=arrived)
         try:
             service.submit(ticket)
         except QueueFullError as exc:
@@ -170,12 +223,13 @@ def create_app(service: CoreService, model_name: str, api_key: str | None = None
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
+        arrived = time.perf_counter()
         parsed = await read(request, protocol.ChatRequest)
         try:
-            engine_request = protocol.chat_to_engine(parsed, context)
+            engine_request = protocol.chat_to_engine(parsed, defaults)
         except InvalidRequestError as exc:
             raise _Refused(400, str(exc)) from None
-        ticket, queue, accepted = await start(request, engine_request, None, "/v1/chat/completions")
+        ticket, queue, accepted = await start(request, engine_request, None, "/v1/chat/completions", arrived)
         top = engine_request.top_alternatives
         reply = _Reply("chat.completion", protocol.new_id("chatcmpl"), model_name, parsed, accepted, queue, ticket,
                        logprobs=parsed.logprobs, top=top, interval=stream_interval)
@@ -185,12 +239,13 @@ def create_app(service: CoreService, model_name: str, api_key: str | None = None
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        arrived = time.perf_counter()
         parsed = await read(request, protocol.CompletionRequest)
         try:
-            engine_request, ids = protocol.completion_to_engine(parsed)
+            engine_request, ids = protocol.completion_to_engine(parsed, defaults)
         except InvalidRequestError as exc:
             raise _Refused(400, str(exc)) from None
-        ticket, queue, accepted = await start(request, engine_request, ids, "/v1/completions")
+        ticket, queue, accepted = await start(request, engine_request, ids, "/v1/completions", arrived)
         reply = _Reply("text_completion", protocol.new_id("cmpl"), model_name, parsed, accepted, queue, ticket,
                        logprobs=parsed.logprobs is not None, top=parsed.logprobs or 0, interval=stream_interval)
         if parsed.stream:
@@ -199,7 +254,10 @@ def create_app(service: CoreService, model_name: str, api_key: str | None = None
 
     app.state.metrics = metrics
     app.state.service = service
+    app.state.defaults = defaults
     app.add_middleware(_BodyLimit, limit=max_body_bytes)
+    if allowed_hosts is not None:
+        app.add_middleware(_HostCheck, allowed=frozenset(allowed_hosts))
     return app
 
 
@@ -299,12 +357,15 @@ class _Reply:
 
     async def chunks(self) -> AsyncIterator[str]:
         try:
-            if self.chat:
-                yield self._chunk({"role": "assistant", "content": ""})
+            role = self.chat  # chat's role chunk goes with the first token, as vLLM's does: a client
+            # that times its first chunk then times the first token, not the request's acceptance
             offset = 0
             text, items = "", []  # held until ``interval`` tokens are in hand (or the answer ends)
             async for event in self._until():
                 if isinstance(event, Token):
+                    if role:
+                        yield self._chunk({"role": "assistant", "content": ""})
+                        role = False
                     self.generated += 1
                     text += self._piece(event)
                     items.append(self._item(event))
@@ -317,6 +378,9 @@ class _Reply:
                     offset += len(text)
                     text, items = "", []
                 elif isinstance(event, Finished):
+                    if role:
+                        yield self._chunk({"role": "assistant", "content": ""})
+                        role = False
                     if event.reason == "error":
                         yield _sse(protocol.error_body(event.error or "The engine failed.", "server_error",
                                                        code=500))

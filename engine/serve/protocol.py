@@ -1,16 +1,20 @@
 """The OpenAI API's request and response shapes, and their translation to and from the engine's.
 
 Requests are checked with pydantic; a parameter the engine can't honour (``n > 1``, tools,
-penalties…) is refused with a message naming it rather than silently ignored. Responses follow
-OpenAI's chat/completions objects; the answer excludes the stop string that ended it (as
-OpenAI's does), which :class:`StopTrimmer` holds back while streaming.
+penalties…) is refused with a message naming it rather than silently ignored, and text that is
+not Unicode (a lone surrogate) is refused where it stands. Sampling parameters a request leaves
+out take the model's own ``generation_config.json`` values, else OpenAI's (vLLM's
+``--generation-config auto``); an answer without ``max_tokens`` stops at the model's
+``max_new_tokens`` or the server's default limit (:class:`Defaults`). Responses follow OpenAI's
+chat/completions objects; the answer excludes the stop string that ended it (as OpenAI's does),
+which :class:`StopTrimmer` holds back while streaming.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -97,10 +101,34 @@ class CompletionRequest(_Request):
     best_of: int | None = None
 
 
+def _not_unicode(body: Any) -> str | None:
+    """Where in ``body`` a string holds a lone surrogate (JSON's ``"\\ud800"`` decodes to one:
+    half of a UTF-16 pair, no character at all), or ``None``."""
+    todo: list[tuple[str, Any]] = [("", body)]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "body"
+        elif isinstance(value, dict):
+            todo += [(f"{where}.{key}" if where else str(key), item) for key, item in value.items()]
+            todo += [(where or "body", key) for key in value]
+        elif isinstance(value, list):
+            todo += [(f"{where}.{i}" if where else str(i), item) for i, item in enumerate(value)]
+    return None
+
+
 def parse(kind: type[_Request], body: Any) -> _Request:
     """``body`` (parsed JSON) as a request of ``kind``; :class:`InvalidRequestError` says what's wrong."""
     if not isinstance(body, dict):
         raise InvalidRequestError("The request body must be a JSON object.")
+    where = _not_unicode(body)
+    if where is not None:
+        raise InvalidRequestError(
+            f"{where}: the text holds a lone UTF-16 surrogate (such as \\ud800), half of a character pair "
+            "and not a character: send the text as valid Unicode.")
     try:
         request = kind.model_validate(body)
     except ValidationError as exc:
@@ -122,20 +150,71 @@ def parse(kind: type[_Request], body: Any) -> _Request:
     return request
 
 
-def _sampling(request: _Request) -> SamplingParams:
-    temperature = 1.0 if request.temperature is None else request.temperature
+DEFAULT_MAX_TOKENS = 512
+"""The server's answer limit when neither the request nor the model says one (``serve
+--default-max-tokens``): a client that forgets ``max_tokens`` gets an answer in seconds, not a
+server held for minutes (vLLM's limit is the rest of the context)."""
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+"""The generation_config.json fields that become sampling defaults (vLLM's ``--generation-config auto``)."""
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What a request that leaves a field out gets."""
+
+    sampling: dict[str, float] = field(default_factory=dict)
+    """The model's own sampling values (from its generation_config.json), by OpenAI name."""
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    """Answer limit when the request gives none."""
+    max_tokens_from: str = "server"
+    """``model`` (its generation_config.json's ``max_new_tokens``) or ``server``."""
+
+    def describe(self) -> str:
+        """One line for the panel and the CLI."""
+        where = "the model's generation_config" if self.max_tokens_from == "model" else "--default-max-tokens"
+        sampling = (", ".join(f"{k} {v:g}" for k, v in self.sampling.items()) + " (the model's generation_config)"
+                    if self.sampling else "temperature 1, top_p 1 (OpenAI's; the model names none)")
+        return (f"Requests without max_tokens stop after {self.max_tokens:,} tokens ({where}); "
+                f"sampling left out: {sampling}.")
+
+
+def model_defaults(generation_config, max_tokens: int | None = None) -> Defaults:
+    """:class:`Defaults` from a model's ``generation_config`` (values its file sets; none for
+    ``None``) and the server's limit ``max_tokens`` (``None``: :data:`DEFAULT_MAX_TOKENS`; a limit
+    given to the server wins over the model's ``max_new_tokens``)."""
+    given = generation_config.to_diff_dict() if generation_config is not None else {}
+    sampling = {key: float(given[key]) for key in SAMPLING_KEYS if isinstance(given.get(key), (int, float))
+                and not isinstance(given.get(key), bool)}
+    if "top_k" in sampling:
+        sampling["top_k"] = int(sampling["top_k"])
+    if max_tokens is not None:
+        return Defaults(sampling, max_tokens, "server")
+    model_limit = given.get("max_new_tokens")
+    if isinstance(model_limit, int) and not isinstance(model_limit, bool) and model_limit > 0:
+        return Defaults(sampling, model_limit, "model")
+    return Defaults(sampling)
+
+
+def _sampling(request: _Request, defaults: Defaults) -> SamplingParams:
+    def pick(name: str, fallback):
+        given = getattr(request, name)
+        return given if given is not None else defaults.sampling.get(name, fallback)
+
+    temperature = pick("temperature", 1.0)
     return SamplingParams(
-        temperature=0.0 if temperature < 0.01 else temperature, top_p=request.top_p or 1.0,
-        top_k=max(0, request.top_k or 0), min_p=request.min_p or 0.0,
-        repetition_penalty=request.repetition_penalty or 1.0, seed=request.seed)
+        temperature=0.0 if temperature < 0.01 else temperature, top_p=pick("top_p", 1.0) or 1.0,
+        top_k=max(0, int(pick("top_k", 0) or 0)), min_p=pick("min_p", 0.0) or 0.0,
+        repetition_penalty=pick("repetition_penalty", 1.0) or 1.0, seed=request.seed)
 
 
 def _stops(request: _Request) -> tuple[str, ...]:
     return (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
 
 
-def chat_to_engine(request: ChatRequest, context: int | None) -> GenerationRequest:
-    """The engine request for a chat request; no limit given: up to the end of the context."""
+def chat_to_engine(request: ChatRequest, defaults: Defaults | None = None) -> GenerationRequest:
+    """The engine request for a chat request; no limit given: ``defaults.max_tokens``."""
+    defaults = defaults or Defaults()
     messages = [(("system" if m.role == "developer" else m.role), m.text()) for m in request.messages]
     system = []
     while messages and messages[0][0] == "system":
@@ -143,17 +222,20 @@ def chat_to_engine(request: ChatRequest, context: int | None) -> GenerationReque
     if not messages or messages[-1][0] != "user":
         raise InvalidRequestError("messages must end with a user message (continuing an assistant message is "
                                   "not supported).")
-    limit = request.max_completion_tokens or request.max_tokens or context or 4096
+    limit = request.max_completion_tokens or request.max_tokens or defaults.max_tokens
     top = request.top_logprobs if request.logprobs else 0
     return GenerationRequest(
         prompt=messages[-1][1], mode="chat", system_prompt="\n".join(system) if system else None,
-        history=tuple(ChatMessage(role, text) for role, text in messages[:-1]), sampling=_sampling(request),
+        history=tuple(ChatMessage(role, text) for role, text in messages[:-1]), sampling=_sampling(request, defaults),
         max_new_tokens=limit, stop=_stops(request), ignore_eos=request.ignore_eos,
         top_alternatives=top or 0)
 
 
-def completion_to_engine(request: CompletionRequest) -> tuple[GenerationRequest, list[int] | None]:
-    """The engine request (raw text) and, for a prompt given as token ids, those ids."""
+def completion_to_engine(request: CompletionRequest,
+                         defaults: Defaults | None = None) -> tuple[GenerationRequest, list[int] | None]:
+    """The engine request (raw text) and, for a prompt given as token ids, those ids; no limit
+    given: ``defaults.max_tokens`` (OpenAI's own is 16)."""
+    defaults = defaults or Defaults()
     prompt, ids = request.prompt, None
     if isinstance(prompt, list):
         if len(prompt) != 1 and not all(isinstance(p, int) for p in prompt):
@@ -169,7 +251,8 @@ def completion_to_engine(request: CompletionRequest) -> tuple[GenerationRequest,
                 raise InvalidRequestError("prompt: the token list is empty.")
             prompt = f"[{len(ids)} token ids]"
     return GenerationRequest(
-        prompt=prompt, mode="raw", sampling=_sampling(request), max_new_tokens=request.max_tokens or 16,
+        prompt=prompt, mode="raw", sampling=_sampling(request, defaults),
+        max_new_tokens=request.max_tokens or defaults.max_tokens,
         stop=_stops(request), ignore_eos=request.ignore_eos, top_alternatives=request.logprobs or 0), ids
 
 

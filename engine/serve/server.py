@@ -50,6 +50,9 @@ class ServeSettings:
     stream_interval: int = 1
     """Tokens per streamed chunk, as vLLM's ``--stream-interval``: fewer events (less work per
     token on both sides) for coarser arrival times; clients count them from ``usage``."""
+    default_max_tokens: int | None = None
+    """Answer limit of a request without ``max_tokens``; ``None``: the model's generation_config
+    ``max_new_tokens``, else :data:`engine.serve.protocol.DEFAULT_MAX_TOKENS`."""
 
     def validated(self) -> "ServeSettings":
         if not is_loopback(self.host) and not self.api_key:
@@ -60,6 +63,8 @@ class ServeSettings:
             raise InvalidRequestError(f"The port must be between 0 and 65535, not {self.port}.")
         if self.max_batch < 1 or self.max_waiting < 1 or self.token_budget < 1 or self.stream_interval < 1:
             raise InvalidRequestError("The batch size, the waiting queue and the token budget must be at least 1.")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise InvalidRequestError("The default answer limit (--default-max-tokens) must be at least 1 token.")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
             raise InvalidRequestError("The KV budget must be more than 0 bytes.")
         return self
@@ -72,6 +77,16 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def allowed_hosts(host: str) -> frozenset[str] | None:
+    """The ``Host`` names a server bound to ``host`` answers to: loopback names and ``host`` itself
+    on loopback (no DNS-rebinding page gets in), any name elsewhere (``None``; a key guards it)."""
+    from engine.serve.api import LOOPBACK_NAMES, host_name
+
+    if not is_loopback(host):
+        return None
+    return LOOPBACK_NAMES | {host_name(f"[{host}]" if ":" in host else host)}
 
 
 def default_kv_budget(loaded: "LoadedModel") -> int:
@@ -95,6 +110,7 @@ class Server:
     def __init__(self, loaded: "LoadedModel", settings: ServeSettings | None = None) -> None:
         from engine.generation.core import CoreSettings
         from engine.serve.api import create_app
+        from engine.serve.protocol import model_defaults
         from engine.serve.service import CoreService
 
         self.settings = settings = (settings or ServeSettings()).validated()
@@ -106,8 +122,11 @@ class Server:
         self.model_name = settings.model_name or loaded.info.name
         self.drain = True
         """What stopping does with requests in flight: finish them (``True``) or cancel them."""
+        self.defaults = model_defaults(getattr(loaded.model, "generation_config", None), settings.default_max_tokens)
+        """What requests that leave sampling or ``max_tokens`` out get."""
         self.app = create_app(self.service, self.model_name, settings.api_key, settings.max_body_bytes,
-                              stream_interval=settings.stream_interval)
+                              stream_interval=settings.stream_interval, defaults=self.defaults,
+                              allowed_hosts=allowed_hosts(settings.host))
         self._history = _HistoryWriter(loaded, self.service) if settings.history else None
         config = uvicorn.Config(self.app, host=settings.host, port=settings.port, log_level="warning",
                                 lifespan="off", timeout_graceful_shutdown=30, access_log=False)
