@@ -33,7 +33,8 @@ def summary(r: dict) -> str:
         f"device   {r['device']} · {r['device_name']}",
         f"prompt   {r['prompt_tokens']} tokens · prefill {format_seconds(r['prefill_s'])} "
         f"({format_rate(r['prefill_tokens_per_s'])}) · TTFT {format_seconds(r['ttft_s'])}",
-        f"decode   {len(r['token_ids'])} tokens · {format_rate(r['decode_tokens_per_s'])} · per token "
+        f"decode   {decode_tokens(r)} · {format_rate(r['decode_tokens_per_s'])} · "
+        f"per {'chunk' if r['tokens_counted_by'] in ('usage', 'chunks') else 'token'} "
         f"p50 {format_seconds(pct(0.5))} · p95 {format_seconds(pct(0.95))}",
         kv_line if served else f"KV cache {format_bytes(kv)} measured · {format_bytes(kv_pred)} predicted{delta}",
         memory_line if served else f"memory   peak {format_bytes(r['peak_memory_bytes'])}"
@@ -45,14 +46,25 @@ def summary(r: dict) -> str:
     return "\n".join(lines)
 
 
+def decode_tokens(r: dict) -> str:
+    """The answer's token count, and how it was counted where the stream named no token (a server
+    that sends neither ids nor logprobs nor a running usage: its latencies are per chunk)."""
+    chunks = (r.get("endpoint") or {}).get("chunks")
+    how = {"usage": f" (the server's usage, over {chunks} chunks)",
+           "chunks": " (chunks counted as one token each: the server sent no usage)"}
+    return f"{r['tokens']} tokens" + how.get(r["tokens_counted_by"], "")
+
+
 def served_line(answered: dict) -> str:
     """How a served answer was counted, and the server's own timings where it sent them (llama.cpp):
     the figures measured here can be checked against the server's."""
     times = list(answered.get("chunk_times_s") or ())
     gaps = sorted(b - a for a, b in zip(times, times[1:]))
     per_chunk = f" (p50 {format_seconds(gaps[len(gaps) // 2])} apart)" if gaps else ""
-    line = (f"by {answered['server']} · {answered['chunks']} chunks{per_chunk} · tokens counted by "
-            f"{answered['counted_by']}"
+    counted = answered["counted_by"]
+    if counted == "chunks" and answered["usage_completion_tokens"] is not None:
+        counted = "usage (its chunks carry no per-token count)"  # the total is the server's
+    line = (f"by {answered['server']} · {answered['chunks']} chunks{per_chunk} · tokens counted by {counted}"
             + (f" · usage {answered['usage_prompt_tokens']} prompt + {answered['usage_completion_tokens']} answer"
                if answered["usage_completion_tokens"] is not None else " · the server sent no usage"))
     timings = answered.get("timings") or {}

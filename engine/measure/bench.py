@@ -67,6 +67,8 @@ def report(info: Loaded, request: GenerationRequest, measured: Run) -> dict:
         "weights_bytes": info.weights_bytes,
         "load_s": info.load_s,
         "prompt_tokens": finished.prompt_tokens,
+        "tokens": finished.tokens,
+        "tokens_counted_by": counted_by(measured),
         "token_ids": list(finished.token_ids),
         "text": finished.text,
         "finish_reason": finished.reason,
@@ -102,6 +104,19 @@ def report(info: Loaded, request: GenerationRequest, measured: Run) -> dict:
         **_served(measured),
         "versions": versions(),
     }
+
+
+def counted_by(measured: Run) -> str:
+    """How the answer's tokens were counted: ``token ids`` (generated here), or for a served model
+    ``logprobs`` or ``usage per chunk`` (per token, from its stream), ``usage`` (only its final
+    total: its chunks, which may carry several tokens each, name no ids) or ``chunks`` (no usage
+    either: a chunk counted as one token)."""
+    answered = next((e for e in measured.events if isinstance(e, EndpointAnswered)), None)
+    if answered is None:
+        return "token ids"
+    if answered.counted_by == "chunks" and answered.usage_completion_tokens == measured.finished.tokens:
+        return "usage"
+    return answered.counted_by
 
 
 def _served(measured: Run) -> dict:

@@ -7,7 +7,8 @@ import pytest
 from engine.cli import main
 
 BENCH_KEYS = {
-    "model", "precision", "device", "prompt_tokens", "token_ids", "text", "finish_reason", "ttft_s",
+    "model", "precision", "device", "prompt_tokens", "tokens", "tokens_counted_by", "token_ids", "text",
+    "finish_reason", "ttft_s",
     "decode_tokens_per_s", "per_token_latency_s", "kv_cache_bytes", "kv_cache_bytes_predicted",
     "kv_cache_bytes_series", "kv_cache_bytes_predicted_series", "weights_bytes", "peak_memory_bytes",
     "versions", "finished", "loaded",
@@ -29,6 +30,7 @@ def test_bench_writes_the_documented_json(tmp_path, tiny_llama, loaded_llama):
     assert BENCH_KEYS <= report.keys()
     n = len(report["token_ids"])
     assert n == 12 and report["finish_reason"] == "length"
+    assert (report["tokens"], report["tokens_counted_by"]) == (12, "token ids")
     for series in ("per_token_latency_s", "kv_cache_bytes_series", "kv_cache_bytes_predicted_series"):
         assert len(report[series]) == n
     assert report["kv_cache_bytes_series"] == report["kv_cache_bytes_predicted_series"]

@@ -246,8 +246,10 @@ def test_cli_bench_and_compare_a_local_lane_with_an_endpoint_lane(server, tiny_l
                  "--ignore-eos", "--json", str(bench_json), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "tokens counted by logprobs" in out and "KV cache n/a (the server's own)" in out
+    assert "decode   6 tokens · " in out and "per token p50" in out
     report = json.loads(bench_json.read_text())
     assert report["source"] == "endpoint" and len(report["token_ids"]) == 6 and report["weights_bytes"] is None
+    assert (report["tokens"], report["tokens_counted_by"]) == (6, "logprobs")
     assert report["endpoint"]["counted_by"] == "logprobs" and report["endpoint"]["usage_completion_tokens"] == 6
     assert report["endpoint"]["server_samples"] == [] or report["endpoint"]["server_samples"][0]["kind"] == "vllm"
 
@@ -264,3 +266,29 @@ def test_cli_bench_and_compare_a_local_lane_with_an_endpoint_lane(server, tiny_l
 
     assert main(["sweep", "--model", f"endpoint:{server.url}"]) != 0
     assert "inference-workbench load" in capsys.readouterr().err
+
+
+def test_bench_counts_the_decode_tokens_of_a_server_without_token_ids_from_its_usage(tmp_path, capsys):
+    """A server of `transformers serve`'s shape (text chunks of several tokens, no ids, no logprobs,
+    no [DONE], `usage` only on the finishing chunk): bench said "decode 0 tokens" (it counted the
+    token ids) while the usage said 32."""
+    import json
+
+    from engine.cli import main
+    from tests.serving import ThirdPartyServer
+
+    out = tmp_path / "bench.json"
+    with ThirdPartyServer(tokens_per_chunk=3) as server:
+        assert main(["bench", "--model", f"endpoint:{server.url}", "--prompt", PROMPT, "--max-new-tokens", "32",
+                     "--json", str(out), "--quiet"]) == 0
+        assert server.requests == 1
+    printed = capsys.readouterr().out
+    assert "decode   32 tokens (the server's usage, over 11 chunks) · " in printed, printed
+    assert "per chunk p50" in printed  # one latency per chunk: its tokens' own are not known
+    assert "tokens counted by usage (its chunks carry no per-token count)" in printed
+    report = json.loads(out.read_text())
+    served = report["endpoint"]
+    assert (served["usage_completion_tokens"], served["chunks"], served["counted_by"]) == (32, 11, "chunks")  # 10×3+2
+    assert report["token_ids"] == []  # the server named none
+    assert (report["tokens"], report["tokens_counted_by"]) == (32, "usage")
+    assert report["decode_tokens_per_s"] == pytest.approx(31 / report["decode_s"])  # (usage − 1) / decode time
