@@ -240,8 +240,10 @@ async def send(client, model: str, prompt: Prompt, plan: LoadPlan, result: Reque
                 if event.data == "[DONE]":
                     break
                 chunk = json.loads(event.data)
-                if "error" in chunk:
-                    result.error = f"server error mid-stream: {chunk['error'].get('message')}"
+                if isinstance(chunk, dict) and "error" in chunk:  # OpenAI's {"message": …}; transformers' a string
+                    error = chunk["error"]
+                    message = error.get("message") if isinstance(error, dict) else error
+                    result.error = f"server error mid-stream: {message}"
                     return
                 pieces = reader.read(chunk)
                 if reader.usage:

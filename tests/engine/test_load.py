@@ -108,6 +108,18 @@ def test_a_setting_is_bounded_in_time(server):
     assert server.service.wait_until(lambda s: s.in_flight == 0, timeout=30)  # cancelled requests left the core
 
 
+def test_a_request_the_server_broke_off_is_errored_and_counted_as_such():
+    from tests.serving import ThirdPartyServer
+
+    with ThirdPartyServer(error_on=(1,)) as fake:  # transformers' mid-stream error: {"error": "a string"}
+        plan = LoadPlan(url=fake.url, concurrency=(1,), requests=3, max_tokens=8).validated()
+        (setting,) = LoadRunner(plan, PROMPTS).run()
+        assert fake.requests == 3  # the one user went on after the broken request
+    s = setting.summary
+    assert (s.completed, s.failed) == (2, 1)
+    assert s.errors == ["server error mid-stream: the model ran out of memory"]
+
+
 def test_load_command_writes_json_without_the_key(server, tmp_path, capsys):
     from engine.cli import main
 
