@@ -8,6 +8,7 @@ from PySide6.QtWidgets import QGridLayout, QSplitter, QTextBrowser, QVBoxLayout,
 
 from app.widgets.live_plots import LivePlots
 from app.screen import fit_screen
+from engine.load.metrics import not_completed
 from engine.storage.history import RunRecord
 from engine.runs import Run
 from engine.units import format_bytes, format_rate, format_seconds
@@ -27,6 +28,11 @@ def describe(r: RunRecord) -> str:
               + f", decode {format_rate(r.decode_tokens_per_s)}" + (" per request" if r.batch > 1 else "")]
     if extra.get("aggregate_tokens_per_s") is not None:
         lines.append(f"- aggregate {format_rate(extra['aggregate_tokens_per_s'])} (all {r.batch} requests together)")
+    summary = extra.get("summary") if r.kind == "load" else None
+    if summary and "not_sent" in summary:  # a load's setting (older ones counted unsent requests as failed)
+        rest = not_completed(summary["not_sent"], summary["errored"], summary["cut"], summary["cut_by"])
+        lines.append(f"- {summary['completed']} of {summary['requests']} requests completed" + (f" ({rest})" if rest
+                                                                                                else ""))
     point = extra.get("point") or {}
     if point.get("mean_per_token_latency_s") is not None:
         lines.append(f"- per-token latency of each request {format_seconds(point['mean_per_token_latency_s'])}")

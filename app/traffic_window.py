@@ -42,7 +42,8 @@ GROUPS = 4
 FRAME_BUDGET = 0.1
 """Share of a core the view's redraws may take while the server runs."""
 """The plots redraw a group per tick, in turn (each group about 5 times a second)."""
-RESULT_COLUMNS = ("setting", "done", "req/s", "out tok/s", "TTFT p50", "TPOT p50", "TPOT p99", "E2E p50")
+RESULT_COLUMNS = ("setting", "done", "req/s", "out tok/s", "TTFT p50", "TPOT p50", "TPOT p99", "E2E p50",
+                  "not done")
 
 
 THIS_SERVER = "this app's server"
@@ -237,7 +238,7 @@ class LoadBox(QGroupBox):
     @Slot(str, object)
     def _on_request(self, label: str, result) -> None:
         self._done += 1
-        self.status.setText(f"{label}: {self._done} requests done" + ("" if result.ok else f" (last failed: "
+        self.status.setText(f"{label}: {self._done} requests done" + ("" if result.ok else f" (last errored: "
                                                                        f"{result.error})"))
 
     @Slot(object)
@@ -249,7 +250,7 @@ class LoadBox(QGroupBox):
         self.table.insertRow(row)
         cells = (setting.label, f"{s.completed}/{s.requests}", f"{s.request_throughput:.2f}",
                  f"{s.output_throughput:.1f}" + ("" if s.counted_by == "usage" else "*"), ms(s.ttft, "median"),
-                 ms(s.tpot, "median"), ms(s.tpot, "p99"), ms(s.e2e, "median"))
+                 ms(s.tpot, "median"), ms(s.tpot, "p99"), ms(s.e2e, "median"), s.not_completed())
         for column, text in enumerate(cells):
             self.table.setItem(row, column, QTableWidgetItem(text))
         self.table.resizeColumnsToContents()
@@ -261,8 +262,13 @@ class LoadBox(QGroupBox):
         if error is not None:
             self.status.setText(f"The load failed: {error}")
         else:
-            failed = sum(r.summary.failed for r in results)
-            self.status.setText(f"Done: {len(results)} settings" + (f", {failed} requests failed" if failed else "")
+            from engine.load.metrics import not_completed
+
+            summaries = [r.summary for r in results]
+            rest = not_completed(sum(s.not_sent for s in summaries), sum(s.errored for s in summaries),
+                                 sum(s.cut for s in summaries),
+                                 " or ".join(dict.fromkeys(s.cut_by for s in summaries if s.cut)) or None)
+            self.status.setText(f"Done: {len(results)} settings" + (f" ({rest})" if rest else "")
                                 + ". Tokens counted from the server's usage (* where from chunks).")
         self.update_state()
         self.reload_history()

@@ -75,7 +75,8 @@ def add_parsers(sub, precisions) -> None:
                       help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 steadier")
     load.add_argument("--requests", type=int, default=32, help="requests per setting (default: %(default)s)")
     load.add_argument("--max-duration", type=float, default=300.0,
-                      help="seconds per setting before the rest is cancelled (default: %(default)s)")
+                      help="seconds per setting: then requests in flight are cut (failed) and the rest not sent "
+                      "(default: %(default)s)")
     load.add_argument("--prompts", type=Path, help="prompts, one JSON object per line ({\"prompt\": …}) or "
                       "plain text lines (default: the shipped set, short and long)")
     load.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default: %(default)s)")

@@ -4,8 +4,9 @@ Closed loop (``concurrency``): that many requests in flight, a new one sent as o
 fixed pool of users would. Open loop (``rates``): requests arrive on their own schedule, gaps
 drawn from a gamma distribution with shape ``burstiness`` (1 = Poisson) and mean 1/rate, as
 ``vllm bench serve`` does, so a server slower than the arrivals builds a queue. Every setting is
-bounded by a request count and a duration; what is still running then is cancelled and counted
-as failed. Streams are read with httpx and httpx-sse; each chunk is time-stamped as it arrives.
+bounded by a request count and a duration; at the deadline what is still in flight is cancelled
+and counted as cut (failed), and what was never sent is counted as not sent (not failed). Streams
+are read with httpx and httpx-sse; each chunk is time-stamped as it arrives.
 """
 
 from __future__ import annotations
@@ -164,19 +165,21 @@ class LoadRunner:
                         await asyncio.sleep(rng.gammavariate(plan.burstiness, 1.0 / (value * plan.burstiness)))
             left = max(0.0, plan.max_duration_s - (time.perf_counter() - start))
             _, pending = await asyncio.wait(work, timeout=left)
-            unfinished = f"not finished within {plan.max_duration_s:g} s (cancelled)" if pending else None
+            cut_by = "the deadline" if pending else None
         except asyncio.CancelledError:  # stop(): what ran is kept, the rest marked
-            unfinished = "stopped before it finished"
+            cut_by = "Stop"
         finally:
             for task in work + ([watcher] if watcher else []):
                 task.cancel()
             await asyncio.gather(*work, *([watcher] if watcher else []), return_exceptions=True)
-        for r in results:
-            if not r.ok and r.error is None and unfinished:
-                r.error = unfinished if r.start_s or r.status is not None else f"never sent: {unfinished}"
+        for r in results:  # in flight when the setting ended: cut (what was never sent stays "not sent")
+            if r.sent and not r.ok and r.error is None and cut_by:
+                r.cut = True
+                r.error = (f"cut by the deadline: in flight at {plan.max_duration_s:g} s" if cut_by == "the deadline"
+                           else "cut by Stop: in flight when the load was stopped")
         ended = [r.start_s + r.e2e_s for r in results if r.e2e_s is not None]
         duration = (max(ended) if ended else time.perf_counter() - start)
-        return SettingResult(mode, value, results, summarize(results, duration, plan.slo), model, server)
+        return SettingResult(mode, value, results, summarize(results, duration, plan.slo, cut_by), model, server)
 
 
 async def first_model(client) -> str:
@@ -226,6 +229,7 @@ async def send(client, model: str, prompt: Prompt, plan: LoadPlan, result: Reque
     path, body = request_body(model, prompt, plan, running_usage)
     sent = time.perf_counter()
     result.start_s = sent - origin
+    result.sent = True
     last = None
     chunks = 0
     try:

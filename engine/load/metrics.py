@@ -10,6 +10,11 @@
 
 Output tokens are the server's ``usage`` count where it sent one, else the content chunks
 counted (one token per chunk assumed), and each result says which.
+
+A request that did not complete either failed or was never sent: it *errored* (an HTTP error, a
+server error mid-stream, a broken or empty stream), was *cut* (in flight when the setting's
+deadline, or Stop, ended it), or was *not sent* (the setting ended before its turn). Only the
+first two are failures.
 """
 
 from __future__ import annotations
@@ -42,6 +47,19 @@ class RequestResult:
     finish_reason: str | None = None
     text: str = ""
     status: int | None = None
+    sent: bool = False
+    """The request went out (``False``: the setting ended before its turn)."""
+    cut: bool = False
+    """It was in flight when the setting's deadline (or Stop) ended it."""
+
+    @property
+    def outcome(self) -> str:
+        """``completed``, ``errored``, ``cut`` or ``not sent`` (see the module's docstring)."""
+        if self.ok:
+            return "completed"
+        if not self.sent:
+            return "not sent"
+        return "cut" if self.cut else "errored"
 
     @property
     def tpot_s(self) -> float | None:
@@ -52,6 +70,7 @@ class RequestResult:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["tpot_s"] = self.tpot_s
+        out["outcome"] = self.outcome
         return out
 
 
@@ -84,11 +103,21 @@ def distribution(values) -> dict | None:
             "p99": float(np.percentile(array, 99)), "max": float(array.max())}
 
 
+def not_completed(not_sent: int, errored: int, cut: int, cut_by: str | None = None) -> str:
+    """What became of the requests that did not complete, the same words wherever they are shown:
+    ``not sent 4789 · failed 1: errored 0, cut by the deadline 1`` (``""`` when none)."""
+    parts = [f"not sent {not_sent}"] if not_sent else []
+    if errored or cut:
+        parts.append(f"failed {errored + cut}: errored {errored}, cut by {cut_by or 'the deadline'} {cut}")
+    return " · ".join(parts)
+
+
 @dataclass
 class Summary:
     requests: int
     completed: int
     failed: int
+    """``errored + cut``; requests never sent are not failures."""
     duration_s: float
     request_throughput: float
     output_throughput: float
@@ -105,13 +134,24 @@ class Summary:
     goodput: float | None = None
     slo: dict | None = None
     errors: list[str] = field(default_factory=list)
+    """The errored requests' errors (a few, each once)."""
+    errored: int = 0
+    cut: int = 0
+    not_sent: int = 0
+    cut_by: str | None = None
+    """What ended the setting early: ``the deadline`` or ``Stop`` (``None``: it ran to its end)."""
+
+    def not_completed(self) -> str:
+        return not_completed(self.not_sent, self.errored, self.cut, self.cut_by)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def summarize(results: list[RequestResult], duration_s: float, slo: dict[str, float] | None = None) -> Summary:
+def summarize(results: list[RequestResult], duration_s: float, slo: dict[str, float] | None = None,
+              cut_by: str | None = None) -> Summary:
     done = [r for r in results if r.ok]
+    outcomes = [r.outcome for r in results]
     output = sum(r.output_tokens for r in done)
     prompts = [r.prompt_tokens for r in done if r.prompt_tokens is not None]
     sources = {r.counted_by for r in done}
@@ -127,7 +167,8 @@ def summarize(results: list[RequestResult], duration_s: float, slo: dict[str, fl
                                        for name, limit in slo.items())]
         goodput = len(good) / duration_s if duration_s > 0 else 0.0
     return Summary(
-        requests=len(results), completed=len(done), failed=len(results) - len(done), duration_s=duration_s,
+        requests=len(results), completed=len(done), failed=outcomes.count("errored") + outcomes.count("cut"),
+        duration_s=duration_s,
         request_throughput=len(done) / duration_s if duration_s > 0 else 0.0,
         output_throughput=output / duration_s if duration_s > 0 else 0.0,
         total_token_throughput=(output + sum(prompts)) / duration_s if duration_s > 0 and len(prompts) == len(done)
@@ -138,7 +179,9 @@ def summarize(results: list[RequestResult], duration_s: float, slo: dict[str, fl
         e2e=distribution([r.e2e_s for r in done if r.e2e_s is not None]),
         output_tokens=output, counted_by=sources.pop() if len(sources) == 1 else ("mixed" if sources else "none"),
         max_concurrency=busiest, goodput=goodput, slo=slo,
-        errors=sorted({r.error for r in results if r.error})[:10])
+        errors=sorted({r.error for r in results if r.error and r.outcome == "errored"})[:10],
+        errored=outcomes.count("errored"), cut=outcomes.count("cut"), not_sent=outcomes.count("not sent"),
+        cut_by=cut_by)
 
 
 def _value(result: RequestResult, name: str) -> float | None:

@@ -27,8 +27,8 @@ def summary_line(result: SettingResult) -> str:
             f"{ms(s.tpot, 'median', ''):>9} {ms(s.tpot, 'p99', ''):>7} {ms(s.itl, 'p99', ''):>8} {ms(s.e2e, 'median', ''):>8}")
     if s.goodput is not None:
         line += f"  {s.goodput:.2f} req/s"
-    if s.errors:
-        line += f"\n    failed {s.failed}: " + "; ".join(s.errors[:3])
+    if s.completed < s.requests:  # e.g. "not sent 4789 · failed 1: errored 0, cut by the deadline 1"
+        line += "\n    " + s.not_completed() + (f" · errors: {'; '.join(s.errors[:3])}" if s.errors else "")
     line += "\n    " + server_line(result.server)
     return line
 
@@ -60,11 +60,15 @@ def write_json(path: Path, plan: LoadPlan, results: list[SettingResult]) -> None
                                 "definitions": "vLLM's: TTFT to first content chunk; TPOT = (E2E - TTFT)/(n - 1); "
                                                "ITL per token, pooled (a chunk's gap shared by the tokens it "
                                                "carried, where the server's running usage says how many); "
-                                               "output tokens from usage where sent"},
+                                               "output tokens from usage where sent; failed = errored (HTTP "
+                                               "error, server error, broken or empty stream) + cut (in flight "
+                                               "when the deadline or Stop ended the setting); not sent (the "
+                                               "setting ended before its turn) is not failed"},
                                indent=2), encoding="utf-8")
 
 
-CSV_COLUMNS = ("setting", "mode", "value", "model", "requests", "completed", "failed", "duration_s",
+CSV_COLUMNS = ("setting", "mode", "value", "model", "requests", "completed", "failed", "errored", "cut", "cut_by",
+               "not_sent", "duration_s",
                "request_throughput", "output_throughput", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
                "itl_p99_s", "e2e_p50_s", "goodput", "counted_by", "server_kind", "server_running_peak",
                "server_waiting_peak", "server_kv_usage_peak")
@@ -82,7 +86,8 @@ def csv_row(result: SettingResult) -> dict:
         return "" if value is None else value
 
     return {"setting": result.label, "mode": result.mode, "value": result.value, "model": result.model,
-            "requests": s.requests, "completed": s.completed, "failed": s.failed, "duration_s": s.duration_s,
+            "requests": s.requests, "completed": s.completed, "failed": s.failed, "errored": s.errored, "cut": s.cut,
+            "cut_by": s.cut_by or "", "not_sent": s.not_sent, "duration_s": s.duration_s,
             "request_throughput": s.request_throughput, "output_throughput": s.output_throughput,
             "ttft_p50_s": stat(s.ttft, "median"), "ttft_p99_s": stat(s.ttft, "p99"),
             "tpot_p50_s": stat(s.tpot, "median"), "tpot_p99_s": stat(s.tpot, "p99"), "itl_p99_s": stat(s.itl, "p99"),
@@ -130,7 +135,7 @@ def history_record(plan: LoadPlan, result: SettingResult, load_id: str | None = 
         extra={"url": plan.url, "mode": result.mode, "value": result.value, "label": result.label,
                "server_kind": result.server.kind, "aggregate_tokens_per_s": s.output_throughput,
                "summary": s.to_dict(), "max_tokens": plan.max_tokens, "endpoint": plan.endpoint, "load_id": load_id,
-               **({"error": "; ".join(s.errors[:3])} if not s.completed else {})},
+               **({"error": "; ".join(s.errors[:3]) or s.not_completed()} if not s.completed else {})},
     )
 
 

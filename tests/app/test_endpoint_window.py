@@ -152,3 +152,25 @@ def test_the_load_generator_against_another_server_lands_beside_earlier_loads(qt
     box.show_history.setChecked(False)
     assert box.history_points == []
     traffic.close()
+
+
+def test_the_load_generator_says_which_requests_errored(qtbot, window):
+    from app.run_window import describe
+    from tests.serving import ThirdPartyServer
+
+    traffic = window.open_traffic()
+    box = traffic.load_box
+    with ThirdPartyServer(error_on=(1,)) as fake:  # the second request broken off mid-stream by the server
+        box.target.setEditText(fake.url)
+        box.values.setText("1")
+        box.requests.setValue(3)
+        box.max_tokens.setValue(4)
+        with qtbot.waitSignal(box._ended, timeout=120_000):
+            box.run_button.click()
+    counts = "failed 1: errored 1, cut by the deadline 0"
+    assert box.table.item(0, 1).text() == "2/3"
+    assert box.table.item(0, box.table.columnCount() - 1).text() == counts
+    assert box.status.text().startswith(f"Done: 1 settings ({counts}).")
+    qtbot.waitUntil(lambda: len(box.history) == 1, timeout=30_000)  # the history's record says the same
+    assert f"- 2 of 3 requests completed ({counts})" in describe(box.history[0])
+    traffic.close()

@@ -23,10 +23,16 @@ def _result(index, start, ttft, gaps, tokens, counted_by="usage"):
 def test_definitions_by_hand():
     a = _result(0, 0.0, 0.5, [0.1, 0.1, 0.1], 4)  # TPOT (0.8 - 0.5) / 3 = 0.1
     b = _result(1, 0.2, 1.0, [0.3], 3)  # several tokens in a chunk: TPOT (1.3 - 1.0) / 2 = 0.15
-    failed = RequestResult(2, error="HTTP 500: boom", start_s=0.1)
-    summary = summarize([a, b, failed], duration_s=2.0, slo={"ttft": 0.6, "tpot": 0.12})
+    failed = RequestResult(2, error="HTTP 500: boom", start_s=0.1, sent=True)
+    cut = RequestResult(3, error="cut by the deadline: in flight at 2 s", start_s=0.3, sent=True, cut=True)
+    unsent = RequestResult(4)
+    summary = summarize([a, b, failed, cut, unsent], duration_s=2.0, slo={"ttft": 0.6, "tpot": 0.12},
+                        cut_by="the deadline")
     assert a.tpot_s == pytest.approx(0.1) and b.tpot_s == pytest.approx(0.15)
-    assert summary.completed == 2 and summary.failed == 1 and summary.errors == ["HTTP 500: boom"]
+    assert [r.outcome for r in (a, failed, cut, unsent)] == ["completed", "errored", "cut", "not sent"]
+    assert (summary.completed, summary.failed, summary.errored, summary.cut, summary.not_sent) == (2, 2, 1, 1, 1)
+    assert summary.errors == ["HTTP 500: boom"]  # what went wrong; the cut one is counted, not an error
+    assert summary.not_completed() == "not sent 1 · failed 2: errored 1, cut by the deadline 1"
     assert summary.output_throughput == pytest.approx(7 / 2.0)
     assert summary.request_throughput == pytest.approx(1.0)
     assert summary.total_token_throughput == pytest.approx((7 + 20) / 2.0)
@@ -99,12 +105,38 @@ def test_open_loop_and_completions(server):
     assert starts[-1] > starts[0]  # arrivals spread over time, not all at once
 
 
-def test_a_setting_is_bounded_in_time(server):
-    plan = LoadPlan(url=server.url, concurrency=(1,), requests=50, max_tokens=200, ignore_eos=True,
-                    max_duration_s=0.5).validated()
-    (setting,) = LoadRunner(plan, PROMPTS).run()
-    assert setting.summary.failed > 0
-    assert any("not finished within 0.5 s" in e for e in setting.summary.errors)
+def test_a_setting_cut_by_its_deadline_counts_the_requests_never_sent_apart(server, tmp_path, capsys):
+    """`load --concurrency 8 --requests 5000 --max-duration 300` said "failed 4790" with no server error:
+    the requests never sent are not failures; those in flight at the deadline are, as cut."""
+    import csv
+    from collections import Counter
+
+    from engine.cli import main
+
+    out, table, prompts = tmp_path / "load.json", tmp_path / "load.csv", tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(p.text for p in PROMPTS))  # the shipped long ones overflow the tiny model
+    code = main(["load", "--url", server.url, "--concurrency", "2", "--requests", "1000", "--max-tokens", "20",
+                 "--ignore-eos", "--max-duration", "0.5", "--prompts", str(prompts), "--no-history", "--json", str(out),
+                 "--csv", str(table)])
+    printed = capsys.readouterr().out
+    (setting,) = json.loads(out.read_text())["settings"]
+    s = setting["summary"]
+    assert s["failed"] == 2, printed  # the request each of the two users had in flight, cut
+    assert code == (0 if s["completed"] else 1)
+    assert (s["errored"], s["cut"], s["cut_by"]) == (0, 2, "the deadline")
+    assert s["not_sent"] == 1000 - s["completed"] - 2 > 0 and s["errors"] == []
+    assert Counter(r["outcome"] for r in setting["requests"]) == Counter(
+        {"completed": s["completed"], "cut": 2, "not sent": s["not_sent"]})  # none completed on a busy machine
+    for r in setting["requests"]:
+        if r["outcome"] == "cut":
+            assert r["error"] == "cut by the deadline: in flight at 0.5 s" and r["sent"]
+        elif r["outcome"] == "not sent":
+            assert r["error"] is None and not r["sent"]
+    assert f"not sent {s['not_sent']} · failed 2: errored 0, cut by the deadline 2" in printed
+    assert "failed 1000" not in printed and f"failed {s['not_sent'] + 2}" not in printed
+    (row,) = csv.DictReader(table.open())
+    assert (row["failed"], row["errored"], row["cut"], row["cut_by"], row["not_sent"]) == (
+        "2", "0", "2", "the deadline", str(s["not_sent"]))
     assert server.service.wait_until(lambda s: s.in_flight == 0, timeout=30)  # cancelled requests left the core
 
 
@@ -116,8 +148,11 @@ def test_a_request_the_server_broke_off_is_errored_and_counted_as_such():
         (setting,) = LoadRunner(plan, PROMPTS).run()
         assert fake.requests == 3  # the one user went on after the broken request
     s = setting.summary
-    assert (s.completed, s.failed) == (2, 1)
+    assert [r.outcome for r in sorted(setting.results, key=lambda r: r.start_s)] == ["completed", "errored",
+                                                                                     "completed"]
+    assert (s.completed, s.failed, s.errored, s.cut, s.not_sent, s.cut_by) == (2, 1, 1, 0, 0, None)
     assert s.errors == ["server error mid-stream: the model ran out of memory"]
+    assert s.not_completed() == "failed 1: errored 1, cut by the deadline 0"
 
 
 def test_load_command_writes_json_without_the_key(server, tmp_path, capsys):
