@@ -162,7 +162,10 @@ class LoadRunner:
                 for i in range(plan.requests):
                     work.append(asyncio.ensure_future(one(i)))
                     if i + 1 < plan.requests:
-                        await asyncio.sleep(rng.gammavariate(plan.burstiness, 1.0 / (value * plan.burstiness)))
+                        gap = rng.gammavariate(plan.burstiness, 1.0 / (value * plan.burstiness))
+                        if time.perf_counter() + gap - start >= plan.max_duration_s:
+                            break  # the next arrival is past the deadline: it and the rest are not sent
+                        await asyncio.sleep(gap)
             left = max(0.0, plan.max_duration_s - (time.perf_counter() - start))
             _, pending = await asyncio.wait(work, timeout=left)
             cut_by = "the deadline" if pending else None

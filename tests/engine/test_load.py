@@ -155,6 +155,19 @@ def test_a_request_the_server_broke_off_is_errored_and_counted_as_such():
     assert s.not_completed() == "failed 1: errored 1, cut by the deadline 0"
 
 
+def test_an_open_loop_sends_nothing_after_its_deadline():
+    from tests.serving import ThirdPartyServer
+
+    with ThirdPartyServer() as fake:  # answers at once: what it was sent completes, or is cut if sent just in time
+        plan = LoadPlan(url=fake.url, rates=(4.0,), requests=20, max_tokens=4, max_duration_s=0.5).validated()
+        (setting,) = LoadRunner(plan, PROMPTS).run()
+        sent = fake.requests
+    s = setting.summary
+    latest = max(r.start_s for r in setting.results if r.sent)
+    assert latest < 0.5, f"a request sent {latest:.2f} s in, after the 0.5 s deadline"
+    assert (s.completed + s.cut, s.errored, s.not_sent) == (sent, 0, 20 - sent) and s.not_sent > 0
+
+
 def test_load_command_writes_json_without_the_key(server, tmp_path, capsys):
     from engine.cli import main
 
