@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,9 +14,39 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2")
 
 
+def _users_history() -> tuple[Path, frozenset[str]]:
+    """The user's own history folder (what the app uses without an override) and its files now."""
+    from engine.storage import history
+
+    saved = os.environ.pop("INFERENCE_WORKBENCH_DATA", None)
+    try:
+        folder = history.history_dir()
+    finally:
+        if saved is not None:
+            os.environ["INFERENCE_WORKBENCH_DATA"] = saved
+    return folder, frozenset(p.name for p in folder.glob("*")) if folder.is_dir() else frozenset()
+
+
+# A private data folder for the whole session, set before any fixture or thread runs: a module's
+# server or a window's history writer that outlives its test (threads finishing after the
+# per-test override was undone) wrote the test's runs into the user's History.
+_USERS_HISTORY = _users_history()
+_SESSION_DATA = os.environ["INFERENCE_WORKBENCH_DATA"] = tempfile.mkdtemp(prefix="workbench-test-data-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if anything wrote into the user's history folder meanwhile."""
+    shutil.rmtree(_SESSION_DATA, ignore_errors=True)
+    folder, before = _USERS_HISTORY
+    after = frozenset(p.name for p in folder.glob("*")) if folder.is_dir() else frozenset()
+    if after - before:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print(f"\nThe tests wrote into the user's history ({folder}): {sorted(after - before)}")
+
+
 @pytest.fixture(autouse=True)
 def _private_history(tmp_path_factory, monkeypatch):
-    """Runs that tests finish go to a private history folder, never the user's."""
+    """Runs that tests finish go to a private history folder of each test, never the user's."""
     monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path_factory.mktemp("data")))
 
 

@@ -39,6 +39,7 @@ def test_text_grows_token_by_token_and_plots_hold_a_point_per_token(qtbot, windo
     window.session.job_events.connect(
         lambda job, events: tokens_seen.extend(e.index for e in events if isinstance(e, TokenGenerated)))
     window.timer.timeout.connect(lambda: lengths.append(len(window.output.toPlainText())))
+    redraws_before = window.plots.redraws
     finished = generate(qtbot, window, "The quick brown fox", max_tokens=200)
     assert finished.tokens == 200 and tokens_seen == list(range(200))
     assert len(batches) < 200  # tokens cross threads in batches, not one signal each
@@ -57,8 +58,9 @@ def test_text_grows_token_by_token_and_plots_hold_a_point_per_token(qtbot, windo
     dots_x, _ = window.plots._kv_measured.getOriginalDataset()
     assert dots_x[-1] == 199
     assert window.plots.speed.plot.getPlotItem().titleLabel.text.startswith("time to first token")
-    # redraws came from the timer, far fewer than one per token
-    assert window.plots.redraws < 200
+    # redraws came from the timer: at most one a tick (and the final one), not one per token
+    # (a busy machine slows the tokens, not the timer: ticks may outnumber tokens there)
+    assert window.plots.redraws - redraws_before <= len(lengths) + 1
     assert window.status["tokens"].text() == "200 tokens"
     assert "tok/s" in window.status["speed"].text()
 
