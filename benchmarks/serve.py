@@ -53,6 +53,15 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300) -> N
     raise SystemExit(f"{url} not healthy after {timeout:.0f} s")
 
 
+def start_server(port: int, precision: str, threads: int = 0) -> subprocess.Popen:
+    """``inference-workbench serve`` on the default model in a subprocess (batch 16, no history);
+    ``threads``: its matmul threads fixed (0: it adapts)."""
+    return subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--precision",
+                             precision, "--max-batch", "16", "--no-history"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, **({"INFERENCE_WORKBENCH_THREADS": str(threads)} if threads else {})})
+
+
 def stop(process: subprocess.Popen) -> None:
     import signal
 
@@ -115,11 +124,7 @@ def main() -> None:
     prompts = [p for p in read_prompts() if p.kind == "short"]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--precision",
-                               args.precision, "--max-batch", "16", "--no-history"], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              env={**os.environ, **({"INFERENCE_WORKBENCH_THREADS": str(args.server_threads)}
-                                                    if args.server_threads else {})})
+    server = start_server(port, args.precision, args.server_threads)
     try:
         wait_healthy(url + "/health", server)
         loaded = load_model(LoadRequest("default", args.precision, "cpu"))

@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.serve import free_port, run_load, stop, wait_healthy  # noqa: E402
+from benchmarks.serve import free_port, run_load, start_server, stop, wait_healthy  # noqa: E402
 
 HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "tpot": "vllm:request_time_per_output_token_seconds",
               "e2e": "vllm:e2e_request_latency_seconds", "itl": "vllm:inter_token_latency_seconds"}
@@ -71,10 +70,7 @@ def main() -> None:
     prompts = [p for p in read_prompts() if p.kind == "short"]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--precision",
-                               args.precision, "--max-batch", "16", "--no-history"], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              env={**os.environ, "INFERENCE_WORKBENCH_THREADS": str(os.cpu_count())})
+    server = start_server(port, args.precision, os.cpu_count())
     rows = []
     try:
         wait_healthy(f"{url}/health", server)

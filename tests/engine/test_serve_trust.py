@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 import shutil
 import subprocess
 import threading
@@ -18,22 +19,10 @@ from engine.events import Finished, TokenGenerated
 from engine.generation.sampling import SamplingParams
 from engine.request import GenerationRequest
 from engine.serve.service import Accepted, CoreService, QueueFullError, Rejected, RequestArrived, Ticket, Token
+from tests.engine.test_serve import http, server  # noqa: F401 (fixtures: a server of this module's own)
 from tests.serving import serve
 
 PROMPTS = ["The quick brown fox", "Memory bandwidth limits", "A key-value cache stores"]
-
-
-@pytest.fixture(scope="module")
-def server(loaded_llama):
-    server = serve(loaded_llama)
-    yield server
-    assert server.stop(drain=False, timeout=30)
-
-
-@pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
 
 
 def completion(server, prompt, **more) -> dict:
@@ -44,6 +33,16 @@ def completion(server, prompt, **more) -> dict:
 def request(prompt: str, tokens: int = 12) -> GenerationRequest:
     return GenerationRequest(prompt, mode="raw", sampling=SamplingParams(temperature=0.0), max_new_tokens=tokens,
                              ignore_eos=True, top_alternatives=0)
+
+
+def run_until(service: CoreService, done: threading.Event) -> None:
+    """Step ``service`` on its own thread until ``done``, then stop it."""
+    service.start()
+    try:
+        assert done.wait(60)
+    finally:
+        service.stop()
+        assert service.join(30)
 
 
 # -- one bad request fails alone ---------------------------------------------------------------
@@ -121,12 +120,7 @@ def test_a_callers_failing_callback_ends_its_request_alone(loaded_llama):
 
     for i, prompt in enumerate(PROMPTS):
         service.submit(Ticket(request(prompt), sink_for(i)))
-    service.start()
-    try:
-        assert done.wait(60)
-    finally:
-        service.stop()
-        assert service.join(30)
+    run_until(service, done)
     finals = {i: next(e for e in v if isinstance(e, Finished)) for i, v in events.items()}
     assert finals[1].reason == "cancelled"
     for i in (0, 2):
@@ -192,17 +186,11 @@ def test_a_request_is_timed_from_its_arrival_not_from_when_the_core_takes_it(loa
     ticket = Ticket(request("The quick brown fox", 4), lambda e: done.set() if isinstance(e, Finished) else None,
                     arrived=time.perf_counter() - waited)  # it came in 0.75 s before the core sees it
     service.submit(ticket)
-    service.start()
-    try:
-        assert done.wait(60)
-    finally:
-        service.stop()
-        assert service.join(30)
-    sample = metrics.registry.get_sample_value
-    labels = {"model_name": "m"}
-    assert sample("vllm:time_to_first_token_seconds_count", labels) == 1
-    assert sample("vllm:time_to_first_token_seconds_sum", labels) >= waited
-    assert sample("vllm:e2e_request_latency_seconds_sum", labels) >= waited
+    run_until(service, done)
+    sample = partial(metrics.registry.get_sample_value, labels={"model_name": "m"})
+    assert sample("vllm:time_to_first_token_seconds_count") == 1
+    assert sample("vllm:time_to_first_token_seconds_sum") >= waited
+    assert sample("vllm:e2e_request_latency_seconds_sum") >= waited
     assert arrivals[0].at_s == pytest.approx(ticket.arrived - service.started)
 
 
@@ -240,21 +228,15 @@ def test_metrics_time_each_token_as_the_gap_since_the_requests_last(loaded_llama
     service.listen(listener)
     for prompt in PROMPTS:
         service.submit(Ticket(request(prompt, 8), lambda e: None))
-    service.start()
-    try:
-        assert finished.wait(60)
-    finally:
-        service.stop()
-        assert service.join(30)
-    sample = metrics.registry.get_sample_value
-    labels = {"model_name": "m"}
+    run_until(service, finished)
+    sample = partial(metrics.registry.get_sample_value, labels={"model_name": "m"})
     gaps = [b - a for times in tokens.values() for a, b in zip(times, times[1:])]
-    assert sample("vllm:inter_token_latency_seconds_count", labels) == len(gaps) == 3 * 7
-    assert sample("vllm:inter_token_latency_seconds_sum", labels) == pytest.approx(sum(gaps), abs=1e-9)
-    assert sample("vllm:time_to_first_token_seconds_sum", labels) == pytest.approx(
+    assert sample("vllm:inter_token_latency_seconds_count") == len(gaps) == 3 * 7
+    assert sample("vllm:inter_token_latency_seconds_sum") == pytest.approx(sum(gaps), abs=1e-9)
+    assert sample("vllm:time_to_first_token_seconds_sum") == pytest.approx(
         sum(times[0] for times in tokens.values()), abs=1e-9)
     tpots = [(times[-1] - times[0]) / 7 for times in tokens.values()]
-    assert sample("vllm:request_time_per_output_token_seconds_sum", labels) == pytest.approx(sum(tpots), abs=1e-9)
+    assert sample("vllm:request_time_per_output_token_seconds_sum") == pytest.approx(sum(tpots), abs=1e-9)
 
 
 # -- hostile input ------------------------------------------------------------------------------------
