@@ -230,7 +230,8 @@ class CoreService:
                 with self._lock:
                     while not self._inbox and self.core.idle and self._accepting:
                         self._lock.wait()
-                    incoming, self._inbox = self._inbox, []
+                    incoming = list(self._inbox)  # each leaves the inbox as the core takes it: never
+                    # out of both (in_flight 0 while a prompt is tokenized would end a caller's wait early)
                     if not incoming and self.core.idle and not self._accepting:
                         return
                 for ticket in incoming:
@@ -257,22 +258,29 @@ class CoreService:
             ids = ticket.prompt_ids if ticket.prompt_ids is not None else self.loaded.encode(ticket.request)
             rid = self.core.submit(ticket.request, ticket.cancel, ids, arrived=ticket.arrived)
         except EngineError as exc:
-            self._send(ticket, Rejected(exc))
+            self._refuse(ticket, exc)
             return
         except Exception:  # a tokenizer failing on odd input: the caller's problem, said in its terms
             log.exception("a prompt could not be tokenized")
-            self._send(ticket, Rejected(InvalidRequestError(
+            self._refuse(ticket, InvalidRequestError(
                 "The model's tokenizer could not read this prompt as text; check that it is plain Unicode "
-                "text (no control or invalid characters).")))
+                "text (no control or invalid characters)."))
             return
         ticket.request_id = rid
         with self._lock:
             self._tickets[rid] = ticket
+            self._inbox.remove(ticket)
             self._waiting = len(self.core.waiting)
         self._send(ticket, Accepted(rid, len(ids)))
         if self._listeners:
             self._tell(RequestArrived(rid, ticket.arrived - self.started, ticket.client, ticket.endpoint, len(ids),
                                       ticket.request.max_new_tokens, ticket.request.prompt, tuple(ids)))
+
+    def _refuse(self, ticket: Ticket, error: EngineError) -> None:
+        with self._lock:
+            self._inbox.remove(ticket)
+            self._lock.notify_all()
+        self._send(ticket, Rejected(error))
 
     def _step(self) -> None:
         try:

@@ -383,3 +383,18 @@ def test_the_windows_door_is_open_when_the_server_says_it_started(loaded_llama):
         cancel.cancel()
         runner.join(60)
     assert len(tags) == 1 and not runner.is_alive()
+
+
+def test_a_request_being_taken_in_is_still_in_flight(loaded_llama, monkeypatch):
+    """While the core tokenizes a request it is in flight: a caller waiting for in_flight == 0
+    (the server drained) must not see 0 then."""
+    service = CoreService(loaded_llama)
+    seen = []
+    encode = loaded_llama.encode
+    monkeypatch.setattr(loaded_llama, "encode", lambda r: seen.append((service.in_flight, service.waiting))
+                        or encode(r))
+    done = threading.Event()
+    service.submit(Ticket(request("The quick brown fox", 2), lambda e: done.set() if isinstance(e, Finished) else None))
+    run_until(service, done)
+    assert seen == [(1, 1)]
+    assert service.in_flight == 0
