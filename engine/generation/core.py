@@ -155,7 +155,10 @@ class EngineCore:
         for r in [*self.waiting, *self.running]:  # cancelled between steps: gone before this one,
             # unless its last token left half a character: one more token completes it (and ends it)
             if r.cancel.cancelled and not (r.detok is not None and r.detok.pending):
-                yield self._finish(r, "cancelled")
+                try:
+                    yield self._finish(r, "cancelled")
+                except Exception as exc:
+                    yield self._fail(r, exc)
         yield from self._admit()
         decoding = [r for r in self.running if r.next_token is not None]
         budget = self.settings.token_budget - len(decoding)
@@ -229,8 +232,8 @@ class EngineCore:
         """End ``r`` because its own work raised ``exc``; the other requests go on."""
         log.error("request %d failed; the others go on", r.rid, exc_info=exc)
         message = f"The engine failed on this request: {type(exc).__name__}: {exc}"
-        if r not in self.running and r not in self.waiting:
-            return failed_event(r.rid, message)  # already ended (it failed while finishing)
+        if r not in self.running and r not in self.waiting:  # it failed while finishing: free what
+            return self._drop(r, message)  # the runner or the draft may still hold for it
         try:
             return self._finish(r, "error", error=message)
         except Exception:  # its state is too broken to total: drop it by hand

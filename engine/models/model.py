@@ -51,8 +51,10 @@ class LoadedModel:
     @property
     def vocab_size(self) -> int | None:
         """Rows of the input embedding: the token ids the model can read (0 to this, less one)."""
-        embeddings = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
-        rows = getattr(embeddings, "num_embeddings", None)
+        try:
+            rows = getattr(self.model.get_input_embeddings(), "num_embeddings", None)
+        except (AttributeError, NotImplementedError):  # a model transformers can't ask (custom code)
+            rows = None
         return int(rows) if rows is not None else self.info.vocab_size
 
     def check_prompt(self, ids: list[int]) -> None:

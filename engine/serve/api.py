@@ -98,8 +98,10 @@ def host_name(header: str) -> str:
     """The name part of a ``Host`` header (``[::1]:8000`` → ``::1``, ``LocalHost:80`` → ``localhost``)."""
     header = header.strip().lower()
     if header.startswith("["):
-        return header[1:header.find("]")] if "]" in header else header
-    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+        name = header[1:header.find("]")] if "]" in header else header
+    else:
+        name = header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+    return name.rstrip(".")  # "localhost." is localhost
 
 
 class _HostCheck:

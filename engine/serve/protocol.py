@@ -12,6 +12,7 @@ which :class:`StopTrimmer` holds back while streaming.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what torch.manual_seed takes
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: dict | None = None
@@ -104,6 +105,11 @@ class CompletionRequest(_Request):
 def _not_unicode(body: Any) -> str | None:
     """Where in ``body`` a string holds a lone surrogate (JSON's ``"\\ud800"`` decodes to one:
     half of a UTF-16 pair, no character at all), or ``None``."""
+    try:  # the whole body at once, in C: a 4 MiB prompt of token ids walked item by item stalls the loop
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        pass
     todo: list[tuple[str, Any]] = [("", body)]
     while todo:
         where, value = todo.pop()

@@ -225,6 +225,8 @@ class CoreService:
 
     # -- the core's thread ------------------------------------------------------------------
     def run(self) -> None:
+        """Step the core until stopped. Should the core itself fail beyond repair (a fresh one can't
+        be made), the service stops taking requests and every caller hears so, never left waiting."""
         try:
             while True:
                 with self._lock:
@@ -238,6 +240,9 @@ class CoreService:
                     self._accept(ticket)
                 if not self.core.idle:
                     self._step()
+        except Exception as exc:  # logged and told to every caller; the thread ends here
+            log.exception("the engine core stopped")
+            self._abandon(exc)
         finally:
             with self._lock:
                 self._stopped.set()
@@ -256,7 +261,6 @@ class CoreService:
     def _accept(self, ticket: Ticket) -> None:
         try:
             ids = ticket.prompt_ids if ticket.prompt_ids is not None else self.loaded.encode(ticket.request)
-            rid = self.core.submit(ticket.request, ticket.cancel, ids, arrived=ticket.arrived)
         except EngineError as exc:
             self._refuse(ticket, exc)
             return
@@ -265,6 +269,15 @@ class CoreService:
             self._refuse(ticket, InvalidRequestError(
                 "The model's tokenizer could not read this prompt as text; check that it is plain Unicode "
                 "text (no control or invalid characters)."))
+            return
+        try:
+            rid = self.core.submit(ticket.request, ticket.cancel, ids, arrived=ticket.arrived)
+        except EngineError as exc:
+            self._refuse(ticket, exc)
+            return
+        except Exception as exc:  # the engine's fault, not the request's: said as such, this request alone
+            log.exception("a request could not be queued")
+            self._refuse(ticket, EngineError(f"The engine failed on this request: {type(exc).__name__}: {exc}"))
             return
         ticket.request_id = rid
         with self._lock:
@@ -275,6 +288,21 @@ class CoreService:
         if self._listeners:
             self._tell(RequestArrived(rid, ticket.arrived - self.started, ticket.client, ticket.endpoint, len(ids),
                                       ticket.request.max_new_tokens, ticket.request.prompt, tuple(ids)))
+
+    def _abandon(self, exc: BaseException) -> None:
+        """The core is gone: take nothing more, and end every request in flight with why."""
+        from engine.generation.decoding import failed_event
+
+        message = f"The server's engine stopped: {type(exc).__name__}: {exc}"
+        with self._lock:
+            self._accepting = False
+            waiting, open_tickets = list(self._inbox), list(self._tickets.items())
+            self._inbox.clear()
+            self._tickets.clear()
+        for ticket in waiting:
+            self._send(ticket, Rejected(NotServingError(message)))
+        for rid, ticket in open_tickets:
+            self._send(ticket, failed_event(rid, message, total_s=time.perf_counter() - ticket.arrived))
 
     def _refuse(self, ticket: Ticket, error: EngineError) -> None:
         with self._lock:
@@ -309,6 +337,10 @@ class CoreService:
         ticket = self._tickets.get(rid)
         if ticket is None:
             return
+        if isinstance(event, Finished):  # out of the count before its caller hears (and sends the next)
+            with self._lock:
+                self._tickets.pop(rid, None)
+            self.served += 1
         if isinstance(event, TokenGenerated):
             try:
                 token = Token(event, self.loaded.token_text(event.token_id))
@@ -321,10 +353,6 @@ class CoreService:
             self._send(ticket, event)
         if self._listeners:
             self._tell(RequestEvent(rid, event, now))
-        if isinstance(event, Finished):
-            with self._lock:
-                self._tickets.pop(rid, None)
-            self.served += 1
 
     def _send(self, ticket: Ticket, event) -> None:
         """``event`` to ``ticket``'s caller; a caller whose callback fails loses its request (ended
@@ -354,10 +382,11 @@ class CoreService:
         message = ("Out of memory: too many requests or too long ones for this machine; the server ended the "
                    "requests in flight." if is_out_of_memory(exc) else
                    f"The engine failed: {type(exc).__name__}: {exc}")
-        now = self._now()
-        for rid in list(self._tickets):  # ended as a step ends them: callers, listeners, the count
-            self._deliver(failed_event(rid, message), now)
-        self.core = EngineCore(self.loaded, self.settings, speculation=self.core.speculation)
+        now, clock = self._now(), time.perf_counter()
+        for rid, ticket in list(self._tickets.items()):  # ended as a step ends them: callers, listeners, the count
+            self._deliver(failed_event(rid, message, total_s=clock - ticket.arrived), now)
+        speculation, self.core = self.core.speculation, None  # the old core's cache goes before a new one is made
+        self.core = EngineCore(self.loaded, self.settings, speculation=speculation)
         with self._lock:
             self._waiting, self._kv = 0, 0
             self._lock.notify_all()

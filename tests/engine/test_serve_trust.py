@@ -274,7 +274,7 @@ def test_a_body_that_is_not_declared_json_is_refused(server, http, content_type)
 
 @pytest.mark.parametrize("host, status", [
     ("evil.example", 403), ("evil.example:8000", 403), ("127.0.0.1.nip.io", 403), ("localhost", 200),
-    ("LocalHost:{port}", 200), ("127.0.0.1:{port}", 200), ("[::1]:{port}", 200),
+    ("LocalHost:{port}", 200), ("localhost.:{port}", 200), ("127.0.0.1:{port}", 200), ("[::1]:{port}", 200),
 ])
 def test_a_loopback_server_answers_only_loopback_names(server, http, host, status):
     """DNS rebinding: a page whose name resolves to 127.0.0.1 sends its own name as the Host."""
@@ -398,3 +398,41 @@ def test_a_request_being_taken_in_is_still_in_flight(loaded_llama, monkeypatch):
     run_until(service, done)
     assert seen == [(1, 1)]
     assert service.in_flight == 0
+
+
+def test_a_core_that_cannot_be_rebuilt_stops_the_service_and_tells_every_caller(loaded_llama, monkeypatch):
+    """A step fails for everyone and no fresh core can be made: nobody is left waiting, and new
+    requests are refused instead of queueing forever."""
+    from engine.errors import EngineError
+    from engine.generation import core as core_module
+    from engine.serve.service import NotServingError
+
+    service = CoreService(loaded_llama)
+    heard: dict[int, list] = {0: [], 1: []}
+    done = threading.Event()
+    for i in heard:
+        service.submit(Ticket(request(PROMPTS[i], 8), lambda e, i=i: heard[i].append(e) or (
+            done.set() if all(any(isinstance(x, Finished) for x in v) for v in heard.values()) else None)))
+
+    def broken_step():
+        raise RuntimeError("a kernel failed")
+
+    def no_core(*args, **kwargs):
+        raise MemoryError("no room for a fresh core")
+
+    monkeypatch.setattr(service.core, "step", broken_step)
+    monkeypatch.setattr(core_module, "EngineCore", no_core)
+    service.start()
+    assert done.wait(60) and service.join(30)
+    for events in heard.values():
+        (finished,) = [e for e in events if isinstance(e, Finished)]
+        assert finished.reason == "error" and "a kernel failed" in finished.error and finished.total_s > 0
+    with pytest.raises(NotServingError):
+        service.submit(Ticket(request("x", 2), lambda e: None))
+    assert service.in_flight == 0
+    assert isinstance(NotServingError("x"), EngineError)
+
+
+def test_a_seed_torch_cannot_take_is_a_400(server, http):
+    response = http.post("/completions", json=completion(server, "x", seed=2**70))
+    assert response.status_code == 400 and "seed" in response.json()["error"]["message"]
