@@ -337,10 +337,15 @@ class CoreService:
         ticket = self._tickets.get(rid)
         if ticket is None:
             return
-        if isinstance(event, Finished):  # out of the count before its caller hears (and sends the next)
+        if isinstance(event, Finished):  # listeners hear it, then it leaves the count, then its caller
+            # hears (and may send the next): in_flight 0 means told everywhere, a closed loop never 429
+            if self._listeners:
+                self._tell(RequestEvent(rid, event, now))
             with self._lock:
                 self._tickets.pop(rid, None)
             self.served += 1
+            self._send(ticket, event)
+            return
         if isinstance(event, TokenGenerated):
             try:
                 token = Token(event, self.loaded.token_text(event.token_id))
