@@ -296,13 +296,13 @@ class CoreService:
         message = f"The server's engine stopped: {type(exc).__name__}: {exc}"
         with self._lock:
             self._accepting = False
-            waiting, open_tickets = list(self._inbox), list(self._tickets.items())
+            waiting = list(self._inbox)
             self._inbox.clear()
-            self._tickets.clear()
         for ticket in waiting:
             self._send(ticket, Rejected(NotServingError(message)))
-        for rid, ticket in open_tickets:
-            self._send(ticket, failed_event(rid, message, total_s=time.perf_counter() - ticket.arrived))
+        now, clock = self._now(), time.perf_counter()
+        for rid, ticket in list(self._tickets.items()):  # ended as a step ends them: callers, listeners, the count
+            self._deliver(failed_event(rid, message, total_s=clock - ticket.arrived), now)
 
     def _refuse(self, ticket: Ticket, error: EngineError) -> None:
         with self._lock:
