@@ -230,8 +230,7 @@ class EngineCore:
 
     def _fail(self, r: _Request, exc: Exception) -> Finished:
         """End ``r`` because its own work raised ``exc``; the other requests go on."""
-        log.error("request %d failed; the others go on", r.rid, exc_info=exc)
-        message = f"The engine failed on this request: {type(exc).__name__}: {exc}"
+        message = _failure(r, exc)
         if r not in self.running and r not in self.waiting:  # it failed while finishing: free what
             return self._drop(r, message)  # the runner or the draft may still hold for it
         try:
@@ -309,8 +308,7 @@ class EngineCore:
             except Exception as exc:
                 if is_out_of_memory(exc):
                     raise
-                log.error("request %d failed at admission; the others go on", r.rid, exc_info=exc)
-                yield self._drop(r, f"The engine failed on this request: {type(exc).__name__}: {exc}")
+                yield self._drop(r, _failure(r, exc))  # set up in part: dropped by hand
 
     def _token(self, r: _Request, logits, began: float, now: float, memory, token: int | None = None,
                drafted: bool | None = None, latency: float | None = None, unused: float = 0.0,
@@ -400,3 +398,9 @@ class EngineCore:
         event = finished_event(reason, r.tokens, r.latencies, len(r.prompt), r.arrived, self.probe, kv,
                                self.loaded.predicted_kv_bytes(in_cache), text, stop_string, **counts)
         return replace(event, request_id=r.rid, error=error)
+
+
+def _failure(r: _Request, exc: Exception) -> str:
+    """Log ``r``'s own failure; what its Finished says."""
+    log.error("request %d failed; the others go on", r.rid, exc_info=exc)
+    return f"The engine failed on this request: {type(exc).__name__}: {exc}"
