@@ -94,6 +94,8 @@ class Prefilled:
     kv_cache_bytes_predicted: int | None
     memory: MemorySample
     request_id: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens copied from the prefix cache instead of computed (``prefill_s`` is the rest's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +160,10 @@ class Finished:
     request_id: int = 0
     error: str | None = None
     """``reason == "error"``: what went wrong (the engine core ends one request, not the others)."""
+    cached_tokens: int = 0
+    """Prompt tokens copied from the prefix cache at its first admission."""
+    preemptions: int = 0
+    """Times it was preempted (its cache freed, later computed again) for lack of KV blocks."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +185,21 @@ class DraftVerified:
     request_id: int = 0
 
 
-GenerationEvent = Union[Prefilled, TokenGenerated, DraftVerified, Finished]
+@dataclass(frozen=True, slots=True)
+class Preempted:
+    """The engine core ran out of KV blocks and took this request's back: it waits at the front
+    of the queue and, admitted again, computes its prompt and the tokens it has so far once more
+    (vLLM's recompute); its answer goes on where it stopped."""
+
+    step: int
+    tokens: int
+    """Tokens it had generated (kept; recomputed into the cache when it runs again)."""
+    blocks_freed: int
+    elapsed_s: float
+    request_id: int = 0
+
+
+GenerationEvent = Union[Prefilled, TokenGenerated, DraftVerified, Preempted, Finished]
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +283,17 @@ class StepCompleted:
     elapsed_s: float
     """Time since the core started."""
     memory: MemorySample
+    preempted: int = 0
+    """Requests preempted before this step (KV blocks ran out)."""
+    cached_tokens: int = 0
+    """Prompt tokens copied from the prefix cache into requests admitted in this step."""
+    kv_blocks_used: int = 0
+    """KV blocks the running requests hold (engine/generation/kv_manager.py)."""
+    kv_blocks_kept: int = 0
+    """Blocks kept in the prefix cache."""
+    kv_blocks_total: int | None = None
+    """Blocks the KV budget holds (``None``: no budget)."""
+    kv_block_tokens: int = 16
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,11 +1,16 @@
 """The engine core: one step scheduler that many requests run through at once (continuous batching).
 
-Requests wait in a queue; between two steps the core admits them while the batch has room and
-their KV cache fits the budget (each reserves the cache its prompt and longest answer need),
-then each step runs, in one go, one decode token for every request that is generating and
-chunks of the prompts still being read, within a token budget, so a long prompt is read over
-several steps instead of stalling everyone else for its whole length. A request that ends (its
-stop rule, its cancel flag, an error) leaves between steps and its cache is freed at once.
+Before each step the scheduler (engine/generation/scheduler.py) decides who runs: it admits
+waiting requests while the batch has room and their KV blocks fit (engine/generation/kv_manager.py:
+blocks are taken as a request grows, never reserved for its longest answer), preempts the
+newest request when the running ones need blocks that aren't there, and gives the step's token
+budget to one decode token per generating request and chunks of the prompts still being read,
+so a long prompt is read over several steps instead of stalling everyone else for its whole
+length. The core carries the plan out: it sets up admitted requests' caches (copying any
+prefix found in the prefix cache), runs the chunks and the batched decode step, samples, and
+makes the events. A request that ends (its stop rule, its cancel flag, an error) leaves
+between steps and its blocks are freed at once; the full blocks it computed stay in the prefix
+cache (when it is on) for later requests that begin the same way.
 
 Each request carries its own sampling settings, stop rules and cancel flag, and gets the same
 events as a generation alone (:class:`Prefilled`, :class:`TokenGenerated`, :class:`Finished`,
@@ -29,8 +34,11 @@ from engine.generation.cancel import CancelToken
 from engine.generation.decoding import (PREFILL_CHUNK, SeenTokens, failed_event, finished_event, stop_reason,
                                         top_scores)
 from engine.generation.detokenize import IncrementalDetokenizer
+from engine.generation.kv_manager import BLOCK_TOKENS, KeptBlock, KVCacheManager
+from engine.generation.scheduler import Scheduler
 from engine.errors import InvalidRequestError, is_out_of_memory, non_finite_message
-from engine.events import Alternative, Finished, GenerationEvent, Prefilled, StepCompleted, TokenGenerated
+from engine.events import (Alternative, Finished, GenerationEvent, Preempted, Prefilled, StepCompleted,
+                           TokenGenerated)
 from engine.measure.memory import MemoryProbe
 from engine.request import GenerationRequest
 from engine.generation.sampling import make_sampler
@@ -51,23 +59,40 @@ class CoreSettings:
     max_batch: int = 64
     """Requests running at once; more wait."""
     kv_budget_bytes: int | None = None
-    """KV-cache bytes the running requests may reserve together; ``None``: no limit."""
+    """KV-cache bytes the running requests' blocks and the prefix cache may hold together
+    (counted in blocks); ``None``: no limit."""
     chunked_prefill: bool = True
     """Read long prompts in chunks between decode steps; off: a prompt goes through whole."""
     prefill_chunk: int = PREFILL_CHUNK
     """The largest prompt chunk of one request in one step."""
+    prefix_caching: bool = False
+    """Keep computed full blocks for later requests with the same prefix (needs a KV budget:
+    kept blocks are evicted against it)."""
+    block_tokens: int = BLOCK_TOKENS
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     rid: int
     request: GenerationRequest
     prompt: list[int]
     cancel: CancelToken
-    reserve: int
     longest: int
     """Prompt and longest answer, in tokens (capped by the context)."""
     arrived: float
+    feed: list[int] = field(default_factory=list)
+    """What the cache must hold before decoding (engine/generation/scheduler.py)."""
+    computed: int = 0
+    """Tokens in its cache."""
+    hit: list[KeptBlock] | None = None
+    preemptions: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens copied from the prefix cache at its first admission."""
+    in_runner: bool = False
+    blocks_freed: int = 0
+    """Blocks its last preemption freed."""
+    counts: dict = field(default_factory=dict)
+    """Speculation's drafted/accepted counts from before a preemption."""
     sampler: object = None
     detok: IncrementalDetokenizer | None = None
     seen: SeenTokens | None = None
@@ -86,15 +111,29 @@ class EngineCore:
         from engine.generation.runners import batch_runner_for
 
         self.loaded = loaded
-        self.settings = settings or CoreSettings()
-        if self.settings.token_budget < 1 or self.settings.max_batch < 1:
+        self.settings = settings = settings or CoreSettings()
+        if settings.token_budget < 1 or settings.max_batch < 1:
             raise InvalidRequestError("The token budget and the batch size must be at least 1.")
+        if settings.block_tokens < 1:
+            raise InvalidRequestError("A KV block holds at least one token.")
         self.speculation = speculation
         """The speculative decode step (engine/generation/speculative.py), or ``None``: one token per step."""
         self.runner = runner if runner is not None else batch_runner_for(loaded, rollback=speculation is not None)
-        self.waiting: deque[_Request] = deque()
-        self.running: list[_Request] = []
-        self.reserved = 0
+        per_token = loaded.info.kv_bytes_per_token
+        budget = settings.kv_budget_bytes
+        blocks = None if budget is None or not per_token else budget // (per_token * settings.block_tokens)
+        self.prefix_caching_off = None
+        """Why prefix caching is off though asked for (``None``: on, or not asked for)."""
+        if settings.prefix_caching:
+            reason = getattr(self.runner, "prefix_cache_reason", lambda: "this runner can't copy blocks")()
+            if blocks is None:
+                reason = "it needs a KV budget to evict kept blocks against"
+            self.prefix_caching_off = reason
+        self.kv = KVCacheManager(per_token or None, blocks, settings.prefix_caching and self.prefix_caching_off is None,
+                                 settings.block_tokens)
+        lookahead = speculation.draft_tokens if speculation is not None else 0
+        self.scheduler = Scheduler(self.kv, settings.max_batch, settings.token_budget, settings.prefill_chunk,
+                                   settings.chunked_prefill, lookahead)
         self.steps = 0
         self.probe = MemoryProbe(loaded.device)
         self.probe.reset_peak()
@@ -102,27 +141,34 @@ class EngineCore:
         self._next_id = 1
         self._special = frozenset(loaded.tokenizer.all_special_ids)
 
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[_Request]:
+        return self.scheduler.running
+
     # -- requests ----------------------------------------------------------------------
     def submit(self, request: GenerationRequest, cancel: CancelToken | None = None,
                prompt_ids: list[int] | None = None, arrived: float | None = None) -> int:
         """Queue a request; returns its id. Raises now for a bad request (empty, over-long prompt,
-        token ids outside the vocabulary). ``arrived``: when the caller received it
-        (``time.perf_counter()``; default now): its TTFT and total time count from then, so a
-        server's wait before the core picks the request up is part of them."""
+        token ids outside the vocabulary, longer than the whole KV budget). ``arrived``: when the
+        caller received it (``time.perf_counter()``; default now): its TTFT and total time count
+        from then, so a server's wait before the core picks the request up is part of them."""
         request = request.validated()
         prompt = list(prompt_ids) if prompt_ids is not None else self.loaded.encode(request)
         self.loaded.check_prompt(prompt)  # token ids given by the caller too
         context = self.loaded.info.context_length
         longest = len(prompt) + request.max_new_tokens if context is None else min(
             len(prompt) + request.max_new_tokens, context)
-        reserve = self.loaded.predicted_kv_bytes(longest) or 0
-        budget = self.settings.kv_budget_bytes
-        if budget is not None and reserve > budget:
-            raise InvalidRequestError(f"This request needs {reserve:,} bytes of KV cache, over the whole budget "
-                                      f"of {budget:,}: shorten it or raise the budget.")
+        if not self.kv.fits_alone(longest + 1 + self.scheduler.lookahead):
+            need = self.kv.block_bytes(self.kv.blocks_for(longest + 1 + self.scheduler.lookahead))
+            raise InvalidRequestError(f"This request needs {need:,} bytes of KV cache at its longest, over the whole "
+                                      f"budget of {self.settings.kv_budget_bytes:,}: shorten it or raise the budget.")
         rid, self._next_id = self._next_id, self._next_id + 1
-        self.waiting.append(_Request(rid, request, prompt, cancel or CancelToken(), reserve, longest,
-                                     time.perf_counter() if arrived is None else arrived))
+        self.scheduler.add(_Request(rid, request, prompt, cancel or CancelToken(), longest,
+                                    time.perf_counter() if arrived is None else arrived, feed=prompt))
         return rid
 
     @property
@@ -131,7 +177,11 @@ class EngineCore:
 
     def kv_bytes(self) -> int:
         """Bytes the cache holds for every running request (measured by the runner)."""
-        return sum(self.runner.kv_bytes(r.rid) for r in self.running)
+        return sum(self.runner.kv_bytes(r.rid) for r in self.running if r.in_runner)
+
+    def kept_bytes(self) -> int:
+        """Bytes of the blocks kept in the prefix cache."""
+        return self.kv.block_bytes(self.kv.kept_blocks) or 0
 
     def run(self) -> Iterator[GenerationEvent]:
         while not self.idle:
@@ -159,19 +209,15 @@ class EngineCore:
                     yield self._finish(r, "cancelled")
                 except Exception as exc:
                     yield self._fail(r, exc)
-        yield from self._admit()
-        decoding = [r for r in self.running if r.next_token is not None]
-        budget = self.settings.token_budget - len(decoding)
-        chunks: list[tuple[_Request, int]] = []
-        for r in self.running:
-            left = len(r.prompt) - r.prefilled
-            if not left:
-                continue
-            size = min(left, self.settings.prefill_chunk, budget) if self.settings.chunked_prefill else left
-            if size <= 0:
-                break
-            chunks.append((r, size))
-            budget -= size
+        plan = self.scheduler.schedule()
+        for r in plan.preempted:
+            yield from self._guarded(r, self._preempt(r, began))
+        cached = 0
+        for r in plan.admitted:
+            cached += len(r.hit or ()) * self.kv.block_tokens
+            yield from self._guarded(r, self._admit(r))
+        decoding = [r for r in plan.decoding if r in self.running]
+        chunks = [(r, size) for r, size in plan.chunks if r in self.running and r.in_runner]
         logits: dict[int, torch.Tensor] = {}
         failed: list[tuple[_Request, Exception]] = []
         with torch.inference_mode():
@@ -179,22 +225,25 @@ class EngineCore:
                 if r.prefill_started is None:
                     r.prefill_started = time.perf_counter()
                 try:
-                    ids = torch.tensor([r.prompt[r.prefilled:r.prefilled + size]], dtype=torch.long,
+                    ids = torch.tensor([r.feed[r.prefilled:r.prefilled + size]], dtype=torch.long,
                                        device=self.loaded.device)
                     out = self.runner.prefill(r.rid, ids)
                     if self.speculation is not None:
                         self.speculation.prefill(r.rid, ids)
+                    r.prefilled += size
+                    r.computed += size
+                    self.kv.keep(r.feed, r.prefilled, self._copier(r))
                 except Exception as exc:
                     if is_out_of_memory(exc):
                         raise
                     failed.append((r, exc))
                     continue
-                r.prefilled += size
-                if r.prefilled == len(r.prompt):
+                if r.prefilled == len(r.feed):
                     logits[r.rid] = out
             if decoding and self.speculation is None:
                 out = self.runner.decode([r.rid for r in decoding], [r.next_token for r in decoding])
                 for row, r in enumerate(decoding):
+                    r.computed += 1
                     logits[r.rid] = out[row]
         for r, exc in failed:
             yield self._fail(r, exc)
@@ -209,14 +258,62 @@ class EngineCore:
                     yield from self._guarded(r, self._speculate(r))
             now = time.perf_counter()
         kv = self.kv_bytes()
-        predicted = [self.loaded.predicted_kv_bytes(r.prefilled + max(0, len(r.tokens) - 1)) for r in self.running]
+        predicted = [self.loaded.predicted_kv_bytes(r.computed) for r in self.running if r.in_runner]
         yield StepCompleted(
             step=self.steps, batch=len(logits) + (len(decoding) if self.speculation is not None else 0),
             decode_tokens=len(decoding), prefill_tokens=sum(size for _, size in chunks), waiting=len(self.waiting),
             running=len(self.running), kv_cache_bytes=kv,
             kv_cache_bytes_predicted=None if None in predicted else sum(predicted),
-            step_s=now - began, elapsed_s=now - self.start, memory=memory)
+            step_s=now - began, elapsed_s=now - self.start, memory=memory, preempted=len(plan.preempted),
+            cached_tokens=cached, kv_blocks_used=self.kv.used_blocks, kv_blocks_kept=self.kv.kept_blocks,
+            kv_blocks_total=self.kv.total_blocks, kv_block_tokens=self.kv.block_tokens)
         self.steps += 1
+
+    def _copier(self, r: _Request):
+        """What the KV manager calls to copy a block of ``r``'s cache out."""
+        return lambda start, end: self.runner.block_kv(r.rid, start, end)
+
+    # -- admission and preemption -------------------------------------------------------------
+    def _admit(self, r: _Request) -> Iterator[GenerationEvent]:
+        """Set up ``r``'s cache (admitted by the scheduler this step), with the blocks the prefix
+        cache had for it copied in; the first admission also makes its sampler and detokenizer."""
+        device = self.loaded.device
+        if r.sampler is None:
+            r.sampler = make_sampler(r.request.sampling, device)
+            r.detok = IncrementalDetokenizer(self.loaded.tokenizer)
+            r.seen = SeenTokens(r.prompt, min(r.request.max_new_tokens, 4096), device)
+        # alone, the cache is sized for the whole answer at once (no copies as it grows);
+        # in a batch every slot shares the capacity, so it grows only as far as needed
+        self.runner.add(r.rid, r.longest if self.settings.max_batch == 1 else len(r.feed) + 1)
+        r.in_runner = True
+        if self.speculation is not None:
+            self.speculation.add(r.rid, r.request, r.longest)
+        if r.hit:
+            import torch
+
+            self.runner.load_kv(r.rid, [block.data for block in r.hit])
+            cached = len(r.hit) * self.kv.block_tokens  # the scheduler counted them as read
+            if self.speculation is not None:  # the draft reads the prefix (its own cache, no copy)
+                with torch.inference_mode():
+                    self.speculation.prefill(r.rid, torch.tensor([r.feed[:cached]], dtype=torch.long, device=device))
+            if not r.tokens:  # its Prefilled is still to come (a first admission, or preempted in its prompt)
+                r.cached_tokens = cached
+        r.hit = None
+        yield from ()
+
+    def _preempt(self, r: _Request, began: float) -> Iterator[GenerationEvent]:
+        """Free ``r``'s cache: the scheduler took its blocks back and queued it again."""
+        if r.in_runner:
+            self.runner.remove(r.rid)
+            r.in_runner = False
+        if self.speculation is not None:
+            for name, value in self.speculation.counts(r.rid).items():
+                r.counts[name] = r.counts.get(name, 0) + value
+            self.speculation.remove(r.rid)
+        log.info("request %d preempted after %d tokens (KV blocks ran out); it will be recomputed",
+                 r.rid, len(r.tokens))
+        yield Preempted(step=self.steps, tokens=len(r.tokens), blocks_freed=r.blocks_freed,
+                        elapsed_s=time.perf_counter() - r.arrived, request_id=r.rid)
 
     # -- one request failing alone ----------------------------------------------------------
     def _guarded(self, r: _Request, events: Iterator[GenerationEvent]) -> Iterator[GenerationEvent]:
@@ -241,12 +338,8 @@ class EngineCore:
 
     def _drop(self, r: _Request, message: str) -> Finished:
         """Take ``r`` out of the core whatever state a failure left it in."""
-        if r in self.running:
-            self.running.remove(r)
-            self.reserved -= r.reserve
-        elif r in self.waiting:
-            self.waiting.remove(r)
-        for part in (self.runner, self.speculation):
+        self.scheduler.remove(r)
+        for part in (self.runner if r.in_runner else None, self.speculation):
             if part is not None:
                 try:
                     part.remove(r.rid)
@@ -264,6 +357,7 @@ class EngineCore:
         if context is not None:
             room = min(room, context - len(r.prompt) - len(r.tokens))
         result = self.speculation.step(self.runner, r.rid, r.prompt + r.tokens, room, started)
+        r.computed = self.runner.length(r.rid)
         now = time.perf_counter()
         if result.verified is not None:
             yield replace(result.verified, elapsed_s=now - r.arrived)
@@ -283,33 +377,6 @@ class EngineCore:
             message = non_finite_message(self.loaded.info.precision, self.loaded.info.name, len(r.tokens))
             yield self._finish(r, "error", error=message)
 
-    def _admit(self) -> Iterator[Finished]:
-        """Move waiting requests into the batch while it has room; a request whose set-up fails
-        ends here (its :class:`Finished`), and the next one is admitted."""
-        budget = self.settings.kv_budget_bytes
-        while self.waiting and len(self.running) < self.settings.max_batch:
-            r = self.waiting[0]
-            if budget is not None and self.running and self.reserved + r.reserve > budget:
-                break  # waits for a running request to end (first come, first served)
-            self.waiting.popleft()
-            self.running.append(r)
-            self.reserved += r.reserve
-            try:
-                device = self.loaded.device
-                r.sampler = make_sampler(r.request.sampling, device)
-                r.detok = IncrementalDetokenizer(self.loaded.tokenizer)
-                room = r.request.max_new_tokens
-                r.seen = SeenTokens(r.prompt, min(room, 4096), device)
-                # alone, the cache is sized for the whole answer at once (no copies as it grows);
-                # in a batch every slot shares the capacity, so it grows only as far as needed
-                self.runner.add(r.rid, r.longest if self.settings.max_batch == 1 else len(r.prompt) + 1)
-                if self.speculation is not None:
-                    self.speculation.add(r.rid, r.request, r.longest)
-            except Exception as exc:
-                if is_out_of_memory(exc):
-                    raise
-                yield self._drop(r, _failure(r, exc))  # set up in part: dropped by hand
-
     def _token(self, r: _Request, logits, began: float, now: float, memory, token: int | None = None,
                drafted: bool | None = None, latency: float | None = None, unused: float = 0.0,
                ahead: int = 0) -> Iterator[GenerationEvent]:
@@ -327,11 +394,12 @@ class EngineCore:
         n_prompt = len(r.prompt)
         if not r.tokens:
             prefill_s = now - (r.prefill_started or now)
+            computed = n_prompt - r.cached_tokens
             yield (Prefilled(
                 prompt_tokens=n_prompt, prefill_s=prefill_s,
-                prefill_tokens_per_s=n_prompt / prefill_s if prefill_s > 0 else 0.0,
+                prefill_tokens_per_s=computed / prefill_s if prefill_s > 0 else 0.0,
                 kv_cache_bytes=self.runner.kv_bytes(r.rid), kv_cache_bytes_predicted=loaded.predicted_kv_bytes(n_prompt),
-                memory=memory, request_id=r.rid))
+                memory=memory, request_id=r.rid, cached_tokens=r.cached_tokens))
         top_k = request.top_alternatives
         plain_greedy = request.sampling.greedy and request.sampling.repetition_penalty == 1.0
         with torch.inference_mode():
@@ -378,26 +446,31 @@ class EngineCore:
             yield self._finish(r, reason, stop_string)
 
     def _finish(self, r: _Request, reason: str, stop_string: str | None = None, error: str | None = None) -> Finished:
-        """End ``r`` now: its totals, and its cache freed before the next step."""
-        admitted = r.sampler is not None
-        in_cache = (r.prefilled + max(0, len(r.tokens) - 1)) if admitted else 0
-        if admitted and self.speculation is not None:
-            self.runner.crop(r.rid, in_cache)  # it stopped part-way through a step's accepted guesses
-        kv = self.runner.kv_bytes(r.rid) if admitted else 0
-        counts = {}
-        if admitted:
-            self.running.remove(r)
-            self.reserved -= r.reserve
-            self.runner.remove(r.rid)
+        """End ``r`` now: its totals, its full blocks kept for later prompts (unless it failed:
+        its cache may hold what made it fail), and its blocks freed before the next step."""
+        in_cache = min(r.computed, len(r.prompt) + len(r.tokens) - 1) if r.tokens else r.computed
+        kv = 0
+        if r.in_runner:
             if self.speculation is not None:
-                counts = self.speculation.counts(r.rid)
-                self.speculation.remove(r.rid)
-        else:
-            self.waiting.remove(r)
+                self.runner.crop(r.rid, in_cache)  # it stopped part-way through a step's accepted guesses
+                r.computed = in_cache
+            if reason != "error":
+                self.kv.keep(r.prompt + r.tokens, in_cache, self._copier(r))
+            kv = self.runner.kv_bytes(r.rid)
+        counts = dict(r.counts)
+        self.scheduler.remove(r)
+        if r.in_runner:
+            self.runner.remove(r.rid)
+            r.in_runner = False
+        if self.speculation is not None:
+            for name, value in self.speculation.counts(r.rid).items():
+                counts[name] = counts.get(name, 0) + value
+            self.speculation.remove(r.rid)
         text = r.detok.text if r.detok is not None else ""
         event = finished_event(reason, r.tokens, r.latencies, len(r.prompt), r.arrived, self.probe, kv,
                                self.loaded.predicted_kv_bytes(in_cache), text, stop_string, **counts)
-        return replace(event, request_id=r.rid, error=error)
+        return replace(event, request_id=r.rid, error=error, cached_tokens=r.cached_tokens,
+                       preemptions=r.preemptions)
 
 
 def _failure(r: _Request, exc: Exception) -> str:

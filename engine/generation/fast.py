@@ -398,6 +398,28 @@ class SlotCache:
             out[i] = logits[slot]
         return out
 
+    def prefix_cache_reason(self) -> str | None:
+        return None
+
+    def block_kv(self, seq: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of ``seq``'s keys and values of tokens ``start…end``: [layers, KV heads, n, dim] each."""
+        slot = self.slot_of[seq]
+        return (torch.stack([k[slot, :, start:end] for k in self.keys]),
+                torch.stack([v[slot, :, start:end] for v in self.values]))
+
+    @torch.inference_mode()
+    def load_kv(self, seq: int, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put ``blocks`` (from :meth:`block_kv`, in order) at the start of ``seq``'s empty slot."""
+        keys = torch.cat([k for k, _ in blocks], dim=2)
+        values = torch.cat([v for _, v in blocks], dim=2)
+        length = keys.shape[2]
+        self._room(length + 1)
+        slot = self.slot_of[seq]
+        for index, (k, v) in enumerate(zip(self.keys, self.values)):
+            k[slot, :, :length] = keys[index]
+            v[slot, :, :length] = values[index]
+        self.lengths[slot] = length
+
     def crop(self, seq: int, length: int) -> None:
         """Forget ``seq``'s tokens after the first ``length`` (speculation rolls back)."""
         slot = self.slot_of[seq]

@@ -144,6 +144,41 @@ class ReferenceBatchRunner:
             total += 2 * held * keys.shape[1] * keys.shape[3] * keys.element_size()
         return total
 
+    def prefix_cache_reason(self) -> str | None:
+        """Why this model's blocks can't be kept for reuse (``None``: they can)."""
+        from transformers import DynamicCache
+
+        if any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=self.model.config).layers):
+            return ("its sliding-window layers keep only their window's last tokens, so a block that has left "
+                    "the window can't be copied out (vLLM keeps a separate window-sized cache for them)")
+        return None
+
+    def block_kv(self, seq: int, start: int, end: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """A copy of ``seq``'s keys and values of tokens ``start…end``: [layers, 1, KV heads, n, dim] each."""
+        import torch
+
+        if seq not in self.rows:
+            layers = self.caches[seq].layers
+            keys = [layer.keys[:, :, start:end] for layer in layers]
+            values = [layer.values[:, :, start:end] for layer in layers]
+        else:  # its row of the batched cache: its real tokens are where its mask is 1
+            row = self.rows.index(seq)
+            columns = self.mask[row].nonzero().flatten()[start:end]
+            keys = [layer.keys[row:row + 1].index_select(2, columns) for layer in self.group.layers]
+            values = [layer.values[row:row + 1].index_select(2, columns) for layer in self.group.layers]
+        return torch.stack(keys), torch.stack(values)
+
+    def load_kv(self, seq: int, blocks: list[tuple["torch.Tensor", "torch.Tensor"]]) -> None:
+        """Put ``blocks`` (from :meth:`block_kv`, in order) at the start of ``seq``'s new cache."""
+        import torch
+
+        keys = torch.cat([k for k, _ in blocks], dim=3)
+        values = torch.cat([v for _, v in blocks], dim=3)
+        cache = self.caches[seq]
+        for index in range(keys.shape[0]):
+            cache.update(keys[index], values[index], index)
+        self.lengths[seq] = keys.shape[3]
+
     def length(self, seq: int) -> int:
         """Tokens ``seq`` has been given (a sliding-window layer may hold fewer)."""
         return self.lengths[seq]

@@ -9,7 +9,7 @@ import pytest
 from engine.generation.cancel import CancelToken
 from engine.generation.core import CoreSettings, EngineCore
 from engine.errors import InvalidRequestError
-from engine.events import Finished, Prefilled, StepCompleted, TokenGenerated
+from engine.events import Finished, Preempted, Prefilled, StepCompleted, TokenGenerated
 from engine.models.loading import LoadRequest, load_model
 from engine.request import GenerationRequest
 from tests.tiny import CORPUS
@@ -54,7 +54,7 @@ def drive(loaded, plan, settings=None, check_kv=True):
                 assert event.kv_cache_bytes == sum(core.runner.kv_bytes(r.rid) for r in core.running)
         step += 1
         assert step < 500, "the core did not finish"
-    assert core.kv_bytes() == 0 and core.reserved == 0 and len(core.runner) == 0
+    assert core.kv_bytes() == 0 and core.kv.used_blocks == 0 and len(core.runner) == 0
     return [tokens[ids[i]] for i in range(len(plan))], [finals[ids[i]] for i in range(len(plan))]
 
 
@@ -137,20 +137,40 @@ def test_without_chunking_a_long_prompt_goes_in_at_once(tiny_llama):
     assert first.prefill_tokens == len(loaded.encode(GenerationRequest("fox " * 30, mode="raw")))
 
 
-def test_the_kv_budget_makes_requests_wait_and_admits_them_as_others_end(tiny_llama):
+def test_a_kv_budget_too_small_preempts_and_every_request_still_gets_its_solo_answer(tiny_llama):
+    loaded = load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"))
+    requests = [GenerationRequest(text, mode="raw", max_new_tokens=40, ignore_eos=True) for text in CORPUS[:6]]
+    expected = [solo(loaded, request) for request in requests]
+    longest = max(len(loaded.encode(request)) for request in requests) + 41
+    settings = CoreSettings(token_budget=64, block_tokens=4, kv_budget_bytes=2 * longest * loaded.info.kv_bytes_per_token)
+    core = EngineCore(loaded, settings)
+    rids = [core.submit(request) for request in requests]
+    tokens = {rid: [] for rid in rids}
+    preempted, finals, most = [], {}, 0
+    while not core.idle:
+        for event in core.step():
+            if isinstance(event, TokenGenerated):
+                tokens[event.request_id].append(event.token_id)
+            elif isinstance(event, Preempted):
+                preempted.append(event)
+                assert event.tokens == len(tokens[event.request_id]) and event.blocks_freed > 0
+            elif isinstance(event, Finished):
+                finals[event.request_id] = event
+            elif isinstance(event, StepCompleted):
+                assert event.kv_blocks_used + event.kv_blocks_kept <= event.kv_blocks_total == core.kv.total_blocks
+                assert event.kv_cache_bytes <= event.kv_blocks_used * 4 * loaded.info.kv_bytes_per_token
+                most = max(most, event.running)
+    assert most > 2  # blocks on demand: more run at once than their worst cases fit
+    assert preempted, "the budget was meant to run out"
+    assert [tokens[rid] for rid in rids] == expected  # preempted ones recomputed and went on exactly
+    assert sum(finals[rid].preemptions for rid in rids) == len(preempted) == core.scheduler.preemptions
+    assert core.kv.used_blocks == 0 and len(core.runner) == 0
+
+
+def test_a_request_longer_than_the_whole_kv_budget_is_refused(tiny_llama):
     loaded = load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"))
     request = GenerationRequest("The quick brown fox", mode="raw", max_new_tokens=6, ignore_eos=True)
     need = loaded.predicted_kv_bytes(len(loaded.encode(request)) + 6)
-    core = EngineCore(loaded, CoreSettings(kv_budget_bytes=2 * need))
-    for _ in range(5):
-        core.submit(request)
-    most = 0
-    while not core.idle:
-        for event in core.step():
-            if isinstance(event, StepCompleted):
-                most = max(most, event.running)
-                assert core.reserved <= 2 * need
-    assert most == 2
     with pytest.raises(InvalidRequestError, match="budget"):
         EngineCore(loaded, CoreSettings(kv_budget_bytes=need // 2)).submit(request)
 

@@ -147,7 +147,7 @@ def test_a_failure_in_one_request_ends_it_alone(loaded_llama, monkeypatch, where
         assert "Boom" in finals[victim.rid].error
     assert [tokens[rid] for rid in rids] == expected
     assert [finals[rid].reason for rid in rids] == ["length"] * 3
-    assert core.reserved == 0 and len(core.runner) == 0 and core.kv_bytes() == 0
+    assert core.kv.used_blocks == 0 and len(core.runner) == 0 and core.kv_bytes() == 0
 
     monkeypatch.undo()  # the same core takes the next request and answers it as alone
     again = request(CORPUS[5])

@@ -1,0 +1,151 @@
+"""The scheduler: before each step of the engine core it decides who runs and with what, and
+returns that as a :class:`StepPlan`; the core (engine/generation/core.py) carries it out.
+
+The shape of vLLM v1's and nano-vllm's: requests wait in a queue (first come, first served) and
+run in a batch of at most ``max_batch``. Each step first gives every decoding request the KV
+block its next token needs (engine/generation/kv_manager.py); when none is left it **preempts**
+the newest running request: its blocks are freed and it goes back to the front of the queue,
+to be computed again (its prompt and the tokens it has so far) when it is admitted again:
+vLLM's default, recompute. Then, if nobody was preempted, waiting requests are admitted while
+the batch has room and their tokens' blocks fit (a request's prompt found in the prefix cache
+is copied, not computed). Last, the step's token budget goes to a decode token for each
+decoding request and the rest to prompt chunks, so a long prompt is read over several steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.generation.kv_manager import KeptBlock, KVCacheManager
+
+
+class Scheduled(Protocol):
+    """What the scheduler reads and sets of a request (the core's request state)."""
+
+    rid: int
+    prompt: list[int]
+    tokens: list[int]
+    feed: list[int]
+    """What its cache must hold before it decodes: the prompt, or after a preemption the prompt
+    and every token it had."""
+    prefilled: int
+    """Tokens of ``feed`` in the cache."""
+    next_token: int | None
+    """The token its next decode step feeds (``None`` while ``feed`` is being read)."""
+    computed: int
+    """Tokens in its cache."""
+    hit: list[KeptBlock] | None
+    """Blocks found in the prefix cache at its admission, to be copied into its cache."""
+    preemptions: int
+    blocks_freed: int
+
+
+@dataclass
+class StepPlan:
+    preempted: list = field(default_factory=list)
+    """Requests moved back to the queue this step (their caches to be freed)."""
+    admitted: list = field(default_factory=list)
+    """Requests admitted this step (caches to be set up, their ``hit`` copied in)."""
+    decoding: list = field(default_factory=list)
+    chunks: list = field(default_factory=list)
+    """(request, tokens of its ``feed`` to read this step)."""
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(size for _, size in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_batch: int, token_budget: int, prefill_chunk: int,
+                 chunked_prefill: bool = True, lookahead: int = 0) -> None:
+        self.kv = kv
+        self.max_batch, self.token_budget = max_batch, token_budget
+        self.prefill_chunk, self.chunked_prefill = prefill_chunk, chunked_prefill
+        self.lookahead = lookahead
+        """Cache slots a decode step may fill past the next token (speculation's guesses)."""
+        self.waiting: deque = deque()
+        self.running: list = []
+        self.preemptions = 0
+        self._made_keys: dict[int, tuple[list[int], list[bytes]]] = {}
+
+    def add(self, r: Scheduled) -> None:
+        self.waiting.append(r)
+
+    def remove(self, r: Scheduled) -> None:
+        """``r`` ends: out of the queues, its blocks freed."""
+        if r in self.running:
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        self.kv.release(r.rid)
+        self._made_keys.pop(r.rid, None)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        for r in [r for r in self.running if r.next_token is not None]:  # oldest first
+            while r in self.running and not self.kv.hold(r.rid, r.computed + 1 + self.lookahead):
+                victim = self.running[-1]
+                self._preempt(victim)
+                plan.preempted.append(victim)
+            if r in self.running:
+                plan.decoding.append(r)
+        if not plan.preempted:
+            self._admit(plan)
+        budget = self.token_budget - len(plan.decoding)
+        for r in self.running:
+            left = len(r.feed) - r.prefilled
+            if not left:
+                continue
+            size = min(left, self.prefill_chunk, budget) if self.chunked_prefill else left
+            if size <= 0:
+                break
+            plan.chunks.append((r, size))
+            budget -= size
+        return plan
+
+    def _admit(self, plan: StepPlan) -> None:
+        """Admit waiting requests in order while the batch has room and their blocks fit (the
+        first that doesn't fit waits, and so do those behind it).
+
+        With prefix caching, a request whose next uncached block is one a running request is
+        still computing waits for it rather than computing it again (SGLang's in-batch prefix
+        caching): sixteen questions behind one system prompt read the prompt once."""
+        pending: set[bytes] | None = None
+        for r in list(self.waiting):
+            if len(self.running) >= self.max_batch:
+                break
+            if not self.kv.can_hold(r.rid, len(r.feed) + 1 + self.lookahead):
+                break
+            if self.kv.prefix_caching:
+                keys = self._keys(r)
+                found = self.kv.kept_run(keys)
+                if pending is None:
+                    pending = {k for s in self.running for k in self._keys(s)[s.prefilled // self.kv.block_tokens:]}
+                if found < len(keys) and keys[found] in pending:
+                    continue
+                pending.update(keys[found:])
+            self.waiting.remove(r)
+            r.hit = self.kv.lookup(r.feed)
+            r.prefilled = r.computed = len(r.hit) * self.kv.block_tokens  # copied in, not read
+            self.kv.hold(r.rid, len(r.feed) + 1 + self.lookahead)
+            self.running.append(r)
+            plan.admitted.append(r)
+
+    def _keys(self, r: Scheduled) -> list[bytes]:
+        """The prefix-cache keys of ``r``'s ``feed`` (made once per feed)."""
+        made = self._made_keys.get(r.rid)
+        if made is None or made[0] is not r.feed:
+            made = self._made_keys[r.rid] = (r.feed, self.kv.prefix_keys(r.feed))
+        return made[1]
+
+    def _preempt(self, r: Scheduled) -> None:
+        self.running.remove(r)
+        r.blocks_freed = self.kv.release(r.rid)
+        r.feed = r.prompt + r.tokens
+        r.prefilled = r.computed = 0
+        r.next_token, r.hit = None, None
+        r.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(r)
