@@ -53,11 +53,11 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300) -> N
     raise SystemExit(f"{url} not healthy after {timeout:.0f} s")
 
 
-def start_server(port: int, precision: str, threads: int = 0) -> subprocess.Popen:
+def start_server(port: int, precision: str, threads: int = 0, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """``inference-workbench serve`` on the default model in a subprocess (batch 16, no history);
-    ``threads``: its matmul threads fixed (0: it adapts)."""
+    ``threads``: its matmul threads fixed (0: it adapts); ``extra``: more of its options."""
     return subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--precision",
-                             precision, "--max-batch", "16", "--no-history"], cwd=ROOT,
+                             precision, "--max-batch", "16", "--no-history", *extra], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, **({"INFERENCE_WORKBENCH_THREADS": str(threads)} if threads else {})})
 

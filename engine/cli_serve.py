@@ -54,6 +54,9 @@ def add_parsers(sub, precisions) -> None:
                             "(default: %(default)s)")
     serve.add_argument("--max-waiting", type=int, default=256, help="waiting requests before 429 (default: "
                        "%(default)s)")
+    serve.add_argument("--no-prefix-caching", action="store_true",
+                       help="don't keep computed prompt blocks for later requests that begin the same way "
+                            "(kept by default, as vLLM keeps them)")
     serve.add_argument("--stream-interval", type=int, default=1,
                        help="tokens per streamed chunk, as vLLM's option (default: %(default)s)")
     serve.add_argument("--default-max-tokens", type=int,
@@ -98,7 +101,8 @@ def serve(args, load_printer) -> int:
                              max_waiting=args.max_waiting, token_budget=args.token_budget,
                              history=not args.no_history,
                              model_name=args.served_model_name, stream_interval=args.stream_interval,
-                             default_max_tokens=args.default_max_tokens).validated()
+                             default_max_tokens=args.default_max_tokens,
+                             prefix_caching=not args.no_prefix_caching).validated()
     print(f"Loading {args.model} ({args.precision}) …", file=sys.stderr, flush=True)
     loaded = load_model(LoadRequest(model=args.model, precision=args.precision, device=args.device,
                                     offline=True if args.offline else None), progress=load_printer)
@@ -114,6 +118,7 @@ def serve(args, load_printer) -> int:
     print(f"Serving {server.model_name} at {server.url} (batch up to {settings.max_batch}, KV budget "
           f"{format_bytes(server.service.settings.kv_budget_bytes)}); Ctrl-C stops.", flush=True)
     print(f"  {server.defaults.describe()}", flush=True)
+    print(f"  {server.service.describe_kv()}", flush=True)
     print(f"  curl {server.url}/chat/completions -H 'Content-Type: application/json' -d "
           f"'{{\"model\": \"{server.model_name}\", \"max_tokens\": 64, "
           f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'",

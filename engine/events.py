@@ -287,10 +287,14 @@ class StepCompleted:
     """Requests preempted before this step (KV blocks ran out)."""
     cached_tokens: int = 0
     """Prompt tokens copied from the prefix cache into requests admitted in this step."""
+    prefix_query_tokens: int = 0
+    """Prompt tokens looked up in the prefix cache in this step (0 when it is off)."""
     kv_blocks_used: int = 0
     """KV blocks the running requests hold (engine/generation/kv_manager.py)."""
     kv_blocks_kept: int = 0
     """Blocks kept in the prefix cache."""
+    kv_kept_bytes: int = 0
+    """Bytes of the kept blocks' copies (beside ``kv_cache_bytes``, the running requests')."""
     kv_blocks_total: int | None = None
     """Blocks the KV budget holds (``None``: no budget)."""
     kv_block_tokens: int = 16

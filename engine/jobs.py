@@ -52,12 +52,28 @@ class GenerateJob:
     kind: ClassVar[str] = "generation"
 
     def run(self, ctx: JobContext) -> Finished:
+        """Through the model's kept core (made at the first prompt, kept while the model stays
+        loaded): its prefix cache holds the earlier prompts and answers, so a chat's next turn
+        copies the KV of the conversation so far. A failure drops the core (its state may be
+        half-changed); the next prompt gets a fresh one."""
+        from engine.generation.generate import kept_core
+        from engine.models.model import LoadedModel
+
+        local = isinstance(ctx.model, LoadedModel) and ctx.model.model is not None  # not a server's model
+        if local and "core" not in ctx.keep:
+            ctx.keep["core"] = kept_core(ctx.model)
         final = None
-        for event in ctx.model.generate(self.request, ctx.cancel):
-            if isinstance(event, Finished):
-                final = event
-            else:
-                ctx.emit(event)
+        try:
+            events = (ctx.model.generate(self.request, ctx.cancel, core=ctx.keep["core"]) if local
+                      else ctx.model.generate(self.request, ctx.cancel))
+            for event in events:
+                if isinstance(event, Finished):
+                    final = event
+                else:
+                    ctx.emit(event)
+        except BaseException:
+            ctx.keep.pop("core", None)
+            raise
         return final
 
 

@@ -34,6 +34,9 @@ class GenerationRequest:
     """Keep going past end-of-sequence tokens (benchmarks that need exactly N tokens)."""
     top_alternatives: int = 5
     """How many most-likely tokens to report beside each generated one."""
+    reuse_prefix: bool = True
+    """Copy what the prefix cache holds of this prompt instead of computing it (where the core
+    keeps one); ``False`` computes the whole prompt (a cold TTFT), its blocks still kept."""
 
     def validated(self) -> "GenerationRequest":
         if not isinstance(self.prompt, str) or not self.prompt.strip():
@@ -57,6 +60,7 @@ class GenerationRequest:
             prompt=self.prompt, mode=self.mode, system_prompt=self.system_prompt,
             history=tuple(self.history), sampling=self.sampling.validated(), max_new_tokens=max_new,
             stop=stops, ignore_eos=bool(self.ignore_eos), top_alternatives=self.top_alternatives,
+            reuse_prefix=bool(self.reuse_prefix),
         )
 
     def messages(self) -> list[dict[str, str]]:

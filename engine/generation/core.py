@@ -69,6 +69,9 @@ class CoreSettings:
     """Keep computed full blocks for later requests with the same prefix (needs a KV budget:
     kept blocks are evicted against it)."""
     block_tokens: int = BLOCK_TOKENS
+    reserve_up_front: bool = False
+    """Admit a request only when the blocks of its longest answer are free, and take them all
+    at once (the scheduler before blocks on demand; for comparison: benchmarks/preemption.py)."""
 
 
 @dataclass(eq=False)
@@ -93,6 +96,10 @@ class _Request:
     """Blocks its last preemption freed."""
     counts: dict = field(default_factory=dict)
     """Speculation's drafted/accepted counts from before a preemption."""
+
+    @property
+    def reuse_prefix(self) -> bool:
+        return self.request.reuse_prefix
     sampler: object = None
     detok: IncrementalDetokenizer | None = None
     seen: SeenTokens | None = None
@@ -130,10 +137,10 @@ class EngineCore:
                 reason = "it needs a KV budget to evict kept blocks against"
             self.prefix_caching_off = reason
         self.kv = KVCacheManager(per_token or None, blocks, settings.prefix_caching and self.prefix_caching_off is None,
-                                 settings.block_tokens)
+                                 settings.block_tokens, sizer=lambda data: sum(t.nbytes for t in data))
         lookahead = speculation.draft_tokens if speculation is not None else 0
         self.scheduler = Scheduler(self.kv, settings.max_batch, settings.token_budget, settings.prefill_chunk,
-                                   settings.chunked_prefill, lookahead)
+                                   settings.chunked_prefill, lookahead, settings.reserve_up_front)
         self.steps = 0
         self.probe = MemoryProbe(loaded.device)
         self.probe.reset_peak()
@@ -180,8 +187,8 @@ class EngineCore:
         return sum(self.runner.kv_bytes(r.rid) for r in self.running if r.in_runner)
 
     def kept_bytes(self) -> int:
-        """Bytes of the blocks kept in the prefix cache."""
-        return self.kv.block_bytes(self.kv.kept_blocks) or 0
+        """Bytes of the blocks kept in the prefix cache (measured: their copies' tensors)."""
+        return self.kv.kept_bytes
 
     def run(self) -> Iterator[GenerationEvent]:
         while not self.idle:
@@ -209,6 +216,7 @@ class EngineCore:
                     yield self._finish(r, "cancelled")
                 except Exception as exc:
                     yield self._fail(r, exc)
+        queried = self.kv.queries
         plan = self.scheduler.schedule()
         for r in plan.preempted:
             yield from self._guarded(r, self._preempt(r, began))
@@ -265,7 +273,7 @@ class EngineCore:
             running=len(self.running), kv_cache_bytes=kv,
             kv_cache_bytes_predicted=None if None in predicted else sum(predicted),
             step_s=now - began, elapsed_s=now - self.start, memory=memory, preempted=len(plan.preempted),
-            cached_tokens=cached, kv_blocks_used=self.kv.used_blocks, kv_blocks_kept=self.kv.kept_blocks,
+            cached_tokens=cached, prefix_query_tokens=self.kv.queries - queried, kv_blocks_used=self.kv.used_blocks, kv_blocks_kept=self.kv.kept_blocks, kv_kept_bytes=self.kept_bytes(),
             kv_blocks_total=self.kv.total_blocks, kv_block_tokens=self.kv.block_tokens)
         self.steps += 1
 

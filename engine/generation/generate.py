@@ -21,6 +21,7 @@ from engine.events import Finished, GenerationEvent, StepCompleted
 from engine.request import GenerationRequest
 
 if TYPE_CHECKING:
+    from engine.generation.core import EngineCore
     from engine.models.model import LoadedModel
     from engine.generation.speculative import Speculation
 
@@ -28,10 +29,13 @@ __all__ = ["PREFILL_CHUNK", "stream"]
 
 
 def stream(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int],
-           cancel: CancelToken, speculation: "Speculation | None" = None) -> Iterator[GenerationEvent]:
-    """``speculation``: decode with a draft (engine/generation/speculative.py) instead of a token per step."""
+           cancel: CancelToken, speculation: "Speculation | None" = None,
+           core: "EngineCore | None" = None) -> Iterator[GenerationEvent]:
+    """``speculation``: decode with a draft (engine/generation/speculative.py) instead of a token per step.
+    ``core``: an idle core kept from one request to the next (:func:`kept_core`), whose prefix
+    cache holds the earlier prompts and answers; ``None``: a core of the request's own."""
     try:
-        yield from _run(loaded, request, prompt_ids, cancel, speculation)
+        yield from _run(loaded, request, prompt_ids, cancel, speculation, core)
     except EngineError:
         raise
     except Exception as exc:
@@ -43,15 +47,36 @@ def stream(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[i
         raise EngineError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
 
 
+def kept_core(loaded: "LoadedModel") -> "EngineCore":
+    """A core for one request at a time that keeps its prefix cache from one to the next (the
+    window's: a chat's next turn copies the KV of the conversation so far instead of computing
+    it). Its KV budget is twice the context (8,192 tokens where the context is unknown), at most
+    what the machine can spare (engine/serve/server.py's default), so kept blocks stay bounded."""
+    from engine.generation.core import CoreSettings, EngineCore
+    from engine.serve.server import default_kv_budget
+
+    chunk = PREFILL_CHUNK
+    per_token = loaded.info.kv_bytes_per_token
+    budget = None
+    if per_token:
+        budget = min(2 * (loaded.info.context_length or 8192) * per_token, default_kv_budget(loaded))
+    return EngineCore(loaded, CoreSettings(token_budget=chunk + 1, max_batch=1, prefill_chunk=chunk,
+                                           kv_budget_bytes=budget, prefix_caching=budget is not None))
+
+
 def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int],
-         cancel: CancelToken, speculation) -> Iterator[GenerationEvent]:
-    """The request alone in a core of its own: the prompt in chunks of :data:`PREFILL_CHUNK`
-    (cancel is checked between them), then a token per step (or a speculative step's tokens)."""
+         cancel: CancelToken, speculation, core=None) -> Iterator[GenerationEvent]:
+    """The request alone in a core (its own, or ``core``, idle): the prompt in chunks of
+    :data:`PREFILL_CHUNK` (cancel is checked between them), then a token per step (or a
+    speculative step's tokens)."""
     from engine.generation.core import CoreSettings, EngineCore
 
     chunk = PREFILL_CHUNK  # read now: tests and callers may change it
-    core = EngineCore(loaded, CoreSettings(token_budget=chunk + 1, max_batch=1, prefill_chunk=chunk),
-                      speculation=speculation)
+    if core is None:
+        core = EngineCore(loaded, CoreSettings(token_budget=chunk + 1, max_batch=1, prefill_chunk=chunk),
+                          speculation=speculation)
+    elif not core.idle:
+        raise EngineError("The model's core is busy with another request.")
     core.submit(request, cancel, prompt_ids)
     for event in core.run():
         if isinstance(event, StepCompleted):

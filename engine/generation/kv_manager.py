@@ -41,6 +41,8 @@ class KeptBlock:
     tokens: tuple[int, ...]
     data: object
     """The runner's copy of the block's keys and values (opaque here)."""
+    size: int = 0
+    """Its bytes (measured)."""
 
 
 def block_keys(tokens: list[int], blocks: int, block_tokens: int = BLOCK_TOKENS) -> list[bytes]:
@@ -59,7 +61,7 @@ class KVCacheManager:
     (``None``: no limit; then nothing is kept, there being no budget to evict against)."""
 
     def __init__(self, bytes_per_token: int | None, total_blocks: int | None, prefix_caching: bool = False,
-                 block_tokens: int = BLOCK_TOKENS) -> None:
+                 block_tokens: int = BLOCK_TOKENS, sizer: Callable[[object], int] | None = None) -> None:
         if block_tokens < 1:
             raise ValueError("a block holds at least one token")
         self.block_tokens = block_tokens
@@ -75,6 +77,10 @@ class KVCacheManager:
         self.hits = 0
         """Of those, tokens found (``prefix_cache_hits``)."""
         self.evicted = 0
+        self.sizer = sizer
+        """Bytes of a kept block's data (``None``: not measured)."""
+        self.kept_bytes = 0
+        """Bytes the kept blocks' copies hold, measured with ``sizer``."""
 
     # -- counting ----------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
@@ -129,7 +135,8 @@ class KVCacheManager:
 
     def _evict(self, blocks: int) -> None:
         for _ in range(max(0, blocks)):
-            self.kept.popitem(last=False)
+            _, block = self.kept.popitem(last=False)
+            self.kept_bytes -= block.size
             self.evicted += 1
 
     # -- the prefix cache -------------------------------------------------------------
@@ -176,10 +183,13 @@ class KVCacheManager:
             if not self.free_blocks:
                 break
             start = i * self.block_tokens
-            self.kept[key] = KeptBlock(tuple(tokens[start:start + self.block_tokens]),
-                                       copy(start, start + self.block_tokens))
+            data = copy(start, start + self.block_tokens)
+            size = self.sizer(data) if self.sizer is not None else 0
+            self.kept[key] = KeptBlock(tuple(tokens[start:start + self.block_tokens]), data, size)
+            self.kept_bytes += size
             kept += 1
         return kept
 
     def clear_kept(self) -> None:
         self.kept.clear()
+        self.kept_bytes = 0

@@ -40,6 +40,10 @@ class Scheduled(Protocol):
     """Blocks found in the prefix cache at its admission, to be copied into its cache."""
     preemptions: int
     blocks_freed: int
+    longest: int
+    """Its prompt and longest answer, in tokens."""
+    reuse_prefix: bool
+    """Whether it may copy blocks from the prefix cache."""
 
 
 @dataclass
@@ -59,12 +63,15 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_batch: int, token_budget: int, prefill_chunk: int,
-                 chunked_prefill: bool = True, lookahead: int = 0) -> None:
+                 chunked_prefill: bool = True, lookahead: int = 0, reserve_up_front: bool = False) -> None:
         self.kv = kv
         self.max_batch, self.token_budget = max_batch, token_budget
         self.prefill_chunk, self.chunked_prefill = prefill_chunk, chunked_prefill
         self.lookahead = lookahead
         """Cache slots a decode step may fill past the next token (speculation's guesses)."""
+        self.reserve_up_front = reserve_up_front
+        """The old way, kept to compare against (benchmarks/preemption.py): admission takes the
+        blocks of a request's longest answer at once, so nobody is ever preempted."""
         self.waiting: deque = deque()
         self.running: list = []
         self.preemptions = 0
@@ -116,9 +123,10 @@ class Scheduler:
         for r in list(self.waiting):
             if len(self.running) >= self.max_batch:
                 break
-            if not self.kv.can_hold(r.rid, len(r.feed) + 1 + self.lookahead):
+            need = (r.longest if self.reserve_up_front else len(r.feed)) + 1 + self.lookahead
+            if not self.kv.can_hold(r.rid, need):
                 break
-            if self.kv.prefix_caching:
+            if self.kv.prefix_caching and r.reuse_prefix:
                 keys = self._keys(r)
                 found = self.kv.kept_run(keys)
                 if pending is None:
@@ -127,9 +135,9 @@ class Scheduler:
                     continue
                 pending.update(keys[found:])
             self.waiting.remove(r)
-            r.hit = self.kv.lookup(r.feed)
+            r.hit = self.kv.lookup(r.feed) if r.reuse_prefix else []
             r.prefilled = r.computed = len(r.hit) * self.kv.block_tokens  # copied in, not read
-            self.kv.hold(r.rid, len(r.feed) + 1 + self.lookahead)
+            self.kv.hold(r.rid, need)
             self.running.append(r)
             plan.admitted.append(r)
 

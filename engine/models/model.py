@@ -74,15 +74,17 @@ class LoadedModel:
                 "(its context window), and needs room to answer: shorten it."
             )
 
-    def generate(self, request: GenerationRequest, cancel: CancelToken | None = None) -> Iterator[GenerationEvent]:
-        """Validate and tokenize now (errors raise here), then stream the events."""
+    def generate(self, request: GenerationRequest, cancel: CancelToken | None = None,
+                 core=None) -> Iterator[GenerationEvent]:
+        """Validate and tokenize now (errors raise here), then stream the events. ``core``: an
+        idle core kept between requests (engine/generation/generate.py's ``kept_core``)."""
         from engine.generation.generate import stream
 
         if self.model is None:
             raise EngineError("This model was unloaded: load it again to generate.")
         request = request.validated()
         ids = self.encode(request)
-        return stream(self, request, ids, cancel or CancelToken())
+        return stream(self, request, ids, cancel or CancelToken(), core=core)
 
     def predicted_kv_bytes(self, tokens: int, batch: int = 1) -> int | None:
         if self.kv_layout is None:

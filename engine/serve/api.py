@@ -326,7 +326,7 @@ class _Reply:
             choice = self._choice(text, self._logprobs(self.items), protocol.FINISH_REASONS[finished.reason],
                                   whole=True)
             return {**protocol.envelope(self.kind, self.rid, self.model, self.created), "choices": [choice],
-                    "usage": protocol.usage(self.accepted.prompt_tokens, finished.tokens)}
+                    "usage": protocol.usage(self.accepted.prompt_tokens, finished.tokens, finished.cached_tokens)}
         finally:
             watch.cancel()
             self.ticket.abort()  # no-op once finished; frees the cache if the client left
@@ -396,7 +396,8 @@ class _Reply:
                     if self.parsed.include_usage:
                         yield _sse({**protocol.envelope(self.chunk_kind, self.rid, self.model, self.created),
                                     "choices": [],
-                                    "usage": protocol.usage(self.accepted.prompt_tokens, event.tokens)})
+                                    "usage": protocol.usage(self.accepted.prompt_tokens, event.tokens,
+                                                            event.cached_tokens)})
                     yield "data: [DONE]\n\n"
         finally:
             self.ticket.abort()  # the client left mid-stream (or the stream ended): free its cache

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from engine.events import Finished, TokenGenerated
 from engine.serve.protocol import FINISH_REASONS
-from engine.serve.service import RequestArrived, RequestEvent
+from engine.serve.service import RequestArrived, RequestEvent, TrafficStep
 
 if TYPE_CHECKING:
     from engine.serve.service import CoreService
@@ -46,11 +46,13 @@ class ServerMetrics:
         gauge("vllm:num_requests_running", "Requests in the batch (admitted, not finished).",
               lambda: max(0, service.in_flight - service.waiting))
         gauge("vllm:num_requests_waiting", "Requests waiting to be admitted.", lambda: service.waiting)
-        budget = service.settings.kv_budget_bytes
-        gauge("vllm:kv_cache_usage_perc", "KV-cache bytes held as a fraction of the budget (1 = full).",
-              lambda: service.kv_bytes() / budget if budget else 0.0)
+        gauge("vllm:kv_cache_usage_perc", "KV blocks held by running requests as a fraction of the budget's "
+              "(1 = full; blocks kept for prefix reuse count as free, being evictable, as in vLLM).",
+              lambda: service.kv_blocks()[0] / service.kv_blocks()[2] if service.kv_blocks()[2] else 0.0)
         gauge("vllm:kv_cache_bytes", "KV-cache bytes held by running requests (measured; workbench).",
               service.kv_bytes)
+        gauge("vllm:kv_cache_kept_blocks", "KV blocks kept for prefix reuse (workbench).",
+              lambda: service.kv_blocks()[1])
 
         def histogram(name: str, doc: str, buckets):
             return Histogram(name, doc, list(labels), buckets=buckets, registry=registry).labels(**labels)
@@ -67,6 +69,11 @@ class ServerMetrics:
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens read.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.preemptions = counter("vllm:num_preemptions", "Requests preempted: their KV blocks taken back "
+                                   "for others, computed again when admitted again.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (copied, "
+                                   "not computed).")
         self._success = counter("vllm:request_success", "Requests finished, by reason.", ("finished_reason",))
         self._labels = labels
         self._times: dict[int, list[float]] = {}
@@ -74,7 +81,12 @@ class ServerMetrics:
         service.listen(self.on_event)
 
     def on_event(self, event) -> None:
-        if isinstance(event, RequestArrived):
+        if isinstance(event, TrafficStep):
+            step = event.step
+            self.preemptions.inc(step.preempted)
+            self.prefix_queries.inc(step.prefix_query_tokens)
+            self.prefix_hits.inc(step.cached_tokens)
+        elif isinstance(event, RequestArrived):
             self.prompt_tokens.inc(event.prompt_tokens)
         elif isinstance(event, RequestEvent):
             inner = event.event

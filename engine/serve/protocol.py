@@ -346,9 +346,14 @@ def completion_logprobs(items: list[TokenLogprob], top: int, offset: int) -> dic
             "text_offset": offsets}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's ``usage``; with ``cached_tokens`` (the final one) its ``prompt_tokens_details``:
+    prompt tokens found in the prefix cache, as OpenAI and vLLM report them."""
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def envelope(kind: str, rid: str, model: str, created: int | None = None) -> dict:

@@ -50,6 +50,9 @@ class ServeSettings:
     stream_interval: int = 1
     """Tokens per streamed chunk, as vLLM's ``--stream-interval``: fewer events (less work per
     token on both sides) for coarser arrival times; clients count them from ``usage``."""
+    prefix_caching: bool = True
+    """Keep computed prompt blocks for later requests that begin the same way (vLLM's default);
+    ``serve --no-prefix-caching`` turns it off."""
     default_max_tokens: int | None = None
     """Answer limit of a request without ``max_tokens``; ``None``: the model's generation_config
     ``max_new_tokens``, else :data:`engine.serve.protocol.DEFAULT_MAX_TOKENS`."""
@@ -117,7 +120,8 @@ class Server:
         self.loaded = loaded
         budget = settings.kv_budget_bytes or default_kv_budget(loaded)
         self.service: CoreService = CoreService(loaded, CoreSettings(
-            token_budget=settings.token_budget, max_batch=settings.max_batch, kv_budget_bytes=budget),
+            token_budget=settings.token_budget, max_batch=settings.max_batch, kv_budget_bytes=budget,
+            prefix_caching=settings.prefix_caching),
             max_waiting=settings.max_waiting)
         self.model_name = settings.model_name or loaded.info.name
         self.drain = True

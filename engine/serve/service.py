@@ -86,6 +86,10 @@ class RequestState:
     """``waiting``, ``prefill`` or ``decode``."""
     kv_bytes: int
     tokens: int
+    blocks: int = 0
+    """KV blocks it holds (engine/generation/kv_manager.py)."""
+    cached_tokens: int = 0
+    """Prompt tokens it copied from the prefix cache."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +153,7 @@ class CoreService:
         self._thread: threading.Thread | None = None
         self._listeners: list[Callable[[object], None]] = []
         self._kv = 0
+        self._blocks: tuple[int, int, int | None] = (0, 0, self.core.kv.total_blocks)
         self.served = 0
         """Requests finished since the start."""
 
@@ -222,6 +227,27 @@ class CoreService:
         """KV-cache bytes the running requests held after the last step (measured)."""
         with self._lock:
             return self._kv
+
+    def describe_kv(self) -> str:
+        """The KV cache's blocks and prefix caching, in a line."""
+        from engine.units import format_bytes
+
+        kv, core = self.core.kv, self.core
+        size = (f"{kv.total_blocks:,} blocks of {kv.block_tokens} tokens ({format_bytes(kv.block_bytes(kv.total_blocks))})"
+                if kv.total_blocks is not None else f"blocks of {kv.block_tokens} tokens, no budget")
+        if kv.prefix_caching:
+            caching = "prefix caching on"
+        elif core.prefix_caching_off:
+            caching = f"prefix caching off: {core.prefix_caching_off}"
+        else:
+            caching = "prefix caching off"
+        return f"KV cache: {size}, taken as requests grow; {caching}."
+
+    def kv_blocks(self) -> tuple[int, int, int | None]:
+        """KV blocks after the last step: held by running requests, kept for prefix reuse, and
+        the budget's total (``None``: no budget)."""
+        with self._lock:
+            return self._blocks
 
     # -- the core's thread ------------------------------------------------------------------
     def run(self) -> None:
@@ -327,6 +353,8 @@ class CoreService:
         with self._lock:
             self._waiting = len(self.core.waiting)
             self._kv = step.kv_cache_bytes if step is not None else 0
+            if step is not None:
+                self._blocks = (step.kv_blocks_used, step.kv_blocks_kept, step.kv_blocks_total)
             self._lock.notify_all()
         if step is not None and self._listeners:
             self._tell(TrafficStep(step, states, self.settings.kv_budget_bytes, now))
@@ -370,10 +398,12 @@ class CoreService:
 
     def _states(self) -> tuple[RequestState, ...]:
         core = self.core
-        out = [RequestState(r.rid, "waiting", 0, 0) for r in core.waiting]
+        out = [RequestState(r.rid, "waiting", 0, len(r.tokens)) for r in core.waiting]
+        held = core.kv.held
         for r in core.running:
-            phase = "prefill" if r.prefilled < len(r.prompt) else "decode"
-            out.append(RequestState(r.rid, phase, core.runner.kv_bytes(r.rid), len(r.tokens)))
+            phase = "prefill" if r.prefilled < len(r.feed) else "decode"  # or computing again after a preemption
+            out.append(RequestState(r.rid, phase, core.runner.kv_bytes(r.rid) if r.in_runner else 0, len(r.tokens),
+                                    held.get(r.rid, 0), r.cached_tokens))
         return tuple(out)
 
     def _fail_all(self, exc: Exception) -> None:

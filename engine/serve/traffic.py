@@ -1,7 +1,9 @@
 """The server's traffic as the traffic view draws it, built from the core's events
 (engine/serve/service.py): one track per request (when it arrived, was admitted, got its first
-token, finished; its tokens as a run) and one row per step (batch, tokens, queue, KV cache by
-request). Qt-free; bounded (the oldest requests and steps are dropped first)."""
+token, was preempted and admitted again, finished; the prompt tokens it found in the prefix
+cache; its tokens as a run) and one row per step (batch, tokens, queue, KV cache by request and
+the prefix cache's kept blocks, preemptions). Qt-free; bounded (the oldest requests and steps
+are dropped first)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.events import Finished, Prefilled, TokenGenerated
+from engine.events import Finished, Preempted, Prefilled, TokenGenerated
 from engine.runs import Run
 from engine.serve.service import RequestArrived, RequestEvent, TrafficStep
 from engine.units import format_bytes, format_rate, format_seconds
 
-STEP_FIELDS = ("at_s", "step_s", "batch", "decode_tokens", "prefill_tokens", "waiting", "running", "kv_bytes")
+STEP_FIELDS = ("at_s", "step_s", "batch", "decode_tokens", "prefill_tokens", "waiting", "running", "kv_bytes",
+               "kept_bytes", "preempted", "cached_tokens", "kv_blocks_used", "kv_blocks_kept")
 
 
 @dataclass
@@ -33,32 +36,57 @@ class RequestTrack:
     finished: Finished | None = None
     run: Run = field(default_factory=Run)
     kv_bytes: int = 0
+    blocks: int = 0
+    """KV blocks it holds now."""
+    cached_tokens: int = 0
+    """Prompt tokens it copied from the prefix cache."""
+    preempted_s: list[float] = field(default_factory=list)
+    """When it was preempted (its blocks taken back; it waited and was computed again)."""
+    marks: list[tuple[str, float]] = field(default_factory=list)
+    """(phase, from when), in order: waiting, prefill, decode, and again after each preemption."""
+
+    def __post_init__(self) -> None:
+        if not self.marks:
+            self.marks.append(("waiting", self.arrived_s))
+
+    def mark(self, phase: str, at: float) -> None:
+        if self.marks[-1][0] != phase:
+            self.marks.append((phase, max(at, self.marks[-1][1])))
+
+    def admitted(self, at: float) -> None:
+        """It holds a place in the batch since ``at`` (a step's start): a prefill span after its
+        last wait, before the first token that step may already have given it."""
+        last = max(i for i, (name, _) in enumerate(self.marks) if name == "waiting")
+        if last == len(self.marks) - 1:
+            self.marks.append(("prefill", max(at, self.marks[-1][1])))
+        elif self.marks[last + 1][0] == "decode":
+            self.marks.insert(last + 1, ("prefill", min(max(at, self.marks[last][1]), self.marks[last + 1][1])))
 
     @property
     def phase(self) -> str:
         if self.finished_s is not None:
             return "done"
-        if self.first_token_s is not None:
-            return "decode"
-        return "prefill" if self.admitted_s is not None else "waiting"
+        return self.marks[-1][0]
 
     def spans(self, now: float) -> list[tuple[str, float, float]]:
         """(phase, start, end) of each phase so far; an unfinished one ends ``now``."""
-        marks = [("waiting", self.arrived_s), ("prefill", self.admitted_s), ("decode", self.first_token_s)]
         end = self.finished_s if self.finished_s is not None else now
-        known = [(name, at) for name, at in marks if at is not None]
         out = []
-        for i, (name, at) in enumerate(known):
-            stop = known[i + 1][1] if i + 1 < len(known) else end
+        for i, (name, at) in enumerate(self.marks):
+            stop = self.marks[i + 1][1] if i + 1 < len(self.marks) else end
             out.append((name, at, max(at, stop)))
         return out
 
     def describe(self) -> str:
         f = self.finished
+        cached = f" ({self.cached_tokens} from the prefix cache)" if self.cached_tokens else ""
         parts = [f"request {self.request_id} from {self.client or '?'} ({self.endpoint})",
-                 f"prompt {self.prompt_tokens} tokens, up to {self.max_tokens} new"]
+                 f"prompt {self.prompt_tokens} tokens{cached}, up to {self.max_tokens} new"]
         if self.admitted_s is not None:
             parts.append(f"waited {format_seconds(self.admitted_s - self.arrived_s)}")
+        if self.preempted_s:
+            times = "once" if len(self.preempted_s) == 1 else f"{len(self.preempted_s)} times"
+            parts.append(f"preempted {times} (KV blocks ran out): waited and was computed again")
         if f is not None:
             parts.append(f"{f.tokens} tokens, TTFT {format_seconds(f.ttft_s)}")
             if f.decode_tokens_per_s:
@@ -66,7 +94,7 @@ class RequestTrack:
             parts.append(f"end-to-end {format_seconds(f.total_s)}, ended: {f.reason}")
         else:
             parts.append(f"{self.run.count} tokens so far, {self.phase}")
-        parts.append(f"KV cache {format_bytes(self.kv_bytes)}")
+        parts.append(f"KV cache {format_bytes(self.kv_bytes)}" + (f", {self.blocks} blocks" if self.blocks else ""))
         return "\n".join(parts)
 
 
@@ -109,6 +137,7 @@ class TrafficLog:
             if isinstance(inner, TokenGenerated):
                 track.run.extend([inner])
                 self.generated += 1
+                track.mark("decode", event.at_s)
                 if inner.index == 0:
                     track.first_token_s = event.at_s
                     self.ttft_s.append(inner.latency_s)
@@ -116,6 +145,11 @@ class TrafficLog:
                     self.itl_s.append(inner.latency_s)
             elif isinstance(inner, Prefilled):
                 track.run.extend([inner])
+                track.cached_tokens = inner.cached_tokens
+            elif isinstance(inner, Preempted):
+                track.preempted_s.append(event.at_s)
+                track.mark("waiting", event.at_s)
+                track.kv_bytes = track.blocks = 0
             elif isinstance(inner, Finished):
                 track.run.finish(inner)
                 track.finished, track.finished_s = inner, event.at_s
@@ -129,7 +163,8 @@ class TrafficLog:
             self.kv_budget_bytes = event.kv_budget_bytes
             self.now = max(self.now, event.at_s)
             self._steps.append((event.at_s, step.step_s, step.batch, step.decode_tokens, step.prefill_tokens,
-                                step.waiting, step.running, step.kv_cache_bytes))
+                                step.waiting, step.running, step.kv_cache_bytes, step.kv_kept_bytes,
+                                step.preempted, step.cached_tokens, step.kv_blocks_used, step.kv_blocks_kept))
             held = []
             holding = {state.request_id for state in event.requests if state.kv_bytes}
             for rid in [r for r in self._slot_of if r not in holding]:
@@ -139,7 +174,10 @@ class TrafficLog:
                 if track is not None:
                     if state.phase != "waiting" and track.admitted_s is None:
                         track.admitted_s = event.at_s - step.step_s
-                    track.kv_bytes = state.kv_bytes
+                    if state.phase != "waiting":
+                        track.admitted(event.at_s - step.step_s)
+                    track.kv_bytes, track.blocks = state.kv_bytes, state.blocks
+                    track.cached_tokens = max(track.cached_tokens, state.cached_tokens)
                 if state.kv_bytes:
                     slot = self._slot_of.get(state.request_id)
                     if slot is None:

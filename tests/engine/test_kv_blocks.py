@@ -115,6 +115,7 @@ def test_prefix_caching_gives_every_architecture_its_uncached_greedy_answers(tin
         return
     assert core.prefix_caching_off is None
     shared = len(loaded.encode(chat(""))) // 16 * 16
+    assert core.kept_bytes() == core.kv.kept_blocks * 16 * loaded.info.kv_bytes_per_token > 0  # measured = predicted
     assert prefilled[0].cached_tokens == 0
     assert [p.cached_tokens for p in prefilled[1:]] == [shared] * 3
     assert [f.cached_tokens for f in finals] == [p.cached_tokens for p in prefilled]
