@@ -6,6 +6,7 @@ from __future__ import annotations
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtCore import Qt, QTimer, Signal, Slot
 from PySide6.QtWidgets import (
+    QSpinBox,
     QComboBox,
     QDialog,
     QDockWidget,
@@ -78,6 +79,15 @@ class CostWindow(QMainWindow):
         self.batch.setObjectName("batchSlider")
         self.batch.setRange(0, len(BATCHES) - 1)
         self.context_label, self.batch_label = QLabel(), QLabel()
+        self.prefix = QSpinBox()
+        self.prefix.setObjectName("sharedPrefix")
+        self.prefix.setRange(0, 1_000_000)
+        self.prefix.setSingleStep(128)
+        self.prefix.setSuffix(" tokens")
+        self.prefix.setSpecialValueText("none")
+        self.prefix.setToolTip("Tokens every sequence of the batch begins with (a system prompt): a serving engine "
+                               "that shares KV blocks (vLLM, SGLang) holds them once. The KV chart shows the batch "
+                               "with and without sharing them.")
         self.training = QLineEdit()
         self.training.setPlaceholderText("training tokens, e.g. 15e12")
         edit = QPushButton("Edit hardware…")
@@ -102,6 +112,7 @@ class CostWindow(QMainWindow):
             row.addWidget(slider, 1)
             row.addWidget(value)
             form.addRow(label, row)
+        form.addRow("Shared prefix", self.prefix)
         form.addRow("Training tokens", self.training)
         side = QWidget()
         side_layout = QVBoxLayout(side)
@@ -129,6 +140,7 @@ class CostWindow(QMainWindow):
         self.model.lineEdit().editingFinished.connect(self.schedule_update)
         self.context.valueChanged.connect(self.schedule_update)
         self.batch.valueChanged.connect(self.schedule_update)
+        self.prefix.valueChanged.connect(self.schedule_update)
         self.training.editingFinished.connect(self.schedule_update)
         self._pending = QTimer(self)
         self._pending.setSingleShot(True)
@@ -241,7 +253,23 @@ class CostWindow(QMainWindow):
         self._write_numbers(profile)
         # one chart per event-loop turn; ``updated`` follows the last (charts.drawn)
         self.charts.draw(self.estimate, config, profile, self._points(config, profile), self.kv_dtype.currentData(),
-                         self._count, loads=self._loads(), gpus=self._gpus(profile))
+                         self._count, loads=self._loads(), gpus=self._gpus(profile), prefix=self.prefix.value())
+
+    def _prefix_rows(self, e, profile) -> list[tuple[str, str]]:
+        """What a shared prefix saves at this batch (the KV chart draws it at every context)."""
+        prefix = self.prefix.value()
+        if not prefix:
+            return []
+        config = self._config
+        unshared, shared = costs.shared_prefix_kv(
+            lambda n: costs.estimate(config, profile, e.precision, e.kv_dtype, n, 1, None, e.model,
+                                     self._count).kv_bytes_total, e.context, e.batch, prefix)
+        saved = unshared - shared
+        return [("Shared prefix", f"{min(prefix, e.context):,} tokens held once instead of {e.batch}×: KV "
+                                  f"{format_bytes(shared)} instead of {format_bytes(unshared)}, "
+                                  f"{format_bytes(saved)} saved ({saved / unshared:.0%}) in a paged cache "
+                                  "that shares blocks (vLLM, SGLang); the workbench copies a cached prefix "
+                                  "(saving its compute, not its memory)")]
 
     def _points(self, config, profile) -> list[RunRecord]:
         """Measured runs of this model (same parameter count), precision and hardware; plain decoding
@@ -273,6 +301,7 @@ class CostWindow(QMainWindow):
             ("Weights", f"{format_bytes(e.weights_bytes)} in {e.precision}"),
             ("KV cache", f"{format_bytes(e.kv_bytes_per_token)} per token ({e.kv_dtype}); "
                          f"{format_bytes(e.kv_bytes_total)} for {e.batch} × {e.context:,} tokens"),
+            *self._prefix_rows(e, profile),
             ("Activations", format_bytes(e.activation_bytes)),
             ("Total", f"{format_bytes(e.total_bytes)} of {format_bytes(e.device_memory_bytes)}: "
                       + ("<b style='color:#27ae60'>fits</b>" if e.fits else "<b style='color:#c0392b'>does not fit</b>")),

@@ -439,7 +439,12 @@ class MainWindow(QMainWindow):
             from engine.cli_text import served_line
 
             served = f" · {served_line(asdict(self.run.answered))}"
-        self.statusBar().showMessage(f"Done: {event.tokens} tokens, {rate}, stopped: {event.reason}{served}", 15000)
+        cached = ""
+        if event.cached_tokens:  # the conversation so far was in the prefix cache: copied, not computed
+            cached = (f", {event.cached_tokens} of {event.prompt_tokens} prompt tokens from the cache; "
+                      f"TTFT {format_seconds(event.ttft_s)}")
+        self.statusBar().showMessage(f"Done: {event.tokens} tokens, {rate}{cached}, stopped: {event.reason}{served}",
+                                     15000)
         self.generation_finished.emit(event)
 
     def _on_generation_failed(self, exc: Exception) -> None:

@@ -99,7 +99,9 @@ class Transcript:
                     f = turn.finished
                     rate = f"{f.decode_tokens_per_s:.1f} tok/s" if f.decode_tokens_per_s else "n/a"
                     ttft = f"{f.ttft_s * 1000:.0f} ms" if f.ttft_s is not None else "n/a"
-                    lines += [f"_{f.tokens} tokens · TTFT {ttft} · {rate} · stopped: {f.reason}_", ""]
+                    cached = (f" · {f.cached_tokens} of {f.prompt_tokens} prompt tokens from the cache"
+                              if f.cached_tokens else "")
+                    lines += [f"_{f.tokens} tokens · TTFT {ttft}{cached} · {rate} · stopped: {f.reason}_", ""]
                 if turn.error:
                     lines += [f"_error: {turn.error}_", ""]
         return "\n".join(lines)

@@ -7,6 +7,7 @@ opening the window never blocks the GUI for long; ``ready`` says they are all th
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -40,6 +41,7 @@ class CostCharts(QWidget):
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
+        self._prefix = 0
         self._grid = QGridLayout(self)
         # a cell per chart from the start: a chart placed later fills its cell without resizing (and
         # repainting) the others
@@ -118,13 +120,14 @@ class CostCharts(QWidget):
             self._curves[key] = panel.plot.plot([], [], **style)
         return self._curves[key]
 
-    def draw(self, e, config, profile, runs: list[RunRecord], kv_dtype: str, count, loads=(), gpus: int = 1) -> None:
+    def draw(self, e, config, profile, runs: list[RunRecord], kv_dtype: str, count, loads=(), gpus: int = 1,
+             prefix: int = 0) -> None:
         """Draw ``e`` (the estimate at the chosen batch and context), the sweeps around it, and the
         measured ``runs`` of this model, precision and hardware: one chart per turn of the event
         loop (with a thousand runs a chart and its repaint take ~20–40 ms); ``drawn`` follows.
         A new call restarts the drawing. ``loads``: load-sweep settings against servers of this model,
         drawn on the speed chart as shares of the ceiling of ``gpus`` GPUs."""
-        self._loads, self._gpus = list(loads), gpus
+        self._loads, self._gpus, self._prefix = list(loads), gpus, prefix
         self._drawing += 1
         drawing = self._drawing
         # the batch sweep the speed and $ charts share, estimated once
@@ -252,19 +255,43 @@ class CostCharts(QWidget):
             self._money_note.setVisible(True)
 
     def _draw_kv(self, e, config, profile, runs, kv_dtype, count, sweep) -> None:
-        """KV bytes of one sequence against context."""
+        """KV bytes of one sequence against context; with a batch, the whole batch's, and with a
+        shared prefix, the batch's when the prefix is held once."""
         contexts = np.array(CONTEXTS, dtype=float)
-        kv = [costs.estimate(config, profile, e.precision, e.kv_dtype, int(c), 1, None, e.model, count).kv_bytes_total
-              for c in CONTEXTS]
-        divisor, unit = _unit(max(kv))
+
+        @functools.lru_cache(maxsize=None)
+        def kv_of(tokens: int) -> int:
+            return costs.estimate(config, profile, e.precision, e.kv_dtype, int(tokens), 1, None, e.model,
+                                  count).kv_bytes_total
+
+        kv = [kv_of(c) for c in CONTEXTS]
+        batch, prefix = e.batch, self._prefix
+        pairs = [costs.shared_prefix_kv(kv_of, int(c), batch, prefix) for c in CONTEXTS] if batch > 1 or prefix else []
+        top = max([*kv, *(p[0] for p in pairs)])
+        divisor, unit = _unit(top)
         self._curve("kv-line", self.kv_plot, pen=_pen(COLOURS["kv"], width=2)).setData(np.log2(contexts), np.array(kv) / divisor)
+        batch_line = self._curve("kv-batch", self.kv_plot, pen=_pen(COLOURS["kv"], Qt.DashLine))
+        shared_line = self._curve("kv-shared", self.kv_plot, pen=_pen(COLOURS["ceiling"], Qt.DotLine, width=2))
+        if pairs:
+            batch_line.setData(np.log2(contexts), np.array([p[0] for p in pairs]) / divisor)
+            shared_line.setData(np.log2(contexts), np.array([p[1] for p in pairs]) / divisor) if prefix \
+                else shared_line.setData([], [])
+        else:
+            batch_line.setData([], [])
+            shared_line.setData([], [])
+        self.kv_plot.set_legend(
+            [("one sequence", COLOURS["kv"], "━━"),
+             *([(f"batch of {batch}", COLOURS["kv"], "╍╍")] if pairs else []),
+             *([(f"batch of {batch}, {prefix:,}-token prefix held once", COLOURS["ceiling"], "┅┅")]
+               if pairs and prefix else []),
+             ("measured runs", COLOURS["measured"], "●")])
         measured_kv = [(math.log2(max(r.context - 1, 1)), r.kv_cache_bytes / divisor) for r in runs if r.kv_cache_bytes]
         self._curve("kv-runs", self.kv_plot, pen=None, symbol="o", symbolSize=7, symbolBrush=COLOURS["measured"]).setData(
             [p[0] for p in measured_kv], [p[1] for p in measured_kv])
         self.kv_plot.set_label("left", f"KV cache per sequence ({unit})")
         self.kv_plot.item.setXRange(math.log2(CONTEXTS[0]), math.log2(CONTEXTS[-1]), padding=0.02)
         self.kv_plot.item.getAxis("bottom").setTicks([[(math.log2(c), _pretty(c)) for c in CONTEXTS[::2]]])
-        self.kv_plot.item.setYRange(0, max(kv) / divisor * 1.05, padding=0)
+        self.kv_plot.item.setYRange(0, top / divisor * 1.05, padding=0)
 
     def _label_runs(self, runs, profile, config, kv_dtype: str, count) -> None:
         """One label per batch size (runs at the same batch would print over each other): the

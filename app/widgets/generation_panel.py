@@ -51,6 +51,13 @@ class GenerationPanel(QWidget):
         self.ignore_eos.setObjectName("ignoreEos")
         self.ignore_eos.setToolTip("Generate exactly 'max new tokens', past the model's end-of-turn token, "
                                    "as benchmarks do")
+        self.reuse_prefix = QCheckBox("Reuse cached prompt KV")
+        self.reuse_prefix.setObjectName("reusePrefix")
+        self.reuse_prefix.setChecked(True)
+        self.reuse_prefix.setToolTip(
+            "Copy the keys and values of the prompt's start from the prefix cache (the earlier turns of a "
+            "chat, a repeated system prompt) instead of computing them again, as vLLM and llama.cpp's server "
+            "do. Off: the whole prompt is computed (a cold TTFT, to compare).")
         self.greedy = QCheckBox("Greedy")
         self.greedy.setToolTip("Always pick the most likely token (temperature 0)")
         self.greedy.setObjectName("greedy")
@@ -78,6 +85,7 @@ class GenerationPanel(QWidget):
         form.addRow("Mode", self.mode)
         form.addRow("Max new tokens", self.max_tokens)
         form.addRow(self.ignore_eos)
+        form.addRow(self.reuse_prefix)
         form.addRow(self.greedy)
         form.addRow("Temperature", self.temperature)
         form.addRow("Top-k", self.top_k)
@@ -113,7 +121,7 @@ class GenerationPanel(QWidget):
             prompt=prompt, mode=mode, system_prompt=system if mode == "chat" else None,
             history=history if mode == "chat" else (), sampling=self.sampling(),
             max_new_tokens=self.max_tokens.value(), stop=tuple(s.strip() for s in stops),
-            ignore_eos=self.ignore_eos.isChecked(),
+            ignore_eos=self.ignore_eos.isChecked(), reuse_prefix=self.reuse_prefix.isChecked(),
         )
 
     # -- settings --------------------------------------------------------------------
@@ -123,6 +131,7 @@ class GenerationPanel(QWidget):
         settings.setValue("generation/max_new_tokens", self.max_tokens.value())
         settings.setValue("generation/greedy", self.greedy.isChecked())
         settings.setValue("generation/ignore_eos", self.ignore_eos.isChecked())
+        settings.setValue("generation/reuse_prefix", self.reuse_prefix.isChecked())
         for key, box in (("temperature", self.temperature), ("top_k", self.top_k), ("top_p", self.top_p),
                          ("min_p", self.min_p), ("repetition_penalty", self.repetition_penalty),
                          ("seed", self.seed)):
@@ -136,6 +145,7 @@ class GenerationPanel(QWidget):
         self.max_tokens.setValue(settings.value("generation/max_new_tokens", 256, type=int))
         self.greedy.setChecked(settings.value("generation/greedy", True, type=bool))
         self.ignore_eos.setChecked(settings.value("generation/ignore_eos", False, type=bool))
+        self.reuse_prefix.setChecked(settings.value("generation/reuse_prefix", True, type=bool))
         for key, box, kind in (("temperature", self.temperature, float), ("top_k", self.top_k, int),
                                ("top_p", self.top_p, float), ("min_p", self.min_p, float),
                                ("repetition_penalty", self.repetition_penalty, float), ("seed", self.seed, int)):

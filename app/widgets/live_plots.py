@@ -174,7 +174,8 @@ class LivePlots:
             "token. Spikes are the machine doing something else.", "latency (ms)", "token")
         self.kv = PlotPanel(
             "kv", "KV-cache bytes held after each token: measured from the cache tensors (dots) "
-            "and predicted from the config: 2 × layers × KV heads × head dim × bytes (line).",
+            "and predicted from the config: 2 × layers × KV heads × head dim × bytes (line). Shaded: "
+            "the prompt's part copied from the prefix cache (earlier turns), not computed.",
             "KV cache", "token")
         self.memory = PlotPanel(
             "memory", "Memory while generating: process RSS (and device memory on a GPU) against "
@@ -188,6 +189,8 @@ class LivePlots:
         self._kv_measured = self.kv.plot.plot([], [], pen=None, symbol="o", symbolSize=5,
                                               symbolBrush=_COLOURS["main"], symbolPen=None)
         self.kv.add_legend("measured", "main", "●")
+        self._kv_cached = self.kv.plot.plot([], [], pen=None, fillLevel=0, brush=pg.mkBrush(39, 174, 96, 70))
+        self.kv.add_legend("from the prefix cache", "third", "██")
         self._rss = self.memory.curve("process RSS", "main")
         # a served model's run: what the server's /metrics said, where the local figures go
         self._server_kv = self.kv.plot.plot([], [], pen=_pen("third"), stepMode=None)
@@ -341,6 +344,12 @@ class LivePlots:
         picked = np.arange(n - 1, -1, -every)[::-1]  # always include the newest token
         self._kv_measured.setData(x[picked], kv[picked] / divisor, skipFiniteCheck=True)
         self._kv_predicted.setData(x, buffer.column("kv_predicted") / divisor, connect="finite")
+        p = buffer.prefilled
+        if n and p is not None and p.cached_tokens and p.kv_cache_bytes:  # the prompt's KV is in proportion to its tokens
+            level = p.kv_cache_bytes * p.cached_tokens / p.prompt_tokens / divisor
+            self._kv_cached.setData([float(x[0]), float(x[-1])], [level, level])
+        else:
+            self._kv_cached.setData([], [])
         self.kv.fit(n, largest / divisor, unit)
 
     def _draw_memory(self, buffer: Run) -> None:

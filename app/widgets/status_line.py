@@ -9,7 +9,8 @@ from engine.events import Loaded
 from engine.runs import Run
 from engine.units import format_bytes, format_rate, format_seconds
 
-WIDEST = {"device": "device: cuda:0", "ttft": "TTFT 1000.0 ms", "speed": "decode 1000.0 tok/s",
+WIDEST = {"device": "device: cuda:0", "ttft": "TTFT 1000.0 ms", "prompt": "prompt 10000 (10000 cached)",
+          "speed": "decode 1000.0 tok/s",
           "tokens": "100000 tokens (by chunks)", "kv": "KV 1000.0 MiB", "peak": "peak 1000.0 MiB"}
 
 
@@ -39,6 +40,7 @@ class StatusLine:
         values = {
             "device": ("device: server" if served else f"device: {info.device}") if info else "no model",
             "ttft": f"TTFT {format_seconds(run.ttft_s())}",
+            "prompt": _prompt(run),
             "speed": f"decode {format_rate(run.decode_tokens_per_s())}",
             "tokens": tokens,
             "kv": (f"server KV {kv_usage:.0%}" if kv_usage is not None else "KV: server's") if served
@@ -48,3 +50,11 @@ class StatusLine:
         for key, text in values.items():
             if self.labels[key].text() != text:
                 self.labels[key].setText(text)
+
+
+def _prompt(run: Run) -> str:
+    """The prompt's tokens, and how many came from the prefix cache (copied, not computed)."""
+    p = run.prefilled
+    if p is None:
+        return ""
+    return f"prompt {p.prompt_tokens}" + (f" ({p.cached_tokens} cached)" if p.cached_tokens else "")

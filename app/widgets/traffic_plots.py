@@ -2,9 +2,12 @@
 window's timer asks (~20 Hz, and only when the log changed), never per token:
 
 - a timeline, a row per request: waiting (grey), reading its prompt (orange), generating (blue),
-  done (green; red if cancelled or failed); hover for its figures, click to open it;
+  done (green; red if cancelled or failed), a ◆ where it found its prompt's start in the prefix
+  cache and a ✕ where it was preempted (then waiting and reading again); hover for its figures,
+  click to open it;
 - batch size and tokens per step over time;
-- the KV cache held, stacked by request, against the budget;
+- the KV cache held, stacked by request, with the prefix cache's kept blocks on top, against the
+  budget;
 - output tok/s (all requests) and the queue;
 - TTFT, per-token latency and end-to-end distributions with p50/p90/p99.
 """
@@ -28,7 +31,9 @@ WINDOW_S = 60.0
 ROWS = 48
 """Requests on the timeline at most (the newest)."""
 KV_SENTENCE = ("The cache each running request holds, stacked (a colour per batch slot, one request at a time), "
-               "against the budget.")
+               "and on top the blocks kept for prefix reuse (hatched grey: evicted first when a request needs "
+               "room), against the budget.")
+KEPT_BRUSH = pg.mkBrush(120, 120, 120, 110)
 
 
 def band_colour(slot: int) -> QColor:
@@ -93,6 +98,13 @@ class TrafficPlots(QWidget):
                      for phase, colour in PHASE_COLOURS.items()}
         for bar in self.bars.values():
             self.timeline.plot.addItem(bar)
+        self.hits = pg.ScatterPlotItem(symbol="d", size=9, brush=pg.mkBrush("#27ae60"), pen=pg.mkPen("#1e8449"))
+        self.preemptions = pg.ScatterPlotItem(symbol="x", size=11, brush=pg.mkBrush("#d63031"), pen=None)
+        for marks in (self.hits, self.preemptions):
+            marks.setZValue(10)
+            self.timeline.plot.addItem(marks)
+        self.timeline.add_legend("prompt start from the prefix cache", "#27ae60", "◆")
+        self.timeline.add_legend("preempted (KV ran out)", "#d63031", "✕")
         self.timeline.plot.scene().sigMouseMoved.connect(self._hover)
         self.timeline.plot.scene().sigMouseClicked.connect(self._click)
 
@@ -103,6 +115,9 @@ class TrafficPlots(QWidget):
 
         self.kv = PlotPanel("KV cache", KV_SENTENCE, "MiB", "s")
         self.kv.add_legend("budget", "#d63031", "╍╍")
+        self.kv.add_legend("prefix cache (kept blocks)", "#787878", "██")
+        self.kept_band = self.kv.plot.plot([], [], pen=None, fillLevel=0, brush=KEPT_BRUSH)
+        self.kept_band.setZValue(-1)  # under the requests' bands: it shows above their top
         self.budget_line = pg.InfiniteLine(angle=0, pen=pg.mkPen("#d63031", width=1, style=Qt.DashLine))
         self.budget_line.hide()
         self.kv.plot.addItem(self.budget_line)
@@ -172,6 +187,13 @@ class TrafficPlots(QWidget):
                 elif phase == "prefill" and track.finished is not None and track.first_token_s is None:
                     phase = "failed"
                 spans[phase].append((max(a, start), max(b, start), row))
+        hits, preempted = [], []
+        for row, track in enumerate(tracks):
+            if track.cached_tokens and track.admitted_s is not None and track.admitted_s >= start:
+                hits.append((track.admitted_s, row))
+            preempted += [(at, row) for at in track.preempted_s if at >= start]
+        self.hits.setData([at for at, _ in hits], [row for _, row in hits])
+        self.preemptions.setData([at for at, _ in preempted], [row for _, row in preempted])
         for phase, bar in self.bars.items():
             rows = spans[phase]
             bar.setOpts(x0=[r[0] for r in rows], x1=[max(r[1], r[0] + 0.005) for r in rows],
@@ -214,7 +236,15 @@ class TrafficPlots(QWidget):
                 band.show()
             else:
                 band.hide()
-        used = float(stacked[-1].max()) if slots and len(times) else 0.0
+        s = log.steps()
+        keep = s["at_s"] >= start
+        held = stacked[-1] if slots and len(times) else np.zeros(len(times))
+        kept = s["kept_bytes"][keep] / 2**20
+        if len(kept) == len(times) and kept.any():
+            self.kept_band.setData(times, held + kept)
+        else:
+            self.kept_band.setData([], [])
+        used = float((held + kept).max()) if len(kept) == len(times) and len(times) else 0.0
         budget = (log.kv_budget_bytes or 0) / 2**20
         shown = max(used * 1.2, 1.0)
         if budget and budget <= 4 * shown:

@@ -133,3 +133,14 @@ def activation_bytes(text_config, batch: int, context: int, element: int = 2) ->
     heads = int(text_config.num_attention_heads)
     per_sequence = (4 * hidden + 2 * intermediate) * element + 4 * int(text_config.vocab_size) + 4 * heads * context
     return batch * per_sequence
+
+
+def shared_prefix_kv(kv_of, context: int, batch: int, prefix: int) -> tuple[int, int]:
+    """KV bytes of ``batch`` sequences of ``context`` tokens whose first ``prefix`` tokens are the
+    same (a system prompt): (each holding its own copy, the prefix held once). ``kv_of(tokens)``:
+    one sequence's KV bytes at that length. The second is what a paged cache that shares blocks
+    holds (vLLM, SGLang); the workbench's own engine copies a cached prefix into each request's
+    cache, so it saves the prefix's compute, not its memory (engine/generation/kv_manager.py)."""
+    prefix = max(0, min(prefix, context))
+    whole, shared = kv_of(context), kv_of(prefix) if prefix else 0
+    return batch * whole, shared + batch * max(0, whole - shared)

@@ -147,3 +147,28 @@ def test_load_sweeps_against_a_server_land_on_the_plan_as_shares_of_its_ceiling(
                 for batch, rate in ((1, 40.0), (16, 500.0))]
     assert w.charts.load_shares == pytest.approx(expected)
     assert [t.textItem.toPlainText() for t in w.charts._load_labels][0].endswith("% of its 4-GPU ceiling")
+
+
+def test_a_shared_prefix_shows_what_sharing_its_blocks_saves_at_this_batch(qtbot, costs_window):
+    from engine.estimates import costs
+
+    w = costs_window
+    w.set_model("meta-llama/Llama-3.1-8B", "bf16")
+    w.hardware.setCurrentIndex(w.hardware.findData("h100-sxm"))
+    w.context.setValue(CONTEXTS.index(4096))
+    w.batch.setValue(BATCHES.index(16))
+    settle(qtbot, w)
+    assert "Shared prefix" not in w.numbers.text()
+    assert not len(w.charts._curves["kv-shared"].getData()[0] or [])
+    per_token = w.estimate.kv_bytes_per_token  # Llama 3.1 8B: 128 KiB a token in bf16, no window
+    w.prefix.setValue(1024)
+    settle(qtbot, w)
+    unshared, shared = costs.shared_prefix_kv(lambda n: n * per_token, 4096, 16, 1024)
+    assert unshared - shared == 15 * 1024 * per_token  # held once instead of sixteen times
+    text = w.numbers.text()
+    assert "1,024 tokens held once instead of 16×" in text
+    assert f"{(unshared - shared) / unshared:.0%}" in text  # 15/64 = 23%
+    xs, ys = w.charts._curves["kv-shared"].getData()
+    _, batch_ys = w.charts._curves["kv-batch"].getData()
+    assert len(xs) == len(CONTEXTS) and all(s <= b for s, b in zip(ys, batch_ys))
+    assert "copies a cached prefix" in text

@@ -275,3 +275,21 @@ def test_subcommands_run_the_cli_without_qt(isolated_cache):
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-2:] == ["0", "False"]
     assert result.stdout.startswith("default")
+
+
+def test_a_chats_next_turn_copies_its_history_from_the_prefix_cache(qtbot, window, tiny_llama):
+    load(qtbot, window, tiny_llama)
+    first = generate(qtbot, window, "Tell me what a key-value cache holds, please.", max_tokens=12)
+    assert first.cached_tokens == 0
+    second = generate(qtbot, window, "And then?", max_tokens=6)
+    # the system prompt, the first question and its answer were kept: whole blocks of them come back
+    assert 16 <= second.cached_tokens < second.prompt_tokens
+    assert second.cached_tokens > first.prompt_tokens - 16
+    assert window.status["prompt"].text() == f"prompt {second.prompt_tokens} ({second.cached_tokens} cached)"
+    assert f"{second.cached_tokens} of {second.prompt_tokens} prompt tokens from the cache" \
+        in window.statusBar().currentMessage()
+    assert f"{second.cached_tokens} of {second.prompt_tokens} prompt tokens from the cache" \
+        in window.transcript.to_markdown()
+    window.generation_panel.reuse_prefix.setChecked(False)  # a cold prompt, to compare
+    third = generate(qtbot, window, "Once more?", max_tokens=4)
+    assert third.cached_tokens == 0 and window.status["prompt"].text() == f"prompt {third.prompt_tokens}"
