@@ -25,7 +25,7 @@ from PySide6.QtWidgets import (
 from app.frame_budget import in_turns
 from app.widgets.live_plots import PlotPanel
 from app.widgets.session_tool import DEFAULT_PROMPT, SessionTool
-from engine.events import BatchStep
+from engine.base.events import BatchStep
 from engine.jobs import SweepJob, Tagged
 from engine.units import format_bytes, format_rate, format_seconds
 

@@ -31,9 +31,9 @@ from app.widgets.lane_widget import LaneWidget
 from app.screen import fit_screen
 from engine.measure import compare
 from engine.measure.compare import LaneSpec
-from engine.errors import EngineError
-from engine.request import GenerationRequest
-from engine.generation.sampling import SamplingParams
+from engine.base.errors import EngineError
+from engine.base.request import GenerationRequest
+from engine.base.sampling import SamplingParams
 
 LADDER = ("fp32", "bf16", "int8", "nf4")
 LANES_MIN_HEIGHT = 190

@@ -25,7 +25,7 @@ from app.background import Background
 from app.hardware_dialog import HardwareDialog
 from app.screen import fit_screen
 from app.widgets.cost_charts import BATCHES, CONTEXTS, CostCharts
-from engine.errors import EngineError
+from engine.base.errors import EngineError
 from engine.estimates import costs, hardware
 from engine.estimates.costs import ALL_PRECISIONS, KV_DTYPES
 from engine.estimates.estimate import DEFAULT_HUB_ID, config_for, count_parameters, shipped_models

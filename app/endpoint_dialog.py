@@ -95,7 +95,7 @@ class EndpointDialog(QDialog):
 
     def list_models(self) -> None:
         from engine.endpoint import list_models
-        from engine.errors import EngineError
+        from engine.base.errors import EngineError
 
         try:
             self.spec_text()
@@ -120,7 +120,7 @@ class EndpointDialog(QDialog):
         self.status.setText(str(exc))
 
     def _accept(self) -> None:
-        from engine.errors import EngineError
+        from engine.base.errors import EngineError
 
         try:
             self.spec_text()

@@ -7,7 +7,7 @@ import time
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import QDialog, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
-from engine.events import LoadProgress
+from engine.base.events import LoadProgress
 from engine.units import format_bytes
 
 FETCH_STAGES = ("download", "verify", "extract", "convert", "tokenizer", "save")

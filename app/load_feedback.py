@@ -6,7 +6,7 @@ from __future__ import annotations
 from PySide6.QtCore import QObject, Slot
 from PySide6.QtWidgets import QMessageBox
 
-from engine.events import LoadProgress
+from engine.base.events import LoadProgress
 
 
 class LoadFeedback(QObject):

@@ -31,8 +31,8 @@ from app.widgets.prompt_box import PromptBox
 from app.widgets.server_panel import ServerPanel
 from app.widgets.status_line import StatusLine
 from app.worker import ModelSession
-from engine.errors import EngineError
-from engine.events import Finished, Loaded
+from engine.base.errors import EngineError
+from engine.base.events import Finished, Loaded
 from engine.jobs import GenerateJob
 from engine.runs import Run
 from engine.storage import history

@@ -27,7 +27,7 @@ from PySide6.QtWidgets import (
 
 from app.widgets.live_plots import PlotPanel
 from app.widgets.session_tool import DEFAULT_PROMPT, REJECTED, SessionTool
-from engine.events import DraftVerified, Loaded, Prefilled, TokenGenerated
+from engine.base.events import DraftVerified, Loaded, Prefilled, TokenGenerated
 from engine.jobs import SpeculateJob
 from engine.units import format_bytes, format_rate, format_seconds
 

@@ -12,7 +12,7 @@ from PySide6.QtWidgets import QMainWindow, QTabWidget, QWidget
 from app.batching_tool import BatchingTool
 from app.screen import fit_screen
 from app.speculative_tool import SpeculativeTool
-from engine.events import Loaded
+from engine.base.events import Loaded
 
 
 class SpeedupWindow(QMainWindow):

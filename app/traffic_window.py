@@ -33,7 +33,7 @@ from app.transcript import Transcript, Turn
 from app.widgets.live_plots import PlotPanel
 from app.widgets.output_view import OutputView
 from app.widgets.traffic_plots import TrafficPlots
-from engine.errors import EngineError
+from engine.base.errors import EngineError
 from engine.load.report import ms
 from engine.units import format_bytes, format_rate
 

@@ -9,8 +9,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 
-from engine.events import Finished, Loaded, TokenGenerated
-from engine.request import ChatMessage
+from engine.base.events import Finished, Loaded, TokenGenerated
+from engine.base.request import ChatMessage
 from engine.runs import Run
 
 

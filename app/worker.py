@@ -16,9 +16,9 @@ from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from app.background import yield_to_the_gui
 
-from engine.generation.cancel import CancelToken
-from engine.errors import EngineError
-from engine.events import BatchStep, DraftVerified, TokenGenerated
+from engine.base.cancel import CancelToken
+from engine.base.errors import EngineError
+from engine.base.events import BatchStep, DraftVerified, TokenGenerated
 from engine.jobs import JobContext, Tagged
 from engine.serve.service import RequestEvent, TrafficStep
 
@@ -72,7 +72,7 @@ class EngineWorker(QObject):
         ready, so a failed or cancelled load loses nothing (unless memory is too short to hold
         both: then it is unloaded first, and the progress says so)."""
         from engine.estimates.estimate import fits_beside_loaded
-        from engine.events import LoadProgress
+        from engine.base.events import LoadProgress
         from engine.models.loading import load_model
 
         if self._model is not None and not fits_beside_loaded(request.model, request.precision, request.device):

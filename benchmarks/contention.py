@@ -30,10 +30,11 @@ import time
 
 import torch
 
-from engine.events import TokenGenerated
+from engine.base.events import TokenGenerated
 from engine.generation.compiled_step import compile_decoder
 from engine.models.loading import LoadRequest, load_model
-from engine.request import GenerationRequest
+from engine.base.request import GenerationRequest
+from engine.generation.generate import generate
 
 PROMPT = "Explain microservices in simple terms."
 BUSY = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
@@ -82,7 +83,7 @@ def main() -> int:
         models[name] = loaded
 
     def steps(loaded) -> list[float]:
-        return [e.latency_s for e in loaded.generate(request) if isinstance(e, TokenGenerated)][1:]
+        return [e.latency_s for e in generate(loaded, request) if isinstance(e, TokenGenerated)][1:]
 
     conditions = ("quiet", "busy, adaptive", "busy, fixed")
     times = {(name, c): [] for name in models for c in conditions}

@@ -27,9 +27,10 @@ import numpy as np
 
 from engine.generation.core import CoreSettings, EngineCore
 from engine.generation.compiled_step import compile_decoder
-from engine.events import Finished, TokenGenerated
+from engine.base.events import Finished, TokenGenerated
 from engine.models.loading import LoadRequest, load_model
-from engine.request import GenerationRequest
+from engine.base.request import GenerationRequest
+from engine.generation.generate import generate
 
 PROMPTS = ["Explain microservices in simple terms.", "What is a KV cache?", "Name three primary colours.",
            "Why do language models need so much memory?", "Write a haiku about the sea.",
@@ -41,7 +42,7 @@ def _request(prompt: str, tokens: int) -> GenerationRequest:
 
 
 def plain_rate(loaded, tokens: int) -> float:
-    steps = [e.latency_s for e in loaded.generate(_request(PROMPTS[0], tokens)) if isinstance(e, TokenGenerated)]
+    steps = [e.latency_s for e in generate(loaded, _request(PROMPTS[0], tokens)) if isinstance(e, TokenGenerated)]
     return 1.0 / statistics.median(steps[1:])
 
 

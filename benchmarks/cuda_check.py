@@ -32,14 +32,15 @@ import time
 
 import torch
 
-from engine.errors import EngineError
+from engine.base.errors import EngineError
 from engine.estimates.estimate import config_for, count_parameters, weights_bytes
-from engine.events import Finished, TokenGenerated
+from engine.base.events import Finished, TokenGenerated
 from engine.generation.compiled_step import compile_decoder
 from engine.measure.bench import versions
 from engine.models.loading import LoadRequest, load_model
-from engine.request import GenerationRequest
+from engine.base.request import GenerationRequest
 from engine_vs_transformers import theirs  # benchmarks/ is on the path when run as a script
+from engine.generation.generate import generate
 
 PROMPT = "Explain microservices in simple terms."
 GPU_PRECISIONS = ("fp16", "bf16", "int8", "nf4", "bf16-fast", "int8-fast", "int4-fast")
@@ -80,7 +81,7 @@ def datasheet(device: torch.device):
 
 
 def _ours(loaded, request) -> tuple[list[float], TokenGenerated, Finished]:
-    events = list(loaded.generate(request))
+    events = list(generate(loaded, request))
     tokens = [e for e in events if isinstance(e, TokenGenerated)]
     return [t.latency_s for t in tokens[1:]], tokens[-1], events[-1]
 

@@ -28,9 +28,10 @@ import time
 import torch
 
 from engine.measure.bench import versions
-from engine.events import TokenGenerated
+from engine.base.events import TokenGenerated
 from engine.models.loading import LoadRequest, load_model
-from engine.request import GenerationRequest
+from engine.base.request import GenerationRequest
+from engine.generation.generate import generate
 
 PROMPT = "Explain microservices in simple terms."
 
@@ -51,7 +52,7 @@ class _Clock:
 def ours(loaded, n: int) -> tuple[float, list[float]]:
     request = GenerationRequest(PROMPT, max_new_tokens=n, ignore_eos=True)
     start = time.perf_counter()
-    steps = [e.latency_s for e in loaded.generate(request) if isinstance(e, TokenGenerated)]
+    steps = [e.latency_s for e in generate(loaded, request) if isinstance(e, TokenGenerated)]
     return time.perf_counter() - start, steps[1:]
 
 

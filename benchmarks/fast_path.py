@@ -33,10 +33,11 @@ import torch
 
 from engine.generation.compiled_step import compile_decoder
 from engine.measure.bench import versions
-from engine.events import TokenGenerated
+from engine.base.events import TokenGenerated
 from engine.models.loading import LoadRequest, load_model
-from engine.request import GenerationRequest
+from engine.base.request import GenerationRequest
 from engine_vs_transformers import _Clock  # benchmarks/ is on the path when run as a script
+from engine.generation.generate import generate
 
 PROMPT = "Explain microservices in simple terms."
 DEFAULT_ENGINES = ("generate-fp32", "fp32-fast+compiled", "bf16-fast+compiled", "int8-fast+compiled",
@@ -99,7 +100,7 @@ def llama_batched(path: str, tokens: int, batch: int, prompt_tokens: int):
 def our_batched(name: str, tokens: int, batch: int):
     """A function running our batched runner once (``batch`` copies of the prompt): aggregate decode
     tok/s, and the prompt's token count."""
-    from engine.events import BatchFinished
+    from engine.base.events import BatchFinished
     from engine.measure.batch import stream_batch
 
     loaded = load_model(LoadRequest("default", name, "cpu"))
@@ -136,7 +137,7 @@ def make_engine(name: str, tokens: int):
         print(f"  {compile_decoder(loaded.fast).describe()}")
 
     def run() -> list[float]:
-        return [e.latency_s for e in loaded.generate(request) if isinstance(e, TokenGenerated)][1:]
+        return [e.latency_s for e in generate(loaded, request) if isinstance(e, TokenGenerated)][1:]
     return run, loaded.info.weights_bytes
 
 

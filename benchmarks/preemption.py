@@ -22,10 +22,11 @@ import os
 import platform
 import time
 
-from engine.events import Finished, Preempted, StepCompleted, TokenGenerated
+from engine.base.events import Finished, Preempted, StepCompleted, TokenGenerated
 from engine.generation.core import CoreSettings, EngineCore
 from engine.models.loading import LoadRequest, load_model
-from engine.request import GenerationRequest
+from engine.base.request import GenerationRequest
+from engine.generation.generate import generate
 
 QUESTIONS = ["Explain microservices in simple terms.", "What is a KV cache?", "Name three primary colours.",
              "Why do language models need so much memory?", "Write a haiku about the sea.", "What does a CPU do?",
@@ -82,7 +83,7 @@ def main() -> None:
           f"{budget / 2**20:.1f} MiB = 4 × the worst case ({worst} tokens); CPU flags: {cpu_flags()}; "
           f"threads {os.environ.get('INFERENCE_WORKBENCH_THREADS', 'adaptive')}")
     started = time.perf_counter()
-    solo = [[e.token_id for e in loaded.generate(r) if isinstance(e, TokenGenerated)] for r in requests]
+    solo = [[e.token_id for e in generate(loaded, r) if isinstance(e, TokenGenerated)] for r in requests]
     print(f"solo answers: {time.perf_counter() - started:.0f} s")
     base = dict(max_batch=args.requests, token_budget=128, kv_budget_bytes=budget)
     rows = {}

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from engine.generation.generate import generate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -82,17 +83,17 @@ def run_load(url: str, prompts, tokens: int, requests: int, concurrency=(), rate
 
 def in_process(loaded, prompts, tokens: int, requests: int) -> tuple[float, int]:
     """Output tok/s of the same requests, one after another, in this process."""
-    from engine.events import Finished
-    from engine.request import GenerationRequest
+    from engine.base.events import Finished
+    from engine.base.request import GenerationRequest
 
-    from engine.generation.sampling import SamplingParams
+    from engine.base.sampling import SamplingParams
 
     made = 0
     start = time.perf_counter()
     for i in range(requests):
         request = GenerationRequest(prompts[i % len(prompts)].text, max_new_tokens=tokens, ignore_eos=True,
                                     top_alternatives=0, sampling=SamplingParams(temperature=0.0))
-        for event in loaded.generate(request):
+        for event in generate(loaded, request):
             if isinstance(event, Finished):
                 made += event.tokens
     return made / (time.perf_counter() - start), made

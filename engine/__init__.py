@@ -4,6 +4,8 @@ Pure Python + torch; never imports Qt. Heavy modules (torch, transformers) are
 imported by the submodules that need them, so ``import engine`` stays cheap.
 """
 
+from engine.storage.paths import cache_dir
+
 __version__ = "0.1.0"
 
 
@@ -13,8 +15,6 @@ def _compiled_code_in_the_user_cache() -> None:
     import os
 
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        from engine.storage.paths import cache_dir
-
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 
 

@@ -14,9 +14,22 @@ import sys
 from pathlib import Path
 
 from engine import cli_serve
-from engine.errors import EngineError, InvalidRequestError
-from engine.cli_text import compare_table, estimate_summary, speculative_summary, summary
+from engine.base.errors import EngineError, InvalidRequestError
+from engine.cli_text import compare_table, estimate_summary, speculative_summary, summary, parallel_summary
 from engine.units import format_bytes, format_rate, format_seconds
+from engine.models.precision import PRECISIONS
+from engine.base.request import GenerationRequest
+from engine.base.sampling import SamplingParams
+from engine.endpoint import is_endpoint
+from engine.base.cancel import CancelToken
+from engine.base.events import TokenGenerated, BatchFinished
+from engine.models.loading import LoadRequest, load_model
+from engine.generation.speculative import MAX_DRAFT_TOKENS, load_draft, parse_draft
+from engine.measure.sweep import record_points, run_sweep
+from engine.estimates import costs, hardware
+from engine.estimates.estimate import config_for, shipped_models
+from engine.estimates.parallel import plan_tensor_parallel
+from engine.models.sources import list_models
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -52,8 +65,6 @@ def _add_request_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.models.precision import PRECISIONS
-
     parser = _Parser(prog="inference-workbench",
                      description="See what happens behind an LLM API call, measured live.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -153,9 +164,6 @@ class _LoadPrinter:
 
 
 def _request(args):
-    from engine.request import GenerationRequest
-    from engine.generation.sampling import SamplingParams
-
     if args.greedy and args.temperature not in (None, 0):
         raise InvalidRequestError("--greedy and --temperature > 0 contradict each other.")
     sampling = SamplingParams(temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p,
@@ -174,11 +182,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _bench(args) -> int:
-    from engine.endpoint import is_endpoint
-    from engine.measure import bench
-    from engine.generation.cancel import CancelToken
-    from engine.events import TokenGenerated
-    from engine.models.loading import LoadRequest, load_model
+    from engine.measure import bench  # lazy: importing it loads numpy
 
     request = _request(args)
     if is_endpoint(args.model) and (args.draft or args.compile):
@@ -186,8 +190,6 @@ def _bench(args) -> int:
     if args.compare_plain and not args.draft:
         raise InvalidRequestError("--compare-plain compares with speculative decoding: add --draft.")
     if args.draft:
-        from engine.generation.speculative import MAX_DRAFT_TOKENS
-
         if not 1 <= args.draft_tokens <= MAX_DRAFT_TOKENS:
             raise InvalidRequestError(f"--draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}.")
 
@@ -205,14 +207,12 @@ def _bench(args) -> int:
         if loaded.fast is None:
             raise InvalidRequestError("--compile needs a fast-path precision (fp32-fast, bf16-fast, int8-fast, int4-fast).")
         print("Getting the compiled decode step ready …", file=sys.stderr, flush=True)
-        from engine.generation.compiled_step import compile_decoder
+        from engine.generation.compiled_step import compile_decoder  # lazy: importing it loads numpy, torch
 
         compiled = compile_decoder(loaded.fast)
         print(f"  {compiled.describe()}", file=sys.stderr)
     draft = None
     if args.draft:
-        from engine.generation.speculative import load_draft, parse_draft
-
         spec = parse_draft(args.draft, args.precision)
         print(f"Draft {spec.label} …", file=sys.stderr, flush=True)
         draft = load_draft(spec, loaded, progress=_LoadPrinter())
@@ -227,7 +227,7 @@ def _bench(args) -> int:
         if draft is None:
             result = bench.run(loaded, request, cancel, on_event)
         else:
-            from engine.measure.speculative_run import speculative_report
+            from engine.measure.speculative_run import speculative_report  # lazy: importing it loads numpy
 
             def on_run_event(run: str, event) -> None:
                 if run == "plain" and isinstance(event, TokenGenerated) and event.index == 0:
@@ -260,12 +260,6 @@ def _bench(args) -> int:
 
 
 def _sweep(args) -> int:
-    from engine.generation.cancel import CancelToken
-    from engine.events import BatchFinished
-    from engine.models.loading import LoadRequest, load_model
-    from engine.measure.sweep import record_points, run_sweep
-    from engine.endpoint import is_endpoint
-
     if is_endpoint(args.model):
         raise InvalidRequestError("A batch sweep runs the model here; to load a server with several requests at "
                                   "once, use: inference-workbench load --url URL --concurrency 1,4,16")
@@ -307,7 +301,7 @@ def _sweep(args) -> int:
     if points and not args.no_history:
         record_points(loaded, points, prompt_tokens)
     if args.json is not None:
-        from engine.measure import bench
+        from engine.measure import bench  # lazy: importing it loads numpy
 
         info = loaded.info
         _write_json(args.json, {
@@ -324,8 +318,7 @@ def _sweep(args) -> int:
 
 
 def _compare(args) -> int:
-    from engine.measure import compare
-    from engine.events import TokenGenerated
+    from engine.measure import compare  # lazy: importing it loads numpy
 
     if not 1 <= len(args.lane) <= 4:
         raise InvalidRequestError("Give 1 to 4 --lane options.")
@@ -357,10 +350,6 @@ def _compare(args) -> int:
 
 
 def _estimate(args) -> int:
-    from engine.estimates import costs
-    from engine.estimates import hardware
-    from engine.estimates.estimate import config_for
-
     config = config_for(args.model)
     if config is None:
         raise InvalidRequestError(
@@ -371,9 +360,6 @@ def _estimate(args) -> int:
     data = result.to_dict()
     print(estimate_summary(result, hardware.get(args.hardware)))
     if args.gpus:
-        from engine.cli_text import parallel_summary
-        from engine.estimates.parallel import plan_tensor_parallel
-
         plan = plan_tensor_parallel(config, hardware.get(args.hardware), args.precision, args.kv_dtype, args.context,
                                     args.batch, model=args.model)
         print(parallel_summary(plan))
@@ -384,14 +370,10 @@ def _estimate(args) -> int:
 
 
 def _shipped() -> list[str]:
-    from engine.estimates.estimate import shipped_models
-
     return shipped_models()
 
 
 def _hardware(args) -> int:
-    from engine.estimates import hardware
-
     found = hardware.profiles(measure=args.measure)
     if args.json:
         print(json.dumps([p.to_dict() for p in found], indent=2))
@@ -405,8 +387,6 @@ def _hardware(args) -> int:
 
 
 def _models(args) -> int:
-    from engine.models.sources import list_models
-
     for entry in list_models():
         size = format_bytes(entry.size_bytes) if entry.size_bytes else ""
         state = "ready" if entry.ready else "not downloaded yet"

@@ -14,12 +14,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from engine.generation.cancel import CancelToken
-from engine.events import BatchStep, Finished
-from engine.request import GenerationRequest
+from engine.base.cancel import CancelToken
+from engine.base.events import BatchStep, Finished
+from engine.base.request import GenerationRequest
+from engine.generation.generate import generate, kept_core
+from engine.models.model import LoadedModel
+from engine.measure.sweep import record_points, run_sweep, ceiling_for
+from engine.generation.speculative import load_draft, parse_draft
+from engine.serve.service import NotServingError, Ticket, Token
 
 if TYPE_CHECKING:
-    from engine.models.model import LoadedModel
     from engine.measure.sweep import SweepPoint, SweepSkip
     from engine.serve.protocol import Defaults
 
@@ -56,17 +60,13 @@ class GenerateJob:
         loaded): its prefix cache holds the earlier prompts and answers, so a chat's next turn
         copies the KV of the conversation so far. A failure drops the core (its state may be
         half-changed); the next prompt gets a fresh one."""
-        from engine.generation.generate import kept_core
-        from engine.models.model import LoadedModel
 
         local = isinstance(ctx.model, LoadedModel) and ctx.model.model is not None  # not a server's model
         if local and "core" not in ctx.keep:
             ctx.keep["core"] = kept_core(ctx.model)
         final = None
         try:
-            events = (ctx.model.generate(self.request, ctx.cancel, core=ctx.keep["core"]) if local
-                      else ctx.model.generate(self.request, ctx.cancel))
-            for event in events:
+            for event in generate(ctx.model, self.request, ctx.cancel, core=ctx.keep.get("core")):
                 if isinstance(event, Finished):
                     final = event
                 else:
@@ -95,7 +95,7 @@ class ScoreJob:
     kind: ClassVar[str] = "scoring"
 
     def run(self, ctx: JobContext) -> Scored:
-        from engine.measure.compare import teacher_forced_logprobs
+        from engine.measure.compare import teacher_forced_logprobs  # lazy: importing it loads numpy
 
         if ctx.model.model is None:  # a served model: its weights are the server's
             return Scored(None, None)
@@ -144,8 +144,6 @@ class SweepJob:
     kind: ClassVar[str] = "sweep"
 
     def run(self, ctx: JobContext) -> SweepResult:
-        from engine.measure.sweep import record_points, run_sweep
-
         steps: dict[int, list] = {}
 
         def on_event(batch: int, event) -> None:
@@ -176,8 +174,7 @@ class SpeculateJob:
     kind: ClassVar[str] = "speculative decoding"
 
     def run(self, ctx: JobContext) -> dict:
-        from engine.generation.speculative import load_draft, parse_draft
-        from engine.measure.speculative_run import speculative_report
+        from engine.measure.speculative_run import speculative_report  # lazy: importing it loads numpy
 
         spec = parse_draft(self.draft, ctx.model.info.precision)
         draft = ctx.keep.get("draft")
@@ -234,7 +231,6 @@ class ServeDoor:
     def submit(self, request: GenerationRequest, cancel: CancelToken) -> tuple[str, int]:
         """Queue ``request`` in the serving core; returns its tag. Raises ``NotServingError`` when
         the server is not (or no longer) running, ``QueueFullError`` when its queue is full."""
-        from engine.serve.service import NotServingError, Ticket, Token
 
         with self._lock:
             if self._service is None:
@@ -262,8 +258,7 @@ class ServeJob:
     kind: ClassVar[str] = "serving"
 
     def run(self, ctx: JobContext) -> Served:
-        from engine.measure.sweep import ceiling_for
-        from engine.serve.server import Server
+        from engine.serve.server import Server  # lazy: importing it loads uvicorn
 
         server = Server(ctx.model, self.settings)
         settings = server.service.settings

@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from engine.generation.cancel import CancelToken
-from engine.errors import CancelledError
-from engine.events import LoadProgress
+from engine.base.cancel import CancelToken
+from engine.base.errors import CancelledError
+from engine.base.events import LoadProgress
 
 T = TypeVar("T")
 

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from engine.events import EndpointAnswered, Finished, Prefilled, ServerSampled, TokenGenerated
+from engine.base.events import EndpointAnswered, Finished, Prefilled, ServerSampled, TokenGenerated
 
 COLUMNS = ("latency_s", "elapsed_s", "kv_bytes", "kv_predicted", "rss", "device_allocated",
            "device_reserved", "device_peak")

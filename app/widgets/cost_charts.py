@@ -18,7 +18,7 @@ from PySide6.QtWidgets import QGridLayout, QStackedWidget, QWidget
 from app.frame_budget import in_turns
 from app.widgets.live_plots import PlotPanel
 from engine.estimates import costs
-from engine.errors import EngineError
+from engine.base.errors import EngineError
 from engine.estimates.costs import ALL_PRECISIONS
 from engine.storage.history import RunRecord
 

@@ -16,8 +16,8 @@ from PySide6.QtWidgets import (
 )
 
 from app.widgets.model_panel import _compact
-from engine.request import ChatMessage, GenerationRequest
-from engine.generation.sampling import SamplingParams
+from engine.base.request import ChatMessage, GenerationRequest
+from engine.base.sampling import SamplingParams
 
 STOP_SEPARATOR = " | "
 

@@ -25,12 +25,12 @@ from app.widgets.model_panel import _compact, show_served_choice
 from app.worker import ModelSession
 from engine.endpoint.source import is_endpoint
 from engine.measure.compare import LaneRun, LaneSpec
-from engine.events import Finished, Loaded
+from engine.base.events import Finished, Loaded
 from engine.jobs import GenerateJob, ScoreJob
 from engine.models.loading import LoadRequest
 from engine.models.precision import PRECISIONS
-from engine.request import GenerationRequest
-from engine.generation.sampling import SamplingParams
+from engine.base.request import GenerationRequest
+from engine.base.sampling import SamplingParams
 from engine.units import format_bytes, format_rate, format_seconds
 
 LANE_COLOURS = ("#2d7dd2", "#e67e22", "#27ae60", "#8e44ad")

@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.endpoint.source import is_endpoint
-from engine.events import Loaded, LoadProgress
+from engine.base.events import Loaded, LoadProgress
 from engine.models.loading import LoadRequest
 from engine.models.precision import PRECISIONS
 from engine.units import format_bytes, format_count, format_seconds

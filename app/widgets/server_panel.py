@@ -25,9 +25,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.errors import EngineError
-from engine.events import Finished
-from engine.generation.cancel import CancelToken
+from engine.base.errors import EngineError
+from engine.base.events import Finished
+from engine.base.cancel import CancelToken
 from engine.jobs import ServeJob, Served, ServerStarted, Tagged
 from engine.serve.service import Accepted, Rejected
 from engine.serve.traffic import TrafficLog

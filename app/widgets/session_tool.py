@@ -8,7 +8,7 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, QTimer, Signal, Slot
 from PySide6.QtWidgets import QFormLayout, QHBoxLayout, QLabel, QPushButton, QSplitter, QVBoxLayout, QWidget
 
-from engine.events import Loaded
+from engine.base.events import Loaded
 
 REFRESH_MS = 50
 DEFAULT_PROMPT = "Explain microservices in simple terms."
@@ -128,7 +128,7 @@ class SessionTool(QWidget):
     def _on_job_failed(self, job_id: int, exc) -> None:
         if job_id != self.job:
             return
-        from engine.errors import CancelledError
+        from engine.base.errors import CancelledError
 
         self.job = None
         self._set_running(False)

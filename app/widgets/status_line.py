@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from PySide6.QtWidgets import QLabel, QStatusBar
 
-from engine.events import Loaded
+from engine.base.events import Loaded
 from engine.runs import Run
 from engine.units import format_bytes, format_rate, format_seconds
 

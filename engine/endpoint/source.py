@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from engine.endpoint.stream import FINISH, StreamReader, spread
-from engine.errors import EndpointAuthError, EndpointError, InvalidRequestError
-from engine.events import (
+from engine.base.errors import EndpointAuthError, EndpointError, InvalidRequestError, CancelledError
+from engine.base.events import (
     EndpointAnswered,
     Finished,
     Loaded,
@@ -26,8 +26,9 @@ from engine.events import (
     ServerSampled,
     TokenGenerated,
 )
-from engine.generation.cancel import CancelToken
-from engine.request import GenerationRequest
+from engine.base.cancel import CancelToken
+from engine.base.request import GenerationRequest
+from engine.endpoint.scrape import ServerState, metrics_url, scrape_once_sync, read_slots
 
 PREFIX = "endpoint:"
 KEY_ENV = ("INFERENCE_WORKBENCH_API_KEY", "OPENAI_API_KEY")
@@ -159,8 +160,6 @@ def connect(spec: EndpointSpec, api_key: str | None = None,
     ready to generate. Raises :class:`EndpointError` (:class:`EndpointAuthError` for a key)."""
     import httpx
 
-    from engine.errors import CancelledError
-    from engine.load.scrape import ServerState, metrics_url, scrape_once_sync
 
     report = progress or (lambda event: None)
     started = time.perf_counter()
@@ -401,7 +400,6 @@ class _Watcher:
         """One reading of the server's ``/metrics`` (and llama.cpp's ``/slots``), if it has them."""
         import httpx
 
-        from engine.load.scrape import ServerState, metrics_url, read_slots, scrape_once_sync
 
         model = self._model
         sample, at = None, time.perf_counter() - self._origin

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import EndpointError
-from engine.events import Alternative
+from engine.base.errors import EndpointError
+from engine.base.events import Alternative
 
 FINISH = {"stop": "eos", "length": "length", "abort": "cancelled", "content_filter": "eos",
           "tool_calls": "eos", "function_call": "eos", "error": "error"}

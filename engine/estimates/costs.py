@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from engine.estimates.estimate import ParameterCount, count_parameters, weights_bytes
-from engine.errors import InvalidRequestError
+from engine.base.errors import InvalidRequestError
 from engine.estimates.hardware import Hardware
-from engine.generation.kv import kv_layout
+from engine.base.kv import kv_layout
 from engine.models.precision import PRECISIONS
 
 GGUF_BITS = {  # bits per weight of llama.cpp's block formats, scales included

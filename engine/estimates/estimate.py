@@ -27,9 +27,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from engine.generation.kv import kv_layout
+from engine.base.kv import kv_layout
 from engine.storage.paths import resource_dir
-from engine.models.precision import get_precision
+from engine.models.precision import get_precision, dtype_bytes
+from engine.models.load_lock import exclusive
+from engine.endpoint.source import is_endpoint
+from engine.models import default_model, sources
+from engine.models.gguf_files import converted_dir_for, is_converted
+from engine.models.devices import resolve_device
 
 BNB_BLOCK = 64
 """bitsandbytes' 4-bit block size (its default; we don't change it)."""
@@ -62,7 +67,6 @@ def count_parameters(config) -> ParameterCount:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from engine.models.load_lock import exclusive
 
     with exclusive():  # init_empty_weights patches torch for the whole process
         with init_empty_weights():
@@ -129,14 +133,11 @@ def config_for(ref: str):
     a hub id not in the Hugging Face cache falls back to a shipped config of that id; a served
     model's config is the server's (None).
     """
-    from engine.endpoint.source import is_endpoint
 
     if is_endpoint(ref):
         return None
     from transformers import AutoConfig
 
-    from engine.models import default_model
-    from engine.models import sources
 
     try:
         kind, value = sources.classify(ref)
@@ -150,8 +151,6 @@ def config_for(ref: str):
     elif kind == "folder":
         folder = Path(value)
     elif kind == "gguf":
-        from engine.models.gguf_files import converted_dir_for, is_converted
-
         converted = converted_dir_for(Path(value))
         folder = converted if is_converted(converted) else None
     elif kind == "hub":
@@ -211,8 +210,6 @@ def available_bytes(device: str) -> int | None:
 
 def predict(config, precision: str, device: str = "cpu", context_tokens: int = 2048) -> MemoryPrediction:
     """Weights + KV cache for ``context_tokens`` tokens, against free memory on ``device``."""
-    from engine.models.devices import resolve_device
-    from engine.models.precision import dtype_bytes
 
     count = count_parameters(config)
     weights = weights_bytes(count, precision, device.split(":")[0])

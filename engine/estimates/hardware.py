@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from engine.storage.paths import cache_dir, resource_dir
+from engine.base.errors import InvalidRequestError
+from engine.models.devices import _cpu_model
 
 THIS_MACHINE = "this-machine"
 
@@ -87,7 +89,6 @@ def get(profile_id: str) -> Hardware:
         if profile.id == profile_id:
             return profile
     known = ", ".join(p.id for p in profiles())
-    from engine.errors import InvalidRequestError
 
     raise InvalidRequestError(f"Unknown hardware {profile_id!r}: choose one of {known}.")
 
@@ -95,7 +96,6 @@ def get(profile_id: str) -> Hardware:
 def _fingerprint() -> str:
     import torch
 
-    from engine.models.devices import _cpu_model
 
     return f"{_cpu_model()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}"
 
@@ -118,7 +118,6 @@ def this_machine(measure: bool = False) -> Hardware:
         measured = {"fingerprint": fingerprint, **measure_cpu(), "measured_at": time.strftime("%Y-%m-%d %H:%M")}
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(measured, indent=2), encoding="utf-8")
-    from engine.models.devices import _cpu_model
 
     return Hardware(
         id=THIS_MACHINE, name=f"This machine: {_cpu_model()} ({platform.machine()})", kind="cpu",

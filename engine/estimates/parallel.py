@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from engine.errors import InvalidRequestError
+from engine.base.errors import InvalidRequestError
 from engine.estimates.costs import estimate
 from engine.estimates.hardware import Hardware
 

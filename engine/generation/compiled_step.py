@@ -1,6 +1,6 @@
 """The fast path's compiled decode step, built ahead of time in a child process and kept on disk.
 
-The step (:func:`engine.generation.fast._decode_step`) is exported once (``torch.export``, the
+The step (:func:`engine.models.fast._decode_step`) is exported once (``torch.export``, the
 cache's capacity a dynamic dimension, so one build serves every cache size) and compiled by
 AOTInductor with the fast path's CPU options (frozen weights, C++ GEMM micro-kernels picked by
 timing on this machine) into a package in the user cache. Loading the package takes about a
@@ -34,6 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from engine.models import fast, quantize
+from engine.storage.paths import cache_dir
+from engine.models.fast import MAX_COMPILED_CAPACITY, MIN_CAPACITY, _rotary_tables, CPU_COMPILE_OPTIONS, _decode_step
+from engine.models.loading import load_model
 
 PACKAGES_KEPT = 4
 """Packages kept in the user cache (the least recently used go first): about twice the weights' bytes each."""
@@ -76,8 +80,6 @@ class StepModule(torch.nn.Module):
         object.__setattr__(self, "decoder", d)  # not a submodule: its modules are registered above
 
     def forward(self, keys, values, cos, sin, ids, position):
-        from engine.generation.fast import _decode_step
-
         return _decode_step(self.decoder, keys, values, cos, sin, ids, position)
 
 
@@ -101,9 +103,6 @@ def fingerprint(d) -> str:
 
 
 def _source_digest() -> str:
-    from engine.generation import fast
-    from engine.models import quantize
-
     digest = hashlib.sha256()
     for module in (fast, quantize):
         digest.update(Path(module.__file__).read_bytes())
@@ -115,7 +114,6 @@ def package_path(d, threads: int, weights: str | None = None) -> Path:
     """Where the package for this decoder's weights at ``threads`` threads lives."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    from engine.storage.paths import cache_dir
 
     key = json.dumps([weights or fingerprint(d), threads, torch.__version__, str(pick_vec_isa()), _source_digest()])
     return cache_dir() / "compiled" / f"step-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
@@ -123,7 +121,6 @@ def package_path(d, threads: int, weights: str | None = None) -> Path:
 
 def export_step(d):
     """``torch.export`` of the decode step at a 512-token cache, the capacity left dynamic."""
-    from engine.generation.fast import MAX_COMPILED_CAPACITY, MIN_CAPACITY, _rotary_tables
 
     capacity = 512
     shape = (1, d.kv_heads, capacity, d.head_dim)
@@ -146,7 +143,6 @@ def _partial(path: Path, pid: int) -> Path:
 
 def build_package(d, path: Path, threads: int, weights: str) -> None:
     """Export and compile the step into ``path`` (written whole, then renamed into place)."""
-    from engine.generation.fast import CPU_COMPILE_OPTIONS
 
     torch.set_num_threads(threads)
     program = export_step(d)
@@ -266,7 +262,6 @@ def _child(request, threads: int, path: str, weights: str, conn) -> None:
         log = open(Path(path).with_suffix(".log"), "w")  # inductor's autotuning tables, not the app's terminal
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
-        from engine.models.loading import load_model
 
         loaded = load_model(request)
         mine = fingerprint(loaded.fast)

@@ -25,24 +25,24 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from engine.generation.cancel import CancelToken
+from engine.base.cancel import CancelToken
 from engine.generation.decoding import (PREFILL_CHUNK, SeenTokens, failed_event, finished_event, stop_reason,
                                         top_scores)
 from engine.generation.detokenize import IncrementalDetokenizer
 from engine.generation.kv_manager import BLOCK_TOKENS, KeptBlock, KVCacheManager
 from engine.generation.scheduler import Scheduler
-from engine.errors import InvalidRequestError, is_out_of_memory, non_finite_message
-from engine.events import (Alternative, Finished, GenerationEvent, Preempted, Prefilled, StepCompleted,
+from engine.base.errors import InvalidRequestError, is_out_of_memory, non_finite_message
+from engine.base.events import (Alternative, Finished, GenerationEvent, Preempted, Prefilled, StepCompleted,
                            TokenGenerated)
-from engine.measure.memory import MemoryProbe
-from engine.request import GenerationRequest
+from engine.base.memory import MemoryProbe
+from engine.base.request import GenerationRequest
 from engine.generation.sampling import make_sampler
 from engine.generation.threads import adapt as adapt_threads
+from engine.generation.runners import batch_runner_for
 
 if TYPE_CHECKING:
     from engine.models.model import LoadedModel
@@ -115,7 +115,6 @@ class EngineCore:
 
     def __init__(self, loaded: "LoadedModel", settings: CoreSettings | None = None, runner=None,
                  speculation: "Speculation | None" = None) -> None:
-        from engine.generation.runners import batch_runner_for
 
         self.loaded = loaded
         self.settings = settings = settings or CoreSettings()

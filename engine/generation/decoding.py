@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from engine.generation.cancel import CancelToken
-from engine.events import Finished
-from engine.measure.memory import MemoryProbe
-from engine.request import GenerationRequest
+from engine.base.cancel import CancelToken
+from engine.base.events import Finished
+from engine.base.memory import MemoryProbe
+from engine.base.request import GenerationRequest
 
 if TYPE_CHECKING:
     import torch

@@ -14,18 +14,34 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from engine.generation.cancel import CancelToken
+from engine.base.cancel import CancelToken
 from engine.generation.decoding import PREFILL_CHUNK
-from engine.errors import EngineError, NonFiniteError, OutOfMemoryError, is_out_of_memory
-from engine.events import Finished, GenerationEvent, StepCompleted
-from engine.request import GenerationRequest
+from engine.base.errors import EngineError, NonFiniteError, OutOfMemoryError, is_out_of_memory
+from engine.base.events import Finished, GenerationEvent, StepCompleted
+from engine.base.memory import default_kv_budget
+from engine.base.request import GenerationRequest
+from engine.generation.core import CoreSettings, EngineCore
 
 if TYPE_CHECKING:
-    from engine.generation.core import EngineCore
     from engine.models.model import LoadedModel
     from engine.generation.speculative import Speculation
 
-__all__ = ["PREFILL_CHUNK", "stream"]
+__all__ = ["PREFILL_CHUNK", "generate", "stream"]
+
+
+def generate(model, request: GenerationRequest, cancel: CancelToken | None = None,
+             core: "EngineCore | None" = None) -> Iterator[GenerationEvent]:
+    """``request`` answered by ``model``, as events: a loaded model (engine/models/model.py)
+    through the engine core (``core``: an idle one kept between requests, :func:`kept_core`;
+    ``None``: one of its own); a model served elsewhere (engine/endpoint) streams itself.
+    Validates and tokenizes now (errors raise here)."""
+    own = getattr(model, "generate", None)
+    if own is not None:  # a served model: its server does the work
+        return own(request, cancel)
+    if model.model is None:
+        raise EngineError("This model was unloaded: load it again to generate.")
+    request = request.validated()
+    return stream(model, request, model.encode(request), cancel or CancelToken(), core=core)
 
 
 def stream(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int],
@@ -51,15 +67,13 @@ def kept_core(loaded: "LoadedModel") -> "EngineCore":
     """A core for one request at a time that keeps its prefix cache from one to the next (the
     window's: a chat's next turn copies the KV of the conversation so far instead of computing
     it). Its KV budget is twice the context (8,192 tokens where the context is unknown), at most
-    what the machine can spare (engine/serve/server.py's default), so kept blocks stay bounded."""
-    from engine.generation.core import CoreSettings, EngineCore
-    from engine.serve.server import default_kv_budget
+    what the machine can spare (engine/base/memory.py's default), so kept blocks stay bounded."""
 
     chunk = PREFILL_CHUNK
     per_token = loaded.info.kv_bytes_per_token
     budget = None
     if per_token:
-        budget = min(2 * (loaded.info.context_length or 8192) * per_token, default_kv_budget(loaded))
+        budget = min(2 * (loaded.info.context_length or 8192) * per_token, default_kv_budget(loaded.device))
     return EngineCore(loaded, CoreSettings(token_budget=chunk + 1, max_batch=1, prefill_chunk=chunk,
                                            kv_budget_bytes=budget, prefix_caching=budget is not None))
 
@@ -69,7 +83,6 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int
     """The request alone in a core (its own, or ``core``, idle): the prompt in chunks of
     :data:`PREFILL_CHUNK` (cancel is checked between them), then a token per step (or a
     speculative step's tokens)."""
-    from engine.generation.core import CoreSettings, EngineCore
 
     chunk = PREFILL_CHUNK  # read now: tests and callers may change it
     if core is None:

@@ -1,5 +1,5 @@
 """What runs the engine core's forward passes: the reference runner (transformers' own forward,
-one DynamicCache per request, every architecture) or the fast path's slot cache (engine/generation/fast.py,
+one DynamicCache per request, every architecture) or the fast path's slot cache (engine/models/fast.py,
 one batched decode step). Both hold a cache per request (``add``/``remove``), read prompt chunks
 (``prefill``, which can return the scores after each of its last tokens: speculation verifies
 with it), decode one token for several requests (``decode``), report each request's KV bytes
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.generation.kv import cache_bytes
+from engine.base.kv import cache_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -208,7 +208,7 @@ def runner_for(model, fast=None, supports_logits_to_keep: bool = True, rollback:
     """An engine-core runner: the fast path's slot cache over ``fast`` (a ``FastDecoder``) where
     there is one, else the reference runner over ``model``."""
     if fast is not None:
-        from engine.generation.fast import SlotCache
+        from engine.generation.slot_cache import SlotCache  # lazy: importing it loads numpy, torch
 
         return SlotCache(fast)
     return ReferenceBatchRunner(model, supports_logits_to_keep, rollback)

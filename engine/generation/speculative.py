@@ -23,12 +23,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.generation.cancel import CancelToken
-from engine.errors import EngineError, InvalidRequestError
-from engine.events import DraftVerified, GenerationEvent
+from engine.base.cancel import CancelToken
+from engine.base.errors import EngineError, InvalidRequestError
+from engine.base.events import DraftVerified, GenerationEvent
 from engine.models.precision import PRECISIONS
-from engine.request import GenerationRequest
+from engine.base.request import GenerationRequest
 from engine.generation.sampling import SamplingParams, apply_repetition_penalty, argmax, distribution
+from engine.models.loading import LoadRequest, load_model
+from engine.generation.generate import stream
+from engine.generation.runners import runner_for
 
 if TYPE_CHECKING:
     import torch
@@ -85,7 +88,6 @@ class Draft:
     def runner(self):
         """A fresh engine-core runner for the draft: the fast path's slot cache where the draft
         has one, else transformers' forward (caches that can roll back)."""
-        from engine.generation.runners import runner_for
 
         return runner_for(self.model, self.fast, self.supports_logits_to_keep, rollback=True)
 
@@ -149,11 +151,10 @@ def load_draft(spec: DraftSpec, target: "LoadedModel", progress: Callable | None
         view = early_exit_model(target.model, spec.layers)
         fast = None
         if target.fast is not None:
-            from engine.generation.fast import early_exit_decoder
+            from engine.models.fast import early_exit_decoder  # lazy: importing it loads numpy, torch
 
             fast = early_exit_decoder(target.fast, spec.layers)
         return Draft(view, spec, supports_logits_to_keep=target.supports_logits_to_keep, fast=fast)
-    from engine.models.loading import LoadRequest, load_model
 
     loaded = load_model(LoadRequest(spec.model, spec.precision, str(target.device)), progress=progress, cancel=cancel)
     if loaded.tokenizer.get_vocab() != target.tokenizer.get_vocab():
@@ -168,7 +169,6 @@ def stream_speculative(target: "LoadedModel", draft: Draft, request: GenerationR
                        cancel: CancelToken | None = None) -> Iterator[GenerationEvent]:
     """Like :meth:`LoadedModel.generate`, with :class:`DraftVerified` events between the tokens:
     the request alone in an engine core whose decode step is :class:`Speculation`'s."""
-    from engine.generation.generate import stream
 
     if target.model is None or draft.model is None:
         raise EngineError("The model or its draft was unloaded: load it again.")

@@ -18,10 +18,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.errors import EngineError, InvalidRequestError
+from engine.base.errors import EngineError, InvalidRequestError
 from engine.load.metrics import RequestResult, Summary, summarize
 from engine.load.prompts import Prompt
-from engine.load.scrape import ServerState, metrics_url, scrape, scrape_once
+from engine.endpoint.scrape import ServerState, metrics_url, scrape, scrape_once
+from engine.endpoint.stream import StreamReader
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class LoadPlan:
     slo: dict | None = None
     request_timeout_s: float = 600.0
     scrape: bool = True
-    """Read the server's /metrics while each setting runs (engine/load/scrape.py)."""
+    """Read the server's /metrics while each setting runs (engine/endpoint/scrape.py)."""
     scrape_interval_s: float = 0.5
 
     def validated(self) -> "LoadPlan":
@@ -226,7 +227,6 @@ async def send(client, model: str, prompt: Prompt, plan: LoadPlan, result: Reque
     import httpx
     from httpx_sse import SSEError, aconnect_sse
 
-    from engine.endpoint.stream import StreamReader
 
     reader = StreamReader()
     path, body = request_body(model, prompt, plan, running_usage)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from engine.errors import InvalidRequestError
+from engine.base.errors import InvalidRequestError
 
 
 @dataclass

@@ -7,7 +7,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import InvalidRequestError
+from engine.base.errors import InvalidRequestError
+from engine.storage.paths import resource_dir
 
 
 @dataclass(frozen=True)
@@ -18,8 +19,6 @@ class Prompt:
 
 
 def shipped_path() -> Path:
-    from engine.storage.paths import resource_dir
-
     return resource_dir() / "prompts" / "load.jsonl"
 
 

@@ -116,7 +116,7 @@ def history_record(plan: LoadPlan, result: SettingResult, load_id: str | None = 
 
     import httpx
 
-    from engine.storage.history import RunRecord
+    from engine.storage.history import RunRecord  # lazy: importing it loads numpy
 
     s = result.summary
     done = [r for r in result.results if r.ok]
@@ -144,7 +144,7 @@ def remember(plan: LoadPlan, results: list[SettingResult], load_id: str | None =
     never fails a load (it is logged)."""
     import logging
 
-    from engine.storage.history import save
+    from engine.storage.history import save  # lazy: importing it loads numpy
 
     for result in results:
         if result.summary.completed:

@@ -18,15 +18,15 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from engine.generation.cancel import CancelToken
-from engine.errors import (
+from engine.base.cancel import CancelToken
+from engine.base.errors import (
     EngineError,
     InvalidRequestError,
     NonFiniteError,
     OutOfMemoryError,
     is_out_of_memory,
 )
-from engine.events import (
+from engine.base.events import (
     BatchEvent,
     BatchFinished,
     BatchStep,
@@ -35,8 +35,9 @@ from engine.events import (
     StepCompleted,
     TokenGenerated,
 )
-from engine.measure.memory import MemoryProbe
-from engine.request import GenerationRequest
+from engine.base.memory import MemoryProbe
+from engine.base.request import GenerationRequest
+from engine.generation.core import CoreSettings, EngineCore
 
 if TYPE_CHECKING:
     from engine.models.model import LoadedModel
@@ -69,7 +70,6 @@ def _run_on_core(loaded: "LoadedModel", request: GenerationRequest, prompts: lis
     every prompt a request, all read in the first step as the reference batch reads them
     together, then one step per token. A sequence that ends leaves the batch (its cache freed);
     the batch's figures are those of its fullest step."""
-    from engine.generation.core import CoreSettings, EngineCore
 
     batch = len(prompts)
     core = EngineCore(loaded, CoreSettings(token_budget=sum(len(p) for p in prompts) + batch, max_batch=batch,

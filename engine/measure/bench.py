@@ -12,11 +12,12 @@ from dataclasses import asdict
 from importlib import metadata
 
 import engine
-from engine.generation.cancel import CancelToken
-from engine.events import EndpointAnswered, GenerationEvent, Loaded, ServerSampled
+from engine.base.cancel import CancelToken
+from engine.base.events import EndpointAnswered, GenerationEvent, Loaded, ServerSampled
 from engine.models.model import LoadedModel
-from engine.request import GenerationRequest
+from engine.base.request import GenerationRequest
 from engine.runs import Run
+from engine.generation.generate import generate
 
 _PACKAGES = ("torch", "transformers", "accelerate", "bitsandbytes", "gguf", "safetensors",
              "huggingface_hub", "tokenizers", "numpy", "psutil")
@@ -48,7 +49,7 @@ def measure(events, weights_bytes: int | None = None,
 def run(loaded: LoadedModel, request: GenerationRequest, cancel: CancelToken | None = None,
         on_event: Callable[[GenerationEvent], None] | None = None) -> dict:
     """Generate, passing each event to ``on_event``; return the bench report."""
-    return report(loaded.info, request, measure(loaded.generate(request, cancel), loaded.info.weights_bytes, on_event))
+    return report(loaded.info, request, measure(generate(loaded, request, cancel), loaded.info.weights_bytes, on_event))
 
 
 def report(info: Loaded, request: GenerationRequest, measured: Run) -> dict:

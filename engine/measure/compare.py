@@ -19,14 +19,18 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from engine.measure.bench import report as bench_report
-from engine.measure.bench import versions
-from engine.generation.cancel import CancelToken
-from engine.errors import InvalidRequestError
-from engine.events import Loaded
-from engine.request import GenerationRequest
+from engine.measure.bench import report as bench_report, versions
+from engine.base.cancel import CancelToken
+from engine.base.errors import InvalidRequestError
+from engine.base.events import Loaded
+from engine.base.request import GenerationRequest
 from engine.runs import Run
-from engine.generation.sampling import SamplingParams
+from engine.base.sampling import SamplingParams
+from engine.generation.generate import generate as engine_generate
+from engine.endpoint import is_endpoint, parse_endpoint
+from engine.models.precision import PRECISIONS
+from engine.storage.serialize import event_to_dict, event_from_dict
+from engine.models.loading import LoadRequest, load_model
 
 SCHEDULES = ("fair", "concurrent")
 
@@ -41,8 +45,6 @@ class LaneSpec:
 
     @property
     def label(self) -> str:
-        from engine.endpoint import is_endpoint, parse_endpoint
-
         if is_endpoint(self.model):
             spec = parse_endpoint(self.model)
             return f"{spec.model or 'first model'} · served at {spec.url}"
@@ -52,8 +54,6 @@ class LaneSpec:
 def parse_lane(text: str) -> LaneSpec:
     """``MODEL:PRECISION[:DEVICE]`` (the model part may itself contain ':', a Windows path), or
     ``endpoint:URL#MODEL``, a served model (its precision is the server's)."""
-    from engine.endpoint import is_endpoint, parse_endpoint
-    from engine.models.precision import PRECISIONS
 
     if is_endpoint(text):
         return LaneSpec(model=parse_endpoint(text).text, precision="served", device="remote")
@@ -208,7 +208,6 @@ FORMAT = "inference-workbench/compare"
 def to_record(runs: Sequence[LaneRun], request: GenerationRequest, schedule: str) -> dict:
     """Everything needed to show the run again without any model: the report (the headless
     JSON contract) plus every event of every lane."""
-    from engine.storage.serialize import event_to_dict
 
     data = report(runs, request, schedule)
     data["format"] = FORMAT
@@ -223,8 +222,6 @@ def to_record(runs: Sequence[LaneRun], request: GenerationRequest, schedule: str
 
 
 def from_record(data: dict) -> tuple[list[LaneRun], GenerationRequest, str]:
-    from engine.storage.serialize import event_from_dict
-
     if data.get("format") != FORMAT:
         raise InvalidRequestError("This file is not a saved comparison of Inference Workbench.")
     runs = []
@@ -260,7 +257,6 @@ def run_comparison(specs: Sequence[LaneSpec], request: GenerationRequest, schedu
     timings don't disturb each other. ``concurrent``: all loaded, all generating at once, each
     in its own thread, to show contention.
     """
-    from engine.models.loading import LoadRequest, load_model
 
     if not 1 <= len(specs) <= 4:
         raise InvalidRequestError("A comparison has 1 to 4 lanes.")
@@ -288,7 +284,7 @@ def run_comparison(specs: Sequence[LaneSpec], request: GenerationRequest, schedu
         run = runs[index]
         wanted = lane_request(run.spec)
         run.prompt_ids = loaded.encode(wanted)
-        for event in loaded.generate(wanted, cancel):
+        for event in engine_generate(loaded, wanted, cancel):
             run.extend([event])
             emit(index, event)
 

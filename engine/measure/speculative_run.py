@@ -8,11 +8,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.events import Finished, GenerationEvent
-from engine.generation.cancel import CancelToken
+from engine.base.events import Finished, GenerationEvent
+from engine.base.cancel import CancelToken
 from engine.generation.speculative import Draft, stream_speculative
-from engine.request import GenerationRequest
+from engine.base.request import GenerationRequest
 from engine.runs import Run
+from engine.generation.generate import generate
+from engine.measure import bench
+from engine.storage import history
 
 if TYPE_CHECKING:
     from engine.models.model import LoadedModel
@@ -85,19 +88,16 @@ def speculative_report(target: "LoadedModel", draft: Draft, request: GenerationR
                        record: bool = False) -> SpeculativeReport:
     """Run ``request`` with speculative decoding (after plain decoding of it when ``compare_plain``)
     and report. ``record``: keep the run in the history (a read-only data folder doesn't fail the run)."""
-    from engine.measure import bench
 
     def passing(run: str):
         return (lambda e: on_event(run, e)) if on_event else None
 
     weights = target.info.weights_bytes
-    plain = bench.measure(target.generate(request, cancel), weights, passing("plain")) if compare_plain else None
+    plain = bench.measure(generate(target, request, cancel), weights, passing("plain")) if compare_plain else None
     measured = bench.measure(stream_speculative(target, draft, request, draft_tokens, cancel), weights,
                              passing("speculative"))
     result = SpeculativeReport(draft.label, draft_tokens, draft.weights_bytes, measured, plain)
     if record:
-        from engine.storage import history
-
         history.remember(target.info, measured.finished, "speculative", measured.finished.text, measured.tokens,
                          **result.summary())
     return result

@@ -13,10 +13,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 from engine.measure.batch import stream_batch
-from engine.generation.cancel import CancelToken
-from engine.events import BatchEvent, BatchFinished
-from engine.request import GenerationRequest
+from engine.base.cancel import CancelToken
+from engine.base.events import BatchEvent, BatchFinished
+from engine.base.request import GenerationRequest
 from engine.units import format_bytes
+from engine.estimates.costs import activation_bytes, estimate
+from engine.models.precision import dtype_bytes
+from engine.estimates import hardware
+from engine.estimates.estimate import available_bytes
+from engine.base.errors import InvalidRequestError
 
 MEMORY_HEADROOM = 0.8
 """Run a batch only if its predicted extra memory is under this share of free memory."""
@@ -53,8 +58,6 @@ class SweepSkip:
 def predicted_extra_bytes(loaded, batch: int, prompt_tokens: int, new_tokens: int) -> int:
     """Memory a batch adds on top of the loaded weights: its KV cache at the end, the decode
     activations, and the prefill's hidden states for all prompts at once."""
-    from engine.estimates.costs import activation_bytes
-    from engine.models.precision import dtype_bytes
 
     config = loaded.model.config
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -70,9 +73,7 @@ def predicted_extra_bytes(loaded, batch: int, prompt_tokens: int, new_tokens: in
 def ceiling_for(loaded, batch: int, context: int) -> float | None:
     """The cost model's decode ceiling (tok/s, all sequences) for this model on this machine,
     from the hardware profile the run belongs to; ``None`` if that profile isn't measured yet."""
-    from engine.estimates import hardware
-    from engine.estimates.costs import estimate
-    from engine.storage.history import hardware_for
+    from engine.storage.history import hardware_for  # lazy: importing it loads numpy
 
     try:
         profile_id = hardware_for(loaded.info.device, loaded.info.device_name)
@@ -94,7 +95,6 @@ def run_sweep(loaded, request: GenerationRequest, batches: Iterable[int], cancel
               with_ceiling: bool = True) -> tuple[list[SweepPoint], list[SweepSkip]]:
     """Run the batch sizes in order; stop at the first one predicted not to fit (it and every
     larger one are reported as skipped) or when cancelled."""
-    from engine.estimates.estimate import available_bytes
 
     cancel = cancel or CancelToken()
     request = request.validated()
@@ -111,8 +111,6 @@ def run_sweep(loaded, request: GenerationRequest, batches: Iterable[int], cancel
     skipped: list[SweepSkip] = []
     sizes = sorted({int(b) for b in batches})
     if not sizes or sizes[0] < 1:
-        from engine.errors import InvalidRequestError
-
         raise InvalidRequestError("Batch sizes must be whole numbers of 1 or more.")
     for position, batch in enumerate(sizes):
         extra = predicted_extra_bytes(loaded, batch, len(prompt_ids), request.max_new_tokens)
@@ -153,7 +151,7 @@ def record_points(loaded, points: list[SweepPoint], prompt_tokens: int, steps: d
     """Keep each point in the run history, so the cost explorer shows it beside its prediction
     and File → Run history reopens it with the figures the window showed (``steps``: each batch
     size's :class:`BatchStep` events, kept as per-step series)."""
-    from engine.storage.history import record_point, save
+    from engine.storage.history import record_point, save  # lazy: importing it loads numpy
 
     for point in points:
         save(record_point(loaded.info, point, prompt_tokens, (steps or {}).get(point.batch, ())))

@@ -19,7 +19,7 @@ import threading
 import zipfile
 from pathlib import Path
 
-from engine.errors import CancelledError, DownloadError, IntegrityError
+from engine.base.errors import CancelledError, DownloadError, IntegrityError
 from engine.models.gguf_files import convert_gguf, is_converted
 from engine.storage.paths import cache_dir
 from engine.progress import ProgressReporter

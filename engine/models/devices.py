@@ -6,7 +6,7 @@ import os
 import platform
 from functools import lru_cache
 
-from engine.errors import DeviceUnavailableError
+from engine.base.errors import DeviceUnavailableError
 
 
 def available_devices() -> list[str]:

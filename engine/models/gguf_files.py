@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import CorruptModelError, EngineError, ModelNotFoundError, NotAModelError
+from engine.base.errors import CorruptModelError, EngineError, ModelNotFoundError, NotAModelError
 from engine.storage.paths import cache_dir
 from engine.progress import ProgressReporter, reporting
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 
-from engine.generation.cancel import CancelToken
+from engine.base.cancel import CancelToken
+from engine.base.errors import CancelledError
 
 _LOCK = threading.RLock()
 
@@ -26,8 +27,6 @@ def exclusive(cancel: CancelToken | None = None, waiting=None):
             waiting()
         while not _LOCK.acquire(timeout=0.1):
             if cancel is not None and cancel.cancelled:
-                from engine.errors import CancelledError
-
                 raise CancelledError("Loading was cancelled.")
     try:
         yield

@@ -12,24 +12,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.models import sources
-from engine.generation.cancel import CancelToken
+from engine.models import sources, default_model
+from engine.base.cancel import CancelToken
 from engine.models.devices import device_name, resolve_device
 from engine import heap
-from engine.errors import (
-    CorruptModelError,
-    EngineError,
-    NotAModelError,
-    OutOfMemoryError,
-    UnsafeCheckpointError,
-    is_out_of_memory,
-)
-from engine.events import Loaded, LoadProgress
-from engine.generation.kv import KVLayout, kv_layout
+from engine.base.errors import (
+    CorruptModelError, EngineError, NotAModelError, OutOfMemoryError, UnsafeCheckpointError, is_out_of_memory,
+    UnsupportedPrecisionError)
+from engine.base.events import Loaded, LoadProgress
+from engine.base.kv import KVLayout, kv_layout
 from engine.models.model import LoadedModel
-from engine.models.precision import Precision, dtype_bytes, get_precision
+from engine.models.precision import Precision, dtype_bytes, get_precision, FastPrecision
 from engine.progress import ProgressReporter, reporting
 from engine.models.load_lock import exclusive
+from engine.endpoint import connect, is_endpoint, parse_endpoint
+from engine.models.gguf_files import summarize_gguf
 
 
 @dataclass(frozen=True)
@@ -56,7 +53,6 @@ def load_model(request: LoadRequest, progress: Callable[[LoadProgress], None] | 
     ``Loaded.load_s`` counts from here, after the one-time import of torch and transformers'
     loading machinery (seconds in a fresh process, which no model load should be charged).
     """
-    from engine.endpoint import connect, is_endpoint, parse_endpoint
 
     if is_endpoint(request.model):  # a served model: nothing to import or read here
         return connect(parse_endpoint(request.model), request.api_key, progress, cancel)
@@ -86,7 +82,6 @@ def model_type_on_disk(ref: str) -> str | None:
     import json
     from pathlib import Path
 
-    from engine.models.gguf_files import summarize_gguf
 
     kind, value = sources.classify(ref)
     if kind == "default":
@@ -115,12 +110,10 @@ def model_type_on_disk(ref: str) -> str | None:
 def preflight(request: LoadRequest, precision: Precision) -> None:
     """Refuse what the header already rules out, before any download, conversion or weight read:
     a fast-path precision for an architecture the fast path doesn't run."""
-    from engine.models.precision import FastPrecision
 
     if not isinstance(precision, FastPrecision):
         return
-    from engine.errors import UnsupportedPrecisionError
-    from engine.generation.fast import unsupported_type_reason
+    from engine.models.fast import unsupported_type_reason  # lazy: importing it loads numpy, torch
 
     model_type = model_type_on_disk(request.model)
     reason = unsupported_type_reason(model_type) if model_type else None
@@ -151,8 +144,6 @@ def _load(request: LoadRequest, reporter: ProgressReporter, precision: Precision
             )
         model.eval()
         if resolved.source == "default" and getattr(model, "generation_config", None) is not None:
-            from engine.models import default_model
-
             default_model.apply_sampling(model.generation_config)
         fast = _prepare_fast(model, precision, resolved.name, reporter)
         reporter.report("warmup", 0, 1, "Warming up (one short forward pass)")
@@ -177,13 +168,11 @@ def _load(request: LoadRequest, reporter: ProgressReporter, precision: Precision
 
 def _prepare_fast(model, precision: Precision, name: str, reporter: ProgressReporter):
     """For a fast-path precision: quantize the linears in place and build the decoder."""
-    from engine.models.precision import FastPrecision
 
     if not isinstance(precision, FastPrecision):
         return None
-    from engine.generation import fast
-    from engine.errors import UnsupportedPrecisionError
-    from engine.models.quantize import quantize_linears
+    from engine.models import fast  # lazy: importing it loads numpy, torch
+    from engine.models.quantize import quantize_linears  # lazy: importing it loads numpy, torch
 
     reason = fast.unsupported_reason(model)
     if reason:

@@ -1,19 +1,18 @@
 """A loaded model: weights, tokenizer and the facts about them, as one value the rest of the
-engine passes around (loading makes it; generation, batching and speculation read it)."""
+engine passes around (loading makes it; generation, batching and speculation read it). Plain
+data: it runs nothing itself (engine/generation/generate.py's ``generate`` answers with it)."""
 
 from __future__ import annotations
 
 
 import inspect
-from collections.abc import Iterator
 
 from engine import heap
-from engine.generation.cancel import CancelToken
-from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
-from engine.events import GenerationEvent, Loaded
-from engine.generation.kv import KVLayout
+from engine.base.errors import InvalidRequestError, PromptTooLongError
+from engine.base.events import Loaded
+from engine.base.kv import KVLayout
 from engine.models.precision import Precision, dtype_bytes
-from engine.request import GenerationRequest, encode_prompt
+from engine.base.request import GenerationRequest, encode_prompt
 
 
 class LoadedModel:
@@ -32,7 +31,7 @@ class LoadedModel:
         self.eos_ids = _eos_ids(model, tokenizer)
         self._token_texts: dict[int, str] = {}
         self.fast = None
-        """The fast path's decoder (engine/generation/fast.py) when the precision asked for it."""
+        """The fast path's decoder (engine/models/fast.py) when the precision asked for it."""
 
     def token_text(self, token_id: int) -> str:
         """How one token reads on its own (cached: alternatives repeat a lot)."""
@@ -73,18 +72,6 @@ class LoadedModel:
                 f"The prompt is {len(ids)} tokens but {self.info.name} reads at most {limit} "
                 "(its context window), and needs room to answer: shorten it."
             )
-
-    def generate(self, request: GenerationRequest, cancel: CancelToken | None = None,
-                 core=None) -> Iterator[GenerationEvent]:
-        """Validate and tokenize now (errors raise here), then stream the events. ``core``: an
-        idle core kept between requests (engine/generation/generate.py's ``kept_core``)."""
-        from engine.generation.generate import stream
-
-        if self.model is None:
-            raise EngineError("This model was unloaded: load it again to generate.")
-        request = request.validated()
-        ids = self.encode(request)
-        return stream(self, request, ids, cancel or CancelToken(), core=core)
 
     def predicted_kv_bytes(self, tokens: int, batch: int = 1) -> int | None:
         if self.kv_layout is None:

@@ -10,7 +10,7 @@ import importlib.util
 import logging
 from dataclasses import dataclass
 
-from engine.errors import UnsupportedPrecisionError
+from engine.base.errors import UnsupportedPrecisionError
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class BitsAndBytesPrecision(Precision):
 
 @dataclass(frozen=True)
 class FastPrecision(Precision):
-    """The fast path (engine/generation/fast.py): a lean decoder over a static KV cache, with weight-only
+    """The fast path (engine/models/fast.py): a lean decoder over a static KV cache, with weight-only
     int8 / int4 linears (engine/models/quantize.py) or plain fp32 / bf16 weights. CPU only for now:
     the int8/int4 kernels it uses are PyTorch's CPU ones."""
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.models import default_model
-from engine.errors import (
+from engine.base.errors import (
     CorruptModelError,
     HubModelUnavailableError,
     ModelNotFoundError,

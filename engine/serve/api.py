@@ -33,8 +33,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.events import Finished
+from engine.base.errors import InvalidRequestError, PromptTooLongError
+from engine.base.events import Finished
 from engine.serve import protocol
 from engine.serve.metrics import ServerMetrics
 from engine.serve.service import (

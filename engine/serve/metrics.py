@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine.events import Finished, TokenGenerated
+from engine.base.events import Finished, TokenGenerated
 from engine.serve.protocol import FINISH_REASONS
 from engine.serve.service import RequestArrived, RequestEvent, TrafficStep
 

@@ -20,10 +20,10 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.errors import InvalidRequestError
-from engine.events import Finished
-from engine.generation.sampling import SamplingParams
-from engine.request import ChatMessage, GenerationRequest
+from engine.base.errors import InvalidRequestError
+from engine.base.events import Finished
+from engine.base.sampling import SamplingParams
+from engine.base.request import ChatMessage, GenerationRequest
 
 IGNORED = {"user", "metadata", "store", "service_tier"}
 """Fields accepted and not acted on (they change nothing in the answer)."""

@@ -18,13 +18,15 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from engine.errors import InvalidRequestError
-from engine.events import Finished, TokenGenerated
-from engine.serve.service import RequestArrived, RequestEvent
+from engine.base.errors import InvalidRequestError
+from engine.base.events import Finished, TokenGenerated
+from engine.base.memory import default_kv_budget
+from engine.serve.service import RequestArrived, RequestEvent, CoreService
+from engine.generation.core import CoreSettings
+from engine.serve.protocol import model_defaults
 
 if TYPE_CHECKING:
     from engine.models.model import LoadedModel
-    from engine.serve.service import CoreService
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ class ServeSettings:
     api_key: str | None = None
     max_batch: int = 16
     kv_budget_bytes: int | None = None
-    """``None``: :func:`default_kv_budget`."""
+    """``None``: engine/base/memory.py's :func:`default_kv_budget`."""
     max_waiting: int = 256
     token_budget: int = 128
     """Tokens one step may put through the model (a decode token per running request, the rest
@@ -85,25 +87,11 @@ def is_loopback(host: str) -> bool:
 def allowed_hosts(host: str) -> frozenset[str] | None:
     """The ``Host`` names a server bound to ``host`` answers to: loopback names and ``host`` itself
     on loopback (no DNS-rebinding page gets in), any name elsewhere (``None``; a key guards it)."""
-    from engine.serve.api import LOOPBACK_NAMES, host_name
+    from engine.serve.api import LOOPBACK_NAMES, host_name  # lazy: importing it loads fastapi, prometheus_client, starlette
 
     if not is_loopback(host):
         return None
     return LOOPBACK_NAMES | {host_name(f"[{host}]" if ":" in host else host)}
-
-
-def default_kv_budget(loaded: "LoadedModel") -> int:
-    """KV-cache bytes the running requests may hold together: half the memory free now (90% of a
-    GPU's free memory), as vLLM sizes its cache from ``--gpu-memory-utilization``."""
-    device = loaded.device
-    if getattr(device, "type", str(device)) == "cuda":
-        import torch
-
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.9)
-    import psutil
-
-    return int(psutil.virtual_memory().available * 0.5)
 
 
 class Server:
@@ -111,14 +99,11 @@ class Server:
     :meth:`serve_forever` from this one (the CLI: Ctrl-C stops it)."""
 
     def __init__(self, loaded: "LoadedModel", settings: ServeSettings | None = None) -> None:
-        from engine.generation.core import CoreSettings
-        from engine.serve.api import create_app
-        from engine.serve.protocol import model_defaults
-        from engine.serve.service import CoreService
+        from engine.serve.api import create_app  # lazy: importing it loads fastapi, prometheus_client, starlette
 
         self.settings = settings = (settings or ServeSettings()).validated()
         self.loaded = loaded
-        budget = settings.kv_budget_bytes or default_kv_budget(loaded)
+        budget = settings.kv_budget_bytes or default_kv_budget(loaded.device)
         self.service: CoreService = CoreService(loaded, CoreSettings(
             token_budget=settings.token_budget, max_batch=settings.max_batch, kv_budget_bytes=budget,
             prefix_caching=settings.prefix_caching),
@@ -265,7 +250,7 @@ class _HistoryWriter:
                 self.pool.submit(self._save, arrived, tokens, event.event)
 
     def _save(self, arrived, tokens, finished) -> None:
-        from engine.storage import history
+        from engine.storage import history  # lazy: importing it loads numpy
 
         history.remember(self.info, finished, "served", tokens=tokens, client=arrived.client,
                          endpoint=arrived.endpoint, error=finished.error)

@@ -22,13 +22,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.errors import EngineError, InvalidRequestError
-from engine.events import Finished, StepCompleted, TokenGenerated
-from engine.generation.cancel import CancelToken
-from engine.request import GenerationRequest
+from engine.base.errors import EngineError, InvalidRequestError, is_out_of_memory
+from engine.base.events import Finished, StepCompleted, TokenGenerated
+from engine.base.cancel import CancelToken
+from engine.base.request import GenerationRequest
+from engine.generation.core import EngineCore
+from engine.units import format_bytes
+from engine.generation.decoding import failed_event
 
 if TYPE_CHECKING:
-    from engine.generation.core import CoreSettings, EngineCore
+    from engine.generation.core import CoreSettings
     from engine.models.model import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -137,7 +140,6 @@ class CoreService:
 
     def __init__(self, loaded: "LoadedModel", settings: "CoreSettings | None" = None, max_waiting: int = 256,
                  core: "EngineCore | None" = None) -> None:
-        from engine.generation.core import EngineCore
 
         self.loaded = loaded
         self.core = core if core is not None else EngineCore(loaded, settings)
@@ -230,7 +232,6 @@ class CoreService:
 
     def describe_kv(self) -> str:
         """The KV cache's blocks and prefix caching, in a line."""
-        from engine.units import format_bytes
 
         kv, core = self.core.kv, self.core
         size = (f"{kv.total_blocks:,} blocks of {kv.block_tokens} tokens ({format_bytes(kv.block_bytes(kv.total_blocks))})"
@@ -317,7 +318,6 @@ class CoreService:
 
     def _abandon(self, exc: BaseException) -> None:
         """The core is gone: take nothing more, and end every request in flight with why."""
-        from engine.generation.decoding import failed_event
 
         message = f"The server's engine stopped: {type(exc).__name__}: {exc}"
         with self._lock:
@@ -409,9 +409,6 @@ class CoreService:
     def _fail_all(self, exc: Exception) -> None:
         """A batched step failed (out of memory, a bug): every request in the core ends with the
         error, and a fresh core takes the next ones (the old one's state is not to be trusted)."""
-        from engine.errors import is_out_of_memory
-        from engine.generation.core import EngineCore
-        from engine.generation.decoding import failed_event
 
         log.exception("engine step failed")
         message = ("Out of memory: too many requests or too long ones for this machine; the server ended the "

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.events import Finished, Preempted, Prefilled, TokenGenerated
+from engine.base.events import Finished, Preempted, Prefilled, TokenGenerated
 from engine.runs import Run
 from engine.serve.service import RequestArrived, RequestEvent, TrafficStep
 from engine.units import format_bytes, format_rate, format_seconds

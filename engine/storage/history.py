@@ -15,7 +15,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from engine.events import Finished, Loaded
+from engine.base.events import Finished, Loaded
 from engine.runs import COLUMNS, figures
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, fields
 
-from engine.events import (Alternative, BatchFinished, BatchStep, DraftVerified, EndpointAnswered, Finished, Loaded,
+from engine.base.events import (Alternative, BatchFinished, BatchStep, DraftVerified, EndpointAnswered, Finished, Loaded,
                            LoadProgress, MemorySample, Prefilled, SequenceResult, ServerSampled, TokenGenerated)
 
 _TYPES = {cls.__name__: cls for cls in (Loaded, LoadProgress, Prefilled, TokenGenerated, DraftVerified, Finished,

@@ -1,6 +1,7 @@
 import pytest
 
 from app.cost_window import BATCHES, CONTEXTS, CostWindow
+from engine.generation.generate import generate
 
 
 @pytest.fixture
@@ -58,9 +59,9 @@ def test_compute_region_appears_at_short_context(qtbot, costs_window):
 
 def test_measured_runs_land_on_the_charts(qtbot, costs_window, loaded_llama, tiny_llama):
     from engine.storage import history
-    from engine.request import GenerationRequest
+    from engine.base.request import GenerationRequest
 
-    finished = list(loaded_llama.generate(GenerationRequest("fox", mode="raw", max_new_tokens=6, ignore_eos=True)))[-1]
+    finished = list(generate(loaded_llama, GenerationRequest("fox", mode="raw", max_new_tokens=6, ignore_eos=True)))[-1]
     history.save(history.record_from(loaded_llama.info, finished))
     w = costs_window
     w.reload_history()

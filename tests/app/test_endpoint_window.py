@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 from PySide6.QtWidgets import QDialogButtonBox
 
-from engine.events import Finished, TokenGenerated
-from engine.request import GenerationRequest
+from engine.base.events import Finished, TokenGenerated
+from engine.base.request import GenerationRequest
 from engine.serve.server import Server, ServeSettings
 from tests.app.conftest import dismiss_load_error, generate, load
+from engine.generation.generate import generate as engine_generate
 
 PROMPT = "The quick brown fox"
 
@@ -55,7 +56,7 @@ def test_a_served_model_in_the_main_window(qtbot, window, served, loaded_llama, 
     assert "the server" in panel.facts["Weights"].text()
 
     finished = generate(qtbot, window, PROMPT, max_tokens=10)
-    local = [e for e in loaded_llama.generate(GenerationRequest(PROMPT, max_new_tokens=10, ignore_eos=True))
+    local = [e for e in engine_generate(loaded_llama, GenerationRequest(PROMPT, max_new_tokens=10, ignore_eos=True))
              if isinstance(e, (TokenGenerated, Finished))]
     assert [t.token_id for t in window.run.tokens] == [t.token_id for t in local[:-1]]
     assert finished.tokens == 10 and finished.text == local[-1].text

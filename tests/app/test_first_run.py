@@ -3,7 +3,7 @@
 from PySide6.QtWidgets import QMessageBox
 
 from engine.models import default_model
-from engine.errors import DownloadError
+from engine.base.errors import DownloadError
 from engine.models.loading import LoadRequest
 
 TOTAL = 98 << 20

@@ -6,9 +6,10 @@ import shutil
 
 import pytest
 
-from engine.events import Finished, TokenGenerated
-from engine.request import GenerationRequest
+from engine.base.events import Finished, TokenGenerated
+from engine.base.request import GenerationRequest
 from tests.app.conftest import dismiss_load_error, generate, load
+from engine.generation.generate import generate as engine_generate
 
 
 def fails_to_load(qtbot, window, source, precision="fp32"):
@@ -154,7 +155,7 @@ def test_out_of_memory_while_generating(qtbot, window, tiny_llama, monkeypatch):
 def test_cancel_during_prefill_then_generate(loaded_llama, monkeypatch):
     import engine.generation.generate
     import engine.generation.runners
-    from engine.generation.cancel import CancelToken
+    from engine.base.cancel import CancelToken
 
     cancel = CancelToken()
     original = engine.generation.runners.ReferenceBatchRunner.prefill
@@ -165,11 +166,11 @@ def test_cancel_during_prefill_then_generate(loaded_llama, monkeypatch):
         return original(self, seq, ids)
 
     monkeypatch.setattr(engine.generation.runners.ReferenceBatchRunner, "prefill", cancels)
-    events = list(loaded_llama.generate(GenerationRequest("a prompt of a few chunks " * 3, mode="raw"), cancel))
+    events = list(engine_generate(loaded_llama, GenerationRequest("a prompt of a few chunks " * 3, mode="raw"), cancel))
     assert len(events) == 1 and isinstance(events[0], Finished)
     assert events[0].reason == "cancelled" and events[0].tokens == 0
     monkeypatch.undo()
-    tokens = [e for e in loaded_llama.generate(GenerationRequest("fox", mode="raw", max_new_tokens=3,
+    tokens = [e for e in engine_generate(loaded_llama, GenerationRequest("fox", mode="raw", max_new_tokens=3,
                                                                  ignore_eos=True)) if isinstance(e, TokenGenerated)]
     assert len(tokens) == 3
 

@@ -165,8 +165,8 @@ def test_history_reopens_the_plots_and_transcript(qtbot, window, tiny_llama):
 
 def test_history_lists_sweeps_with_their_aggregate_and_speculative_runs(qtbot, loaded_llama):
     from app.history_dialog import COLUMNS, HistoryDialog
-    from engine.events import BatchStep
-    from engine.request import GenerationRequest
+    from engine.base.events import BatchStep
+    from engine.base.request import GenerationRequest
     from engine.generation.speculative import load_draft, parse_draft
     from engine.measure.speculative_run import speculative_report
     from engine.measure.sweep import record_points, run_sweep
@@ -249,7 +249,7 @@ def test_compare_headers_are_whole_before_the_first_run(qtbot, compare):
 
 
 def test_reloading_the_converted_default_model_does_not_open_the_first_run_dialog(qtbot, window):
-    from engine.events import LoadProgress
+    from engine.base.events import LoadProgress
 
     window._loading_default = True
     window.feedback.on_progress(LoadProgress("tokenizer", 0, 0, "Loading the tokenizer"))

@@ -1,10 +1,10 @@
 """One model's job queue: jobs submitted together run one at a time, in order, each ending once
 with its events complete; a waiting job can be cancelled; the session says what runs and waits."""
 
-from engine.events import BatchStep, Finished, Prefilled, TokenGenerated
+from engine.base.events import BatchStep, Finished, Prefilled, TokenGenerated
 from engine.jobs import GenerateJob, ScoreJob, Scored, SweepJob, SweepResult, Tagged, TokenizeJob, Tokenized
 from engine.models.loading import LoadRequest
-from engine.request import GenerationRequest
+from engine.base.request import GenerationRequest
 from engine.measure.sweep import SweepPoint
 
 

@@ -7,7 +7,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication, QTextCursor
 from PySide6.QtWidgets import QMessageBox
 
-from engine.events import TokenGenerated
+from engine.base.events import TokenGenerated
 from tests.app.conftest import generate, load
 
 

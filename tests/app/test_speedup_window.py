@@ -1,6 +1,6 @@
 import pytest
 
-from engine.events import TokenGenerated
+from engine.base.events import TokenGenerated
 from tests.app.conftest import generate, load
 
 
@@ -117,7 +117,7 @@ def test_stop_ends_a_sweep(qtbot, window, speedups):
 
 
 def test_rejected_guesses_render_even_when_events_arrive_in_separate_batches(qtbot, window, speedups):
-    from engine.events import DraftVerified, MemorySample
+    from engine.base.events import DraftVerified, MemorySample
 
     def token(index, text, drafted):
         return TokenGenerated(index=index, token_id=index, text=text, logprob=0.0, top_alternatives=(),

@@ -3,19 +3,20 @@ import json
 import pytest
 
 from engine.measure.batch import stream_batch
-from engine.generation.cancel import CancelToken
-from engine.errors import InvalidRequestError
-from engine.events import BatchFinished, BatchStep, Finished
+from engine.base.cancel import CancelToken
+from engine.base.errors import InvalidRequestError
+from engine.base.events import BatchFinished, BatchStep, Finished
 from engine.models.loading import LoadRequest, load_model
-from engine.request import GenerationRequest
-from engine.generation.sampling import SamplingParams
+from engine.base.request import GenerationRequest
+from engine.base.sampling import SamplingParams
 from engine.measure.sweep import SweepPoint, record_points, run_sweep
+from engine.generation.generate import generate
 
 PROMPTS = ("The quick brown fox", "Hi", "A longer prompt, so the others need left padding 😀", "abc abc abc")
 
 
 def alone(loaded, request):
-    return next(e for e in loaded.generate(request) if isinstance(e, Finished)).token_ids
+    return next(e for e in generate(loaded, request) if isinstance(e, Finished)).token_ids
 
 
 def batched(loaded, requests, base=None, cancel=None):

@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from engine.cli import main
+from engine.generation.generate import generate
 
 BENCH_KEYS = {
     "model", "precision", "device", "prompt_tokens", "tokens", "tokens_counted_by", "token_ids", "text",
@@ -40,9 +41,9 @@ def test_bench_writes_the_documented_json(tmp_path, tiny_llama, loaded_llama):
     assert set(report["finished"]) >= {"reason", "tokens", "ttft_s", "decode_tokens_per_s", "peak_memory_bytes"}
     assert report["precision"] == "fp32" and report["device"] == "cpu"
     # the same greedy tokens as the engine in this process
-    from engine.request import GenerationRequest
+    from engine.base.request import GenerationRequest
 
-    again = list(loaded_llama.generate(GenerationRequest("The quick brown fox", mode="raw", max_new_tokens=12,
+    again = list(generate(loaded_llama, GenerationRequest("The quick brown fox", mode="raw", max_new_tokens=12,
                                                          ignore_eos=True)))[-1]
     assert list(again.token_ids) == report["token_ids"]
     # the human summary

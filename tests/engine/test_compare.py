@@ -6,10 +6,11 @@ import threading
 import pytest
 
 from engine.measure.compare import LaneSpec, agreement, parse_lane, report, run_comparison, teacher_forced_logprobs
-from engine.errors import InvalidRequestError
-from engine.events import Loaded, TokenGenerated
-from engine.request import GenerationRequest
+from engine.base.errors import InvalidRequestError
+from engine.base.events import Loaded, TokenGenerated
+from engine.base.request import GenerationRequest
 from engine.storage.serialize import event_from_dict, event_to_dict
+from engine.generation.generate import generate
 
 REQUEST = GenerationRequest("The quick brown fox", mode="raw", max_new_tokens=12, ignore_eos=True)
 
@@ -30,7 +31,7 @@ def test_parse_lane():
 
 
 def test_teacher_forcing_scores_what_generation_chose(loaded_llama):
-    events = list(loaded_llama.generate(REQUEST))
+    events = list(generate(loaded_llama, REQUEST))
     tokens = [e for e in events if isinstance(e, TokenGenerated)]
     scores = teacher_forced_logprobs(loaded_llama, loaded_llama.encode(REQUEST), [t.token_id for t in tokens])
     assert scores == pytest.approx([t.logprob for t in tokens], abs=1e-4)
@@ -75,7 +76,7 @@ def test_lanes_with_other_tokenizers_get_no_token_metrics(tiny_llama, tmp_path, 
 
 
 def test_events_round_trip_through_json(loaded_llama):
-    events = [loaded_llama.info] + list(loaded_llama.generate(REQUEST))
+    events = [loaded_llama.info] + list(generate(loaded_llama, REQUEST))
     again = [event_from_dict(json.loads(json.dumps(event_to_dict(e)))) for e in events]
     assert again == events
     assert isinstance(again[0], Loaded)

@@ -6,19 +6,20 @@ import zlib
 
 import pytest
 
-from engine.generation.cancel import CancelToken
+from engine.base.cancel import CancelToken
 from engine.generation.core import CoreSettings, EngineCore
-from engine.errors import InvalidRequestError
-from engine.events import Finished, Preempted, Prefilled, StepCompleted, TokenGenerated
+from engine.base.errors import InvalidRequestError
+from engine.base.events import Finished, Preempted, Prefilled, StepCompleted, TokenGenerated
 from engine.models.loading import LoadRequest, load_model
-from engine.request import GenerationRequest
+from engine.base.request import GenerationRequest
 from tests.tiny import CORPUS
+from engine.generation.generate import generate
 
 PROMPTS = [line for line in CORPUS[:8]] + ["A", "fox " * 30, "The KV cache " * 12]
 
 
 def solo(loaded, request):
-    return [e.token_id for e in loaded.generate(request) if isinstance(e, TokenGenerated)]
+    return [e.token_id for e in generate(loaded, request) if isinstance(e, TokenGenerated)]
 
 
 def drive(loaded, plan, settings=None, check_kv=True):
@@ -102,7 +103,7 @@ def test_quantized_fast_runner_matches_each_request_alone_through_the_core(tiny_
     plan = random_plan(seed=11, count=6, cancels=0)
     together, _ = drive(loaded, plan)
     for (_, request, _), tokens in zip(plan, together):
-        alone = [e for e in loaded.generate(request) if isinstance(e, TokenGenerated)]
+        alone = [e for e in generate(loaded, request) if isinstance(e, TokenGenerated)]
         first = next((i for i, (a, b) in enumerate(zip(tokens, alone)) if a != b.token_id), None)
         if first is None:
             assert tokens == [e.token_id for e in alone]

@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.events import Finished, TokenGenerated
+from engine.base.events import Finished, TokenGenerated
 from engine.generation import core as core_module
 from engine.generation.core import CoreSettings, EngineCore
 from engine.generation.detokenize import IncrementalDetokenizer
-from engine.generation.sampling import SamplingParams
-from engine.request import GenerationRequest
+from engine.base.sampling import SamplingParams
+from engine.base.request import GenerationRequest
 from tests.tiny import CORPUS
+from engine.generation.generate import generate
 
 GREEDY = SamplingParams(temperature=0.0)
 VICTIM_SEED = 4242
@@ -24,7 +25,7 @@ def request(prompt: str, seed: int | None = None, stop: tuple[str, ...] = ()) ->
 
 
 def solo(loaded, req: GenerationRequest) -> list[int]:
-    return [e.token_id for e in loaded.generate(req) if isinstance(e, TokenGenerated)]
+    return [e.token_id for e in generate(loaded, req) if isinstance(e, TokenGenerated)]
 
 
 class Boom(RuntimeError):
@@ -170,7 +171,7 @@ def test_an_out_of_memory_error_is_everyones(loaded_llama, monkeypatch):
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_before_queueing(loaded_llama):
-    from engine.errors import InvalidRequestError
+    from engine.base.errors import InvalidRequestError
 
     core = EngineCore(loaded_llama)
     vocab = loaded_llama.vocab_size

@@ -8,6 +8,7 @@ from engine.estimates import costs
 from engine.estimates import hardware
 from engine.estimates.estimate import config_for, count_parameters
 from engine.estimates.hardware import Hardware
+from engine.generation.generate import generate
 
 FLAT = Hardware(id="flat", name="test", kind="gpu", memory_bytes=80 * 2 ** 30, bandwidth_bytes_per_s=1e12,
                 bf16_flops=1e15, usd_per_hour=3.6, watts=500)
@@ -87,9 +88,9 @@ def test_kv_dtypes_and_sliding_windows():
 
 
 def test_predicted_kv_matches_a_measured_run(loaded_llama):
-    from engine.request import GenerationRequest
+    from engine.base.request import GenerationRequest
 
-    finished = list(loaded_llama.generate(GenerationRequest("fox jumps", mode="raw", max_new_tokens=9,
+    finished = list(generate(loaded_llama, GenerationRequest("fox jumps", mode="raw", max_new_tokens=9,
                                                             ignore_eos=True)))[-1]
     in_cache = finished.prompt_tokens + finished.tokens - 1
     e = costs.estimate(loaded_llama.model.config, FLAT, "fp32", "fp32", context=in_cache)

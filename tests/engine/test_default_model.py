@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from engine.models import default_model
-from engine.generation.cancel import CancelToken
+from engine.base.cancel import CancelToken
 from engine.generation.detokenize import IncrementalDetokenizer
-from engine.errors import CancelledError, CorruptModelError, IntegrityError
-from engine.events import TokenGenerated
+from engine.base.errors import CancelledError, CorruptModelError, IntegrityError
+from engine.base.events import TokenGenerated
 from engine.models.gguf_files import read_provenance
 from engine.models.loading import LoadRequest, load_model
-from engine.request import GenerationRequest
+from engine.base.request import GenerationRequest
+from engine.generation.generate import generate
 
 pytestmark = pytest.mark.default_model
 
@@ -21,7 +22,7 @@ QUESTION = "Explain microservices in simple terms."
 
 
 def greedy_ids(loaded, request):
-    return [e.token_id for e in loaded.generate(request) if isinstance(e, TokenGenerated)]
+    return [e.token_id for e in generate(loaded, request) if isinstance(e, TokenGenerated)]
 
 
 def hf_ids(loaded, request, n):
@@ -64,7 +65,7 @@ def test_answer_is_sensible_and_text_matches_decode(default_fp32, precision):
     """Greedy equality with generate can't catch a broken model (both run the same weights);
     a right answer can. (Calling state_dict() on a bitsandbytes 4-bit model on the CPU once broke it.)"""
     loaded = default_fp32 if precision == "fp32" else load_model(LoadRequest("default", precision, "cpu"))
-    events = list(loaded.generate(GenerationRequest("What is the capital of France?", max_new_tokens=20)))
+    events = list(generate(loaded, GenerationRequest("What is the capital of France?", max_new_tokens=20)))
     finished = events[-1]
     assert "Paris" in finished.text
     pieces = "".join(e.text for e in events if isinstance(e, TokenGenerated))
@@ -153,7 +154,7 @@ def test_a_bundle_downloads_without_pip(tmp_path, monkeypatch):
     import json
 
     from engine.models import default_model
-    from engine.errors import DownloadError
+    from engine.base.errors import DownloadError
     from engine.progress import ProgressReporter
 
     payload = tmp_path / "served.whl"

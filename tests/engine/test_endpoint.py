@@ -15,11 +15,12 @@ import pytest
 
 from engine.endpoint import connect, parse_endpoint
 from engine.endpoint.stream import StreamReader, spread
-from engine.errors import EndpointAuthError, EndpointError, InvalidRequestError
-from engine.events import EndpointAnswered, Finished, TokenGenerated
-from engine.generation.cancel import CancelToken
-from engine.request import GenerationRequest
+from engine.base.errors import EndpointAuthError, EndpointError, InvalidRequestError
+from engine.base.events import EndpointAnswered, Finished, TokenGenerated
+from engine.base.cancel import CancelToken
+from engine.base.request import GenerationRequest
 from tests.serving import serve
+from engine.generation.generate import generate
 
 PROMPT = "The quick brown fox"
 
@@ -56,7 +57,7 @@ def test_greedy_stream_equals_the_local_model_with_its_logprobs(server, loaded_l
         assert info.context_length == loaded_llama.info.context_length
         request = GenerationRequest(PROMPT, max_new_tokens=12, ignore_eos=True)
         tokens, answered, finished = _events(model, request)
-        local = [e for e in loaded_llama.generate(request) if isinstance(e, (TokenGenerated, Finished))]
+        local = [e for e in generate(loaded_llama, request) if isinstance(e, (TokenGenerated, Finished))]
         local_tokens, local_done = local[:-1], local[-1]
         assert [t.token_id for t in tokens] == [t.token_id for t in local_tokens]  # token for token
         assert finished.token_ids == local_done.token_ids and finished.text == local_done.text
@@ -80,7 +81,7 @@ def test_raw_mode_uses_completions_and_a_model_picked_by_name(server, loaded_lla
     try:
         request = GenerationRequest("Memory bandwidth", mode="raw", max_new_tokens=6, ignore_eos=True)
         tokens, _, finished = _events(model, request)
-        local = [e for e in loaded_llama.generate(request) if isinstance(e, TokenGenerated)]
+        local = [e for e in generate(loaded_llama, request) if isinstance(e, TokenGenerated)]
         assert [t.token_id for t in tokens] == [t.token_id for t in local]
         assert finished.tokens == 6
     finally:

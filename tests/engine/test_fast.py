@@ -1,20 +1,21 @@
 import pytest
 import torch
 
-from engine.errors import UnsupportedPrecisionError
+from engine.base.errors import UnsupportedPrecisionError
 from engine.estimates.estimate import config_for, count_parameters, weights_bytes
-from engine.events import Finished, Prefilled, TokenGenerated
+from engine.base.events import Finished, Prefilled, TokenGenerated
 from engine.generation.compiled_step import compile_decoder, compile_in_background, stop_compiling
-from engine.generation.fast import SlotCache
+from engine.generation.slot_cache import SlotCache
 from engine.models.loading import LoadRequest, load_model
 from engine.models.quantize import Int4WeightOnlyLinear, Int8WeightOnlyLinear, quantize_linears
-from engine.request import GenerationRequest
+from engine.base.request import GenerationRequest
+from engine.generation.generate import generate
 
 PROMPT = "The quick brown fox 😀 jumps"
 
 
 def run(loaded, request):
-    events = list(loaded.generate(request))
+    events = list(generate(loaded, request))
     return events, events[-1]
 
 
@@ -128,7 +129,7 @@ def test_unsupported_models_and_devices_are_refused_clearly(tiny_models):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("precision", ["fp32-fast", "int8-fast", "int4-fast"])
 def test_fused_layers_leave_the_model_itself_working(long_models, arch, precision):
-    """q/k/v and gate/up are fused for the fast path (engine/generation/fast.py, here its slot cache), their
+    """q/k/v and gate/up are fused for the fast path (engine/models/fast.py, here its slot cache), their
     weights turned into views of the fused ones; transformers' own forward (batching, speculation, teacher forcing use it) must
     still compute the same thing."""
     loaded = load_model(LoadRequest(str(long_models[arch]), precision, "cpu"))

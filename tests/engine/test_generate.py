@@ -4,12 +4,13 @@ import threading
 import pytest
 import torch
 
-from engine.generation.cancel import CancelToken
-from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.events import Finished, Prefilled, TokenGenerated
+from engine.base.cancel import CancelToken
+from engine.base.errors import InvalidRequestError, PromptTooLongError
+from engine.base.events import Finished, Prefilled, TokenGenerated
 from engine.models.loading import LoadRequest, load_model
-from engine.request import ChatMessage, GenerationRequest, encode_prompt
-from engine.generation.sampling import SamplingParams
+from engine.base.request import ChatMessage, GenerationRequest, encode_prompt
+from engine.base.sampling import SamplingParams
+from engine.generation.generate import generate as engine_generate
 
 PROMPT = "The quick brown fox 😀 jumps"
 
@@ -30,13 +31,13 @@ def hf_greedy(loaded, request, max_new_tokens):
 def test_greedy_equals_transformers_generate(tiny_models, arch, precision):
     loaded = load_model(LoadRequest(str(tiny_models[arch]), precision, "cpu"))
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=24)
-    ours = [e.token_id for e in tokens_of(loaded.generate(request))]
+    ours = [e.token_id for e in tokens_of(engine_generate(loaded, request))]
     assert ours == hf_greedy(loaded, request, 24)
     assert len(ours) >= 3
 
 
 def test_event_stream_shape_and_invariants(loaded_llama):
-    events = list(loaded_llama.generate(GenerationRequest(PROMPT, mode="raw", max_new_tokens=12,
+    events = list(engine_generate(loaded_llama, GenerationRequest(PROMPT, mode="raw", max_new_tokens=12,
                                                           ignore_eos=True)))
     assert isinstance(events[0], Prefilled)
     assert isinstance(events[-1], Finished)
@@ -66,7 +67,7 @@ def test_event_stream_shape_and_invariants(loaded_llama):
 
 def test_logprobs_are_the_models_log_softmax(loaded_llama):
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=1)
-    token = tokens_of(loaded_llama.generate(request))[0]
+    token = tokens_of(engine_generate(loaded_llama, request))[0]
     ids = torch.tensor([loaded_llama.encode(request)])
     with torch.inference_mode():
         logits = loaded_llama.model(input_ids=ids).logits[0, -1]
@@ -78,7 +79,7 @@ def test_same_seed_same_sampled_tokens(loaded_llama):
     def run(seed):
         request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=20, ignore_eos=True,
                                     sampling=SamplingParams(temperature=1.0, top_p=0.95, seed=seed))
-        return [t.token_id for t in tokens_of(loaded_llama.generate(request))]
+        return [t.token_id for t in tokens_of(engine_generate(loaded_llama, request))]
 
     assert run(42) == run(42)
     assert run(42) != run(43)
@@ -88,7 +89,7 @@ def test_cancel_finishes_within_one_token(loaded_llama):
     cancel = CancelToken()
     events = []
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=200, ignore_eos=True)
-    for event in loaded_llama.generate(request, cancel):
+    for event in engine_generate(loaded_llama, request, cancel):
         events.append(event)
         if isinstance(event, TokenGenerated) and event.index == 4:
             cancel.cancel()
@@ -106,7 +107,7 @@ def test_cancel_from_another_thread(loaded_llama):
 
     def consume():
         count = 0
-        for event in loaded_llama.generate(request, cancel):
+        for event in engine_generate(loaded_llama, request, cancel):
             if isinstance(event, TokenGenerated):
                 count += 1
                 seen.set()
@@ -126,18 +127,18 @@ def test_cancel_from_another_thread(loaded_llama):
 def test_cancel_before_start_generates_nothing(loaded_llama):
     cancel = CancelToken()
     cancel.cancel()
-    events = list(loaded_llama.generate(GenerationRequest(PROMPT, mode="raw"), cancel))
+    events = list(engine_generate(loaded_llama, GenerationRequest(PROMPT, mode="raw"), cancel))
     assert len(events) == 1 and events[0].reason == "cancelled" and events[0].tokens == 0
     assert events[0].ttft_s is None
 
 
 def test_stop_string_ends_generation(loaded_llama):
     base = GenerationRequest(PROMPT, mode="raw", max_new_tokens=30, ignore_eos=True)
-    full = list(loaded_llama.generate(base))[-1]
+    full = list(engine_generate(loaded_llama, base))[-1]
     words = re.findall(r"[A-Za-z]{2,}", full.text)
     assert words, full.text
     stop = words[len(words) // 2]
-    stopped = list(loaded_llama.generate(GenerationRequest(PROMPT, mode="raw", max_new_tokens=30,
+    stopped = list(engine_generate(loaded_llama, GenerationRequest(PROMPT, mode="raw", max_new_tokens=30,
                                                            ignore_eos=True, stop=(stop,))))[-1]
     assert stopped.reason == "stop_string" and stopped.stop_string == stop
     assert stop in stopped.text
@@ -154,7 +155,7 @@ def test_eos_ends_generation_like_generate(tmp_path, tiny_llama):
 
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=20, ignore_eos=True)
     plain = load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"))
-    free_run = [t.token_id for t in tokens_of(plain.generate(request))]
+    free_run = [t.token_id for t in tokens_of(engine_generate(plain, request))]
     eos = free_run[3]
     folder = shutil.copytree(tiny_llama, tmp_path / "eos")
     config = json.loads((folder / "generation_config.json").read_text())
@@ -162,7 +163,7 @@ def test_eos_ends_generation_like_generate(tmp_path, tiny_llama):
     (folder / "generation_config.json").write_text(json.dumps(config))
     loaded = load_model(LoadRequest(str(folder), "fp32", "cpu"))
     stopping = GenerationRequest(PROMPT, mode="raw", max_new_tokens=20)
-    finished = list(loaded.generate(stopping))[-1]
+    finished = list(engine_generate(loaded, stopping))[-1]
     assert finished.reason == "eos"
     assert list(finished.token_ids) == free_run[:free_run.index(eos) + 1]
     assert list(finished.token_ids) == hf_greedy(loaded, stopping, 20)
@@ -175,11 +176,11 @@ def test_context_window_ends_generation(tmp_path, byte_tokenizer):
     loaded = load_model(LoadRequest(str(folder), "fp32", "cpu"))
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=100, ignore_eos=True)
     n_prompt = len(loaded.encode(request))
-    finished = list(loaded.generate(request))[-1]
+    finished = list(engine_generate(loaded, request))[-1]
     assert finished.reason == "context"
     assert n_prompt + finished.tokens == 24
     with pytest.raises(PromptTooLongError, match="24"):
-        loaded.generate(GenerationRequest("fox " * 40, mode="raw"))
+        engine_generate(loaded, GenerationRequest("fox " * 40, mode="raw"))
 
 
 def test_chat_template_with_system_prompt_and_history(loaded_llama):
@@ -200,8 +201,8 @@ def test_chat_mode_without_template_is_refused(tmp_path, sp_tokenizer):
 
     loaded = load_model(LoadRequest(str(build_model_folder(tmp_path / "m", "llama", sp_tokenizer)), "fp32", "cpu"))
     with pytest.raises(InvalidRequestError, match="raw mode"):
-        loaded.generate(GenerationRequest("hello"))
-    assert tokens_of(loaded.generate(GenerationRequest("hello", mode="raw", max_new_tokens=3)))
+        engine_generate(loaded, GenerationRequest("hello"))
+    assert tokens_of(engine_generate(loaded, GenerationRequest("hello", mode="raw", max_new_tokens=3)))
 
 
 @pytest.mark.parametrize("request_kwargs,match", [
@@ -214,16 +215,16 @@ def test_chat_mode_without_template_is_refused(tmp_path, sp_tokenizer):
 ])
 def test_bad_requests_raise_before_any_event(loaded_llama, request_kwargs, match):
     with pytest.raises(InvalidRequestError, match=match):
-        loaded_llama.generate(GenerationRequest(**request_kwargs))
+        engine_generate(loaded_llama, GenerationRequest(**request_kwargs))
 
 
 def test_long_prompt_prefills_in_chunks_and_matches_one_pass(loaded_llama, monkeypatch):
     import engine.generation.generate as gen
 
     request = GenerationRequest("fox jumps over " * 20, mode="raw", max_new_tokens=8, ignore_eos=True)
-    whole = [t.token_id for t in tokens_of(loaded_llama.generate(request))]
+    whole = [t.token_id for t in tokens_of(engine_generate(loaded_llama, request))]
     monkeypatch.setattr(gen, "PREFILL_CHUNK", 7)
-    chunked = [t.token_id for t in tokens_of(loaded_llama.generate(request))]
+    chunked = [t.token_id for t in tokens_of(engine_generate(loaded_llama, request))]
     assert chunked == whole
 
 
@@ -235,10 +236,10 @@ def test_a_plain_string_stop_is_one_stop_string():
 
 def test_huge_max_new_tokens(loaded_llama):
     with pytest.raises(InvalidRequestError, match="max_new_tokens"):
-        loaded_llama.generate(GenerationRequest("hi", mode="raw", max_new_tokens=10**12))
+        engine_generate(loaded_llama, GenerationRequest("hi", mode="raw", max_new_tokens=10**12))
     cancel = CancelToken()
     events = []
-    for event in loaded_llama.generate(GenerationRequest("hi", mode="raw", max_new_tokens=5_000_000,
+    for event in engine_generate(loaded_llama, GenerationRequest("hi", mode="raw", max_new_tokens=5_000_000,
                                                          ignore_eos=True), cancel):
         events.append(event)
         if isinstance(event, TokenGenerated) and event.index == 2:
@@ -255,7 +256,7 @@ def test_ties_break_to_the_first_index_like_generate(tmp_path, tiny_llama):
 
     plain = load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"))
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=8)
-    first = tokens_of(plain.generate(request))[0].token_id
+    first = tokens_of(engine_generate(plain, request))[0].token_id
     lower = next(i for i in range(first) if i not in plain.eos_ids)
     folder = shutil.copytree(tiny_llama, tmp_path / "tied")
     weights = load_file(folder / "model.safetensors")
@@ -265,14 +266,14 @@ def test_ties_break_to_the_first_index_like_generate(tmp_path, tiny_llama):
     expected = hf_greedy(loaded, request, 8)
     assert expected[0] == lower
     for k in (0, 1, 2, 5):
-        ours = [t.token_id for t in tokens_of(loaded.generate(GenerationRequest(
+        ours = [t.token_id for t in tokens_of(engine_generate(loaded, GenerationRequest(
             PROMPT, mode="raw", max_new_tokens=8, top_alternatives=k)))]
         assert ours == expected, k
 
 
 def test_streams_can_interleave_on_one_thread_and_leave_no_inference_mode(loaded_llama):
-    a = loaded_llama.generate(GenerationRequest("fox", mode="raw", max_new_tokens=6, ignore_eos=True))
-    b = loaded_llama.generate(GenerationRequest("dog", mode="raw", max_new_tokens=6, ignore_eos=True))
+    a = engine_generate(loaded_llama, GenerationRequest("fox", mode="raw", max_new_tokens=6, ignore_eos=True))
+    b = engine_generate(loaded_llama, GenerationRequest("dog", mode="raw", max_new_tokens=6, ignore_eos=True))
     done = {"a": [], "b": []}
     for _ in range(8):
         for name, gen in (("a", a), ("b", b)):
@@ -281,7 +282,7 @@ def test_streams_can_interleave_on_one_thread_and_leave_no_inference_mode(loaded
             if event is not None:
                 done[name].append(event)
     assert done["a"][-1].reason == done["b"][-1].reason == "length"
-    alone = list(loaded_llama.generate(GenerationRequest("fox", mode="raw", max_new_tokens=6, ignore_eos=True)))
+    alone = list(engine_generate(loaded_llama, GenerationRequest("fox", mode="raw", max_new_tokens=6, ignore_eos=True)))
     assert done["a"][-1].token_ids == alone[-1].token_ids
 
 
@@ -289,7 +290,7 @@ def test_a_slow_consumer_does_not_slow_the_measured_tokens(loaded_llama):
     import time
 
     events = []
-    for event in loaded_llama.generate(GenerationRequest("fox", mode="raw", max_new_tokens=6, ignore_eos=True)):
+    for event in engine_generate(loaded_llama, GenerationRequest("fox", mode="raw", max_new_tokens=6, ignore_eos=True)):
         events.append(event)
         time.sleep(0.05)
     tokens = tokens_of(events)

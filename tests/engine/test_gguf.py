@@ -1,6 +1,6 @@
 import pytest
 
-from engine.errors import CorruptModelError, ModelNotFoundError
+from engine.base.errors import CorruptModelError, ModelNotFoundError
 from engine.models.gguf_files import summarize_gguf
 from engine.models.loading import LoadRequest, load_model
 from tests.tiny import write_gguf

@@ -1,9 +1,10 @@
 from engine.storage import history
-from engine.request import GenerationRequest
+from engine.base.request import GenerationRequest
+from engine.generation.generate import generate
 
 
 def test_records_round_trip_and_a_broken_file_is_skipped(tmp_path, loaded_llama):
-    finished = list(loaded_llama.generate(GenerationRequest("fox", mode="raw", max_new_tokens=4, ignore_eos=True)))[-1]
+    finished = list(generate(loaded_llama, GenerationRequest("fox", mode="raw", max_new_tokens=4, ignore_eos=True)))[-1]
     record = history.record_from(loaded_llama.info, finished)
     path = history.save(record, tmp_path)
     (tmp_path / "broken.json").write_text('{"kind": "single", "when"')  # a crash mid-write of an old version

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from engine.storage import history
-from engine.errors import NonFiniteError, UnsupportedPrecisionError
-from engine.events import TokenGenerated
+from engine.base.errors import NonFiniteError, UnsupportedPrecisionError
+from engine.base.events import TokenGenerated
 from engine.models.loading import LoadRequest, load_model
-from engine.request import GenerationRequest
+from engine.base.request import GenerationRequest
 from tests.tiny import write_gguf
+from engine.generation.generate import generate
 
 PROMPT = "The quick brown fox"
 
@@ -24,7 +25,7 @@ def _nan_after(tiny_llama, tmp_path, steps: int):
 
     loaded = load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"))
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=8, ignore_eos=True)
-    answer = [e.token_id for e in loaded.generate(request) if isinstance(e, TokenGenerated)]
+    answer = [e.token_id for e in generate(loaded, request) if isinstance(e, TokenGenerated)]
     prompt = set(loaded.encode(request))
     token = answer[steps - 1]
     assert token not in prompt and token not in answer[: steps - 1], "pick another prompt: the token repeats"
@@ -42,7 +43,7 @@ def test_non_finite_scores_stop_the_run_and_keep_it(tiny_llama, tmp_path):
     loaded = load_model(LoadRequest(str(folder), "fp32", "cpu"))
     seen = []
     with pytest.raises(NonFiniteError) as caught:
-        for event in loaded.generate(request):
+        for event in generate(loaded, request):
             seen.append(event)
     message = str(caught.value)
     assert "fp32" in message and "NaN" in message and "token 4" in message and "try" in message
@@ -57,7 +58,7 @@ def test_non_finite_scores_stop_the_run_and_keep_it(tiny_llama, tmp_path):
 
 def test_sampling_from_non_finite_scores_says_why(tiny_llama, tmp_path):
     """The check comes before the sampler, which would otherwise fail on NaN without a reason."""
-    from engine.generation.sampling import SamplingParams
+    from engine.base.sampling import SamplingParams
 
     from safetensors.torch import load_file, save_file
 
@@ -69,7 +70,7 @@ def test_sampling_from_non_finite_scores_says_why(tiny_llama, tmp_path):
     loaded = load_model(LoadRequest(str(folder), "fp32", "cpu"))
     sampled = GenerationRequest(PROMPT, mode="raw", max_new_tokens=4, sampling=SamplingParams(temperature=0.8, seed=1))
     with pytest.raises(NonFiniteError, match="NaN") as caught:
-        list(loaded.generate(sampled))
+        list(generate(loaded, sampled))
     assert caught.value.finished.tokens == 0
 
 
@@ -123,7 +124,7 @@ def test_closing_a_model_frees_it(tiny_llama):
 
 
 def test_history_series_keep_every_token(loaded_llama):
-    events = list(loaded_llama.generate(GenerationRequest(PROMPT, mode="raw", max_new_tokens=6, ignore_eos=True)))
+    events = list(generate(loaded_llama, GenerationRequest(PROMPT, mode="raw", max_new_tokens=6, ignore_eos=True)))
     tokens = [e for e in events if isinstance(e, TokenGenerated)]
     series = history.series_from(tokens)
     assert series["latency_s"] == [t.latency_s for t in tokens]

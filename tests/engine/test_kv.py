@@ -1,10 +1,11 @@
 import pytest
 
-from engine.events import Finished, TokenGenerated
-from engine.generation.kv import KVLayout, kv_layout
+from engine.base.events import Finished, TokenGenerated
+from engine.base.kv import KVLayout, kv_layout
 from engine.models.loading import LoadRequest, load_model
-from engine.request import GenerationRequest
+from engine.base.request import GenerationRequest
 from tests.conftest import ARCHITECTURES
+from engine.generation.generate import generate as engine_generate
 
 
 def test_llama_3_1_8b_bytes_per_token():
@@ -57,7 +58,7 @@ def test_measured_kv_bytes_match_prediction_every_token(tiny_models, arch, preci
                                 max_new_tokens=40, ignore_eos=True)
     old_chunk, gen.PREFILL_CHUNK = gen.PREFILL_CHUNK, 16
     try:
-        events = list(loaded.generate(request))
+        events = list(engine_generate(loaded, request))
     finally:
         gen.PREFILL_CHUNK = old_chunk
     tokens = [e for e in events if isinstance(e, TokenGenerated)]

@@ -5,11 +5,12 @@ import pytest
 
 from engine.generation.core import CoreSettings, EngineCore
 from engine.generation.kv_manager import KVCacheManager, block_keys
-from engine.events import Finished, Preempted, Prefilled, StepCompleted, TokenGenerated
+from engine.base.events import Finished, Preempted, Prefilled, StepCompleted, TokenGenerated
 from engine.models.loading import LoadRequest, load_model
-from engine.request import GenerationRequest
+from engine.base.request import GenerationRequest
 from tests.conftest import ARCHITECTURES
 from tests.tiny import CORPUS
+from engine.generation.generate import generate
 
 SYSTEM = "You are a terse assistant. Answer in one line, plainly. "  # 3+ blocks of 16 byte tokens
 QUESTIONS = ["Why is the sky blue?", "What is a KV cache?", "Name a fox.", "2+2?"]
@@ -93,7 +94,7 @@ def run(core, requests, gap=None):
 
 
 def solo(loaded, request):
-    return [e.token_id for e in loaded.generate(request) if isinstance(e, TokenGenerated)]
+    return [e.token_id for e in generate(loaded, request) if isinstance(e, TokenGenerated)]
 
 
 def chat(question, n=12):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine.errors import InvalidRequestError
+from engine.base.errors import InvalidRequestError
 from engine.load.generator import LoadPlan, LoadRunner
 from engine.load.metrics import RequestResult, parse_slo, summarize
 from engine.load.prompts import Prompt, read_prompts
@@ -223,7 +223,7 @@ def test_the_servers_own_metrics_are_read_while_a_setting_runs(server):
 
 
 def test_a_server_without_metrics_is_said_to_have_none():
-    from engine.load.scrape import KINDS, ServerState, _values, detect, sample
+    from engine.endpoint.scrape import KINDS, ServerState, _values, detect, sample
 
     text = "# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 3\nllamacpp:requests_deferred 1\n"
     values = _values(text)

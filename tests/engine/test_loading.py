@@ -4,8 +4,8 @@ import shutil
 import pytest
 import torch
 
-from engine.generation.cancel import CancelToken
-from engine.errors import (
+from engine.base.cancel import CancelToken
+from engine.base.errors import (
     CancelledError,
     CorruptModelError,
     DeviceUnavailableError,
@@ -14,10 +14,11 @@ from engine.errors import (
     UnsafeCheckpointError,
     UnsupportedPrecisionError,
 )
-from engine.events import TokenGenerated
+from engine.base.events import TokenGenerated
 from engine.models.loading import LoadRequest, load_model
 from engine.models.precision import PRECISIONS, get_precision
-from engine.request import GenerationRequest
+from engine.base.request import GenerationRequest
+from engine.generation.generate import generate
 
 
 def unique_param_bytes(model):
@@ -30,7 +31,7 @@ def test_every_precision_loads_and_generates_on_cpu(tiny_llama, precision):
     info = loaded.info
     assert info.precision == precision and info.device == "cpu"
     assert info.load_s > 0
-    tokens = [e for e in loaded.generate(GenerationRequest("fox", mode="raw", max_new_tokens=4, ignore_eos=True))
+    tokens = [e for e in generate(loaded, GenerationRequest("fox", mode="raw", max_new_tokens=4, ignore_eos=True))
               if isinstance(e, TokenGenerated)]
     assert len(tokens) == 4
 
@@ -167,12 +168,12 @@ def test_refusals_come_before_any_weight_is_read(tmp_path, tiny_llama):
 
 
 def test_generate_after_close_is_refused(tiny_llama):
-    from engine.errors import EngineError
+    from engine.base.errors import EngineError
 
     loaded = load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"))
     loaded.close()
     with pytest.raises(EngineError, match="unloaded"):
-        loaded.generate(GenerationRequest("fox", mode="raw"))
+        generate(loaded, GenerationRequest("fox", mode="raw"))
 
 
 def test_loads_in_several_threads_at_once_are_all_correct(tiny_models):
@@ -194,7 +195,7 @@ def test_loads_in_several_threads_at_once_are_all_correct(tiny_models):
         t.join()
     assert [r.info.weights_bytes for r in results] == expected
     for loaded in results:
-        tokens = [e for e in loaded.generate(GenerationRequest("fox", mode="raw", max_new_tokens=3, ignore_eos=True))
+        tokens = [e for e in generate(loaded, GenerationRequest("fox", mode="raw", max_new_tokens=3, ignore_eos=True))
                   if isinstance(e, TokenGenerated)]
         assert len(tokens) == 3
     assert "queued" in stages

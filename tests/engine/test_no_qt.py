@@ -22,7 +22,7 @@ def test_a_generation_loads_no_qt(tiny_llama):
     code = (
         "import sys\n"
         "from engine.models.loading import LoadRequest, load_model\n"
-        "from engine.request import GenerationRequest\n"
+        "from engine.base.request import GenerationRequest\n"
         f"m = load_model(LoadRequest({str(tiny_llama)!r}, 'fp32', 'cpu'))\n"
         "list(m.generate(GenerationRequest('fox', mode='raw', max_new_tokens=2)))\n"
         "print(','.join(sorted(n for n in sys.modules if n.split('.')[0] in ('PySide6', 'shiboken6', 'pyqtgraph'))))\n"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import InvalidRequestError
+from engine.base.errors import InvalidRequestError
 from engine.estimates import hardware
 from engine.estimates.estimate import config_for
 from engine.estimates.parallel import plan_tensor_parallel

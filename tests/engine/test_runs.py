@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from engine.events import Finished, MemorySample, Prefilled, TokenGenerated
+from engine.base.events import Finished, MemorySample, Prefilled, TokenGenerated
 from engine.runs import Run
 
 

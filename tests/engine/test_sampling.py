@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from engine.errors import InvalidRequestError
+from engine.base.errors import InvalidRequestError
 from engine.generation.sampling import SamplingParams, apply_repetition_penalty, filter_scores, make_sampler
 
 NO_HISTORY = torch.empty(0, dtype=torch.long)

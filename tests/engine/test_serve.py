@@ -11,10 +11,11 @@ import threading
 import httpx
 import pytest
 
-from engine.events import Finished, StepCompleted
+from engine.base.events import Finished, StepCompleted
 from engine.serve.server import ServeSettings
 from tests.serving import serve
 from engine.serve.service import RequestEvent, TrafficStep
+from engine.generation.generate import generate
 
 PROMPTS = ["The quick brown fox", "Memory bandwidth limits", "A key-value cache stores", "Quantization stores",
            "Emoji and flags", "leading spaces and", "Café, naïve, résumé", "日本語のテキスト"]
@@ -53,14 +54,16 @@ def test_models_and_health(server, http, sdk):
 
 
 def test_chat_whole_and_streamed_agree_with_exact_usage(server, http, sdk, loaded_llama):
-    from engine.request import GenerationRequest
+    from engine.base.request import GenerationRequest
 
     body = chat(server, PROMPTS[0], max_tokens=12, ignore_eos=True)
     whole = http.post("/chat/completions", json=body).json()
     assert whole["object"] == "chat.completion"
     expected_prompt = len(loaded_llama.encode(GenerationRequest(PROMPTS[0])))
+    cached = whole["usage"].pop("prompt_tokens_details")["cached_tokens"]  # earlier tests may have left blocks
     assert whole["usage"] == {"prompt_tokens": expected_prompt, "completion_tokens": 12,
                               "total_tokens": expected_prompt + 12}
+    assert cached % 16 == 0 and 0 <= cached < expected_prompt
     assert whole["choices"][0]["finish_reason"] == "length"
 
     stream = sdk.chat.completions.create(model=server.model_name, messages=body["messages"], temperature=0,
@@ -83,14 +86,14 @@ def test_stream_ends_with_done(server, http):
 
 
 def test_completions_with_logprobs_match_the_engine(server, http, loaded_llama):
-    from engine.events import TokenGenerated
-    from engine.request import GenerationRequest
+    from engine.base.events import TokenGenerated
+    from engine.base.request import GenerationRequest
 
     body = {"model": server.model_name, "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0, "logprobs": 3,
             "ignore_eos": True}
     whole = http.post("/completions", json=body).json()
     choice = whole["choices"][0]
-    engine = [e for e in loaded_llama.generate(GenerationRequest(PROMPTS[1], mode="raw", max_new_tokens=6,
+    engine = [e for e in generate(loaded_llama, GenerationRequest(PROMPTS[1], mode="raw", max_new_tokens=6,
                                                                  ignore_eos=True, top_alternatives=3))
               if isinstance(e, TokenGenerated)]
     assert choice["logprobs"]["token_logprobs"] == pytest.approx([e.logprob for e in engine], abs=1e-4)
@@ -331,7 +334,7 @@ def test_metrics_use_vllm_names_and_count_what_was_served(loaded_llama):
 
 
 def test_a_public_address_needs_a_key():
-    from engine.errors import InvalidRequestError
+    from engine.base.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="API key"):
         ServeSettings(host="0.0.0.0").validated()
@@ -422,7 +425,7 @@ def test_serve_command_streams_and_ctrl_c_ends_streams_cleanly(tiny_llama, tmp_p
 
 
 def test_traffic_log_output_rate_is_tokens_over_the_last_second():
-    from engine.events import MemorySample
+    from engine.base.events import MemorySample
     from engine.serve.service import RequestState
     from engine.serve.traffic import TrafficLog
 

@@ -9,11 +9,12 @@ import asyncio
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.events import Preempted, TokenGenerated
-from engine.request import GenerationRequest
+from engine.base.events import Preempted, TokenGenerated
+from engine.base.request import GenerationRequest
 from engine.serve.service import RequestEvent
 from engine.serve.traffic import TrafficLog
 from tests.serving import serve
+from engine.generation.generate import generate
 
 SYSTEM = ("You are the workbench's guide. You answer questions about inference in one short line, "
           "naming the figure that shows it.")
@@ -72,7 +73,7 @@ def test_a_tight_kv_budget_preempts_and_every_stream_still_gets_its_solo_answer(
     solo = []
     for prompt in prompts:
         request = GenerationRequest(prompt, mode="raw", max_new_tokens=40, ignore_eos=True)
-        solo.append([e.token_id for e in loaded_llama.generate(request) if isinstance(e, TokenGenerated)])
+        solo.append([e.token_id for e in generate(loaded_llama, request) if isinstance(e, TokenGenerated)])
     worst = max(len(loaded_llama.encode(GenerationRequest(p, mode="raw"))) for p in prompts) + 41
     server = serve(loaded_llama, max_batch=6, kv_budget_bytes=2 * worst * loaded_llama.info.kv_bytes_per_token)
     traffic = TrafficLog()

@@ -15,12 +15,13 @@ import time
 import httpx
 import pytest
 
-from engine.events import Finished, TokenGenerated
-from engine.generation.sampling import SamplingParams
-from engine.request import GenerationRequest
+from engine.base.events import Finished, TokenGenerated
+from engine.base.sampling import SamplingParams
+from engine.base.request import GenerationRequest
 from engine.serve.service import Accepted, CoreService, QueueFullError, Rejected, RequestArrived, Ticket, Token
 from tests.engine.test_serve import http, server  # noqa: F401 (fixtures: a server of this module's own)
 from tests.serving import serve
+from engine.generation.generate import generate
 
 PROMPTS = ["The quick brown fox", "Memory bandwidth limits", "A key-value cache stores"]
 
@@ -126,7 +127,7 @@ def test_a_callers_failing_callback_ends_its_request_alone(loaded_llama):
     for i in (0, 2):
         tokens = [e.event.token_id for e in events[i] if isinstance(e, Token)]
         assert finals[i].reason == "length"
-        assert tokens == [e.token_id for e in loaded_llama.generate(request(PROMPTS[i])) if isinstance(e, TokenGenerated)]
+        assert tokens == [e.token_id for e in generate(loaded_llama, request(PROMPTS[i])) if isinstance(e, TokenGenerated)]
 
 
 # -- the queue -------------------------------------------------------------------------------------
@@ -359,7 +360,7 @@ def test_the_panels_examples_answer_within_their_limit(server):
 def test_the_windows_door_is_open_when_the_server_says_it_started(loaded_llama):
     """The window submits its prompt as soon as it hears ServerStarted: the door must be open by
     then (it opened just after, and a busy machine let the window in first: a closed door)."""
-    from engine.generation.cancel import CancelToken
+    from engine.base.cancel import CancelToken
     from engine.jobs import JobContext, ServerStarted, ServeJob, Tagged
     from engine.serve.server import ServeSettings
 
@@ -403,7 +404,7 @@ def test_a_request_being_taken_in_is_still_in_flight(loaded_llama, monkeypatch):
 def test_a_core_that_cannot_be_rebuilt_stops_the_service_and_tells_every_caller(loaded_llama, monkeypatch):
     """A step fails for everyone and no fresh core can be made: nobody is left waiting, and new
     requests are refused instead of queueing forever."""
-    from engine.errors import EngineError
+    from engine.base.errors import EngineError
     from engine.generation import core as core_module
     from engine.serve.service import NotServingError
 

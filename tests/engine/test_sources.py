@@ -4,11 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.errors import HubModelUnavailableError, ModelNotFoundError, NotAModelError
-from engine.events import TokenGenerated
+from engine.base.errors import HubModelUnavailableError, ModelNotFoundError, NotAModelError
+from engine.base.events import TokenGenerated
 from engine.models.loading import LoadRequest, load_model
-from engine.request import GenerationRequest
+from engine.base.request import GenerationRequest
 from engine.models.sources import classify, list_models, resolve
+from engine.generation.generate import generate
 
 
 def make_hub_cache(cache: Path, repo_id: str, source: Path, revision: str = "0" * 40) -> Path:
@@ -61,7 +62,7 @@ def test_hub_id_loads_from_the_local_cache_offline(tmp_path, tiny_llama, monkeyp
     loaded = load_model(LoadRequest("tiny/llama", "fp32", "cpu", offline=True))
     assert loaded.info.source == "hub"
     assert any(isinstance(e, TokenGenerated)
-               for e in loaded.generate(GenerationRequest("fox", mode="raw", max_new_tokens=2)))
+               for e in generate(loaded, GenerationRequest("fox", mode="raw", max_new_tokens=2)))
 
 
 def test_uncached_hub_id_offline_names_the_id(tmp_path):
@@ -96,7 +97,7 @@ def test_an_unreadable_file_is_a_permission_problem(tiny_llama, tmp_path, monkey
     import shutil
 
     from engine.models import sources
-    from engine.errors import NotAModelError
+    from engine.base.errors import NotAModelError
 
     folder = tmp_path / "locked"
     shutil.copytree(tiny_llama, folder)

@@ -2,19 +2,20 @@ import json
 
 import pytest
 
-from engine.generation.cancel import CancelToken
-from engine.errors import InvalidRequestError
-from engine.events import DraftVerified, Finished, StepCompleted, TokenGenerated
+from engine.base.cancel import CancelToken
+from engine.base.errors import InvalidRequestError
+from engine.base.events import DraftVerified, Finished, StepCompleted, TokenGenerated
 from engine.models.loading import LoadRequest, load_model
-from engine.request import GenerationRequest
-from engine.generation.sampling import SamplingParams
+from engine.base.request import GenerationRequest
+from engine.base.sampling import SamplingParams
 from engine.generation.speculative import DraftSpec, early_exit_model, load_draft, parse_draft, stream_speculative
+from engine.generation.generate import generate
 
 PROMPT = "The quick brown fox 😀 jumps"
 
 
 def plain(loaded, request):
-    return next(e for e in loaded.generate(request) if isinstance(e, Finished))
+    return next(e for e in generate(loaded, request) if isinstance(e, Finished))
 
 
 def check_counts(events):
@@ -200,14 +201,14 @@ def test_a_draft_with_a_wider_output_layer(tiny_models, loaded_llama, byte_token
 def test_speculation_runs_on_the_fast_runner(tiny_models, precision):
     """On a fast precision both the target's verify pass and an early-exit draft run on the fast
     path's slot caches (not transformers' forward), and greedy output is the fast path's own."""
-    from engine.generation.fast import SlotCache
+    from engine.generation.slot_cache import SlotCache
     from engine.generation.speculative import Speculation
 
     loaded = load_model(LoadRequest(str(tiny_models["llama"]), precision, "cpu"))
     draft = load_draft(DraftSpec("early-exit", layers=1), loaded)
     assert isinstance(Speculation(loaded, draft, 3).runner, SlotCache)
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=20, ignore_eos=True, top_alternatives=2)
-    alone = [e for e in loaded.generate(request) if isinstance(e, TokenGenerated)]
+    alone = [e for e in generate(loaded, request) if isinstance(e, TokenGenerated)]
 
     def same_as_alone(final):
         """fp32 and int8 (a kernel that treats each row alike): token for token. int4's kernel
@@ -260,7 +261,7 @@ def test_requests_speculating_together_in_one_core_get_their_solo_answers(tiny_m
 
 
 def test_non_finite_scores_stop_a_speculative_run_with_its_tokens(tiny_llama, tmp_path):
-    from engine.errors import NonFiniteError
+    from engine.base.errors import NonFiniteError
     from tests.engine.test_honesty import _nan_after
 
     folder, request, before = _nan_after(tiny_llama, tmp_path, steps=3)

@@ -17,6 +17,7 @@ import pytest
 
 from engine.load.generator import LoadPlan, LoadRunner
 from engine.load.prompts import Prompt
+from engine.generation.generate import generate
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +72,8 @@ def test_load_against_transformers_serve_counts_tokens_from_its_usage(transforme
 
 def test_endpoint_source_against_transformers_serve(transformers_serve, loaded_llama):
     from engine.endpoint import connect, parse_endpoint
-    from engine.events import EndpointAnswered, Finished, TokenGenerated
-    from engine.request import GenerationRequest
+    from engine.base.events import EndpointAnswered, Finished, TokenGenerated
+    from engine.base.request import GenerationRequest
 
     url, model_name = transformers_serve
     model = connect(parse_endpoint(f"endpoint:{url}#{model_name}"))
@@ -91,6 +92,6 @@ def test_endpoint_source_against_transformers_serve(transformers_serve, loaded_l
     assert answered.usage_completion_tokens == 8 and finished.prompt_tokens == answered.usage_prompt_tokens > 0
     assert all(t.logprob is None and t.token_id == -1 and t.kv_cache_bytes is None for t in tokens)
     assert finished.reason == "length" and finished.token_ids == ()
-    local = [e for e in loaded_llama.generate(request) if isinstance(e, Finished)][0]
+    local = [e for e in generate(loaded_llama, request) if isinstance(e, Finished)][0]
     assert finished.text == local.text and finished.prompt_tokens == local.prompt_tokens  # the same greedy answer
     assert finished.decode_tokens_per_s == pytest.approx(7 / finished.decode_s)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from engine.events import MemorySample
+from engine.base.events import MemorySample
 
 
 class _Nvml:
@@ -167,3 +167,16 @@ def _mps_recommended_max() -> int | None:
         return int(torch.mps.recommended_max_memory())
     except Exception:
         return None
+
+
+def default_kv_budget(device) -> int:
+    """KV-cache bytes the running requests may hold together on ``device``: half the memory free
+    now (90% of a GPU's free memory), as vLLM sizes its cache from ``--gpu-memory-utilization``."""
+    if getattr(device, "type", str(device)) == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    import psutil
+
+    return int(psutil.virtual_memory().available * 0.5)

@@ -8,8 +8,8 @@ arithmetic: norms, projections (optionally weight-only int8/int4, engine/models/
 rotary embedding, attention over a static cache written in place, the MLP, the head.
 
 It emits exactly the events of the reference path (the engine core, engine/generation/core.py, drives both
-through a runner: :class:`SlotCache` here); fp32 and bf16 give the reference path's greedy
-tokens (tested). The compiled step and the batched step attend in fp32 (:func:`_attend_one`), so
+through a runner: the slot cache, engine/generation/slot_cache.py, runs this decoder); fp32 and
+bf16 give the reference path's greedy tokens (tested). The compiled step and the batched step attend in fp32 (:func:`_attend_one`), so
 in bf16 they round less than the reference path and may part from its tokens where it parts
 from fp32's (README: the fast path). A model it can't run is refused with a clear message (no silent fall-back),
 from the config or the GGUF header before any weight is read where they already say so; the
@@ -23,6 +23,7 @@ import threading
 
 import torch
 from torch.nn import functional as F
+from engine.models.quantize import fuse_rows
 
 
 SUPPORTED = ("llama", "qwen2", "mistral")
@@ -77,8 +78,6 @@ class _Layer:
     """One decoder layer's pieces, with q/k/v and gate/up fused where the scheme allows."""
 
     def __init__(self, layer) -> None:
-        from engine.models.quantize import fuse_rows
-
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
         self.eps = float(getattr(self.norm1, "variance_epsilon", getattr(self.norm1, "eps", 1e-6)))
@@ -94,7 +93,7 @@ class _Layer:
 
 class FastDecoder:
     """Holds the model's modules (fusing some of them in place) and the compiled decode step;
-    the caches that run it are :class:`SlotCache` (the engine core's runner)."""
+    the caches that run it are engine/generation/slot_cache.py's (the engine core's runner)."""
 
     def __init__(self, model) -> None:
         reason = unsupported_reason(model)
@@ -280,150 +279,6 @@ def _decode_batch(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per
                 attended.index_copy_(0, selector, out)
         hidden = _rest_of_layer(d, layer, hidden, attended)
     return d.head(d.norm(hidden))[:, -1]
-
-
-class SlotCache:
-    """The fast path's KV cache for many sequences at once (the engine core's fast runner): one
-    static tensor per layer, [slots, KV heads, capacity, head dim]. Running sequences occupy the
-    first slots, so a batched decode step reads plain views; a sequence that leaves hands its
-    slot to the last one (one copy of that sequence's tokens). Capacity and slot count grow by
-    doubling when outgrown."""
-
-    def __init__(self, d: FastDecoder, slots: int = 4, capacity: int = MIN_CAPACITY) -> None:
-        self.d = d
-        self.slot_of: dict[int, int] = {}
-        self.lengths: list[int] = []
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.slots = self.capacity = 0
-        self._resize(slots, _bucket(capacity))
-
-    @torch.inference_mode()  # every cache tensor an inference tensor, wherever it grows
-    def _resize(self, slots: int, capacity: int) -> None:
-        d = self.d
-        shape = (slots, d.kv_heads, capacity, d.head_dim)
-        keys = [torch.zeros(shape, dtype=d.dtype, device=d.device) for _ in d.layers]
-        values = [torch.zeros(shape, dtype=d.dtype, device=d.device) for _ in d.layers]
-        used, longest = min(len(self.lengths), self.slots), max(self.lengths, default=0)
-        for old, new in zip(self.keys + self.values, keys + values):
-            new[:used, :, :longest] = old[:used, :, :longest]
-        self.keys, self.values = keys, values
-        if capacity != self.capacity:
-            self.cos, self.sin = _rotary_tables(d, capacity)
-        self.slots, self.capacity = slots, capacity
-
-    def _room(self, tokens: int) -> None:
-        """Room for every running sequence, and for ``tokens`` tokens in a slot."""
-        slots = self.slots
-        while slots < len(self.lengths):
-            slots *= 2
-        capacity = self.capacity if tokens <= self.capacity else _bucket(tokens)
-        if (slots, capacity) != (self.slots, self.capacity):
-            self._resize(slots, capacity)
-
-    @property
-    def per_token_bytes(self) -> int:
-        return 2 * len(self.d.layers) * self.d.kv_heads * self.d.head_dim * self.keys[0].element_size()
-
-    def add(self, seq: int, tokens: int = 1) -> None:
-        """A slot for ``seq``, with room for ``tokens`` (the cache grows later if needed)."""
-        self.slot_of[seq] = len(self.lengths)
-        self.lengths.append(0)
-        self._room(min(max(tokens, 1), 1 << 16))
-
-    @torch.inference_mode()
-    def remove(self, seq: int) -> None:
-        """Free ``seq``'s slot: the last running sequence moves into it."""
-        slot, last = self.slot_of.pop(seq), len(self.lengths) - 1
-        if slot != last:
-            moved = next(s for s, i in self.slot_of.items() if i == last)
-            length = self.lengths[last]
-            for tensor in self.keys + self.values:
-                tensor[slot, :, :length] = tensor[last, :, :length]
-            self.slot_of[moved], self.lengths[slot] = slot, length
-        self.lengths.pop()
-
-    def length(self, seq: int) -> int:
-        return self.lengths[self.slot_of[seq]]
-
-    def __len__(self) -> int:
-        """Sequences holding a slot."""
-        return len(self.slot_of)
-
-    def kv_bytes(self, seq: int) -> int:
-        return self.per_token_bytes * self.length(seq)
-
-    def prefill(self, seq: int, ids: torch.Tensor, rows: int = 1) -> torch.Tensor:
-        """Put ``ids`` ([1, n]) into ``seq``'s cache; the logits after the last of them ([vocab]),
-        or after each of the last ``rows`` ([rows, vocab])."""
-        start = self.length(seq)
-        self._room(start + ids.shape[1])
-        slot = self.slot_of[seq]
-        mine = slice(slot, slot + 1)
-        logits = _forward(self.d, [k[mine] for k in self.keys], [v[mine] for v in self.values], self.cos, self.sin,
-                          ids, start, rows)
-        self.lengths[slot] = start + ids.shape[1]
-        return logits
-
-    def decode(self, seqs: list[int], tokens: list[int]) -> torch.Tensor:
-        """One token for each of ``seqs`` (all running ones or a prefix of the slots), in one
-        step; logits [len(seqs), vocab] in the order given."""
-        order = sorted(range(len(seqs)), key=lambda i: self.slot_of[seqs[i]])
-        slots = [self.slot_of[seqs[i]] for i in order]
-        batch = slots[-1] + 1  # the first ``batch`` slots: a view, no gather (a row not decoding
-        # writes a throwaway entry at its next free position, which its own next write replaces)
-        self._room(max(self.lengths[:batch]) + 1)
-        feed = [0] * batch
-        for i, slot in zip(order, slots):
-            feed[slot] = tokens[i]
-        ids = torch.tensor(feed, dtype=torch.long, device=self.d.device).view(batch, 1)
-        positions = torch.tensor(self.lengths[:batch], device=self.d.device)
-        rows = slice(0, batch)
-        if batch == 1:  # one sequence: the single-sequence step (compiled when ready), no mask over idle slots
-            keys, values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
-            if (self.d.compiled is not None and torch.get_num_threads() == self.d.compiled_threads
-                    and self.capacity <= MAX_COMPILED_CAPACITY):
-                logits = self.d.compiled(self.d, keys, values, self.cos, self.sin, ids, positions).unsqueeze(0)
-            else:
-                logits = _forward(self.d, keys, values, self.cos, self.sin, ids, int(positions[0])).unsqueeze(0)
-        else:
-            logits = _decode_batch(self.d, [k[rows] for k in self.keys], [v[rows] for v in self.values], self.cos,
-                                   self.sin, ids, positions)
-        for slot in slots:
-            self.lengths[slot] += 1
-        if slots == list(range(batch)) and order == list(range(batch)):
-            return logits  # every row decoded, in slot order: no reordering copy
-        out = torch.empty((len(seqs), logits.shape[-1]), dtype=logits.dtype, device=logits.device)
-        for i, slot in zip(order, slots):
-            out[i] = logits[slot]
-        return out
-
-    def prefix_cache_reason(self) -> str | None:
-        return None
-
-    def block_kv(self, seq: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of ``seq``'s keys and values of tokens ``start…end``: [layers, KV heads, n, dim] each."""
-        slot = self.slot_of[seq]
-        return (torch.stack([k[slot, :, start:end] for k in self.keys]),
-                torch.stack([v[slot, :, start:end] for v in self.values]))
-
-    @torch.inference_mode()
-    def load_kv(self, seq: int, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Put ``blocks`` (from :meth:`block_kv`, in order) at the start of ``seq``'s empty slot."""
-        keys = torch.cat([k for k, _ in blocks], dim=2)
-        values = torch.cat([v for _, v in blocks], dim=2)
-        length = keys.shape[2]
-        self._room(length + 1)
-        slot = self.slot_of[seq]
-        for index, (k, v) in enumerate(zip(self.keys, self.values)):
-            k[slot, :, :length] = keys[index]
-            v[slot, :, :length] = values[index]
-        self.lengths[slot] = length
-
-    def crop(self, seq: int, length: int) -> None:
-        """Forget ``seq``'s tokens after the first ``length`` (speculation rolls back)."""
-        slot = self.slot_of[seq]
-        self.lengths[slot] = min(self.lengths[slot], length)
 
 
 def early_exit_decoder(d: FastDecoder, layers: int) -> FastDecoder:

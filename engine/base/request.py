@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.errors import InvalidRequestError
-from engine.generation.sampling import SamplingParams
+from engine.base.errors import InvalidRequestError
+from engine.base.sampling import SamplingParams
 
 MAX_NEW_TOKENS = 10_000_000
 

@@ -1,0 +1,111 @@
+"""The engine's structure, read from its source: the base layer imports nothing else of ours, the
+subfolders import each other without a cycle (imports inside functions counted, type-checking
+ones not), and an import of our own modules inside a function says why."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ENGINE = Path(__file__).resolve().parents[2] / "engine"
+
+
+def modules() -> dict[str, ast.Module]:
+    return {".".join(path.relative_to(ENGINE.parent).with_suffix("").parts).removesuffix(".__init__"):
+            ast.parse(path.read_text(), str(path)) for path in sorted(ENGINE.rglob("*.py"))}
+
+
+def group(module: str) -> str:
+    """A subfolder of engine/ (``engine.serve.api`` → ``serve``), or a top-level module itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "engine"
+
+
+def imports(tree: ast.Module) -> list[tuple[ast.stmt, str, bool]]:
+    """(statement, module imported, inside a function) for each import of ours that runs
+    (those under ``if TYPE_CHECKING:`` never do)."""
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+               for n in ast.walk(node)}
+    inner = {id(n) for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for n in ast.walk(node) if n is not node}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] if node.module != "engine" else [f"engine.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found += [(node, name, id(node) in inner) for name in names if name == "engine" or name.startswith("engine.")]
+    return found
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one node (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_base_layer_imports_nothing_of_ours_but_itself():
+    outside = [(name, target) for name, tree in modules().items() if group(name) == "base"
+               for _, target, _ in imports(tree) if not target.startswith("engine.base")]
+    assert not outside
+
+
+def test_no_import_cycle_between_the_engines_parts():
+    edges: dict[str, set[str]] = {}
+    for name, tree in modules().items():
+        for _, target, _ in imports(tree):
+            if group(target) != group(name):
+                edges.setdefault(group(name), set()).add(group(target))
+    assert cycles(edges) == []
+    assert "base" not in edges  # and everything may import it
+    assert edges["models"].isdisjoint({"generation", "serve", "measure"})  # a loaded model is plain data
+
+
+def test_an_import_of_ours_inside_a_function_says_why():
+    unexplained = []
+    for name, tree in modules().items():
+        lines = (ENGINE.parent / (name.replace(".", "/") + ".py")).read_text().splitlines() \
+            if (ENGINE.parent / (name.replace(".", "/") + ".py")).exists() else \
+            (ENGINE.parent / name.replace(".", "/") / "__init__.py").read_text().splitlines()
+        for node, target, inside in imports(tree):
+            said = "#" in lines[node.end_lineno - 1] or lines[node.lineno - 2].strip().startswith("#")
+            if inside and not said:
+                unexplained.append(f"{name}:{node.lineno} imports {target}")
+    assert not unexplained
+
+
+def test_the_checks_see_a_cycle_and_an_unexplained_import():  # the checks above can fail
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    tree = ast.parse("import os\ndef f():\n    from engine.models import loading\n")
+    assert [(target, inside) for _, target, inside in imports(tree)] == [("engine.models", True)]
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.serve import api\n")
+    assert imports(tree) == []
