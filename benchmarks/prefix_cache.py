@@ -4,8 +4,10 @@
 1. Sixteen short questions sent at once behind one ~600-token system prompt (streamed chat): mean
    and p50 TTFT with caching / without (target ≤ 0.25), prompt tokens found in the cache (usage's
    ``cached_tokens`` and ``/metrics``), and whether the answers are the same text.
-2. A six-turn chat, each turn's prompt the whole conversation so far: TTFT of each turn with
-   caching and without, turn 6's ratio (target ≤ 0.3).
+2. A six-turn chat over the API, each turn's prompt the whole conversation so far: TTFT of each
+   turn with caching and without, turn 6's ratio (target ≤ 0.3).
+3. The same chat the window's way (in this process: its kept core, engine/generation/generate.py's
+   ``kept_core``, with *Reuse cached prompt KV* on and off): TTFT of turn 6 with / without.
 
 Each server is ``inference-workbench serve`` in a subprocess (batch 16, no history); the two are
 measured in turns (on, off, on, off) and the means of the two rounds printed.
@@ -161,6 +163,45 @@ def main() -> None:
               f"{with_cache * 1e3:7.1f} ms, not {without * 1e3:7.1f} ms, ratio {with_cache / without:.3f}")
     last = statistics.mean(run["chat"][-1]["ttft"] for run in on) / statistics.mean(run["chat"][-1]["ttft"] for run in off)
     print(f"   turn 6 ratio {last:.3f} (target ≤ 0.3)")
+    window_chat(args.precision, system, args.tokens, args.rounds)
+
+
+def window_chat(precision: str, system: str, tokens: int, rounds: int) -> None:
+    """The six turns through the window's route: a kept core per model, the request's
+    ``reuse_prefix`` as the Generation panel's switch sets it."""
+    from engine.base.events import Finished
+    from engine.base.request import ChatMessage, GenerationRequest
+    from engine.generation.generate import generate, kept_core
+    from engine.models.loading import LoadRequest, load_model
+
+    loaded = load_model(LoadRequest("default", precision, "cpu"))
+    ttfts: dict[bool, list[list[float]]] = {True: [], False: []}
+    cached_last = 0
+    texts: dict[bool, list[str]] = {}
+    for _ in range(rounds):
+        for reuse in (True, False):
+            core, history, times, answers = kept_core(loaded), [], [], []
+            for question in TURNS:
+                request = GenerationRequest(question, system_prompt=system, history=tuple(history),
+                                            max_new_tokens=tokens * 2, ignore_eos=True, top_alternatives=5,
+                                            reuse_prefix=reuse)
+                final = next(e for e in generate(loaded, request, core=core) if isinstance(e, Finished))
+                times.append(final.ttft_s)
+                answers.append(final.text)
+                history += [ChatMessage("user", question), ChatMessage("assistant", final.text)]
+                if reuse:
+                    cached_last = final.cached_tokens
+                    prompt_last = final.prompt_tokens
+            ttfts[reuse].append(times)
+            texts[reuse] = answers
+    print("\n3. the same chat the window's way (its kept core; Reuse cached prompt KV on / off)")
+    for turn in range(len(TURNS)):
+        on = statistics.mean(t[turn] for t in ttfts[True])
+        off = statistics.mean(t[turn] for t in ttfts[False])
+        print(f"   turn {turn + 1}: TTFT reused {on * 1e3:7.1f} ms, computed {off * 1e3:7.1f} ms, ratio {on / off:.3f}")
+    last = statistics.mean(t[-1] for t in ttfts[True]) / statistics.mean(t[-1] for t in ttfts[False])
+    print(f"   turn 6: {cached_last} of {prompt_last} prompt tokens from the cache; ratio {last:.3f} (target ≤ 0.3); "
+          f"answers the same: {texts[True] == texts[False]}")
 
 
 if __name__ == "__main__":

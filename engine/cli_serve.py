@@ -8,13 +8,6 @@ import sys
 from pathlib import Path
 
 from engine.base.errors import InvalidRequestError
-from engine.models.loading import LoadRequest, load_model
-from engine.units import format_bytes
-from engine.endpoint import api_key_from_env
-from engine.load.generator import LoadPlan, LoadRunner
-from engine.load.metrics import parse_slo
-from engine.load.prompts import read_prompts
-from engine.load.report import summary_line, summary_header, write_json, remember, write_csv
 
 _SIZE = re.compile(r"^\s*([0-9.eE+]+)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
 _FACTORS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30,
@@ -100,7 +93,8 @@ def add_parsers(sub, precisions) -> None:
 
 
 def serve(args, load_printer) -> int:
-    from engine.serve.server import Server, ServeSettings  # lazy: importing it loads uvicorn
+    from engine.models.loading import LoadRequest, load_model  # lazy: start-up
+    from engine.serve.server import Server, ServeSettings  # lazy: start-up
 
     settings = ServeSettings(host=args.host, port=args.port, api_key=args.api_key, max_batch=args.max_batch,
                              kv_budget_bytes=parse_size(args.kv_budget) if args.kv_budget else None,
@@ -114,11 +108,12 @@ def serve(args, load_printer) -> int:
                                     offline=True if args.offline else None), progress=load_printer)
     server = Server(loaded, settings)
     if loaded.fast is not None:  # one sequence at a time runs the compiled step once it is ready
-        from engine.generation.compiled_step import compile_in_background, stop_compiling  # lazy: importing it loads numpy, torch
+        from engine.generation.compiled_step import compile_in_background, stop_compiling  # lazy: start-up
 
         print("Fast path: getting the compiled decode step ready in the background …", file=sys.stderr, flush=True)
         compile_in_background(loaded.fast, lambda report: print(f"Fast path: {report.describe()}", file=sys.stderr,
                                                                 flush=True))
+    from engine.units import format_bytes  # lazy: start-up
 
     print(f"Serving {server.model_name} at {server.url} (batch up to {settings.max_batch}, KV budget "
           f"{format_bytes(server.service.settings.kv_budget_bytes)}); Ctrl-C stops.", flush=True)
@@ -137,6 +132,11 @@ def serve(args, load_printer) -> int:
 
 
 def load(args) -> int:
+    from engine.endpoint import api_key_from_env  # lazy: start-up
+    from engine.load.generator import LoadPlan, LoadRunner  # lazy: start-up
+    from engine.load.metrics import parse_slo  # lazy: start-up
+    from engine.load.prompts import read_prompts  # lazy: start-up
+
     if args.concurrency is None and args.rate is None:
         args.concurrency = "1"
     plan = LoadPlan(
@@ -147,15 +147,20 @@ def load(args) -> int:
         ignore_eos=args.ignore_eos, endpoint=args.endpoint, seed=args.seed,
         slo=parse_slo(args.slo) if args.slo else None).validated()
     prompts = read_prompts(args.prompts)
+    from engine.load.report import summary_line, summary_header, write_json  # lazy: start-up
 
     print(summary_header(plan), flush=True)
     results = LoadRunner(plan, prompts, on_result=lambda r: print(summary_line(r), flush=True)).run()
     if not args.no_history:
+        from engine.load.report import remember  # lazy: start-up
+
         remember(plan, results)
     if args.json:
         write_json(args.json, plan, results)
         print(f"report   {args.json}")
     if args.csv:
+        from engine.load.report import write_csv  # lazy: start-up
+
         write_csv(args.csv, results)
         print(f"table    {args.csv}")
     return 0 if all(r.summary.completed for r in results) else 1

@@ -62,7 +62,7 @@ class GenerateJob:
         half-changed); the next prompt gets a fresh one."""
 
         local = isinstance(ctx.model, LoadedModel) and ctx.model.model is not None  # not a server's model
-        if local and "core" not in ctx.keep:
+        if local and getattr(ctx.keep.get("core"), "loaded", None) is not ctx.model:  # none yet, or another model's
             ctx.keep["core"] = kept_core(ctx.model)
         final = None
         try:
@@ -201,6 +201,8 @@ class ServerStarted:
     """The cost model's decode ceiling (batch, tok/s all requests) on this machine."""
     defaults: "Defaults | None" = None
     """What requests that leave sampling or ``max_tokens`` out get (engine/serve/protocol.py)."""
+    kv: str = ""
+    """The KV cache's blocks and whether prefix caching is on (and why not), in a line."""
 
 
 @dataclass(frozen=True)
@@ -272,7 +274,8 @@ class ServeJob:
             # (opened after, a prompt sent at once on a busy machine met a closed door)
             self.door.open(server.service, ctx.emit)
             ctx.emit(ServerStarted(server.url, server.model_name, settings.max_batch, settings.kv_budget_bytes,
-                                   bool(self.settings.api_key), ceilings, server.defaults))
+                                   bool(self.settings.api_key), ceilings, server.defaults,
+                                   server.service.describe_kv()))
             watcher.start()
             server.run_core()
             requested = ctx.cancel.cancelled

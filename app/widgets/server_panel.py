@@ -13,6 +13,7 @@ from __future__ import annotations
 from PySide6.QtCore import Signal, Slot
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
+    QCheckBox,
     QFormLayout,
     QHBoxLayout,
     QLabel,
@@ -98,8 +99,14 @@ class ServerPanel(QWidget):
         self.max_batch.setValue(16)
         self.max_batch.setToolTip("Requests decoded together; more wait in the queue.")
         self.kv_budget = QLineEdit("auto")
-        self.kv_budget.setToolTip("KV-cache bytes the running requests may reserve together, e.g. 2GiB "
-                                  "(auto: half the free memory, 90% of a GPU's).")
+        self.kv_budget.setToolTip("KV-cache bytes the running requests and the prefix cache may hold together, "
+                                  "e.g. 2GiB (auto: half the free memory, 90% of a GPU's). Counted in blocks of 16 "
+                                  "tokens, taken as requests grow; when they run out the newest is preempted.")
+        self.prefix_caching = QCheckBox("Prefix caching")
+        self.prefix_caching.setChecked(True)
+        self.prefix_caching.setToolTip("Keep the KV of computed prompt blocks for later requests that begin the same "
+                                       "way (a shared system prompt, a chat's history), as vLLM does by default "
+                                       "(serve --no-prefix-caching turns it off).")
         self.default_max_tokens = QSpinBox()
         self.default_max_tokens.setRange(0, 1_000_000)
         self.default_max_tokens.setValue(0)
@@ -114,7 +121,9 @@ class ServerPanel(QWidget):
         form.addRow("Max batch", self.max_batch)
         form.addRow("KV budget", self.kv_budget)
         form.addRow("Default max tokens", self.default_max_tokens)
-        self._fields = (self.host, self.port, self.api_key, self.max_batch, self.kv_budget, self.default_max_tokens)
+        form.addRow(self.prefix_caching)
+        self._fields = (self.host, self.port, self.api_key, self.max_batch, self.kv_budget, self.default_max_tokens,
+                        self.prefix_caching)
 
         self.start_button = QPushButton("Start server")
         self.start_button.clicked.connect(self.start)
@@ -205,7 +214,8 @@ class ServerPanel(QWidget):
         return ServeSettings(host=self.host.text().strip(), port=self.port.value(),
                              api_key=self.api_key.text() or None, max_batch=self.max_batch.value(),
                              kv_budget_bytes=None if budget.lower() in ("", "auto") else parse_size(budget),
-                             default_max_tokens=self.default_max_tokens.value() or None).validated()
+                             default_max_tokens=self.default_max_tokens.value() or None,
+                             prefix_caching=self.prefix_caching.isChecked()).validated()
 
     @Slot()
     def start(self) -> None:
@@ -269,7 +279,8 @@ class ServerPanel(QWidget):
                 self.url.setText(event.url)
                 for name, text in examples(event.url, event.model_name, event.api_key).items():
                     self._example_views[name].setPlainText(text)
-                self.defaults.setText(event.defaults.describe() if event.defaults is not None else "")
+                self.defaults.setText((event.defaults.describe() if event.defaults is not None else "")
+                                      + (f"\n{event.kv}" if event.kv else ""))
                 self._update()
                 self.state_changed.emit()
             else:

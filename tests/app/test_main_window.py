@@ -293,3 +293,19 @@ def test_a_chats_next_turn_copies_its_history_from_the_prefix_cache(qtbot, windo
     window.generation_panel.reuse_prefix.setChecked(False)  # a cold prompt, to compare
     third = generate(qtbot, window, "Once more?", max_tokens=4)
     assert third.cached_tokens == 0 and window.status["prompt"].text() == f"prompt {third.prompt_tokens}"
+
+
+def test_a_new_model_answers_with_its_own_core_not_the_last_ones(qtbot, window, tiny_models):
+    from engine.base.events import Finished
+    from engine.base.request import GenerationRequest
+    from engine.generation.generate import generate as engine_generate
+    from engine.models.loading import LoadRequest, load_model
+
+    load(qtbot, window, tiny_models["llama"])
+    generate(qtbot, window, "The quick brown fox", max_tokens=5)  # the llama's core, kept
+    load(qtbot, window, tiny_models["qwen2"])
+    answer = generate(qtbot, window, "The quick brown fox", max_tokens=5)
+    qwen = load_model(LoadRequest(str(tiny_models["qwen2"]), "fp32", "cpu"))
+    request = window.generation_panel.request_for("The quick brown fox", ())
+    alone = next(e for e in engine_generate(qwen, request) if isinstance(e, Finished))
+    assert answer.token_ids == alone.token_ids and answer.cached_tokens == 0

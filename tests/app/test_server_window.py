@@ -45,6 +45,8 @@ def test_no_port_until_started_then_served_and_drawn(qtbot, window, tiny_llama):
     assert socket.laddr.ip == "127.0.0.1" and panel.started.url.endswith(f":{socket.laddr.port}/v1")
     qtbot.waitUntil(lambda: not window.model_panel.isEnabled())  # no other model loads while this one serves
 
+    assert "blocks of 16 tokens" in panel.defaults.text() and "prefix caching on" in panel.defaults.text()
+    assert not panel.prefix_caching.isEnabled()  # what runs can't be changed under it
     examples = {panel.examples.tabText(i): panel.examples.widget(i).toPlainText()
                 for i in range(panel.examples.count())}
     assert all(panel.started.url in text and panel.started.model_name in text for text in examples.values())
@@ -106,6 +108,9 @@ def test_bad_settings_and_a_busy_port_are_said_and_change_nothing(qtbot, window,
     panel.start_button.click()
     assert panel.job is None and "not a size" in panel.status.text()
     panel.kv_budget.setText("auto")
+    assert panel._settings().prefix_caching is True
+    panel.prefix_caching.setChecked(False)  # serve --no-prefix-caching
+    assert panel._settings().prefix_caching is False
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
