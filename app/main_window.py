@@ -31,9 +31,7 @@ from app.widgets.prompt_box import PromptBox
 from app.widgets.server_panel import ServerPanel
 from app.widgets.status_line import StatusLine
 from app.worker import ModelSession
-from engine.base.errors import EngineError
 from engine.base.events import Finished, Loaded
-from engine.jobs import GenerateJob
 from engine.runs import Run
 from engine.storage import history
 from engine.units import format_rate, format_seconds
@@ -86,7 +84,7 @@ class MainWindow(QMainWindow):
         self._loading_default = False
         self._load_request = None  # what the load in progress was asked for
         self._generate_after_load: str | None = None  # a prompt waiting for the panel's choice to load
-        self.job: int | tuple | None = None  # the session's id of this window's generation (a tag when served)
+        self.job: int | None = None  # the session's id of this window's generation
 
         self.session = ModelSession("main", self)
         self.output = OutputView(self.transcript)
@@ -108,9 +106,6 @@ class MainWindow(QMainWindow):
         self._add_dock("generation", "Generation", _scrolling(self.generation_panel), Qt.LeftDockWidgetArea)
         self.server_panel = ServerPanel(self.session)
         self.server_panel.traffic_open_clicked.connect(self.open_traffic)
-        self.server_panel.local_events.connect(self._on_job_events)
-        self.server_panel.local_finished.connect(self._on_job_finished)
-        self.server_panel.local_failed.connect(self._on_job_failed)
         self._add_dock("server", "Server", self.server_panel, Qt.LeftDockWidgetArea)
         self.tabifyDockWidget(self._docks["generation"], self._docks["server"])
         self._docks["generation"].raise_()
@@ -306,23 +301,13 @@ class MainWindow(QMainWindow):
         self._update_state()
         self.budget.reset()
         self.timer.start()
-        if self.server_panel.started is not None:  # one core, two doors: the answer joins the served batch
-            try:
-                self.job = self.server_panel.submit_local(request)
-            except EngineError as exc:
-                self.job = None
-                self._on_generation_failed(exc)
-            return
-        self.job = self.session.submit(GenerateJob(request))
+        self.job = self.session.ask(request)  # one route: the model's core, served or not
         self._on_queue_changed()  # it may wait behind another window's job
 
     @Slot()
     def stop(self) -> None:
         if self.generating:
-            if isinstance(self.job, tuple):  # served: its own cancel flag, checked at every step
-                self.server_panel.cancel_local(self.job)
-            else:
-                self.session.cancel(self.job)
+            self.session.cancel(self.job)
 
     @Slot()
     def clear_conversation(self) -> None:

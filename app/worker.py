@@ -12,15 +12,15 @@ from __future__ import annotations
 import threading
 import time
 
-from PySide6.QtCore import QObject, QThread, Signal, Slot
+from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 from app.background import yield_to_the_gui
 
 from engine.base.cancel import CancelToken
 from engine.base.errors import EngineError
-from engine.base.events import BatchStep, DraftVerified, TokenGenerated
-from engine.jobs import JobContext, Tagged
-from engine.serve.service import RequestEvent, TrafficStep
+from engine.base.events import BatchStep, DraftVerified, Finished, TokenGenerated
+from engine.jobs import GenerateJob, JobContext, ServeDoor, Tagged
+from engine.serve.service import Accepted, NotServingError, Rejected, RequestEvent, TrafficStep
 
 
 BATCH_S = 0.02
@@ -231,10 +231,11 @@ class ModelSession(QObject):
         self.probe_requested.connect(self.worker.probe)
         self.predict_requested.connect(self.worker.predict)
         for name in ("devices_found", "models_found", "load_progressed", "loaded", "load_failed", "unloaded",
-                     "predicted", "job_events", "compile_started", "compile_finished"):
+                     "predicted", "compile_started", "compile_finished"):
             # signal to signal, across threads: queued into this (the GUI) thread
             getattr(self.worker, name).connect(getattr(self, name))
         self.worker.job_started.connect(self._on_started)
+        self.worker.job_events.connect(self._on_worker_events)
         # bound slots of this object, not lambdas: PySide runs a lambda in the emitting (worker)
         # thread, and the queue's bookkeeping and the re-emitted signals belong to the GUI thread
         self.worker.job_finished.connect(self._on_worker_finished)
@@ -247,6 +248,10 @@ class ModelSession(QObject):
         """Jobs not yet ended: id → (job, its cancel token)."""
         self.running: int | None = None
         """The id of the job running now."""
+        self.door: ServeDoor | None = None
+        """The serving core's door while this model serves (set by whoever runs the ServeJob)."""
+        self._asked: dict[object, tuple[int, CancelToken, list]] = {}
+        """Prompts asked through the door: its tag → (their id, cancel token, events not yet sent)."""
         self.thread.start()
 
     # -- jobs ------------------------------------------------------------------------
@@ -259,10 +264,74 @@ class ModelSession(QObject):
         self.queue_changed.emit()
         return job_id
 
+    def ask(self, request) -> int:
+        """``request`` answered by this model: one route whether it serves or not. Not serving:
+        a :class:`GenerateJob` (through the model's core, on its engine thread). Serving: straight
+        into the serving core, beside the HTTP clients' requests (the same core, so the same
+        prefix cache). Returns an id the ``job_*`` signals carry, as :meth:`submit` does."""
+        door = self.door
+        if door is None or not door.is_open:
+            return self.submit(GenerateJob(request))
+        job_id, self._next_job = self._next_job, self._next_job + 1
+        cancel = CancelToken()
+        try:
+            tag = door.submit(request, cancel)
+        except NotServingError:  # the server is stopping: the prompt waits for the engine thread instead
+            self._next_job -= 1
+            return self.submit(GenerateJob(request))
+        except EngineError as exc:  # a full queue: said as the job's failure, once the caller holds the id
+            error = exc
+            QTimer.singleShot(0, self, lambda: self.job_failed.emit(job_id, error))
+            return job_id
+        self._asked[tag] = (job_id, cancel, [])
+        return job_id
+
     def cancel(self, job_id: int | None) -> None:
-        """Stop a job (running: at its next token; waiting: it ends as soon as it starts)."""
+        """Stop a job (running: at its next token; waiting: it ends as soon as it starts), or a
+        prompt asked through the serving core (at its next step)."""
         if job_id in self.jobs:
             self.jobs[job_id][1].cancel()
+        for asked, cancel, _ in self._asked.values():
+            if asked == job_id:
+                cancel.cancel()
+
+    @Slot(int, object)
+    def _on_worker_events(self, job_id: int, events: tuple) -> None:
+        """A job's events on to its listeners, but a prompt asked through the serving core gets
+        its own (they travel among the serve job's, tagged)."""
+        if not self._asked:
+            self.job_events.emit(job_id, events)
+            return
+        rest = []
+        for event in events:
+            if isinstance(event, Tagged) and event.tag in self._asked:
+                self._answer(event.tag, event.event)
+            else:
+                rest.append(event)
+        for tag, (asked, _, pending) in list(self._asked.items()):
+            if pending:
+                self.job_events.emit(asked, tuple(pending))
+                pending.clear()
+        if rest:
+            self.job_events.emit(job_id, tuple(rest))
+
+    def _answer(self, tag, event) -> None:
+        asked, _, pending = self._asked[tag]
+        if isinstance(event, Accepted):
+            return
+        if isinstance(event, Rejected):
+            del self._asked[tag]
+            self.job_failed.emit(asked, event.error)
+        elif isinstance(event, Finished):
+            del self._asked[tag]
+            if pending:
+                self.job_events.emit(asked, tuple(pending))
+            if event.reason == "error":
+                self.job_failed.emit(asked, EngineError(event.error or "The engine failed."))
+            else:
+                self.job_finished.emit(asked, event)
+        else:
+            pending.append(event)
 
     def waiting(self) -> list[int]:
         """Ids of the jobs waiting for the running one, in order."""
@@ -294,6 +363,10 @@ class ModelSession(QObject):
         if self.running == job_id:
             self.running = None
         signal.emit(job_id, payload)
+        if self._asked and (self.door is None or not self.door.is_open):  # the server ended under them
+            for tag, (asked, _, _) in list(self._asked.items()):
+                del self._asked[tag]
+                self.job_failed.emit(asked, EngineError("The server stopped before this answer finished."))
         self.queue_changed.emit()
 
     # -- the model -------------------------------------------------------------------

@@ -24,6 +24,7 @@ from engine.generation.speculative import load_draft, parse_draft
 from engine.serve.service import NotServingError, Ticket, Token
 
 if TYPE_CHECKING:
+    from engine.generation.core import EngineCore
     from engine.measure.sweep import SweepPoint, SweepSkip
     from engine.serve.protocol import Defaults
 
@@ -46,6 +47,18 @@ class Tagged:
     event: object
 
 
+def model_core(ctx: JobContext) -> "EngineCore | None":
+    """The loaded model's engine core, kept while it stays loaded (``None`` for a model served
+    elsewhere): the window's prompts run through it one at a time, and serving runs the HTTP
+    clients' (and the window's) through it, so both find what its prefix cache keeps."""
+    if not isinstance(ctx.model, LoadedModel) or ctx.model.model is None:
+        return None
+    core = ctx.keep.get("core")
+    if core is None or core.loaded is not ctx.model:  # none yet, or another model's
+        core = ctx.keep["core"] = kept_core(ctx.model)
+    return core
+
+
 @dataclass(frozen=True)
 class GenerateJob:
     """One answer, token by token: emits ``Prefilled``, ``TokenGenerated``…; returns the
@@ -60,13 +73,9 @@ class GenerateJob:
         loaded): its prefix cache holds the earlier prompts and answers, so a chat's next turn
         copies the KV of the conversation so far. A failure drops the core (its state may be
         half-changed); the next prompt gets a fresh one."""
-
-        local = isinstance(ctx.model, LoadedModel) and ctx.model.model is not None  # not a server's model
-        if local and getattr(ctx.keep.get("core"), "loaded", None) is not ctx.model:  # none yet, or another model's
-            ctx.keep["core"] = kept_core(ctx.model)
         final = None
         try:
-            for event in generate(ctx.model, self.request, ctx.cancel, core=ctx.keep.get("core")):
+            for event in generate(ctx.model, self.request, ctx.cancel, core=model_core(ctx)):
                 if isinstance(event, Finished):
                     final = event
                 else:
@@ -230,6 +239,11 @@ class ServeDoor:
         with self._lock:
             self._service = self._emit = None
 
+    @property
+    def is_open(self) -> bool:
+        with self._lock:
+            return self._service is not None
+
     def submit(self, request: GenerationRequest, cancel: CancelToken) -> tuple[str, int]:
         """Queue ``request`` in the serving core; returns its tag. Raises ``NotServingError`` when
         the server is not (or no longer) running, ``QueueFullError`` when its queue is full."""
@@ -262,7 +276,13 @@ class ServeJob:
     def run(self, ctx: JobContext) -> Served:
         from engine.serve.server import Server  # lazy: importing it loads uvicorn
 
-        server = Server(ctx.model, self.settings)
+        core = model_core(ctx)
+        alone = core.settings
+        try:
+            server = Server(ctx.model, self.settings, core=core)  # the window's core, under the server's limits
+        except BaseException:  # a busy port, say: the window's core goes back as it was
+            core.reconfigure(alone)
+            raise
         settings = server.service.settings
         stop_listening = server.service.listen(ctx.emit)
         server.start(core_thread=False)  # the core steps on this thread, where the model was loaded
@@ -284,6 +304,11 @@ class ServeJob:
             ctx.cancel.cancel()  # the watcher ends too
             server.stop(drain=False, timeout=30)
             stop_listening()
+            ctx.keep.pop("core", None)
+            after = server.service.core  # the same, or a fresh one if a failed step replaced it
+            if after is not None and after.idle:
+                after.reconfigure(alone)  # back to one request at a time, its prefix cache kept
+                ctx.keep["core"] = after
         if not requested:
             raise RuntimeError("The server stopped by itself (see the log).")
         return Served(server.url, server.service.served)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 
-def serve(loaded, **settings):
+def serve(loaded, core=None, **settings):
     """A started :class:`engine.serve.server.Server` for ``loaded`` (no history, a 1 GiB KV budget,
-    batch 8), ``settings`` overriding; the caller stops it."""
+    batch 8), ``settings`` overriding; ``core``: an idle core of the model's to serve through.
+    The caller stops it."""
     from engine.serve.server import Server, ServeSettings
 
     base = dict(port=0, max_batch=8, history=False, kv_budget_bytes=1 << 30)
-    return Server(loaded, ServeSettings(**{**base, **settings})).start()
+    return Server(loaded, ServeSettings(**{**base, **settings}), core=core).start()
 
 
 class ThirdPartyServer:

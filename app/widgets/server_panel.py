@@ -27,10 +27,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.base.errors import EngineError
-from engine.base.events import Finished
-from engine.base.cancel import CancelToken
 from engine.jobs import ServeJob, Served, ServerStarted, Tagged
-from engine.serve.service import Accepted, Rejected
 from engine.serve.traffic import TrafficLog
 
 
@@ -68,9 +65,6 @@ class ServerPanel(QWidget):
     state_changed = Signal()
     """Started, stopped, failed or waiting: the window's other controls follow."""
     traffic_open_clicked = Signal()
-    local_events = Signal(object, object)  # tag, tuple of a window request's events
-    local_finished = Signal(object, object)  # tag, Finished
-    local_failed = Signal(object, object)  # tag, Exception
 
     def __init__(self, session, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -81,7 +75,6 @@ class ServerPanel(QWidget):
         self._job: ServeJob | None = None
         self._model_name: str | None = None
         self._stopping = False
-        self._local_cancels: dict = {}
         """The window's requests in the serving core: tag → cancel flag."""
 
         self.host = QLineEdit("127.0.0.1")
@@ -228,6 +221,7 @@ class ServerPanel(QWidget):
             return
         self.log.clear()
         self._job = ServeJob(settings)
+        self.session.door = self._job.door  # the window's prompts join the served batch while it serves
         self.job = self.session.submit(self._job)
         self._say("Starting…")
         self._update()
@@ -270,11 +264,10 @@ class ServerPanel(QWidget):
     def _on_events(self, job_id: int, events: tuple) -> None:
         if job_id != self.job:
             return
-        local: dict = {}
         for event in events:
-            if isinstance(event, Tagged):  # the window's own request, served beside the clients'
-                self._local(event, local)
-            elif isinstance(event, ServerStarted):
+            if isinstance(event, Tagged):  # the window's own requests: the session hands them to it
+                continue
+            if isinstance(event, ServerStarted):
                 self.started = event
                 self.url.setText(event.url)
                 for name, text in examples(event.url, event.model_name, event.api_key).items():
@@ -285,44 +278,8 @@ class ServerPanel(QWidget):
                 self.state_changed.emit()
             else:
                 self.log.add(event)
-        for tag, batch in local.items():
-            if batch:
-                self.local_events.emit(tag, tuple(batch))
         if self.started is not None and not self._stopping:
             self._say(self.summary())
-
-    def submit_local(self, request) -> object:
-        """Run ``request`` (the main window's) in the serving core, beside the HTTP clients';
-        returns its tag, which ``local_events/local_finished/local_failed`` carry."""
-        cancel = CancelToken()
-        tag = self._job.door.submit(request, cancel)
-        self._local_cancels[tag] = cancel
-        return tag
-
-    def cancel_local(self, tag) -> None:
-        """Stop a window request: it ends at the next step (with its ``Finished``)."""
-        if tag in self._local_cancels:
-            self._local_cancels[tag].cancel()
-
-    def _local(self, tagged: Tagged, pending: dict) -> None:
-        tag, event = tagged.tag, tagged.event
-        batch = pending.setdefault(tag, [])
-        if isinstance(event, Accepted):
-            return
-        if isinstance(event, Rejected):
-            self._local_cancels.pop(tag, None)
-            self.local_failed.emit(tag, event.error)
-        elif isinstance(event, Finished):
-            self._local_cancels.pop(tag, None)
-            if batch:
-                self.local_events.emit(tag, tuple(batch))
-                batch.clear()
-            if event.reason == "error":
-                self.local_failed.emit(tag, EngineError(event.error or "The engine failed."))
-            else:
-                self.local_finished.emit(tag, event)
-        else:
-            batch.append(event)
 
     def summary(self) -> str:
         running, waiting = self.log.in_core()
@@ -341,6 +298,7 @@ class ServerPanel(QWidget):
 
     def _ended(self, message: str, error: bool = False) -> None:
         self.job, self._job, self.started, self._stopping = None, None, None, False
+        self.session.door = None
         self.url.clear()
         self.defaults.clear()
         for view in self._example_views.values():

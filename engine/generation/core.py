@@ -35,7 +35,7 @@ from engine.generation.decoding import (PREFILL_CHUNK, SeenTokens, failed_event,
 from engine.generation.detokenize import IncrementalDetokenizer
 from engine.generation.kv_manager import BLOCK_TOKENS, KeptBlock, KVCacheManager
 from engine.generation.scheduler import Scheduler
-from engine.base.errors import InvalidRequestError, is_out_of_memory, non_finite_message
+from engine.base.errors import EngineError, InvalidRequestError, is_out_of_memory, non_finite_message
 from engine.base.events import (Alternative, Finished, GenerationEvent, Preempted, Prefilled, StepCompleted,
                            TokenGenerated)
 from engine.base.memory import MemoryProbe
@@ -117,35 +117,48 @@ class EngineCore:
                  speculation: "Speculation | None" = None) -> None:
 
         self.loaded = loaded
-        self.settings = settings = settings or CoreSettings()
-        if settings.token_budget < 1 or settings.max_batch < 1:
-            raise InvalidRequestError("The token budget and the batch size must be at least 1.")
-        if settings.block_tokens < 1:
-            raise InvalidRequestError("A KV block holds at least one token.")
         self.speculation = speculation
         """The speculative decode step (engine/generation/speculative.py), or ``None``: one token per step."""
         self.runner = runner if runner is not None else batch_runner_for(loaded, rollback=speculation is not None)
-        per_token = loaded.info.kv_bytes_per_token
-        budget = settings.kv_budget_bytes
-        blocks = None if budget is None or not per_token else budget // (per_token * settings.block_tokens)
-        self.prefix_caching_off = None
-        """Why prefix caching is off though asked for (``None``: on, or not asked for)."""
-        if settings.prefix_caching:
-            reason = getattr(self.runner, "prefix_cache_reason", lambda: "this runner can't copy blocks")()
-            if blocks is None:
-                reason = "it needs a KV budget to evict kept blocks against"
-            self.prefix_caching_off = reason
-        self.kv = KVCacheManager(per_token or None, blocks, settings.prefix_caching and self.prefix_caching_off is None,
-                                 settings.block_tokens, sizer=lambda data: sum(t.nbytes for t in data))
-        lookahead = speculation.draft_tokens if speculation is not None else 0
-        self.scheduler = Scheduler(self.kv, settings.max_batch, settings.token_budget, settings.prefill_chunk,
-                                   settings.chunked_prefill, lookahead, settings.reserve_up_front)
+        self._configure(settings or CoreSettings())
         self.steps = 0
         self.probe = MemoryProbe(loaded.device)
         self.probe.reset_peak()
         self.start = time.perf_counter()
         self._next_id = 1
         self._special = frozenset(loaded.tokenizer.all_special_ids)
+
+    def _configure(self, settings: CoreSettings, kept: KVCacheManager | None = None) -> None:
+        """Limits, KV manager and scheduler for ``settings``; ``kept``: a manager whose kept blocks
+        (and prefix-cache counts) carry over, the most recently used first, as many as fit."""
+        if settings.token_budget < 1 or settings.max_batch < 1:
+            raise InvalidRequestError("The token budget and the batch size must be at least 1.")
+        if settings.block_tokens < 1:
+            raise InvalidRequestError("A KV block holds at least one token.")
+        per_token = self.loaded.info.kv_bytes_per_token
+        budget = settings.kv_budget_bytes
+        blocks = None if budget is None or not per_token else budget // (per_token * settings.block_tokens)
+        reason = None
+        if settings.prefix_caching:
+            reason = getattr(self.runner, "prefix_cache_reason", lambda: "this runner can't copy blocks")()
+            if blocks is None:
+                reason = "it needs a KV budget to evict kept blocks against"
+        kv = KVCacheManager(per_token or None, blocks, settings.prefix_caching and reason is None,
+                            settings.block_tokens, sizer=lambda data: sum(t.nbytes for t in data))
+        if kept is not None:
+            kv.adopt(kept)
+        lookahead = self.speculation.draft_tokens if self.speculation is not None else 0
+        self.settings, self.kv, self.prefix_caching_off = settings, kv, reason
+        """``prefix_caching_off``: why prefix caching is off though asked for (``None``: on, or not asked for)."""
+        self.scheduler = Scheduler(kv, settings.max_batch, settings.token_budget, settings.prefill_chunk,
+                                   settings.chunked_prefill, lookahead, settings.reserve_up_front)
+
+    def reconfigure(self, settings: CoreSettings) -> None:
+        """New limits for this idle core (the window's one request at a time, or a server's batch
+        and budget): the same runner and caches, the prefix cache's kept blocks carried over."""
+        if not self.idle:
+            raise EngineError("The engine core is busy: its limits change only when it is idle.")
+        self._configure(settings, kept=self.kv)
 
     @property
     def waiting(self):

@@ -190,6 +190,19 @@ class KVCacheManager:
             kept += 1
         return kept
 
+    def adopt(self, other: "KVCacheManager") -> None:
+        """Take ``other``'s kept blocks (most recently used first, while they fit) and its counts:
+        the same model's cache under new limits. Nothing is kept without prefix caching here, or
+        with another block size."""
+        self.queries, self.hits, self.evicted = other.queries, other.hits, other.evicted
+        if not self.prefix_caching or other.block_tokens != self.block_tokens:
+            return
+        room = self.free_blocks
+        for key, block in list(reversed(other.kept.items()))[:room]:
+            self.kept[key] = block
+            self.kept.move_to_end(key, last=False)  # the oldest stays first in line for eviction
+            self.kept_bytes += block.size
+
     def clear_kept(self) -> None:
         self.kept.clear()
         self.kept_bytes = 0

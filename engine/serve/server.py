@@ -26,6 +26,7 @@ from engine.generation.core import CoreSettings
 from engine.serve.protocol import model_defaults
 
 if TYPE_CHECKING:
+    from engine.generation.core import EngineCore
     from engine.models.model import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -98,16 +99,20 @@ class Server:
     """The API for ``loaded`` on a socket bound now; :meth:`start` serves from a thread,
     :meth:`serve_forever` from this one (the CLI: Ctrl-C stops it)."""
 
-    def __init__(self, loaded: "LoadedModel", settings: ServeSettings | None = None) -> None:
+    def __init__(self, loaded: "LoadedModel", settings: ServeSettings | None = None,
+                 core: "EngineCore | None" = None) -> None:
+        """``core``: the model's own idle core to serve through (the window's, its prefix cache
+        kept), under the server's limits; ``None``: a new one."""
         from engine.serve.api import create_app  # lazy: importing it loads fastapi, prometheus_client, starlette
 
         self.settings = settings = (settings or ServeSettings()).validated()
         self.loaded = loaded
         budget = settings.kv_budget_bytes or default_kv_budget(loaded.device)
-        self.service: CoreService = CoreService(loaded, CoreSettings(
-            token_budget=settings.token_budget, max_batch=settings.max_batch, kv_budget_bytes=budget,
-            prefix_caching=settings.prefix_caching),
-            max_waiting=settings.max_waiting)
+        limits = CoreSettings(token_budget=settings.token_budget, max_batch=settings.max_batch, kv_budget_bytes=budget,
+                              prefix_caching=settings.prefix_caching)
+        if core is not None:
+            core.reconfigure(limits)
+        self.service: CoreService = CoreService(loaded, limits, max_waiting=settings.max_waiting, core=core)
         self.model_name = settings.model_name or loaded.info.name
         self.drain = True
         """What stopping does with requests in flight: finish them (``True``) or cancel them."""

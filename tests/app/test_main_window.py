@@ -304,6 +304,7 @@ def test_a_new_model_answers_with_its_own_core_not_the_last_ones(qtbot, window, 
     load(qtbot, window, tiny_models["llama"])
     generate(qtbot, window, "The quick brown fox", max_tokens=5)  # the llama's core, kept
     load(qtbot, window, tiny_models["qwen2"])
+    window.clear_conversation()  # the same prompt, not a second turn
     answer = generate(qtbot, window, "The quick brown fox", max_tokens=5)
     qwen = load_model(LoadRequest(str(tiny_models["qwen2"]), "fp32", "cpu"))
     request = window.generation_panel.request_for("The quick brown fox", ())

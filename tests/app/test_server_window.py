@@ -160,6 +160,8 @@ def test_the_window_generates_through_the_serving_core_beside_the_clients(qtbot,
     window.clear_conversation()  # the same prompt, not a second turn
     served = generate(qtbot, window, "fox", max_tokens=6)
     assert served.token_ids == alone.token_ids  # same greedy answer, through the server's core
+    # one core per model: the server serves through the window's, whose prefix cache kept the prompt
+    assert alone.cached_tokens == 0 and served.cached_tokens == (alone.prompt_tokens - 1) // 16 * 16 > 0
     (track,) = [t for t in panel.log.requests.values() if t.client == "window"]
     qtbot.waitUntil(lambda: track.finished is not None)  # the traffic view sees it as a request
     assert track.run.count == 6
@@ -175,6 +177,9 @@ def test_the_window_generates_through_the_serving_core_beside_the_clients(qtbot,
 
     kinds = sorted(r.kind for r in history.load_all())
     assert kinds == ["single"] * 3  # the window's answers once each, not again as served requests
+    window.clear_conversation()  # served no more: the window's core again, what it kept still there
+    again = generate(qtbot, window, "fox", max_tokens=6)
+    assert again.token_ids == alone.token_ids and again.cached_tokens == served.cached_tokens
 
 
 @pytest.fixture(autouse=True)

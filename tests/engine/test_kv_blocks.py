@@ -187,3 +187,33 @@ def test_preemption_under_speculation_keeps_the_solo_answers_and_the_draft_count
     assert tokens == expected and preempted
     assert all(f.drafted_tokens > 0 and f.accepted_tokens <= f.drafted_tokens for f in finals)
     assert len(core.speculation.runner) == 0
+
+
+def test_new_limits_keep_the_prefix_cache_and_a_server_serves_through_the_windows_core(loaded_llama):
+    import httpx
+
+    from engine.generation.generate import kept_core
+    from tests.serving import serve
+
+    core = kept_core(loaded_llama)
+    alone = core.settings
+    first = [e for e in generate(loaded_llama, chat("What is a token?"), core=core) if isinstance(e, Finished)][0]
+    kept = core.kv.kept_blocks
+    assert kept > 0 and first.cached_tokens == 0
+    server = serve(loaded_llama, core=core)  # reconfigured to the server's limits, the same core
+    try:
+        assert server.service.core is core and core.settings.max_batch == 8 and core.kv.kept_blocks == kept
+        answer = httpx.post(f"{server.url}/completions", timeout=60, json={
+            "model": server.model_name, "prompt": SYSTEM + "What is a KV cache?", "max_tokens": 4,
+            "temperature": 0}).json()
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        server.stop(drain=False, timeout=30)
+    core.reconfigure(alone)
+    assert core.settings == alone and core.kv.kept_blocks >= kept
+    again = [e for e in generate(loaded_llama, chat("What is a token?"), core=core) if isinstance(e, Finished)][0]
+    assert again.cached_tokens > 0 and again.token_ids == first.token_ids
+    smaller = CoreSettings(max_batch=1, kv_budget_bytes=2 * 16 * loaded_llama.info.kv_bytes_per_token,
+                           prefix_caching=True)
+    core.reconfigure(smaller)  # fewer blocks: the most recently used stay
+    assert core.kv.kept_blocks == 2
