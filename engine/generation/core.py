@@ -30,9 +30,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from engine.base.cancel import CancelToken
-from engine.generation.decoding import (PREFILL_CHUNK, SeenTokens, failed_event, finished_event, stop_reason,
+from engine.generation.decoding import (PREFILL_CHUNK, SeenTokens, failed_event, finished_event,
                                         top_scores)
-from engine.generation.detokenize import IncrementalDetokenizer
+from engine.generation.output import OutputProcessor
 from engine.generation.kv_manager import BLOCK_TOKENS, KeptBlock, KVCacheManager
 from engine.generation.scheduler import Scheduler
 from engine.base.errors import EngineError, InvalidRequestError, is_out_of_memory, non_finite_message
@@ -101,7 +101,8 @@ class _Request:
     def reuse_prefix(self) -> bool:
         return self.request.reuse_prefix
     sampler: object = None
-    detok: IncrementalDetokenizer | None = None
+    detok: OutputProcessor | None = None
+    """Its text and stop rules (engine/generation/output.py)."""
     seen: SeenTokens | None = None
     tokens: list[int] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
@@ -300,7 +301,8 @@ class EngineCore:
         device = self.loaded.device
         if r.sampler is None:
             r.sampler = make_sampler(r.request.sampling, device)
-            r.detok = IncrementalDetokenizer(self.loaded.tokenizer)
+            r.detok = OutputProcessor(self.loaded.tokenizer, r.request, self.loaded.eos_ids,
+                                      self.loaded.info.context_length, len(r.prompt))
             r.seen = SeenTokens(r.prompt, min(r.request.max_new_tokens, 4096), device)
         # alone, the cache is sized for the whole answer at once (no copies as it grows);
         # in a batch every slot shares the capacity, so it grows only as far as needed
@@ -441,13 +443,7 @@ class EngineCore:
                         if top_k else ())
         r.tokens.append(token)
         r.seen.append(token)
-        piece = r.detok.add(token)
-        context = loaded.info.context_length
-        eos = frozenset() if request.ignore_eos else loaded.eos_ids
-        reason, stop_string = stop_reason(token, piece, r.detok.text, request, eos, len(r.tokens),
-                                          n_prompt + len(r.tokens), context, r.cancel)
-        if reason is not None:
-            piece += r.detok.flush()
+        piece, reason, stop_string = r.detok.add(token, r.cancel)
         if drafted is None and self.speculation is not None:
             drafted = False  # the first token, from the target's prefill
         if latency is None or len(r.tokens) == 1:

@@ -1,16 +1,14 @@
 """The pieces every decode loop shares (the engine core's, speculative decoding's, the batch
-sweep's): the likeliest scores, the stop rule, the prompt-and-answer history, and the
-:class:`Finished` event built from a request's tokens and latencies."""
+sweep's): the likeliest scores, the prompt-and-answer history, and the :class:`Finished` event
+built from a request's tokens and latencies (the stop rules: engine/generation/output.py)."""
 
 from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING
 
-from engine.base.cancel import CancelToken
 from engine.base.events import Finished
 from engine.base.memory import MemoryProbe
-from engine.base.request import GenerationRequest
 
 if TYPE_CHECKING:
     import torch
@@ -75,28 +73,6 @@ def failed_event(request_id: int, message: str, tokens: int = 0, prompt_tokens: 
     return Finished(reason="error", tokens=tokens, prompt_tokens=prompt_tokens, ttft_s=None, decode_s=0.0,
                     decode_tokens_per_s=None, total_s=total_s, peak_memory_bytes=None, peak_rss_bytes=None,
                     kv_cache_bytes=0, kv_cache_bytes_predicted=None, request_id=request_id, error=message)
-
-
-def stop_reason(token: int, piece: str, text: str, request: GenerationRequest, eos: frozenset[int],
-                generated: int, length: int, context: int | None,
-                cancel: CancelToken) -> tuple[str | None, str | None]:
-    """Why generation ends after ``token`` (its ``piece`` ends ``text``), with the stop string
-    that matched; ``(None, None)`` to go on. ``length``: prompt and answer tokens so far."""
-    if token in eos:
-        return "eos", None
-    if request.stop:
-        longest = max(len(s) for s in request.stop)
-        tail = text[-(longest + len(piece)):]
-        stop_string = next((s for s in request.stop if s in tail), None)
-        if stop_string:
-            return "stop_string", stop_string
-    if generated >= request.max_new_tokens:
-        return "length", None
-    if context is not None and length >= context:
-        return "context", None
-    if cancel.cancelled:
-        return "cancelled", None
-    return None, None
 
 
 class SeenTokens:

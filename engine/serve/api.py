@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.base.errors import InvalidRequestError, PromptTooLongError
 from engine.base.events import Finished
+from engine.generation.output import StopTrimmer
 from engine.serve import protocol
 from engine.serve.metrics import ServerMetrics
 from engine.serve.service import (
@@ -273,7 +274,7 @@ class _Reply:
         self.accepted, self.queue, self.ticket = accepted, queue, ticket
         self.logprobs, self.top, self.interval = logprobs, top, interval
         self.generated = 0
-        self.trimmer = protocol.StopTrimmer(ticket.request.stop)
+        self.trimmer = StopTrimmer(ticket.request.stop)
         self.created = int(time.time())
         self.items: list[protocol.TokenLogprob] = []
 
@@ -322,7 +323,7 @@ class _Reply:
                 return Response(status_code=499)
             if finished.reason == "error":
                 raise _Refused(500, finished.error or "The engine failed.", "server_error")
-            text = self.trimmer.final(finished)
+            text = self.trimmer.final(finished.reason, finished.stop_string)
             choice = self._choice(text, self._logprobs(self.items), protocol.FINISH_REASONS[finished.reason],
                                   whole=True)
             return {**protocol.envelope(self.kind, self.rid, self.model, self.created), "choices": [choice],
@@ -388,7 +389,7 @@ class _Reply:
                                                        code=500))
                         yield "data: [DONE]\n\n"
                         return
-                    rest = text + self.trimmer.finish(event)
+                    rest = text + self.trimmer.finish(event.reason, event.stop_string)
                     if rest or items and self.logprobs:
                         yield self._chunk({"content": rest} if self.chat else rest, self._logprobs(items, offset))
                     reason = protocol.FINISH_REASONS[event.reason]

@@ -7,7 +7,7 @@ out take the model's own ``generation_config.json`` values, else OpenAI's (vLLM'
 ``--generation-config auto``); an answer without ``max_tokens`` stops at the model's
 ``max_new_tokens`` or the server's default limit (:class:`Defaults`). Responses follow OpenAI's
 chat/completions objects; the answer excludes the stop string that ended it (as OpenAI's does),
-which :class:`StopTrimmer` holds back while streaming.
+which engine/generation/output.py's :class:`StopTrimmer` holds back while streaming.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.base.errors import InvalidRequestError
-from engine.base.events import Finished
 from engine.base.sampling import SamplingParams
 from engine.base.request import ChatMessage, GenerationRequest
 
@@ -270,45 +269,6 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-class StopTrimmer:
-    """The answer as the client sees it: without the stop string that ended it. While streaming,
-    text that might be the start of a stop string is held back until the next token settles it."""
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.text = ""
-        self.sent = 0
-
-    def add(self, piece: str) -> str:
-        """What can be sent after ``piece``: none of a stop string it completes, nor what might
-        begin one."""
-        self.text += piece
-        upto = len(self.text) - self.hold
-        for stop in self.stops:
-            found = self.text.find(stop, max(0, self.sent - len(stop)))
-            if found >= 0:
-                upto = min(upto, found)
-        upto = max(self.sent, upto)
-        out, self.sent = self.text[self.sent:upto], upto
-        return out
-
-    def finish(self, finished: Finished) -> str:
-        """The rest, cut before the stop string if one ended the answer."""
-        end = len(self.text)
-        if finished.reason == "stop_string" and finished.stop_string:
-            found = self.text.find(finished.stop_string)
-            if found >= 0:
-                end = found
-        out = self.text[self.sent:max(self.sent, end)]
-        self.sent = max(self.sent, end)
-        return out
-
-    def final(self, finished: Finished) -> str:
-        self.finish(finished)
-        return self.text[:self.sent]
 
 
 @dataclass

@@ -8,6 +8,7 @@ import torch
 
 from engine.base.events import Finished, TokenGenerated
 from engine.generation import core as core_module
+from engine.generation import output as output_module
 from engine.generation.core import CoreSettings, EngineCore
 from engine.generation.detokenize import IncrementalDetokenizer
 from engine.base.sampling import SamplingParams
@@ -61,17 +62,17 @@ def _inject_detokenizer(monkeypatch, core, victim):
             if self.victim and len(self.text) > 3:
                 raise Boom("detokenizing failed")
             return super().add(token)
-    monkeypatch.setattr(core_module, "IncrementalDetokenizer", Detokenizer)
+    monkeypatch.setattr(output_module, "IncrementalDetokenizer", Detokenizer)
 
 
 def _inject_stop(monkeypatch, core, victim):
-    real = core_module.stop_reason
+    real = output_module.stop_reason
 
     def stop_reason(token, piece, text, request, *rest):
         if "VICTIM" in request.stop and len(text) > 2:
             raise Boom("stop handling failed")
         return real(token, piece, text, request, *rest)
-    monkeypatch.setattr(core_module, "stop_reason", stop_reason)
+    monkeypatch.setattr(output_module, "stop_reason", stop_reason)
 
 
 def _inject_nan(monkeypatch, core, victim):

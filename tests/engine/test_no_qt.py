@@ -23,8 +23,9 @@ def test_a_generation_loads_no_qt(tiny_llama):
         "import sys\n"
         "from engine.models.loading import LoadRequest, load_model\n"
         "from engine.base.request import GenerationRequest\n"
+        "from engine.generation.generate import generate\n"
         f"m = load_model(LoadRequest({str(tiny_llama)!r}, 'fp32', 'cpu'))\n"
-        "list(m.generate(GenerationRequest('fox', mode='raw', max_new_tokens=2)))\n"
+        "list(generate(m, GenerationRequest('fox', mode='raw', max_new_tokens=2)))\n"
         "print(','.join(sorted(n for n in sys.modules if n.split('.')[0] in ('PySide6', 'shiboken6', 'pyqtgraph'))))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

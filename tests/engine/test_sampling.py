@@ -118,3 +118,18 @@ def test_top_scores_are_the_largest_scores_best_first(vocab):
         assert len(set(ids)) == k and [float(values[i]) for i in ids] == scores
         if trial % 2 == 0:  # no ties: the very ids
             assert ids == expected.tolist()
+
+
+def test_stop_strings_are_found_and_held_back_in_one_place():
+    from engine.generation.output import StopTrimmer, find_stop, pending_stop
+
+    assert find_stop("a b STOP c END", ("END", "STOP")) == (4, "STOP")  # the earliest, whichever is listed first
+    assert find_stop("abc", ("x",)) is None
+    assert pending_stop("hello ST", ("STOP",)) == 2 and pending_stop("hello", ("STOP",)) == 0
+    assert pending_stop("xEN", ("END", "ENDING")) == 2
+    trimmer = StopTrimmer(("STOP",))
+    assert trimmer.add("Hello S") == "Hello "  # "S" might begin STOP: held
+    assert trimmer.add("TA") == "STA"  # it didn't
+    assert trimmer.add("y ST") == "y "
+    assert trimmer.add("OP and more") == ""  # the stop string and what follows never go out
+    assert trimmer.final("stop_string", "STOP") == "Hello STAy "

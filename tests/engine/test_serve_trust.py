@@ -405,7 +405,7 @@ def test_a_core_that_cannot_be_rebuilt_stops_the_service_and_tells_every_caller(
     """A step fails for everyone and no fresh core can be made: nobody is left waiting, and new
     requests are refused instead of queueing forever."""
     from engine.base.errors import EngineError
-    from engine.generation import core as core_module
+    from engine.serve import service as service_module
     from engine.serve.service import NotServingError
 
     service = CoreService(loaded_llama)
@@ -422,7 +422,7 @@ def test_a_core_that_cannot_be_rebuilt_stops_the_service_and_tells_every_caller(
         raise MemoryError("no room for a fresh core")
 
     monkeypatch.setattr(service.core, "step", broken_step)
-    monkeypatch.setattr(core_module, "EngineCore", no_core)
+    monkeypatch.setattr(service_module, "EngineCore", no_core)
     service.start()
     assert done.wait(60) and service.join(30)
     for events in heard.values():
