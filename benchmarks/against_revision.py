@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 MEASURE = r'''
 import json, statistics, sys, time
-try:
+if sys.argv[3] == "base":
     from engine.base.events import Finished, TokenGenerated
     from engine.base.request import GenerationRequest
-except ImportError:  # a revision before engine/base
+else:  # a revision before engine/base (whose names the editable install would still find: asked by path)
     from engine.events import Finished, TokenGenerated
     from engine.request import GenerationRequest
 from engine.generation.core import CoreSettings, EngineCore
@@ -70,7 +70,8 @@ print(json.dumps({"single": 1 / statistics.median(gaps), "sixteen": rate16}))
 
 
 def measure(tree: Path, precision: str, tokens: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", MEASURE, precision, str(tokens)], cwd=tree, capture_output=True,
+    layout = "base" if (tree / "engine" / "base").is_dir() else "flat"
+    out = subprocess.run([sys.executable, "-c", MEASURE, precision, str(tokens), layout], cwd=tree, capture_output=True,
                          text=True, env={"PYTHONPATH": str(tree), **_env()})
     if out.returncode:
         raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
