@@ -192,9 +192,10 @@ class CompareWindow(QMainWindow):
 
     # -- running -----------------------------------------------------------------------
     def _request(self) -> GenerationRequest:
+        # every lane computes the whole prompt: a rerun's TTFT is measured cold, never the prefix cache's
         return GenerationRequest(prompt=self.prompt.toPlainText(), mode=self.mode.currentData(),
                                  max_new_tokens=self.max_tokens.value(),
-                                 sampling=SamplingParams(seed=self.seed.value())).validated()
+                                 sampling=SamplingParams(seed=self.seed.value()), reuse_prefix=False).validated()
 
     def run(self) -> None:
         if self.running or self.read_only:

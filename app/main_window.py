@@ -34,7 +34,7 @@ from app.worker import ModelSession
 from engine.base.events import Finished, Loaded
 from engine.runs import Run
 from engine.storage import history
-from engine.units import format_rate, format_seconds
+from engine.units import format_bytes, format_rate, format_seconds
 
 log = logging.getLogger(__name__)
 
@@ -428,6 +428,8 @@ class MainWindow(QMainWindow):
         if event.cached_tokens:  # the conversation so far was in the prefix cache: copied, not computed
             cached = (f", {event.cached_tokens} of {event.prompt_tokens} prompt tokens from the cache; "
                       f"TTFT {format_seconds(event.ttft_s)}")
+        if event.prefix_cache_bytes:  # what keeping them costs, said beside what it saved
+            cached += f" (the prefix cache keeps {format_bytes(event.prefix_cache_bytes)})"
         self.statusBar().showMessage(f"Done: {event.tokens} tokens, {rate}{cached}, stopped: {event.reason}{served}",
                                      15000)
         self.generation_finished.emit(event)

@@ -164,6 +164,9 @@ class Finished:
     """Prompt tokens copied from the prefix cache at its first admission."""
     preemptions: int = 0
     """Times it was preempted (its cache freed, later computed again) for lack of KV blocks."""
+    prefix_cache_bytes: int | None = None
+    """Bytes the core's prefix cache keeps once this request's blocks are in it (measured);
+    ``None``: no prefix cache."""
 
 
 @dataclass(frozen=True, slots=True)

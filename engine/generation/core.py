@@ -486,7 +486,7 @@ class EngineCore:
         event = finished_event(reason, r.tokens, r.latencies, len(r.prompt), r.arrived, self.probe, kv,
                                self.loaded.predicted_kv_bytes(in_cache), text, stop_string, **counts)
         return replace(event, request_id=r.rid, error=error, cached_tokens=r.cached_tokens,
-                       preemptions=r.preemptions)
+                       preemptions=r.preemptions, prefix_cache_bytes=self.kv.kept_bytes if self.kv.prefix_caching else None)
 
 
 def _failure(r: _Request, exc: Exception) -> str:

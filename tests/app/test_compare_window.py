@@ -52,6 +52,8 @@ def test_identical_lanes_agree_completely(qtbot, compare, tiny_llama, schedule):
     redraws = compare.plots.redraws
     compare._redraw()
     assert compare.plots.redraws == redraws
+    run(qtbot, compare, schedule=schedule)  # again: each lane measures the whole prompt, no prefix cache's help
+    assert all(lane.run.prefilled.cached_tokens == 0 for lane in compare.lanes)
 
 
 def test_divergent_lane_is_highlighted(qtbot, compare, tiny_llama):
