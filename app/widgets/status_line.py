@@ -50,6 +50,9 @@ class StatusLine:
         for key, text in values.items():
             if self.labels[key].text() != text:
                 self.labels[key].setText(text)
+        tip = _prompt_tip(run)
+        if self.labels["prompt"].toolTip() != tip:
+            self.labels["prompt"].setToolTip(tip)
 
 
 def _prompt(run: Run) -> str:
@@ -58,3 +61,15 @@ def _prompt(run: Run) -> str:
     if p is None:
         return ""
     return f"prompt {p.prompt_tokens}" + (f" ({p.cached_tokens} cached)" if p.cached_tokens else "")
+
+
+def _prompt_tip(run: Run) -> str:
+    """What the prompt's figure means, with what the prefix cache keeps once the answer ended."""
+    p, f = run.prefilled, run.finished
+    if p is None:
+        return ""
+    tip = (f"{p.prompt_tokens} prompt tokens; {p.cached_tokens} of them copied from the prefix cache (the KV of "
+           "earlier turns), the rest computed" if p.cached_tokens else f"{p.prompt_tokens} prompt tokens, all computed")
+    if f is not None and f.prefix_cache_bytes:
+        tip += f". The prefix cache keeps {format_bytes(f.prefix_cache_bytes)} for later prompts."
+    return tip

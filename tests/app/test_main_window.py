@@ -291,6 +291,8 @@ def test_a_chats_next_turn_copies_its_history_from_the_prefix_cache(qtbot, windo
     per_token = window.loaded.kv_bytes_per_token  # what keeping them costs is said too, measured
     assert second.prefix_cache_bytes >= second.cached_tokens * per_token and second.prefix_cache_bytes % (16 * per_token) == 0
     assert "the prefix cache keeps" in window.statusBar().currentMessage()
+    assert f"{second.cached_tokens} of them copied from the prefix cache" in window.status["prompt"].toolTip()
+    assert "The prefix cache keeps" in window.status["prompt"].toolTip()
     assert f"{second.cached_tokens} of {second.prompt_tokens} prompt tokens from the cache" \
         in window.transcript.to_markdown()
     window.generation_panel.reuse_prefix.setChecked(False)  # a cold prompt, to compare
