@@ -21,6 +21,7 @@ from engine.base.events import Finished, GenerationEvent, StepCompleted
 from engine.base.memory import default_kv_budget
 from engine.base.request import GenerationRequest
 from engine.generation.core import CoreSettings, EngineCore
+from engine.generation.kv_manager import BLOCK_TOKENS
 
 if TYPE_CHECKING:
     from engine.models.model import LoadedModel
@@ -66,14 +67,16 @@ def stream(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[i
 def kept_core(loaded: "LoadedModel") -> "EngineCore":
     """A core for one request at a time that keeps its prefix cache from one to the next (the
     window's: a chat's next turn copies the KV of the conversation so far instead of computing
-    it). Its KV budget is one context's worth (8,192 tokens where the context is unknown), at most
+    it). Its KV budget is one context's worth and two blocks (8,192 tokens where the context is unknown), at most
     what the machine can spare (engine/base/memory.py's default), so kept blocks stay bounded."""
 
     chunk = PREFILL_CHUNK
     per_token = loaded.info.kv_bytes_per_token
     budget = None
     if per_token:
-        budget = min((loaded.info.context_length or 8192) * per_token, default_kv_budget(loaded.device))
+        # a whole context and its next token must fit (a request may use it all): one context and two blocks
+        budget = min(((loaded.info.context_length or 8192) + 2 * BLOCK_TOKENS) * per_token,
+                     default_kv_budget(loaded.device))
     return EngineCore(loaded, CoreSettings(token_budget=chunk + 1, max_batch=1, prefill_chunk=chunk,
                                            kv_budget_bytes=budget, prefix_caching=budget is not None))
 

@@ -217,3 +217,13 @@ def test_new_limits_keep_the_prefix_cache_and_a_server_serves_through_the_window
                            prefix_caching=True)
     core.reconfigure(smaller)  # fewer blocks: the most recently used stay
     assert core.kv.kept_blocks == 2
+
+
+def test_the_windows_core_takes_a_request_as_long_as_the_context(loaded_llama):
+    from engine.generation.generate import kept_core
+
+    core = kept_core(loaded_llama)
+    context = loaded_llama.info.context_length
+    request = GenerationRequest("The quick brown fox", mode="raw", max_new_tokens=10 * context, ignore_eos=True)
+    final = [e for e in generate(loaded_llama, request, core=core) if isinstance(e, Finished)][0]
+    assert final.reason == "context" and final.prompt_tokens + final.tokens == context
