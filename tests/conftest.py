@@ -34,9 +34,36 @@ _USERS_HISTORY = _users_history()
 _SESSION_DATA = os.environ["INFERENCE_WORKBENCH_DATA"] = tempfile.mkdtemp(prefix="workbench-test-data-")
 
 
+def _users_profile() -> tuple[Path, bytes | None]:
+    """This machine's measured profile in the user cache, and what it holds now."""
+    from engine.estimates import hardware
+
+    saved = os.environ.pop("INFERENCE_WORKBENCH_HARDWARE_PROFILE", None)
+    try:
+        path = hardware.profile_path()
+    finally:
+        if saved is not None:
+            os.environ["INFERENCE_WORKBENCH_HARDWARE_PROFILE"] = saved
+    return path, path.read_bytes() if path.is_file() else None
+
+
+# This machine's profile for the session: a private copy of the user's (measured once, not again
+# for each test), so a re-measurement (the thread count is part of its fingerprint, and it adapts
+# on a busy machine) never rewrites the user's cache.
+_USERS_PROFILE = _users_profile()
+_SESSION_PROFILE = Path(_SESSION_DATA) / "this-machine.json"
+if _USERS_PROFILE[1] is not None:
+    _SESSION_PROFILE.write_bytes(_USERS_PROFILE[1])
+os.environ["INFERENCE_WORKBENCH_HARDWARE_PROFILE"] = str(_SESSION_PROFILE)
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """Fail the run if anything wrote into the user's history folder meanwhile."""
+    """Fail the run if anything wrote into the user's history folder or profile meanwhile."""
     shutil.rmtree(_SESSION_DATA, ignore_errors=True)
+    path, before = _USERS_PROFILE
+    if (path.read_bytes() if path.is_file() else None) != before:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print(f"\nThe tests wrote this machine's profile into the user's cache ({path})")
     folder, before = _USERS_HISTORY
     after = frozenset(p.name for p in folder.glob("*")) if folder.is_dir() else frozenset()
     if after - before:
@@ -110,7 +137,8 @@ def default_fp32(default_model_folder):
 
 @pytest.fixture
 def isolated_cache(tmp_path, monkeypatch) -> Path:
-    """A private workbench cache folder (GGUF conversions etc. land here)."""
+    """A private workbench cache folder (GGUF conversions, this machine's profile… land here)."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("INFERENCE_WORKBENCH_CACHE", str(cache))
+    monkeypatch.delenv("INFERENCE_WORKBENCH_HARDWARE_PROFILE")
     return cache

@@ -100,11 +100,18 @@ def _fingerprint() -> str:
     return f"{_cpu_model()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}"
 
 
+def profile_path() -> Path:
+    """Where this machine's measured figures are kept: the user cache, or
+    ``INFERENCE_WORKBENCH_HARDWARE_PROFILE`` (the tests keep theirs apart from the user's)."""
+    override = os.environ.get("INFERENCE_WORKBENCH_HARDWARE_PROFILE")
+    return Path(override) if override else cache_dir() / "this-machine.json"
+
+
 def this_machine(measure: bool = False) -> Hardware:
     """This computer's CPU: bandwidth and FLOP/s measured (a few seconds, once), then cached."""
     import psutil
 
-    cache = cache_dir() / "this-machine.json"
+    cache = profile_path()
     fingerprint = _fingerprint()
     measured = None
     if not measure:
