@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from engine.base.cancel import CancelToken
+from engine.base.errors import EngineError
 from engine.base.events import BatchStep, Finished
 from engine.base.request import GenerationRequest
 from engine.generation.generate import generate, kept_core
@@ -277,6 +278,9 @@ class ServeJob:
         from engine.serve.server import Server  # lazy: importing it loads uvicorn
 
         core = model_core(ctx)
+        if core is None:
+            raise EngineError(f"{ctx.model.info.name} is served elsewhere: it can't be served again from here. "
+                              "Load a local model to serve it.")
         alone = core.settings
         try:
             server = Server(ctx.model, self.settings, core=core)  # the window's core, under the server's limits

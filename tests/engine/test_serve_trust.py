@@ -437,3 +437,17 @@ def test_a_core_that_cannot_be_rebuilt_stops_the_service_and_tells_every_caller(
 def test_a_seed_torch_cannot_take_is_a_400(server, http):
     response = http.post("/completions", json=completion(server, "x", seed=2**70))
     assert response.status_code == 400 and "seed" in response.json()["error"]["message"]
+
+
+def test_a_model_served_elsewhere_is_not_served_again_from_here():
+    from types import SimpleNamespace
+
+    from engine.base.errors import EngineError
+    from engine.base.cancel import CancelToken
+    from engine.jobs import JobContext, ServeJob
+    from engine.serve.server import ServeSettings
+
+    remote = SimpleNamespace(info=SimpleNamespace(name="remote-model"), model=None)
+    ctx = JobContext(remote, CancelToken(), lambda event: None)
+    with pytest.raises(EngineError, match="remote-model is served elsewhere"):
+        ServeJob(ServeSettings(port=0, history=False)).run(ctx)
