@@ -272,18 +272,18 @@ class ModelSession(QObject):
         door = self.door
         if door is None or not door.is_open:
             return self.submit(GenerateJob(request))
-        job_id, self._next_job = self._next_job, self._next_job + 1
         cancel = CancelToken()
         try:
             tag = door.submit(request, cancel)
         except NotServingError:  # the server is stopping: the prompt waits for the engine thread instead
-            self._next_job -= 1
             return self.submit(GenerateJob(request))
         except EngineError as exc:  # a full queue: said as the job's failure, once the caller holds the id
-            error = exc
+            error, tag = exc, None
+        job_id, self._next_job = self._next_job, self._next_job + 1
+        if tag is None:
             QTimer.singleShot(0, self, lambda: self.job_failed.emit(job_id, error))
-            return job_id
-        self._asked[tag] = (job_id, cancel, [])
+        else:
+            self._asked[tag] = (job_id, cancel, [])
         return job_id
 
     def cancel(self, job_id: int | None) -> None:

@@ -14,16 +14,21 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2")
 
 
+def _users(variable: str, where):
+    """``where()`` as the app finds it without the test override ``variable``."""
+    saved = os.environ.pop(variable, None)
+    try:
+        return where()
+    finally:
+        if saved is not None:
+            os.environ[variable] = saved
+
+
 def _users_history() -> tuple[Path, frozenset[str]]:
     """The user's own history folder (what the app uses without an override) and its files now."""
     from engine.storage import history
 
-    saved = os.environ.pop("INFERENCE_WORKBENCH_DATA", None)
-    try:
-        folder = history.history_dir()
-    finally:
-        if saved is not None:
-            os.environ["INFERENCE_WORKBENCH_DATA"] = saved
+    folder = _users("INFERENCE_WORKBENCH_DATA", history.history_dir)
     return folder, frozenset(p.name for p in folder.glob("*")) if folder.is_dir() else frozenset()
 
 
@@ -38,12 +43,7 @@ def _users_profile() -> tuple[Path, bytes | None]:
     """This machine's measured profile in the user cache, and what it holds now."""
     from engine.estimates import hardware
 
-    saved = os.environ.pop("INFERENCE_WORKBENCH_HARDWARE_PROFILE", None)
-    try:
-        path = hardware.profile_path()
-    finally:
-        if saved is not None:
-            os.environ["INFERENCE_WORKBENCH_HARDWARE_PROFILE"] = saved
+    path = _users("INFERENCE_WORKBENCH_HARDWARE_PROFILE", hardware.profile_path)
     return path, path.read_bytes() if path.is_file() else None
 
 

@@ -31,7 +31,7 @@ WINDOW_S = 60.0
 ROWS = 48
 """Requests on the timeline at most (the newest)."""
 KV_SENTENCE = ("The cache each running request holds, stacked (a colour per batch slot, one request at a time), "
-               "and on top the blocks kept for prefix reuse (hatched grey: evicted first when a request needs "
+               "and on top the blocks kept for prefix reuse (grey: evicted first when a request needs "
                "room), against the budget.")
 KEPT_BRUSH = pg.mkBrush(120, 120, 120, 110)
 
@@ -221,7 +221,7 @@ class TrafficPlots(QWidget):
         self.rate.item.setYRange(0, top * 1.1, padding=0)
 
     def _draw_kv(self, log: TrafficLog, start: float, now: float) -> None:
-        times, table = log.kv_stack(start)
+        times, table, kept = log.kv_stack(start)
         stacked = np.cumsum(table, axis=0) / 2**20
         slots = len(table)
         while len(self.kv_bands) < slots:
@@ -236,15 +236,13 @@ class TrafficPlots(QWidget):
                 band.show()
             else:
                 band.hide()
-        s = log.steps()
-        keep = s["at_s"] >= start
         held = stacked[-1] if slots and len(times) else np.zeros(len(times))
-        kept = s["kept_bytes"][keep] / 2**20
-        if len(kept) == len(times) and kept.any():
+        kept = kept / 2**20
+        if kept.any():
             self.kept_band.setData(times, held + kept)
         else:
             self.kept_band.setData([], [])
-        used = float((held + kept).max()) if len(kept) == len(times) and len(times) else 0.0
+        used = float((held + kept).max()) if len(times) else 0.0
         budget = (log.kv_budget_bytes or 0) / 2**20
         shown = max(used * 1.2, 1.0)
         if budget and budget <= 4 * shown:

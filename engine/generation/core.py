@@ -95,13 +95,9 @@ class _Request:
     blocks_freed: int = 0
     """Blocks its last preemption freed."""
     counts: dict = field(default_factory=dict)
-    """Speculation's drafted/accepted counts from before a preemption."""
-
-    @property
-    def reuse_prefix(self) -> bool:
-        return self.request.reuse_prefix
+    """Speculation's drafted/accepted counts, added up when the draft lets it go (a preemption, its end)."""
     sampler: object = None
-    detok: OutputProcessor | None = None
+    output: OutputProcessor | None = None
     """Its text and stop rules (engine/generation/output.py)."""
     seen: SeenTokens | None = None
     tokens: list[int] = field(default_factory=list)
@@ -109,6 +105,10 @@ class _Request:
     prefilled: int = 0
     prefill_started: float | None = None
     next_token: int | None = None
+
+    @property
+    def reuse_prefix(self) -> bool:
+        return self.request.reuse_prefix
 
 
 class EngineCore:
@@ -224,7 +224,7 @@ class EngineCore:
         began = time.perf_counter()
         for r in [*self.waiting, *self.running]:  # cancelled between steps: gone before this one,
             # unless its last token left half a character: one more token completes it (and ends it)
-            if r.cancel.cancelled and not (r.detok is not None and r.detok.pending):
+            if r.cancel.cancelled and not (r.output is not None and r.output.pending):
                 try:
                     yield self._finish(r, "cancelled")
                 except Exception as exc:
@@ -232,7 +232,7 @@ class EngineCore:
         queried = self.kv.queries
         plan = self.scheduler.schedule()
         for r in plan.preempted:
-            yield from self._guarded(r, self._preempt(r, began))
+            yield from self._guarded(r, self._preempt(r))
         cached = 0
         for r in plan.admitted:
             cached += len(r.hit or ()) * self.kv.block_tokens
@@ -286,8 +286,9 @@ class EngineCore:
             running=len(self.running), kv_cache_bytes=kv,
             kv_cache_bytes_predicted=None if None in predicted else sum(predicted),
             step_s=now - began, elapsed_s=now - self.start, memory=memory, preempted=len(plan.preempted),
-            cached_tokens=cached, prefix_query_tokens=self.kv.queries - queried, kv_blocks_used=self.kv.used_blocks, kv_blocks_kept=self.kv.kept_blocks, kv_kept_bytes=self.kept_bytes(),
-            kv_blocks_total=self.kv.total_blocks, kv_block_tokens=self.kv.block_tokens)
+            cached_tokens=cached, prefix_query_tokens=self.kv.queries - queried, kv_blocks_used=self.kv.used_blocks,
+            kv_blocks_kept=self.kv.kept_blocks, kv_kept_bytes=self.kept_bytes(), kv_blocks_total=self.kv.total_blocks,
+            kv_block_tokens=self.kv.block_tokens)
         self.steps += 1
 
     def _copier(self, r: _Request):
@@ -301,7 +302,7 @@ class EngineCore:
         device = self.loaded.device
         if r.sampler is None:
             r.sampler = make_sampler(r.request.sampling, device)
-            r.detok = OutputProcessor(self.loaded.tokenizer, r.request, self.loaded.eos_ids,
+            r.output = OutputProcessor(self.loaded.tokenizer, r.request, self.loaded.eos_ids,
                                       self.loaded.info.context_length, len(r.prompt))
             r.seen = SeenTokens(r.prompt, min(r.request.max_new_tokens, 4096), device)
         # alone, the cache is sized for the whole answer at once (no copies as it grows);
@@ -323,15 +324,19 @@ class EngineCore:
         r.hit = None
         yield from ()
 
-    def _preempt(self, r: _Request, began: float) -> Iterator[GenerationEvent]:
-        """Free ``r``'s cache: the scheduler took its blocks back and queued it again."""
-        if r.in_runner:
-            self.runner.remove(r.rid)
-            r.in_runner = False
+    def _release_draft(self, r: _Request) -> None:
+        """Free what the draft holds for ``r``, its drafted/accepted counts added to ``r.counts``."""
         if self.speculation is not None:
             for name, value in self.speculation.counts(r.rid).items():
                 r.counts[name] = r.counts.get(name, 0) + value
             self.speculation.remove(r.rid)
+
+    def _preempt(self, r: _Request) -> Iterator[GenerationEvent]:
+        """Free ``r``'s cache: the scheduler took its blocks back and queued it again."""
+        if r.in_runner:
+            self.runner.remove(r.rid)
+            r.in_runner = False
+        self._release_draft(r)
         log.info("request %d preempted after %d tokens (KV blocks ran out); it will be recomputed",
                  r.rid, len(r.tokens))
         yield Preempted(step=self.steps, tokens=len(r.tokens), blocks_freed=r.blocks_freed,
@@ -392,7 +397,7 @@ class EngineCore:
                                    unused=share * later, ahead=later)
             if r not in self.running:  # it stopped at this token
                 return
-            if r.cancel.cancelled and not r.detok.pending:
+            if r.cancel.cancelled and not r.output.pending:
                 yield self._finish(r, "cancelled")
                 return
         if not result.finite:
@@ -443,7 +448,7 @@ class EngineCore:
                         if top_k else ())
         r.tokens.append(token)
         r.seen.append(token)
-        piece, reason, stop_string = r.detok.add(token, r.cancel)
+        piece, reason, stop_string = r.output.add(token, r.cancel)
         if drafted is None and self.speculation is not None:
             drafted = False  # the first token, from the target's prefill
         if latency is None or len(r.tokens) == 1:
@@ -473,20 +478,16 @@ class EngineCore:
             if reason != "error":
                 self.kv.keep(r.prompt + r.tokens, in_cache, self._copier(r))
             kv = self.runner.kv_bytes(r.rid)
-        counts = dict(r.counts)
         self.scheduler.remove(r)
         if r.in_runner:
             self.runner.remove(r.rid)
             r.in_runner = False
-        if self.speculation is not None:
-            for name, value in self.speculation.counts(r.rid).items():
-                counts[name] = counts.get(name, 0) + value
-            self.speculation.remove(r.rid)
-        text = r.detok.text if r.detok is not None else ""
+        self._release_draft(r)
+        text = r.output.text if r.output is not None else ""
         event = finished_event(reason, r.tokens, r.latencies, len(r.prompt), r.arrived, self.probe, kv,
-                               self.loaded.predicted_kv_bytes(in_cache), text, stop_string, **counts)
-        return replace(event, request_id=r.rid, error=error, cached_tokens=r.cached_tokens,
-                       preemptions=r.preemptions, prefix_cache_bytes=self.kv.kept_bytes if self.kv.prefix_caching else None)
+                               self.loaded.predicted_kv_bytes(in_cache), text, stop_string, **r.counts)
+        return replace(event, request_id=r.rid, error=error, cached_tokens=r.cached_tokens, preemptions=r.preemptions,
+                       prefix_cache_bytes=self.kv.kept_bytes if self.kv.prefix_caching else None)
 
 
 def _failure(r: _Request, exc: Exception) -> str:

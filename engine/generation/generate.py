@@ -64,33 +64,33 @@ def stream(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[i
         raise EngineError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
 
 
+def alone(**limits) -> CoreSettings:
+    """A core's settings for one request at a time: the prompt in chunks of :data:`PREFILL_CHUNK`
+    (read now: tests and callers may change it), cancel checked between them; ``limits`` more."""
+    return CoreSettings(token_budget=PREFILL_CHUNK + 1, max_batch=1, prefill_chunk=PREFILL_CHUNK, **limits)
+
+
 def kept_core(loaded: "LoadedModel") -> "EngineCore":
     """A core for one request at a time that keeps its prefix cache from one to the next (the
     window's: a chat's next turn copies the KV of the conversation so far instead of computing
-    it). Its KV budget is one context's worth and two blocks (8,192 tokens where the context is unknown), at most
-    what the machine can spare (engine/base/memory.py's default), so kept blocks stay bounded."""
-
-    chunk = PREFILL_CHUNK
+    it). Its KV budget is one context's worth and two blocks (8,192 tokens where the context is
+    unknown), at most what the machine can spare (engine/base/memory.py's default), so kept
+    blocks stay bounded."""
     per_token = loaded.info.kv_bytes_per_token
     budget = None
     if per_token:
         # a whole context and its next token must fit (a request may use it all): one context and two blocks
         budget = min(((loaded.info.context_length or 8192) + 2 * BLOCK_TOKENS) * per_token,
                      default_kv_budget(loaded.device))
-    return EngineCore(loaded, CoreSettings(token_budget=chunk + 1, max_batch=1, prefill_chunk=chunk,
-                                           kv_budget_bytes=budget, prefix_caching=budget is not None))
+    return EngineCore(loaded, alone(kv_budget_bytes=budget, prefix_caching=budget is not None))
 
 
 def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int],
          cancel: CancelToken, speculation, core=None) -> Iterator[GenerationEvent]:
-    """The request alone in a core (its own, or ``core``, idle): the prompt in chunks of
-    :data:`PREFILL_CHUNK` (cancel is checked between them), then a token per step (or a
-    speculative step's tokens)."""
-
-    chunk = PREFILL_CHUNK  # read now: tests and callers may change it
+    """The request alone in a core (its own, or ``core``, idle): the prompt in chunks, then a
+    token per step (or a speculative step's tokens)."""
     if core is None:
-        core = EngineCore(loaded, CoreSettings(token_budget=chunk + 1, max_batch=1, prefill_chunk=chunk),
-                          speculation=speculation)
+        core = EngineCore(loaded, alone(), speculation=speculation)
     elif not core.idle:
         raise EngineError("The model's core is busy with another request.")
     core.submit(request, cancel, prompt_ids)

@@ -70,6 +70,9 @@ class KVCacheManager:
         self.prefix_caching = prefix_caching and total_blocks is not None
         self.held: dict[int, int] = {}
         """Blocks each running request holds."""
+        self.used_blocks = 0
+        """Blocks held by running requests (the sum of :attr:`held`, kept as it changes: the
+        scheduler asks for it for every decoding request of every step)."""
         self.kept: OrderedDict[bytes, KeptBlock] = OrderedDict()
         """Kept blocks by key, least recently used first."""
         self.queries = 0
@@ -85,11 +88,6 @@ class KVCacheManager:
     # -- counting ----------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
         return -(-max(0, tokens) // self.block_tokens)
-
-    @property
-    def used_blocks(self) -> int:
-        """Blocks held by running requests."""
-        return sum(self.held.values())
 
     @property
     def kept_blocks(self) -> int:
@@ -122,16 +120,19 @@ class KVCacheManager:
         blocks least recently used first; ``False``, and nothing changed, if they don't fit."""
         if not self.can_hold(rid, tokens):
             return False
-        need = self.blocks_for(tokens)
-        more = need - self.held.get(rid, 0)
-        if more > 0 and self.total_blocks is not None:
-            self._evict(more - self.free_blocks)
-        self.held[rid] = max(need, self.held.get(rid, 0))
+        more = self.blocks_for(tokens) - self.held.get(rid, 0)
+        if more > 0:
+            if self.total_blocks is not None:
+                self._evict(more - self.free_blocks)
+            self.held[rid] = self.held.get(rid, 0) + more
+            self.used_blocks += more
         return True
 
     def release(self, rid: int) -> int:
         """``rid`` ended or was preempted: its blocks are free. Returns how many it held."""
-        return self.held.pop(rid, 0)
+        freed = self.held.pop(rid, 0)
+        self.used_blocks -= freed
+        return freed
 
     def _evict(self, blocks: int) -> None:
         for _ in range(max(0, blocks)):
@@ -151,16 +152,16 @@ class KVCacheManager:
             n += 1
         return n
 
-    def lookup(self, tokens: list[int]) -> list[KeptBlock]:
+    def lookup(self, tokens: list[int], keys: list[bytes] | None = None) -> list[KeptBlock]:
         """The kept blocks that begin ``tokens``, longest chain first to last; counted as a query
         of ``len(tokens)`` tokens. At least one token is always left to compute (its scores
-        pick the next token), as vLLM leaves it."""
+        pick the next token), as vLLM leaves it. ``keys``: their :meth:`prefix_keys`, if made."""
         if not self.prefix_caching:
             return []
         self.queries += len(tokens)
         found: list[KeptBlock] = []
         n = self.block_tokens
-        for i, key in enumerate(self.prefix_keys(tokens)):
+        for i, key in enumerate(keys if keys is not None else self.prefix_keys(tokens)):
             block = self.kept.get(key)
             if block is None or block.tokens != tuple(tokens[i * n:(i + 1) * n]):
                 break

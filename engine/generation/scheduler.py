@@ -56,10 +56,6 @@ class StepPlan:
     chunks: list = field(default_factory=list)
     """(request, tokens of its ``feed`` to read this step)."""
 
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(size for _, size in self.chunks)
-
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_batch: int, token_budget: int, prefill_chunk: int,
@@ -135,7 +131,7 @@ class Scheduler:
                     continue
                 pending.update(keys[found:])
             self.waiting.remove(r)
-            r.hit = self.kv.lookup(r.feed) if r.reuse_prefix else []
+            r.hit = self.kv.lookup(r.feed, self._keys(r)) if self.kv.prefix_caching and r.reuse_prefix else []
             r.prefilled = r.computed = len(r.hit) * self.kv.block_tokens  # copied in, not read
             self.kv.hold(r.rid, need)
             self.running.append(r)

@@ -46,9 +46,12 @@ class ServerMetrics:
         gauge("vllm:num_requests_running", "Requests in the batch (admitted, not finished).",
               lambda: max(0, service.in_flight - service.waiting))
         gauge("vllm:num_requests_waiting", "Requests waiting to be admitted.", lambda: service.waiting)
+        def usage() -> float:
+            used, _, total = service.kv_blocks()
+            return used / total if total else 0.0
+
         gauge("vllm:kv_cache_usage_perc", "KV blocks held by running requests as a fraction of the budget's "
-              "(1 = full; blocks kept for prefix reuse count as free, being evictable, as in vLLM).",
-              lambda: service.kv_blocks()[0] / service.kv_blocks()[2] if service.kv_blocks()[2] else 0.0)
+              "(1 = full; blocks kept for prefix reuse count as free, being evictable, as in vLLM).", usage)
         gauge("vllm:kv_cache_bytes", "KV-cache bytes held by running requests (measured; workbench).",
               service.kv_bytes)
         gauge("vllm:kv_cache_kept_blocks", "KV blocks kept for prefix reuse (workbench).",

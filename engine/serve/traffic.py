@@ -8,6 +8,7 @@ are dropped first)."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from itertools import islice
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -212,9 +213,9 @@ class TrafficLog:
         # token or two by a few ms (a 1,000 tok/s spike at the first step of the first request)
         return at, (total - before) / window_s
 
-    def kv_stack(self, since_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-        """(step times, [slots × steps] KV bytes) for the steps after ``since_s``: the bands of a
-        stacked chart. A slot holds one request at a time (the lowest free one when it starts
+    def kv_stack(self, since_s: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(step times, [slots × steps] KV bytes, the prefix cache's kept bytes) for the steps
+        after ``since_s``: the bands of a stacked chart. A slot holds one request at a time (the lowest free one when it starts
         holding cache), so there are as many bands as requests ever ran at once, not one per
         request of the last minute (a hundred filled curves cost a redraw 80 ms)."""
         times = np.fromiter((row[0] for row in self._steps), float, len(self._steps))
@@ -225,7 +226,9 @@ class TrafficLog:
         for j, column in enumerate(held):
             for slot, kv in column:
                 table[slot, j] = kv
-        return times[first:], table
+        at = STEP_FIELDS.index("kept_bytes")
+        kept = np.fromiter((row[at] for row in islice(self._steps, first, None)), float, len(held))
+        return times[first:], table, kept
 
     def in_core(self) -> tuple[int, int]:
         """(running, waiting) after the last step."""
