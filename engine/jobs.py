@@ -161,8 +161,12 @@ class SweepJob:
                 steps.setdefault(batch, []).append(event)
                 ctx.emit(Tagged(batch, event))
 
-        points, skipped = run_sweep(ctx.model, self.request, self.batches, ctx.cancel, on_event=on_event,
-                                    on_point=ctx.emit)
+        try:  # through the model's core, under each batch's limits in turn
+            points, skipped = run_sweep(ctx.model, self.request, self.batches, ctx.cancel, on_event=on_event,
+                                        on_point=ctx.emit, core=model_core(ctx))
+        except BaseException:
+            ctx.keep.pop("core", None)  # its state may be half-changed: the next job gets a fresh one
+            raise
         if points:
             try:
                 record_points(ctx.model, points, len(ctx.model.encode(self.request)), steps)
@@ -193,8 +197,13 @@ class SpeculateJob:
                 draft.close()
             ctx.keep.pop("draft", None)
             ctx.keep["draft"] = draft = load_draft(spec, ctx.model, cancel=ctx.cancel)
-        return speculative_report(ctx.model, draft, self.request, self.draft_tokens, self.compare_plain, ctx.cancel,
-                                  lambda run, event: ctx.emit(Tagged(run, event)), record=True)
+        try:  # through the model's core, lent to the draft for the run
+            return speculative_report(ctx.model, draft, self.request, self.draft_tokens, self.compare_plain,
+                                      ctx.cancel, lambda run, event: ctx.emit(Tagged(run, event)), record=True,
+                                      core=model_core(ctx))
+        except BaseException:
+            ctx.keep.pop("core", None)  # its state may be half-changed: the next job gets a fresh one
+            raise
 
 
 @dataclass(frozen=True)

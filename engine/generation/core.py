@@ -17,15 +17,18 @@ events as a generation alone (:class:`Prefilled`, :class:`TokenGenerated`, :clas
 each with its ``request_id``); every step adds a :class:`StepCompleted` for the traffic plots.
 
 The forward passes belong to a runner (engine/generation/runners.py): the reference runner (transformers,
-one cache per request, one after another) or the fast path's slot cache (one batched step).
+one cache per request, one after another) or the fast path's slot cache (one batched step). A
+proposer (engine/generation/proposer.py) may guess tokens for the decode pass to verify
+(speculative decoding); the sampler takes the whole step's batch at once
+(engine/generation/sampling.py).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -40,13 +43,13 @@ from engine.base.events import (Alternative, Finished, GenerationEvent, Preempte
                            TokenGenerated)
 from engine.base.memory import MemoryProbe
 from engine.base.request import GenerationRequest
-from engine.generation.sampling import make_sampler
+from engine.generation.proposer import NOTHING, Proposal, Proposer
+from engine.generation.sampling import Choice, make_sampler, sample_batch
 from engine.generation.threads import adapt as adapt_threads
 from engine.generation.runners import batch_runner_for
 
 if TYPE_CHECKING:
     from engine.models.model import LoadedModel
-    from engine.generation.speculative import Speculation
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +98,8 @@ class _Request:
     blocks_freed: int = 0
     """Blocks its last preemption freed."""
     counts: dict = field(default_factory=dict)
-    """Speculation's drafted/accepted counts, added up when the draft lets it go (a preemption, its end)."""
+    """The proposer's totals (speculation's drafted/accepted tokens), added up when it lets the
+    request go (a preemption, its end)."""
     sampler: object = None
     output: OutputProcessor | None = None
     """Its text and stop rules (engine/generation/output.py)."""
@@ -115,13 +119,13 @@ class EngineCore:
     """Submit requests, then call :meth:`step` (or iterate :meth:`run`) until :attr:`idle`."""
 
     def __init__(self, loaded: "LoadedModel", settings: CoreSettings | None = None, runner=None,
-                 speculation: "Speculation | None" = None) -> None:
+                 proposer: Proposer | None = None) -> None:
 
         self.loaded = loaded
-        self.speculation = speculation
-        """The speculative decode step (engine/generation/speculative.py), or ``None``: one token per step."""
-        self.runner = runner if runner is not None else batch_runner_for(loaded, rollback=speculation is not None)
-        self._configure(settings or CoreSettings())
+        self.proposer = proposer or Proposer()
+        """What guesses tokens for the decode pass to verify (speculation), or the plain one: none."""
+        self.runner = runner if runner is not None else batch_runner_for(loaded, rollback=self.proposer.lookahead > 0)
+        self._configure(settings or CoreSettings(), proposer=self.proposer)
         self.steps = 0
         self.probe = MemoryProbe(loaded.device)
         self.probe.reset_peak()
@@ -129,9 +133,11 @@ class EngineCore:
         self._next_id = 1
         self._special = frozenset(loaded.tokenizer.all_special_ids)
 
-    def _configure(self, settings: CoreSettings, kept: KVCacheManager | None = None) -> None:
-        """Limits, KV manager and scheduler for ``settings``; ``kept``: a manager whose kept blocks
-        (and prefix-cache counts) carry over, the most recently used first, as many as fit."""
+    def _configure(self, settings: CoreSettings, kept: KVCacheManager | None = None,
+                   proposer: Proposer | None = None) -> None:
+        """Limits, KV manager and scheduler for ``settings``, and ``proposer`` (``None``: none);
+        ``kept``: a manager whose kept blocks (and prefix-cache counts) carry over, the most
+        recently used first, as many as fit."""
         if settings.token_budget < 1 or settings.max_batch < 1:
             raise InvalidRequestError("The token budget and the batch size must be at least 1.")
         if settings.block_tokens < 1:
@@ -148,18 +154,47 @@ class EngineCore:
                             settings.block_tokens, sizer=lambda data: sum(t.nbytes for t in data))
         if kept is not None:
             kv.adopt(kept)
-        lookahead = self.speculation.draft_tokens if self.speculation is not None else 0
+        self.proposer = proposer or Proposer()
+        lookahead = self.proposer.lookahead
+        self.runner.rollback = lookahead > 0  # rejected guesses are cropped from the cache
         self.settings, self.kv, self.prefix_caching_off = settings, kv, reason
         """``prefix_caching_off``: why prefix caching is off though asked for (``None``: on, or not asked for)."""
         self.scheduler = Scheduler(kv, settings.max_batch, settings.token_budget, settings.prefill_chunk,
                                    settings.chunked_prefill, lookahead, settings.reserve_up_front)
 
-    def reconfigure(self, settings: CoreSettings) -> None:
+    def reconfigure(self, settings: CoreSettings, proposer: Proposer | None = None) -> None:
         """New limits for this idle core (the window's one request at a time, or a server's batch
-        and budget): the same runner and caches, the prefix cache's kept blocks carried over."""
+        and budget) and its proposer (``None``: none): the same runner and caches, the prefix
+        cache's kept blocks carried over."""
         if not self.idle:
             raise EngineError("The engine core is busy: its limits change only when it is idle.")
-        self._configure(settings, kept=self.kv)
+        self._configure(settings, kept=self.kv, proposer=proposer)
+
+    @contextmanager
+    def borrowed(self, settings: CoreSettings | None = None, proposer: Proposer | None = None):
+        """This idle core for a client that needs other limits (a batch sweep: its batch, no KV
+        budget) or a proposer (a speculative run) for a while; then back as it was. The prefix
+        cache's kept blocks go with it where the borrowed settings cache prefixes too (and come
+        back with what was added), else wait untouched. A client that leaves mid-run (an error,
+        an abandoned stream) has its requests dropped first."""
+        if not self.idle:
+            raise EngineError("The engine core is busy: it is lent only when it is idle.")
+        before, kv, ahead = self.settings, self.kv, self.proposer
+        self._configure(settings or before, kept=kv, proposer=proposer)
+        try:
+            yield self
+        finally:
+            self._drop_all()
+            self._configure(before, kept=self.kv if self.kv.prefix_caching else kv, proposer=ahead)
+
+    def _drop_all(self) -> None:
+        """Take every request out (nothing is emitted): a client left without finishing them."""
+        for r in [*self.waiting, *self.running]:
+            self.scheduler.remove(r)
+            if r.in_runner:
+                self.runner.remove(r.rid)
+                r.in_runner = False
+            self.proposer.remove(r.rid)
 
     @property
     def waiting(self):
@@ -212,12 +247,13 @@ class EngineCore:
         return list(self._step())
 
     def _step(self) -> Iterator[GenerationEvent]:
-        """One step's events, made as they are consumed: a speculative step's tokens one by one,
-        so a cancel pressed while one is shown stops before the next.
+        """One step's events, made as they are consumed: a request's tokens one by one (a step
+        may give it several: the draft's accepted guesses), so a cancel pressed while one is
+        shown stops before the next.
 
-        Whatever fails in one request's own work (its admission, its prompt chunk, its sampling,
-        detokenizing, stop rules, speculation) ends that request alone with the error; the
-        batched decode pass and running out of memory are everyone's, and raise."""
+        Whatever fails in one request's own work (its admission, its prompt chunk, its guesses,
+        its verification, sampling, detokenizing, stop rules) ends that request alone with the
+        error; the batched decode pass and running out of memory are everyone's, and raise."""
         import torch
 
         adapt_threads()
@@ -239,7 +275,12 @@ class EngineCore:
             yield from self._guarded(r, self._admit(r))
         decoding = [r for r in plan.decoding if r in self.running]
         chunks = [(r, size) for r, size in plan.chunks if r in self.running and r.in_runner]
-        logits: dict[int, torch.Tensor] = {}
+        ready: list[_Request] = []
+        """Requests whose scores this step computed, in the order of ``rows``/``counts``."""
+        rows: list[torch.Tensor] = []
+        counts: list[int] = []
+        proposals: dict[int, Proposal] = {}
+        verify_s: dict[int, float] = {}
         failed: list[tuple[_Request, Exception]] = []
         with torch.inference_mode():
             for r, size in chunks:
@@ -249,8 +290,7 @@ class EngineCore:
                     ids = torch.tensor([r.feed[r.prefilled:r.prefilled + size]], dtype=torch.long,
                                        device=self.loaded.device)
                     out = self.runner.prefill(r.rid, ids)
-                    if self.speculation is not None:
-                        self.speculation.prefill(r.rid, ids)
+                    self.proposer.prefill(r.rid, ids)
                     r.prefilled += size
                     r.computed += size
                     self.kv.keep(r.feed, r.prefilled, self._copier(r))
@@ -260,28 +300,69 @@ class EngineCore:
                     failed.append((r, exc))
                     continue
                 if r.prefilled == len(r.feed):
-                    logits[r.rid] = out
-            if decoding and self.speculation is None:
-                out = self.runner.decode([r.rid for r in decoding], [r.next_token for r in decoding])
-                for row, r in enumerate(decoding):
+                    ready.append(r)
+                    rows.append(out.unsqueeze(0))
+                    counts.append(1)
+            for r in decoding:
+                try:
+                    proposals[r.rid] = self.proposer.propose(r.rid, r.sampler, r.prompt + r.tokens, self._room(r))
+                except Exception as exc:
+                    if is_out_of_memory(exc):
+                        raise
+                    failed.append((r, exc))
+            decoding = [r for r in decoding if r.rid in proposals]
+            if any(proposal.tokens for proposal in proposals.values()):
+                # each request's last token and its guesses in one pass of its own: the scores after each
+                for r in decoding:
+                    guesses = proposals[r.rid].tokens
+                    started = time.perf_counter()
+                    try:
+                        ids = torch.tensor([[r.next_token, *guesses]], dtype=torch.long, device=self.loaded.device)
+                        out = self.runner.prefill(r.rid, ids, rows=len(guesses) + 1)
+                    except Exception as exc:
+                        if is_out_of_memory(exc):
+                            raise
+                        failed.append((r, exc))
+                        continue
+                    verify_s[r.rid] = time.perf_counter() - started
+                    r.computed += len(guesses) + 1
+                    ready.append(r)
+                    rows.append(out.view(len(guesses) + 1, -1))
+                    counts.append(len(guesses) + 1)
+            elif decoding:  # one token each: one batched pass
+                rows.append(self.runner.decode([r.rid for r in decoding], [r.next_token for r in decoding]))
+                for r in decoding:
                     r.computed += 1
-                    logits[r.rid] = out[row]
+                    ready.append(r)
+                    counts.append(1)
         for r, exc in failed:
             yield self._fail(r, exc)
+        choices: list[Choice | Exception] = []
+        if ready:
+            with torch.inference_mode():
+                choices = sample_batch([r.sampler for r in ready], torch.cat(rows) if len(rows) > 1 else rows[0],
+                                       counts, [r.seen.all() for r in ready],
+                                       [proposals.get(r.rid, NOTHING).tokens for r in ready],
+                                       [proposals.get(r.rid, NOTHING).probs for r in ready])
         memory = self.probe.sample()
         now = time.perf_counter()
+        chosen = {r.rid: choice for r, choice in zip(ready, choices)}
         for r in list(self.running):
-            if r.rid in logits:
-                yield from self._guarded(r, self._token(r, logits[r.rid], began, now, memory))
-        if self.speculation is not None:
-            for r in decoding:
-                if r in self.running:
-                    yield from self._guarded(r, self._speculate(r))
-            now = time.perf_counter()
+            choice = chosen.get(r.rid)
+            if choice is None:
+                continue
+            if isinstance(choice, Exception):
+                if is_out_of_memory(choice):
+                    raise choice
+                yield self._fail(r, choice)
+                continue
+            proposal = proposals.get(r.rid, NOTHING)
+            yield from self._guarded(r, self._emit(r, choice, proposal, verify_s.get(r.rid, 0.0), began, now, memory))
+        now = time.perf_counter()
         kv = self.kv_bytes()
         predicted = [self.loaded.predicted_kv_bytes(r.computed) for r in self.running if r.in_runner]
         yield StepCompleted(
-            step=self.steps, batch=len(logits) + (len(decoding) if self.speculation is not None else 0),
+            step=self.steps, batch=len(ready),
             decode_tokens=len(decoding), prefill_tokens=sum(size for _, size in chunks), waiting=len(self.waiting),
             running=len(self.running), kv_cache_bytes=kv,
             kv_cache_bytes_predicted=None if None in predicted else sum(predicted),
@@ -290,6 +371,12 @@ class EngineCore:
             kv_blocks_kept=self.kv.kept_blocks, kv_kept_bytes=self.kept_bytes(), kv_blocks_total=self.kv.total_blocks,
             kv_block_tokens=self.kv.block_tokens)
         self.steps += 1
+
+    def _room(self, r: _Request) -> int:
+        """Tokens ``r`` may still get: its ``max_tokens`` and the context."""
+        room = r.request.max_new_tokens - len(r.tokens)
+        context = self.loaded.info.context_length
+        return room if context is None else min(room, context - len(r.prompt) - len(r.tokens))
 
     def _copier(self, r: _Request):
         """What the KV manager calls to copy a block of ``r``'s cache out."""
@@ -309,34 +396,31 @@ class EngineCore:
         # in a batch every slot shares the capacity, so it grows only as far as needed
         self.runner.add(r.rid, r.longest if self.settings.max_batch == 1 else len(r.feed) + 1)
         r.in_runner = True
-        if self.speculation is not None:
-            self.speculation.add(r.rid, r.request, r.longest)
+        self.proposer.add(r.rid, r.request, r.longest)
         if r.hit:
             import torch
 
             self.runner.load_kv(r.rid, [block.data for block in r.hit])
             cached = len(r.hit) * self.kv.block_tokens  # the scheduler counted them as read
-            if self.speculation is not None:  # the draft reads the prefix (its own cache, no copy)
-                with torch.inference_mode():
-                    self.speculation.prefill(r.rid, torch.tensor([r.feed[:cached]], dtype=torch.long, device=device))
+            with torch.inference_mode():  # a draft reads the prefix (its own cache, no copy)
+                self.proposer.prefill(r.rid, torch.tensor([r.feed[:cached]], dtype=torch.long, device=device))
             if not r.tokens:  # its Prefilled is still to come (a first admission, or preempted in its prompt)
                 r.cached_tokens = cached
         r.hit = None
         yield from ()
 
-    def _release_draft(self, r: _Request) -> None:
-        """Free what the draft holds for ``r``, its drafted/accepted counts added to ``r.counts``."""
-        if self.speculation is not None:
-            for name, value in self.speculation.counts(r.rid).items():
-                r.counts[name] = r.counts.get(name, 0) + value
-            self.speculation.remove(r.rid)
+    def _release_proposer(self, r: _Request) -> None:
+        """Free what the proposer holds for ``r``, its totals added to ``r.counts``."""
+        for name, value in self.proposer.counts(r.rid).items():
+            r.counts[name] = r.counts.get(name, 0) + value
+        self.proposer.remove(r.rid)
 
     def _preempt(self, r: _Request) -> Iterator[GenerationEvent]:
         """Free ``r``'s cache: the scheduler took its blocks back and queued it again."""
         if r.in_runner:
             self.runner.remove(r.rid)
             r.in_runner = False
-        self._release_draft(r)
+        self._release_proposer(r)
         log.info("request %d preempted after %d tokens (KV blocks ran out); it will be recomputed",
                  r.rid, len(r.tokens))
         yield Preempted(step=self.steps, tokens=len(r.tokens), blocks_freed=r.blocks_freed,
@@ -366,7 +450,7 @@ class EngineCore:
     def _drop(self, r: _Request, message: str) -> Finished:
         """Take ``r`` out of the core whatever state a failure left it in."""
         self.scheduler.remove(r)
-        for part in (self.runner if r.in_runner else None, self.speculation):
+        for part in (self.runner if r.in_runner else None, self.proposer):
             if part is not None:
                 try:
                     part.remove(r.rid)
@@ -375,48 +459,44 @@ class EngineCore:
         return failed_event(r.rid, message, tokens=len(r.tokens), prompt_tokens=len(r.prompt),
                             total_s=time.perf_counter() - r.arrived)
 
-    def _speculate(self, r: _Request) -> Iterator[GenerationEvent]:
-        """A speculative step of ``r`` (engine/generation/speculative.py): the draft's guesses, checked by the
-        target in one pass; its tokens share the step's time (a stop charges the rest to the last)."""
-        started = time.perf_counter()
-        room = r.request.max_new_tokens - len(r.tokens)
-        context = self.loaded.info.context_length
-        if context is not None:
-            room = min(room, context - len(r.prompt) - len(r.tokens))
-        result = self.speculation.step(self.runner, r.rid, r.prompt + r.tokens, room, started)
-        r.computed = self.runner.length(r.rid)
-        now = time.perf_counter()
-        if result.verified is not None:
-            yield replace(result.verified, elapsed_s=now - r.arrived)
-        memory = self.probe.sample()
-        emitted = result.tokens
-        share = (now - started) / max(1, len(emitted))
-        for j, (token, scores, drafted) in enumerate(emitted):
-            later = len(emitted) - 1 - j
-            yield from self._token(r, scores, started, now, memory, token=token, drafted=drafted, latency=share,
-                                   unused=share * later, ahead=later)
+    def _emit(self, r: _Request, choice: Choice, proposal: Proposal, verify_s: float, began: float, now: float,
+              memory) -> Iterator[GenerationEvent]:
+        """What the step gave ``r``: its cache rolled back to the accepted guesses (and the
+        proposer told), then its tokens one by one. They share the step's time (a stop charges
+        the time of those it won't emit to the last)."""
+        if proposal.tokens:
+            keep = r.computed - (len(proposal.tokens) - choice.accepted)
+            self.runner.crop(r.rid, keep)
+            r.computed = keep
+            verified = self.proposer.settle(r.rid, proposal, choice.accepted, len(r.prompt) + len(r.tokens), verify_s)
+            if verified is not None:
+                yield replace(verified, elapsed_s=now - r.arrived)
+        share = (now - began) / max(1, len(choice.tokens))
+        guessing = self.proposer.lookahead > 0  # its tokens say whether a guess made them
+        for j, (token, scores, log_total) in enumerate(choice.tokens):
+            later = len(choice.tokens) - 1 - j
+            yield from self._token(r, token, scores, log_total, now, memory, guessed=j < choice.accepted if guessing
+                                   else None, latency=share, unused=share * later, ahead=later)
             if r not in self.running:  # it stopped at this token
                 return
-            if r.cancel.cancelled and not r.output.pending:
+            if later and r.cancel.cancelled and not r.output.pending:
                 yield self._finish(r, "cancelled")
                 return
-        if not result.finite:
+        if not choice.finite:
             message = non_finite_message(self.loaded.info.precision, self.loaded.info.name, len(r.tokens))
             yield self._finish(r, "error", error=message)
 
-    def _token(self, r: _Request, logits, began: float, now: float, memory, token: int | None = None,
-               drafted: bool | None = None, latency: float | None = None, unused: float = 0.0,
+    def _token(self, r: _Request, token: int, scores, log_total: float, now: float, memory,
+               guessed: bool | None = None, latency: float = 0.0, unused: float = 0.0,
                ahead: int = 0) -> Iterator[GenerationEvent]:
-        """The token after ``logits`` for ``r`` (sampled here, or ``token``, chosen by a
-        speculative step): its events, and its end if it stops here.
+        """``token``, chosen after ``scores`` (whose log-normaliser is ``log_total``), for ``r``:
+        its events, and its end if it stops here.
 
         Latency, as on the single-request path, is the engine's own time: the first token's is
-        the time since submission (queueing and prompt), a later token's the step that made it
-        (what the consumer does between steps is not the model's time), or ``latency`` given,
-        plus ``unused`` if the request stops here (the time of a step's tokens it won't emit).
+        the time since submission (queueing and prompt), a later token's its share of the step
+        that made it (what the consumer does between steps is not the model's time), plus
+        ``unused`` if the request stops here (the time of a step's tokens it won't emit).
         ``ahead``: tokens after this one that the step already put in the cache (accepted guesses)."""
-        import torch
-
         loaded, request = self.loaded, r.request
         n_prompt = len(r.prompt)
         if not r.tokens:
@@ -428,31 +508,16 @@ class EngineCore:
                 kv_cache_bytes=self.runner.kv_bytes(r.rid), kv_cache_bytes_predicted=loaded.predicted_kv_bytes(n_prompt),
                 memory=memory, request_id=r.rid, cached_tokens=r.cached_tokens))
         top_k = request.top_alternatives
-        plain_greedy = request.sampling.greedy and request.sampling.repetition_penalty == 1.0
-        with torch.inference_mode():
-            scores = logits.float()
-            log_total = float(torch.logsumexp(scores, dim=-1))
-            if not math.isfinite(log_total):  # before sampling: a sampler given NaN fails without saying why
-                message = non_finite_message(loaded.info.precision, loaded.info.name, len(r.tokens))
-                yield self._finish(r, "error", error=message)
-                return
-            if top_k:
-                ids, values = top_scores(scores, top_k)
-            if token is None:  # not already chosen by a speculative step
-                if plain_greedy and top_k >= 2 and values[0] > values[1]:
-                    token = ids[0]
-                else:
-                    token = r.sampler(scores, r.seen.all())
-            chosen = float(scores[token]) - log_total
-        alternatives = (tuple(Alternative(i, loaded.token_text(i), v - log_total) for i, v in zip(ids, values))
-                        if top_k else ())
+        alternatives = ()
+        if top_k:
+            ids, values = top_scores(scores, top_k)
+            alternatives = tuple(Alternative(i, loaded.token_text(i), v - log_total) for i, v in zip(ids, values))
+        chosen = float(scores[token]) - log_total
         r.tokens.append(token)
         r.seen.append(token)
         piece, reason, stop_string = r.output.add(token, r.cancel)
-        if drafted is None and self.speculation is not None:
-            drafted = False  # the first token, from the target's prefill
-        if latency is None or len(r.tokens) == 1:
-            latency = now - (began if len(r.tokens) > 1 else r.arrived)
+        if len(r.tokens) == 1:
+            latency = now - r.arrived
         if reason is not None:
             latency += unused
         r.latencies.append(latency)
@@ -462,7 +527,7 @@ class EngineCore:
             index=len(r.tokens) - 1, token_id=token, text=piece, logprob=chosen, top_alternatives=alternatives,
             latency_s=latency, elapsed_s=time.perf_counter() - r.arrived, kv_cache_bytes=self.runner.kv_bytes(r.rid),
             kv_cache_bytes_predicted=loaded.predicted_kv_bytes(in_cache), memory=memory,
-            special=token in self._special, drafted=drafted, request_id=r.rid))
+            special=token in self._special, drafted=guessed, request_id=r.rid))
         if reason is not None:
             yield self._finish(r, reason, stop_string)
 
@@ -472,8 +537,8 @@ class EngineCore:
         in_cache = min(r.computed, len(r.prompt) + len(r.tokens) - 1) if r.tokens else r.computed
         kv = 0
         if r.in_runner:
-            if self.speculation is not None:
-                self.runner.crop(r.rid, in_cache)  # it stopped part-way through a step's accepted guesses
+            if r.computed > in_cache and self.runner.rollback:  # it stopped part-way through a step's accepted guesses
+                self.runner.crop(r.rid, in_cache)
                 r.computed = in_cache
             if reason != "error":
                 self.kv.keep(r.prompt + r.tokens, in_cache, self._copier(r))
@@ -482,7 +547,7 @@ class EngineCore:
         if r.in_runner:
             self.runner.remove(r.rid)
             r.in_runner = False
-        self._release_draft(r)
+        self._release_proposer(r)
         text = r.output.text if r.output is not None else ""
         event = finished_event(reason, r.tokens, r.latencies, len(r.prompt), r.arrived, self.probe, kv,
                                self.loaded.predicted_kv_bytes(in_cache), text, stop_string, **r.counts)

@@ -24,8 +24,8 @@ from engine.generation.core import CoreSettings, EngineCore
 from engine.generation.kv_manager import BLOCK_TOKENS
 
 if TYPE_CHECKING:
+    from engine.generation.proposer import Proposer
     from engine.models.model import LoadedModel
-    from engine.generation.speculative import Speculation
 
 __all__ = ["PREFILL_CHUNK", "generate", "stream"]
 
@@ -46,21 +46,22 @@ def generate(model, request: GenerationRequest, cancel: CancelToken | None = Non
 
 
 def stream(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int],
-           cancel: CancelToken, speculation: "Speculation | None" = None,
+           cancel: CancelToken, proposer: "Proposer | None" = None,
            core: "EngineCore | None" = None) -> Iterator[GenerationEvent]:
-    """``speculation``: decode with a draft (engine/generation/speculative.py) instead of a token per step.
-    ``core``: an idle core kept from one request to the next (:func:`kept_core`), whose prefix
-    cache holds the earlier prompts and answers; ``None``: a core of the request's own."""
+    """``proposer``: guesses for each decode step to verify (a draft: engine/generation/speculative.py)
+    instead of a token per step. ``core``: an idle core kept from one request to the next
+    (:func:`kept_core`), whose prefix cache holds the earlier prompts and answers (lent to the
+    proposer for this request); ``None``: a core of the request's own."""
     try:
-        yield from _run(loaded, request, prompt_ids, cancel, speculation, core)
+        yield from _run(loaded, request, prompt_ids, cancel, proposer, core)
     except EngineError:
         raise
     except Exception as exc:
         if is_out_of_memory(exc):
-            hint = ("use a smaller draft or fewer draft tokens" if speculation is not None else
+            hint = ("use a smaller draft or fewer draft tokens" if proposer is not None else
                     "shorten the prompt or answer, or pick a smaller precision")
             raise OutOfMemoryError(f"Out of memory on {loaded.device} while generating: {hint}.") from exc
-        what = "Speculative decoding" if speculation is not None else "Generation"
+        what = "Speculative decoding" if proposer is not None else "Generation"
         raise EngineError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
 
 
@@ -86,13 +87,22 @@ def kept_core(loaded: "LoadedModel") -> "EngineCore":
 
 
 def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int],
-         cancel: CancelToken, speculation, core=None) -> Iterator[GenerationEvent]:
+         cancel: CancelToken, proposer, core=None) -> Iterator[GenerationEvent]:
     """The request alone in a core (its own, or ``core``, idle): the prompt in chunks, then a
     token per step (or a speculative step's tokens)."""
     if core is None:
-        core = EngineCore(loaded, alone(), speculation=speculation)
+        yield from _alone(EngineCore(loaded, alone(), proposer=proposer), request, prompt_ids, cancel)
     elif not core.idle:
         raise EngineError("The model's core is busy with another request.")
+    elif proposer is not None:
+        with core.borrowed(proposer=proposer):
+            yield from _alone(core, request, prompt_ids, cancel)
+    else:
+        yield from _alone(core, request, prompt_ids, cancel)
+
+
+def _alone(core: "EngineCore", request: GenerationRequest, prompt_ids: list[int],
+           cancel: CancelToken) -> Iterator[GenerationEvent]:
     core.submit(request, cancel, prompt_ids)
     for event in core.run():
         if isinstance(event, StepCompleted):

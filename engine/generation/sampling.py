@@ -1,12 +1,16 @@
 """The sampler: a pure function of the logits, the tokens so far and a seeded generator.
 
 Order as in transformers' logits processors: repetition penalty, temperature, top-k,
-top-p, min-p; then argmax (greedy) or a draw.
+top-p, min-p; then argmax (greedy) or a draw. The engine core samples a step's whole batch
+at once (:func:`sample_batch`), verifying a draft's guesses where a proposer made some
+(:func:`choose`, speculative decoding's acceptance rule).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.base.sampling import SamplingParams  # re-exported: the sampler's parameters
@@ -18,30 +22,147 @@ if TYPE_CHECKING:
 Sampler = Callable[["torch.Tensor", "torch.Tensor"], int]  # noqa: F821
 
 
-def make_sampler(params: SamplingParams, device: "torch.device | str" = "cpu") -> Sampler:  # noqa: F821
-    """``sampler(logits[vocab], seen_ids[n]) -> token id``."""
-    import torch
+class RequestSampler:
+    """One request's sampler: its parameters and its seeded generator (every draw of the
+    request, a draft's guesses included, comes from it, so a seed repeats the whole answer).
+    ``sampler(logits[vocab], seen_ids[n]) -> token id``."""
 
-    params = params.validated()
-    generator = None
-    if not params.greedy:
-        generator = torch.Generator(device=device)
-        if params.seed is not None:
-            generator.manual_seed(params.seed)
-        else:
-            generator.seed()
+    def __init__(self, params: SamplingParams, device: "torch.device | str" = "cpu") -> None:  # noqa: F821
+        import torch
 
-    def sample(logits: torch.Tensor, seen: torch.Tensor) -> int:
+        self.params = params = params.validated()
+        self.plain_greedy = params.greedy and params.repetition_penalty == 1.0
+        """Greedy without a penalty: the token is the argmax of the raw scores (taken for the
+        whole batch at once: :func:`sample_batch`)."""
+        self.generator = None
+        if not params.greedy:
+            self.generator = torch.Generator(device=device)
+            if params.seed is not None:
+                self.generator.manual_seed(params.seed)
+            else:
+                self.generator.seed()
+
+    def __call__(self, logits: "torch.Tensor", seen: "torch.Tensor") -> int:  # noqa: F821
+        import torch
+
+        params = self.params
         scores = logits.float()
         if params.repetition_penalty != 1.0 and seen.numel():
             scores = apply_repetition_penalty(scores, seen, params.repetition_penalty)
         if params.greedy:
             return argmax(scores)
         scores = filter_scores(scores / params.temperature, params.top_k, params.top_p, params.min_p)
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=generator))
+        return self.draw(torch.softmax(scores, dim=-1))
 
-    return sample
+    def distribution(self, logits: "torch.Tensor", seen: "torch.Tensor") -> "torch.Tensor":  # noqa: F821
+        return distribution(self.params, logits, seen)
+
+    def draw(self, probs: "torch.Tensor") -> int:  # noqa: F821
+        import torch
+
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def uniform(self) -> float:
+        import torch
+
+        return float(torch.rand((), generator=self.generator, device=self.generator.device))
+
+
+def make_sampler(params: SamplingParams, device: "torch.device | str" = "cpu") -> Sampler:  # noqa: F821
+    """``sampler(logits[vocab], seen_ids[n]) -> token id`` (a :class:`RequestSampler`)."""
+    return RequestSampler(params, device)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What one decode step gives one request: the tokens to emit, each with the target's scores
+    before it and their log-normaliser (logprobs), the number of the draft's guesses accepted
+    (they come first), and ``finite``: false when the scores after the emitted tokens were NaN/inf
+    (the request ends there with an error)."""
+
+    tokens: list[tuple[int, "torch.Tensor", float]]  # noqa: F821
+    accepted: int = 0
+    finite: bool = True
+
+
+def choose(sampler: RequestSampler, rows: "torch.Tensor", log_totals: list[float], seen: "torch.Tensor",  # noqa: F821
+           drafted: tuple[int, ...] = (), draft_probs: tuple = (), picked: list[int] | None = None) -> Choice:
+    """The tokens a request gets from the target's scores ``rows`` ([1 + guesses, vocab], float):
+    after its last token and after each of the draft's guesses ``drafted``. Without guesses, the
+    next token; with them, speculative decoding's verification: greedy keeps the guesses the
+    target would have picked itself, sampling accepts guess ``d`` with probability
+    min(1, p(d)/q(d)) and draws a rejection's replacement from max(0, p − q) (Leviathan et al.,
+    2023), so either way the answer is distributed as the target's own; then the target's own
+    next token (a correction, or a bonus after all guesses). ``seen``: the request's ids so far
+    (repetition penalty); ``picked``: the argmax of each row, where already taken for the batch."""
+    import torch
+
+    n = len(drafted)
+
+    def history(j: int) -> "torch.Tensor":  # noqa: F821
+        return seen if not j else torch.cat([seen, seen.new_tensor(drafted[:j])])
+
+    def pick(j: int) -> int:
+        if sampler.plain_greedy and picked is not None:
+            return picked[j]
+        return sampler(rows[j], history(j))
+
+    accepted, own = 0, None
+    for j in range(n):
+        if not math.isfinite(log_totals[j]):
+            break
+        if sampler.params.greedy:
+            choice = pick(j)
+            if choice == drafted[j]:
+                accepted += 1
+                continue
+            own = choice
+            break
+        p = sampler.distribution(rows[j], history(j))
+        d = drafted[j]
+        if sampler.uniform() < min(1.0, float(p[d]) / max(float(draft_probs[j][d]), 1e-30)):
+            accepted += 1
+            continue
+        residual = (p - draft_probs[j]).clamp(min=0)
+        residual = residual if float(residual.sum()) > 0 else p
+        own = sampler.draw(residual / residual.sum())
+        break
+    finite = math.isfinite(log_totals[accepted])  # checked before sampling: a sampler given NaN fails without saying why
+    if own is None and finite:
+        own = pick(accepted)
+    tokens = [(token, rows[j], log_totals[j]) for j, token in enumerate(drafted[:accepted])]
+    if finite:
+        tokens.append((own, rows[accepted], log_totals[accepted]))
+    return Choice(tokens, accepted, finite)
+
+
+def sample_batch(samplers: list[RequestSampler], rows: "torch.Tensor", counts: list[int],  # noqa: F821
+                 seen: list["torch.Tensor"], drafted: list[tuple[int, ...]],  # noqa: F821
+                 draft_probs: list[tuple]) -> list["Choice | Exception"]:
+    """The sampler over a step's batch: ``rows`` [Σ counts, vocab] are the target's scores, the
+    next ``counts[i]`` of them request ``i``'s (1 + its guesses). The log-normalisers of every row
+    and the argmax of every row that greedy requests need are taken in one pass each; then each
+    request's tokens (:func:`choose`). A request whose sampling raises gets its exception in its
+    place: it ends alone."""
+    import torch
+
+    scores = rows.float()
+    log_totals = torch.logsumexp(scores, dim=-1).tolist()
+    argmaxes = None
+    if any(s.plain_greedy for s in samplers):
+        argmaxes = (scores.numpy().argmax(axis=1) if scores.device.type == "cpu"
+                    else torch.argmax(scores, dim=-1)).tolist()
+    out: list[Choice | Exception] = []
+    start = 0
+    for i, sampler in enumerate(samplers):
+        end = start + counts[i]
+        try:
+            out.append(choose(sampler, scores[start:end], log_totals[start:end], seen[i], drafted[i], draft_probs[i],
+                              argmaxes[start:end] if argmaxes is not None else None))
+        except Exception as exc:
+            out.append(exc)
+        start = end
+    return out
 
 
 def distribution(params: SamplingParams, logits: "torch.Tensor", seen: "torch.Tensor") -> "torch.Tensor":  # noqa: F821

@@ -16,6 +16,9 @@ class SlotCache:
     slot to the last one (one copy of that sequence's tokens). Capacity and slot count grow by
     doubling when outgrown."""
 
+    rollback = False
+    """Set while a proposer runs (speculation); nothing changes here: :meth:`crop` always works."""
+
     def __init__(self, d: FastDecoder, slots: int = 4, capacity: int = MIN_CAPACITY) -> None:
         self.d = d
         self.slot_of: dict[int, int] = {}

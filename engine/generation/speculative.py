@@ -28,7 +28,7 @@ from engine.base.errors import EngineError, InvalidRequestError
 from engine.base.events import DraftVerified, GenerationEvent
 from engine.models.precision import PRECISIONS
 from engine.base.request import GenerationRequest
-from engine.generation.sampling import SamplingParams, apply_repetition_penalty, argmax, distribution
+from engine.generation.proposer import NOTHING, Proposal, Proposer
 from engine.models.loading import LoadRequest, load_model
 from engine.generation.generate import stream
 from engine.generation.runners import runner_for
@@ -36,6 +36,8 @@ from engine.generation.runners import runner_for
 if TYPE_CHECKING:
     import torch
 
+    from engine.generation.core import EngineCore
+    from engine.generation.sampling import RequestSampler
     from engine.models.model import LoadedModel
 
 MAX_DRAFT_TOKENS = 16
@@ -166,23 +168,23 @@ def load_draft(spec: DraftSpec, target: "LoadedModel", progress: Callable | None
 
 
 def stream_speculative(target: "LoadedModel", draft: Draft, request: GenerationRequest, draft_tokens: int,
-                       cancel: CancelToken | None = None) -> Iterator[GenerationEvent]:
-    """Like :meth:`LoadedModel.generate`, with :class:`DraftVerified` events between the tokens:
-    the request alone in an engine core whose decode step is :class:`Speculation`'s."""
+                       cancel: CancelToken | None = None, core: "EngineCore | None" = None,
+                       ) -> Iterator[GenerationEvent]:
+    """Like :func:`~engine.generation.generate.generate`, with :class:`DraftVerified` events between
+    the tokens: the request alone in an engine core (``core``: the model's own, idle, lent for the
+    run; ``None``: one of its own) whose proposer is :class:`Speculation`'s."""
 
     if target.model is None or draft.model is None:
         raise EngineError("The model or its draft was unloaded: load it again.")
     speculation = Speculation(target, draft, draft_tokens)
     request = request.validated()
-    return stream(target, request, target.encode(request), cancel or CancelToken(), speculation)
+    return stream(target, request, target.encode(request), cancel or CancelToken(), proposer=speculation, core=core)
 
 
 @dataclass
 class _Sequence:
     """One request's speculation state."""
 
-    params: SamplingParams
-    generator: "torch.Generator | None"
     length: int = 0
     """Tokens in the draft's cache."""
     drafted: int = 0
@@ -190,23 +192,12 @@ class _Sequence:
     step: int = 0
 
 
-@dataclass(frozen=True)
-class Verified:
-    """What one speculative step of a request gives: the tokens to emit, each with the target's
-    scores before it and whether the draft proposed it, and the step's :class:`DraftVerified`
-    (``None`` when there was no room to draft). ``finite``: false when the target's scores
-    went NaN/inf at the token after the emitted ones."""
-
-    tokens: list[tuple[int, "torch.Tensor", bool]]
-    verified: DraftVerified | None
-    finite: bool = True
-
-
-class Speculation:
-    """The engine core's speculative decode step (engine/generation/core.py): for each generating request
-    the draft proposes up to ``draft_tokens`` tokens one at a time on its own runner, the target
-    runner checks them in one forward pass, and both caches roll back to what was kept. The
-    draft reads every prompt with the target, so its share is part of the TTFT."""
+class Speculation(Proposer):
+    """The engine core's speculative proposer (engine/generation/proposer.py): for each generating
+    request the draft guesses up to ``draft_tokens`` tokens one at a time on its own runner; the
+    core's decode pass checks them all (the target's scores after each), the sampler keeps the
+    agreeing ones, and both caches roll back to what was kept. The draft reads every prompt with
+    the target, so its share is part of the TTFT."""
 
     def __init__(self, target: "LoadedModel", draft: Draft, draft_tokens: int) -> None:
         if not isinstance(draft_tokens, int) or isinstance(draft_tokens, bool) \
@@ -214,6 +205,7 @@ class Speculation:
             raise InvalidRequestError(
                 f"Draft tokens per step must be from 1 to {MAX_DRAFT_TOKENS}, not {draft_tokens!r}.")
         self.target, self.draft, self.draft_tokens = target, draft, draft_tokens
+        self.lookahead = draft_tokens
         self.runner = draft.runner()
         head = target.model.get_output_embeddings()
         self.width = getattr(head, "out_features", None) or target.model.config.get_text_config().vocab_size
@@ -221,15 +213,8 @@ class Speculation:
 
     # -- the core's hooks --------------------------------------------------------------
     def add(self, seq: int, request: GenerationRequest, tokens: int) -> None:
-        import torch
-
-        params = request.sampling
-        generator = None
-        if not params.greedy:
-            generator = torch.Generator(device=self.target.device)
-            generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
         self.runner.add(seq, tokens)
-        self.sequences[seq] = _Sequence(params, generator)
+        self.sequences[seq] = _Sequence()
 
     def remove(self, seq: int) -> None:
         if self.sequences.pop(seq, None) is not None:
@@ -243,98 +228,55 @@ class Speculation:
         state = self.sequences.get(seq)
         return {"drafted_tokens": state.drafted if state else 0, "accepted_tokens": state.accepted if state else 0}
 
-    def step(self, target_runner, seq: int, committed: list[int], room: int, started: float) -> Verified:
-        """One speculative step of ``seq``, whose tokens so far are ``committed`` (its last one
-        not yet in the target's cache); ``room``: tokens it may still get."""
+    def propose(self, seq: int, sampler: "RequestSampler", committed: list[int], room: int) -> Proposal:
+        """The draft's guesses after ``committed``: each the token the request's own sampler
+        would pick from the draft's scores (greedy), or a draw from the draft's distribution,
+        which is kept for the acceptance rule."""
         import torch
 
-        state = self.sequences[seq]
-        params, generator = state.params, state.generator
-        device = self.target.device
-        exact_greedy = params.greedy and params.repetition_penalty == 1.0
-
-        def ids_tensor(ids: list[int]) -> "torch.Tensor":
-            return torch.tensor([ids], dtype=torch.long, device=device)
-
-        def seen(extra: list[int]) -> "torch.Tensor":
-            return torch.tensor(committed + extra, dtype=torch.long, device=device)
-
-        def pick(scores: "torch.Tensor", extra: list[int]) -> int:
-            """The token the plain sampler would choose after ``committed + extra``."""
-            if exact_greedy:
-                return argmax(scores)
-            if params.greedy:
-                return argmax(apply_repetition_penalty(scores, seen(extra), params.repetition_penalty))
-            return int(torch.multinomial(distribution(params, scores, seen(extra)), 1, generator=generator))
-
+        started = time.perf_counter()
         n = max(0, min(self.draft_tokens, room - 1))  # the target always adds one token of its own
+        if not n:
+            return NOTHING
+        state = self.sequences[seq]
+        device = self.target.device
+        history = torch.tensor(committed, dtype=torch.long, device=device)
         drafted: list[int] = []
-        draft_probs: list["torch.Tensor"] = []
-        cached = len(committed) - 1  # in the target's cache
+        probs: list["torch.Tensor"] = []
         with torch.inference_mode():
-            if n:
-                scores = self.runner.prefill(seq, ids_tensor(committed[state.length:]))
-                state.length = len(committed)
-                for j in range(n):
-                    scores = self._fit(scores.float())
-                    if params.greedy:
-                        drafted.append(pick(scores, drafted))
-                    else:
-                        q = distribution(params, scores, seen(drafted))
-                        draft_probs.append(q)
-                        drafted.append(int(torch.multinomial(q, 1, generator=generator)))
-                    if j < n - 1:
-                        scores = self.runner.prefill(seq, ids_tensor(drafted[-1:]))
-                        state.length += 1
-            draft_s = time.perf_counter() - started
-            verify_start = time.perf_counter()
-            rows = target_runner.prefill(seq, ids_tensor(committed[-1:] + drafted), rows=n + 1)
-            rows = rows.float().view(n + 1, -1)
-            finite = torch.isfinite(torch.logsumexp(rows, dim=-1)).tolist()
-            accepted, own = 0, None
+            scores = self.runner.prefill(seq, torch.tensor([committed[state.length:]], dtype=torch.long, device=device))
+            state.length = len(committed)
             for j in range(n):
-                if not finite[j]:
-                    break
-                if params.greedy:
-                    choice = pick(rows[j], drafted[:j])
-                    if choice == drafted[j]:
-                        accepted += 1
-                        continue
-                    own = choice
-                    break
-                p = distribution(params, rows[j], seen(drafted[:j]))
-                d = drafted[j]
-                ratio = float(p[d]) / max(float(draft_probs[j][d]), 1e-30)
-                if float(torch.rand((), generator=generator, device=device)) < min(1.0, ratio):
-                    accepted += 1
-                    continue
-                residual = (p - draft_probs[j]).clamp(min=0)
-                residual = residual if float(residual.sum()) > 0 else p
-                own = int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-                break
-            ok = finite[accepted]
-            if own is None and ok:
-                own = pick(rows[n], drafted)
-            # roll both caches back to what was kept: the accepted guesses (the target's own token
-            # goes in with the next step)
-            target_runner.crop(seq, cached + 1 + accepted)
-            if n:
-                state.length = min(state.length, len(committed) + min(accepted, n - 1))
-                self.runner.crop(seq, state.length)
-            verify_s = time.perf_counter() - verify_start
+                scores = self._fit(scores.float())
+                seen = history if not drafted else torch.cat([history, history.new_tensor(drafted)])
+                if sampler.params.greedy:
+                    drafted.append(sampler(scores, seen))
+                else:
+                    q = sampler.distribution(scores, seen)
+                    probs.append(q)
+                    drafted.append(sampler.draw(q))
+                if j < n - 1:
+                    scores = self.runner.prefill(seq, torch.tensor([drafted[-1:]], dtype=torch.long, device=device))
+                    state.length += 1
+        return Proposal(tuple(drafted), tuple(probs), time.perf_counter() - started)
+
+    def settle(self, seq: int, proposal: Proposal, accepted: int, committed: int, verify_s: float,
+               ) -> DraftVerified | None:
+        """The draft's cache rolls back to the accepted guesses (its last guess was never fed)."""
+        state = self.sequences[seq]
+        n = len(proposal.tokens)
+        if not n:
+            return None
+        state.length = min(state.length, committed + min(accepted, n - 1))
+        self.runner.crop(seq, state.length)
         state.drafted += n
         state.accepted += accepted
-        verified = None
-        if n:
-            verified = DraftVerified(step=state.step, drafted_ids=tuple(drafted),
-                                     drafted_text=tuple(self.target.token_text(t) for t in drafted),
-                                     accepted=accepted, draft_s=draft_s, verify_s=verify_s, elapsed_s=0.0,
-                                     request_id=seq)
+        event = DraftVerified(step=state.step, drafted_ids=proposal.tokens,
+                              drafted_text=tuple(self.target.token_text(t) for t in proposal.tokens),
+                              accepted=accepted, draft_s=proposal.draft_s, verify_s=verify_s, elapsed_s=0.0,
+                              request_id=seq)
         state.step += 1
-        tokens = [(token, rows[j], True) for j, token in enumerate(drafted[:accepted])]
-        if ok:
-            tokens.append((own, rows[accepted], False))
-        return Verified(tokens, verified, ok)
+        return event
 
     def _fit(self, scores: "torch.Tensor") -> "torch.Tensor":
         """Draft scores over the target's vocabulary: models sharing a tokenizer may pad their

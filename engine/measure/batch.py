@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from engine.base.cancel import CancelToken
@@ -44,16 +45,17 @@ if TYPE_CHECKING:
 
 
 def stream_batch(loaded: "LoadedModel", request: GenerationRequest, prompts: list[list[int]],
-                 cancel: CancelToken | None = None) -> Iterator[BatchEvent]:
+                 cancel: CancelToken | None = None, core: EngineCore | None = None) -> Iterator[BatchEvent]:
     """Generate for every prompt in ``prompts`` (token ids) at once; sampling, limits and stop
-    strings of ``request`` apply to each sequence on its own (its prompt text is not used)."""
+    strings of ``request`` apply to each sequence on its own (its prompt text is not used).
+    ``core``: the model's own engine core (idle), lent for the batch; ``None``: one of its own."""
     if not prompts or any(not p for p in prompts):
         raise InvalidRequestError("A batch needs at least one prompt, and no prompt may be empty.")
     if loaded.model is None:
         raise EngineError("This model was unloaded: load it again to generate.")
     request = request.validated()
     try:
-        yield from _run_on_core(loaded, request, [list(p) for p in prompts], cancel or CancelToken())
+        yield from _run_on_core(loaded, request, [list(p) for p in prompts], cancel or CancelToken(), core)
     except EngineError:
         raise
     except Exception as exc:
@@ -65,15 +67,29 @@ def stream_batch(loaded: "LoadedModel", request: GenerationRequest, prompts: lis
 
 
 def _run_on_core(loaded: "LoadedModel", request: GenerationRequest, prompts: list[list[int]],
-                 cancel: CancelToken) -> Iterator[BatchEvent]:
-    """A fast-path batch through the engine core (its slot cache decodes all rows in one step):
-    every prompt a request, all read in the first step as the reference batch reads them
-    together, then one step per token. A sequence that ends leaves the batch (its cache freed);
-    the batch's figures are those of its fullest step."""
+                 cancel: CancelToken, core: EngineCore | None) -> Iterator[BatchEvent]:
+    """The batch through an engine core (its runner decodes all rows in one step): every prompt
+    a request, all read in the first step, then one step per token, no KV budget (the sweep
+    checks memory before), no prefix cache (every row computes its prompt, as a batch of
+    different prompts would). A sequence that ends leaves the batch (its cache freed); the
+    batch's figures are those of its fullest step."""
 
     batch = len(prompts)
-    core = EngineCore(loaded, CoreSettings(token_budget=sum(len(p) for p in prompts) + batch, max_batch=batch,
-                                           prefill_chunk=max(len(p) for p in prompts)))
+    settings = CoreSettings(token_budget=sum(len(p) for p in prompts) + batch, max_batch=batch,
+                            prefill_chunk=max(len(p) for p in prompts))
+    if core is None:
+        yield from _batch(EngineCore(loaded, settings), request, prompts, cancel)
+        return
+    with core.borrowed(settings):
+        yield from _batch(core, request, prompts, cancel)
+
+
+def _batch(core: EngineCore, request: GenerationRequest, prompts: list[list[int]],
+           cancel: CancelToken) -> Iterator[BatchEvent]:
+    batch = len(prompts)
+    start = time.perf_counter()
+    core.probe.reset_peak()
+    request = replace(request, reuse_prefix=False)
     rows = {core.submit(request, cancel, prompt): i for i, prompt in enumerate(prompts)}
     finals: dict[int, Finished] = {}
     latencies: list[float] = []
@@ -94,13 +110,13 @@ def _run_on_core(loaded: "LoadedModel", request: GenerationRequest, prompts: lis
         if fullest is None or step.kv_cache_bytes >= fullest.kv_cache_bytes:
             fullest = step
         yield BatchStep(step=step.step, token_ids=tuple(ids), texts=tuple(texts), latency_s=step.step_s,
-                        elapsed_s=step.elapsed_s, active=step.batch, kv_cache_bytes=step.kv_cache_bytes,
+                        elapsed_s=time.perf_counter() - start, active=step.batch, kv_cache_bytes=step.kv_cache_bytes,
                         kv_cache_bytes_predicted=step.kv_cache_bytes_predicted, memory=step.memory)
     results = tuple(SequenceResult(
         index=i, reason=f.reason, tokens=f.tokens, prompt_tokens=f.prompt_tokens, ttft_s=f.ttft_s,
         mean_token_latency_s=f.decode_s / (f.tokens - 1) if f.tokens > 1 else None, token_ids=f.token_ids,
         text=f.text) for i, f in sorted(finals.items()))
-    yield _batch_finished(results, latencies[0] if latencies else 0.0, latencies, core.start, core.probe,
+    yield _batch_finished(results, latencies[0] if latencies else 0.0, latencies, start, core.probe,
                           fullest.kv_cache_bytes if fullest else 0,
                           fullest.kv_cache_bytes_predicted if fullest else 0,
                           any(r.reason == "cancelled" for r in results))

@@ -5,7 +5,7 @@ history read a :class:`SpeculativeReport`."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from engine.base.events import Finished, GenerationEvent
@@ -18,6 +18,7 @@ from engine.measure import bench
 from engine.storage import history
 
 if TYPE_CHECKING:
+    from engine.generation.core import EngineCore
     from engine.models.model import LoadedModel
 
 
@@ -85,16 +86,21 @@ class SpeculativeReport:
 def speculative_report(target: "LoadedModel", draft: Draft, request: GenerationRequest, draft_tokens: int,
                        compare_plain: bool = False, cancel: CancelToken | None = None,
                        on_event: Callable[[str, GenerationEvent], None] | None = None,
-                       record: bool = False) -> SpeculativeReport:
+                       record: bool = False, core: "EngineCore | None" = None) -> SpeculativeReport:
     """Run ``request`` with speculative decoding (after plain decoding of it when ``compare_plain``)
-    and report. ``record``: keep the run in the history (a read-only data folder doesn't fail the run)."""
+    and report. ``record``: keep the run in the history (a read-only data folder doesn't fail the run).
+    ``core``: the model's own engine core (idle), which both runs go through; either way both
+    compute the whole prompt (no prefix cache hit), so their times compare."""
 
     def passing(run: str):
         return (lambda e: on_event(run, e)) if on_event else None
 
     weights = target.info.weights_bytes
-    plain = bench.measure(generate(target, request, cancel), weights, passing("plain")) if compare_plain else None
-    measured = bench.measure(stream_speculative(target, draft, request, draft_tokens, cancel), weights,
+    request = replace(request, reuse_prefix=False)
+    plain = None
+    if compare_plain:
+        plain = bench.measure(generate(target, request, cancel, core=core), weights, passing("plain"))
+    measured = bench.measure(stream_speculative(target, draft, request, draft_tokens, cancel, core=core), weights,
                              passing("speculative"))
     result = SpeculativeReport(draft.label, draft_tokens, draft.weights_bytes, measured, plain)
     if record:

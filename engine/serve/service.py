@@ -417,8 +417,8 @@ class CoreService:
         now, clock = self._now(), time.perf_counter()
         for rid, ticket in list(self._tickets.items()):  # ended as a step ends them: callers, listeners, the count
             self._deliver(failed_event(rid, message, total_s=clock - ticket.arrived), now)
-        speculation, self.core = self.core.speculation, None  # the old core's cache goes before a new one is made
-        self.core = EngineCore(self.loaded, self.settings, speculation=speculation)
+        proposer, self.core = self.core.proposer, None  # the old core's cache goes before a new one is made
+        self.core = EngineCore(self.loaded, self.settings, proposer=proposer)
         with self._lock:
             self._waiting, self._kv = 0, 0
             self._lock.notify_all()

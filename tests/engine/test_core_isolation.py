@@ -41,11 +41,14 @@ def _inject_sampler(monkeypatch, core, victim):
         if params.seed != VICTIM_SEED:
             return sampler
 
-        def failing(scores, seen):
-            if len(seen) > len(victim.prompt) + 2:  # fails at its fourth token, mid-answer
-                raise Boom("sampling failed")
-            return sampler(scores, seen)
-        return failing
+        class Failing(type(sampler)):
+            def __call__(self, scores, seen):
+                if len(seen) > len(victim.prompt) + 2:  # fails at its fourth token, mid-answer
+                    raise Boom("sampling failed")
+                return super().__call__(scores, seen)
+        sampler.__class__ = Failing
+        sampler.plain_greedy = False  # picked by calling it, not from the batch's argmax
+        return sampler
     monkeypatch.setattr(core_module, "make_sampler", make_sampler)
 
 

@@ -182,11 +182,11 @@ def test_preemption_under_speculation_keeps_the_solo_answers_and_the_draft_count
     expected = [solo(loaded, r) for r in requests]
     worst = max(len(loaded.encode(r)) for r in requests) + 45
     settings = CoreSettings(token_budget=32, block_tokens=4, kv_budget_bytes=2 * worst * loaded.info.kv_bytes_per_token)
-    core = EngineCore(loaded, settings, speculation=Speculation(loaded, draft, 3))
+    core = EngineCore(loaded, settings, proposer=Speculation(loaded, draft, 3))
     tokens, _, finals, preempted = run(core, requests)
     assert tokens == expected and preempted
     assert all(f.drafted_tokens > 0 and f.accepted_tokens <= f.drafted_tokens for f in finals)
-    assert len(core.speculation.runner) == 0
+    assert len(core.proposer.runner) == 0
 
 
 def test_new_limits_keep_the_prefix_cache_and_a_server_serves_through_the_windows_core(loaded_llama):

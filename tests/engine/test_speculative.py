@@ -241,7 +241,7 @@ def test_requests_speculating_together_in_one_core_get_their_solo_answers(tiny_m
     draft = load_draft(DraftSpec("early-exit", layers=1), loaded)
     requests = [GenerationRequest(p, mode="raw", max_new_tokens=n, ignore_eos=True)
                 for p, n in ((PROMPT, 9), ("fox " * 20, 14), ("A", 5))]
-    core = EngineCore(loaded, CoreSettings(token_budget=16, prefill_chunk=8), speculation=Speculation(loaded, draft, 3))
+    core = EngineCore(loaded, CoreSettings(token_budget=16, prefill_chunk=8), proposer=Speculation(loaded, draft, 3))
     ids = [core.submit(r) for r in requests]
     tokens = {rid: [] for rid in ids}
     finals = {}
@@ -257,7 +257,7 @@ def test_requests_speculating_together_in_one_core_get_their_solo_answers(tiny_m
         assert tokens[rid] == list(plain(loaded, request).token_ids)
         assert finals[rid].drafted_tokens > 0
         assert finals[rid].kv_cache_bytes == finals[rid].kv_cache_bytes_predicted
-    assert core.kv_bytes() == 0 and len(core.runner) == 0 and len(core.speculation.runner) == 0
+    assert core.kv_bytes() == 0 and len(core.runner) == 0 and len(core.proposer.runner) == 0
 
 
 def test_non_finite_scores_stop_a_speculative_run_with_its_tokens(tiny_llama, tmp_path):

@@ -109,3 +109,16 @@ def test_the_checks_see_a_cycle_and_an_unexplained_import():  # the checks above
     assert [(target, inside) for _, target, inside in imports(tree)] == [("engine.models", True)]
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.serve import api\n")
     assert imports(tree) == []
+
+
+def test_speculation_is_a_proposer_not_a_branch_of_the_core():
+    """The scheduler and the core know a proposer (engine/generation/proposer.py), never
+    speculation itself: no name of it in their code, no import of its module."""
+    for name in ("core.py", "scheduler.py"):
+        tree = ast.parse((ENGINE / "generation" / name).read_text())
+        names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+        names |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        names |= {node.arg for node in ast.walk(tree) if isinstance(node, ast.arg)}
+        modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not {n for n in names if "speculat" in n.lower() or "draft" in n.lower()}, name
+        assert "engine.generation.speculative" not in modules, name
