@@ -305,7 +305,7 @@ class EngineCore:
                     counts.append(1)
             for r in decoding:
                 try:
-                    proposals[r.rid] = self.proposer.propose(r.rid, r.sampler, r.prompt + r.tokens, self._room(r))
+                    proposals[r.rid] = self.proposer.propose(r.rid, r.sampler, r.seen.all(), self._room(r))
                 except Exception as exc:
                     if is_out_of_memory(exc):
                         raise

@@ -47,8 +47,8 @@ class Proposer:
     def prefill(self, seq: int, ids: "torch.Tensor") -> None:
         """``seq``'s prompt (a chunk, or a prefix copied from the prefix cache) goes into its cache."""
 
-    def propose(self, seq: int, sampler: "RequestSampler", committed: list[int], room: int) -> Proposal:
-        """Guesses for ``seq`` after ``committed`` (its ids so far, the last not yet in the
+    def propose(self, seq: int, sampler: "RequestSampler", committed: "torch.Tensor", room: int) -> Proposal:
+        """Guesses for ``seq`` after ``committed`` (its ids so far, [n], the last not yet in the
         target's cache); at most ``room`` - 1 (the target adds a token of its own)."""
         return NOTHING
 

@@ -228,7 +228,7 @@ class Speculation(Proposer):
         state = self.sequences.get(seq)
         return {"drafted_tokens": state.drafted if state else 0, "accepted_tokens": state.accepted if state else 0}
 
-    def propose(self, seq: int, sampler: "RequestSampler", committed: list[int], room: int) -> Proposal:
+    def propose(self, seq: int, sampler: "RequestSampler", committed: "torch.Tensor", room: int) -> Proposal:
         """The draft's guesses after ``committed``: each the token the request's own sampler
         would pick from the draft's scores (greedy), or a draw from the draft's distribution,
         which is kept for the acceptance rule."""
@@ -240,11 +240,11 @@ class Speculation(Proposer):
             return NOTHING
         state = self.sequences[seq]
         device = self.target.device
-        history = torch.tensor(committed, dtype=torch.long, device=device)
+        history = committed
         drafted: list[int] = []
         probs: list["torch.Tensor"] = []
         with torch.inference_mode():
-            scores = self.runner.prefill(seq, torch.tensor([committed[state.length:]], dtype=torch.long, device=device))
+            scores = self.runner.prefill(seq, committed[state.length:].unsqueeze(0))
             state.length = len(committed)
             for j in range(n):
                 scores = self._fit(scores.float())
