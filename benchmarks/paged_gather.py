@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from benchmarks.preemption import cpu_flags
-from engine.generation.kv_manager import BLOCK_TOKENS
-from engine.generation.runners import batch_runner_for
-from engine.models.loading import LoadRequest, load_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.preemption import cpu_flags  # noqa: E402
+from engine.generation.kv_manager import BLOCK_TOKENS  # noqa: E402
+from engine.generation.runners import batch_runner_for  # noqa: E402
+from engine.models.loading import LoadRequest, load_model  # noqa: E402
 
 
 def main() -> None:
@@ -59,22 +63,25 @@ def main() -> None:
             runner.decode(seqs, tokens)
             step_s.append(time.perf_counter() - start)
 
-            # the paged layout: every layer's KV in a pool of blocks, the prefix's blocks once,
-            # each request's table pointing at them and its own; gathered into one view per layer
+            # the paged layout: every layer's KV in a pool of blocks, [KV heads, blocks, 16, dim], the
+            # prefix's blocks once, each request's table pointing at them and at its own; the least
+            # gather that gives the attention a [requests, KV heads, tokens, dim] view is one
+            # index_select per layer and K/V into a preallocated buffer (a transposed view of it)
             length = runner.length(seqs[0])
             blocks = -(-length // BLOCK_TOKENS)
             shared = args.prefix // BLOCK_TOKENS
             own = blocks - shared
-            pool_blocks = shared + own * len(seqs)
-            table = torch.tensor([list(range(shared)) + [shared + i * own + j for j in range(own)]
-                                  for i in range(len(seqs))])
-            pools = [torch.zeros((pool_blocks, *runner.keys[0].shape[1:2], BLOCK_TOKENS, runner.keys[0].shape[3]),
-                                 dtype=runner.keys[0].dtype) for _ in range(2)]
+            table = torch.tensor([b for i in range(len(seqs))
+                                  for b in [*range(shared), *(shared + i * own + j for j in range(own))]])
+            heads, dim = runner.keys[0].shape[1], runner.keys[0].shape[3]
+            pools = [torch.zeros((heads, shared + own * len(seqs), BLOCK_TOKENS, dim), dtype=runner.keys[0].dtype)
+                     for _ in range(2)]
+            out = torch.empty((heads, len(table), BLOCK_TOKENS, dim), dtype=pools[0].dtype)
             start = time.perf_counter()
             for _ in range(layers):
                 for pool in pools:
-                    view = pool[table]  # [requests, blocks, KV heads, 16, dim]
-                    view.permute(0, 2, 1, 3, 4).reshape(len(seqs), view.shape[2], -1, view.shape[4])[:, :, :length]
+                    torch.index_select(pool, 1, table, out=out)
+                    out.view(heads, len(seqs), -1, dim).transpose(0, 1)[:, :, :length]
             gather_s.append(time.perf_counter() - start)
 
     step, gather = statistics.median(step_s), statistics.median(gather_s)
