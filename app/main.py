@@ -89,6 +89,25 @@ def settle_process() -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
+def collect_on_gui_thread(app) -> None:
+    """engine/heap.py's full collections (a model dropped) run on the GUI thread: a collection
+    destroys what sits in garbage cycles, a closed window's widgets among them, and Qt widgets
+    destroyed on the model's worker thread crashed the app (a local model dropped for an endpoint)."""
+    from PySide6.QtCore import QObject, Qt, Signal
+
+    from engine import heap
+
+    class Collector(QObject):
+        requested = Signal()
+
+    if app.findChild(QObject, "garbageCollector") is not None:
+        return
+    collector = Collector(app)  # lives on the GUI thread: a request from another thread is queued to it
+    collector.setObjectName("garbageCollector")
+    collector.requested.connect(heap.collect, Qt.QueuedConnection)
+    heap.collect_on(collector.requested.emit)
+
+
 def create_app(argv: list[str]):
     from PySide6.QtGui import QIcon
     from PySide6.QtWidgets import QApplication
@@ -96,6 +115,7 @@ def create_app(argv: list[str]):
     from app.resources import icon_path, stylesheet
 
     app = QApplication.instance() or QApplication([sys.argv[0], *argv])
+    collect_on_gui_thread(app)
     app.setApplicationName("Inference Workbench")
     app.setOrganizationName("InferenceWorkbench")
     app.setDesktopFileName("inference-workbench")

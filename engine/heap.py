@@ -7,16 +7,23 @@ token being timed. Once something long-lived is made (a model loaded, the app st
 freezes the objects alive then (``gc.freeze``): later collections skip them. :func:`release`, when a
 model is dropped, unfreezes and collects once, so the reference cycles of a dropped model are freed
 (a frozen cycle is never collected), then freezes what is left.
+
+Where the collection runs matters in a Qt app: it destroys whatever sits in garbage cycles, a
+closed window's widgets among them, and Qt widgets must be destroyed on the GUI thread (one
+destroyed by a collection on the model's worker thread crashed the app when a local model was
+dropped for an endpoint). The app hands :func:`collect_on` a function that has the GUI thread
+run :func:`collect`; elsewhere (the CLI, the server) it runs at once.
 """
 
 from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 _lock = threading.Lock()
+_collector: Callable[[], None] | None = None
 
 
 def settle() -> None:
@@ -25,8 +32,24 @@ def settle() -> None:
         gc.freeze()
 
 
+def collect_on(collector: Callable[[], None] | None) -> None:
+    """Have :func:`release` call ``collector`` instead of collecting itself: a function that gets
+    :func:`collect` run where it is safe (a Qt app's GUI thread); ``None``: collect at once."""
+    global _collector
+    _collector = collector
+
+
 def release() -> None:
-    """Something long-lived was dropped: one full collection over everything, then freeze again."""
+    """Something long-lived was dropped: one full collection over everything, then freeze again
+    (on the thread :func:`collect_on` names, if any)."""
+    if _collector is not None:
+        _collector()
+    else:
+        collect()
+
+
+def collect() -> None:
+    """One full collection over everything, frozen objects included; then freeze what is left."""
     with _lock:
         gc.unfreeze()
         gc.collect()

@@ -265,3 +265,28 @@ def test_close_during_prefill(qtbot, app_factory, tiny_llama, monkeypatch):
     qtbot.waitUntil(inside.is_set, timeout=30_000)
     window.close()
     assert window.session.thread.isFinished()
+
+
+def test_a_dropped_model_is_collected_on_the_gui_thread(qtbot, window):
+    """A full collection destroys what sits in garbage cycles, closed windows' widgets among them:
+    run on the model's worker thread (a model dropped there), it crashed the app."""
+    import gc
+    import threading
+
+    from engine import heap
+
+    seen = []
+
+    def record(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            seen.append(threading.current_thread())
+
+    gc.callbacks.append(record)
+    try:
+        worker = threading.Thread(target=heap.release)
+        worker.start()
+        worker.join()
+        assert worker not in seen  # asked for, not done there
+        qtbot.waitUntil(lambda: threading.main_thread() in seen, timeout=10_000)
+    finally:
+        gc.callbacks.remove(record)

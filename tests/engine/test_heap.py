@@ -10,7 +10,8 @@ class Node:
     pass
 
 
-def test_settled_cycles_survive_collections_until_released():
+def test_settled_cycles_survive_collections_until_released(monkeypatch):
+    monkeypatch.setattr(heap, "_collector", None)  # as the CLI and the server have it (the app collects on its GUI thread)
     try:
         node = Node()
         node.me = node  # a reference cycle, as a model's modules and hooks make
@@ -24,4 +25,24 @@ def test_settled_cycles_survive_collections_until_released():
         assert alive() is None
         assert gc.get_freeze_count() > 0  # what is left is frozen again
     finally:
+        gc.unfreeze()
+
+
+def test_a_release_is_handed_to_the_collector_where_one_is_named(monkeypatch):
+    """The app's GUI thread collects (Qt widgets in garbage cycles must be destroyed there)."""
+    asked = []
+    monkeypatch.setattr(heap, "_collector", None)
+    heap.collect_on(lambda: asked.append(True))
+    try:
+        node = Node()
+        node.me = node
+        alive = weakref.ref(node)
+        heap.settle()
+        del node
+        heap.release()
+        assert asked == [True] and alive() is not None  # not collected here
+        heap.collect()  # what the collector runs
+        assert alive() is None
+    finally:
+        heap.collect_on(None)
         gc.unfreeze()
