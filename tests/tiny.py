@@ -104,13 +104,16 @@ def build_model_folder(folder: Path, arch: str, tokenizer, seed: int = 0, **over
     return folder
 
 
-def write_gguf(path: Path, arch: str = "llama", name: str = "small") -> Path:
+def write_gguf(path: Path, arch: str = "llama", name: str = "small", more=None) -> Path:
     """A small, well-formed GGUF of ``arch`` (two f32 tensors), written with the gguf package:
-    enough for its header and tensor table, not a working model."""
+    enough for its header and tensor table, not a working model. ``more(writer)``: more header
+    fields, after the architecture."""
     import numpy as np
     from gguf import GGUFWriter, LlamaFileType
 
     writer = GGUFWriter(str(path), arch)
+    if more is not None:
+        more(writer)
     writer.add_name(name)
     writer.add_file_type(LlamaFileType.ALL_F32)
     writer.add_tensor("token_embd.weight", np.ones((64, 32), dtype=np.float32))

@@ -25,8 +25,8 @@ import torch
 from torch.nn import functional as F
 from engine.models.quantize import fuse_rows
 
+from engine.models.precision import SUPPORTED, unsupported_type_reason
 
-SUPPORTED = ("llama", "qwen2", "mistral")
 MIN_CAPACITY = 256
 MAX_COMPILED_CAPACITY = 1 << 16
 """The largest cache the compiled step is built for (its capacity is dynamic up to this)."""
@@ -49,14 +49,6 @@ def _bucket(tokens: int, smallest: int = MIN_CAPACITY) -> int:
     while size < tokens:
         size *= 2
     return size
-
-
-def unsupported_type_reason(model_type: str) -> str | None:
-    """Why a model of this type can't take the fast path (from a config or a GGUF header,
-    before any weight is read), or ``None`` if it may."""
-    if model_type not in SUPPORTED:
-        return f"the fast path runs {', '.join(SUPPORTED)} models, not {model_type}"
-    return None
 
 
 def unsupported_reason(model) -> str | None:

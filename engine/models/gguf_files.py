@@ -30,6 +30,68 @@ class GGUFSummary:
     tensor_types: dict[str, int]
 
 
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+"""Bytes of each GGUF scalar value type (8: string, 9: array are sized by their contents)."""
+
+
+def gguf_architecture(path: Path) -> str:
+    """``general.architecture`` from a GGUF's header, read up to that key and no further (a
+    tokenizer's vocabulary of 262k strings follows it in the header: the ``gguf`` reader parses
+    all of it, seconds for a refusal that needs one string). A damaged header raises here."""
+    import struct
+
+    path = Path(path)
+    if not path.exists():
+        raise ModelNotFoundError(f"No such file: {path}")
+    if not path.is_file():
+        raise NotAModelError(f"{path} is not a file.")
+
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        def read(n: int) -> bytes:
+            if n > size - fh.tell():  # a damaged length would ask for gigabytes
+                raise CorruptModelError(f"{path.name} is truncated or corrupt: its header runs past the file's end.")
+            return fh.read(n)
+
+        def number(fmt: str) -> int:
+            return struct.unpack("<" + fmt, read(struct.calcsize(fmt)))[0]
+
+        def string() -> bytes:
+            return read(number("Q"))
+
+        def seek(n: int) -> None:
+            if n > size - fh.tell():
+                raise CorruptModelError(f"{path.name} is truncated or corrupt: its header runs past the file's end.")
+            fh.seek(n, 1)
+
+        def skip(kind: int) -> None:
+            if kind == 8:
+                seek(number("Q"))
+            elif kind == 9:
+                inner, count = number("I"), number("Q")
+                if inner in _SCALAR_BYTES:
+                    seek(count * _SCALAR_BYTES[inner])
+                else:
+                    for _ in range(count):
+                        skip(inner)
+            elif kind in _SCALAR_BYTES:
+                seek(_SCALAR_BYTES[kind])
+            else:
+                raise CorruptModelError(f"{path.name} has a header value of unknown type {kind}.")
+
+        if read(4) != b"GGUF":
+            raise CorruptModelError(f"{path.name} is not a GGUF file (it does not start with 'GGUF').")
+        if number("I") < 2:  # version 1 counted in 32 bits: the library reads it
+            return summarize_gguf(path).architecture
+        number("Q")  # tensors
+        for _ in range(number("Q")):
+            key, kind = string(), number("I")
+            if key == b"general.architecture" and kind == 8:
+                return string().decode("utf-8", "replace")
+            skip(kind)
+    raise CorruptModelError(f"{path.name} has no general.architecture in its header.")
+
+
 def summarize_gguf(path: Path) -> GGUFSummary:
     """Read a GGUF's header and tensor table; raise a typed error if it is not a whole GGUF file."""
     path = Path(path)

@@ -22,11 +22,11 @@ from engine.base.errors import (
 from engine.base.events import Loaded, LoadProgress
 from engine.base.kv import KVLayout, kv_layout
 from engine.models.model import LoadedModel
-from engine.models.precision import Precision, dtype_bytes, get_precision, FastPrecision
+from engine.models.precision import FastPrecision, Precision, dtype_bytes, get_precision, unsupported_type_reason
 from engine.progress import ProgressReporter, reporting
 from engine.models.load_lock import exclusive
 from engine.endpoint import connect, is_endpoint, parse_endpoint
-from engine.models.gguf_files import summarize_gguf
+from engine.models.gguf_files import gguf_architecture
 
 
 @dataclass(frozen=True)
@@ -57,15 +57,15 @@ def load_model(request: LoadRequest, progress: Callable[[LoadProgress], None] | 
     if is_endpoint(request.model):  # a served model: nothing to import or read here
         return connect(parse_endpoint(request.model), request.api_key, progress, cancel)
     reporter = ProgressReporter(progress, cancel)
+    precision = get_precision(request.precision)
+    preflight(request, precision)  # what the header rules out is said before seconds of imports
     reporter.report("imports", 0, 0, "Importing torch and transformers")
     with heap.settling():  # the modules imported live as long as the process (engine/heap.py)
         import torch  # noqa: F401
         from transformers import AutoModelForCausalLM, modeling_utils  # noqa: F401  (lazy: the heavy part)
 
-    precision = get_precision(request.precision)
     device = resolve_device(request.device)
     precision.check_device(device.type)
-    preflight(request, precision)
 
     def waiting() -> None:
         reporter.report("queued", 0, 0, "Waiting for another model to finish loading")
@@ -87,7 +87,7 @@ def model_type_on_disk(ref: str) -> str | None:
     if kind == "default":
         return "llama"
     if kind == "gguf":
-        return summarize_gguf(Path(value)).architecture
+        return gguf_architecture(Path(value))
     folder = Path(value)
     if kind == "hub":
         from huggingface_hub import try_to_load_from_cache
@@ -104,7 +104,7 @@ def model_type_on_disk(ref: str) -> str | None:
         except (OSError, ValueError, AttributeError):
             return None  # the load itself names what is wrong with it
     ggufs = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
-    return summarize_gguf(ggufs[0]).architecture if len(ggufs) == 1 else None
+    return gguf_architecture(ggufs[0]) if len(ggufs) == 1 else None
 
 
 def preflight(request: LoadRequest, precision: Precision) -> None:
@@ -113,8 +113,6 @@ def preflight(request: LoadRequest, precision: Precision) -> None:
 
     if not isinstance(precision, FastPrecision):
         return
-    from engine.models.fast import unsupported_type_reason  # lazy: importing it loads numpy, torch
-
     model_type = model_type_on_disk(request.model)
     reason = unsupported_type_reason(model_type) if model_type else None
     if reason:

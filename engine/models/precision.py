@@ -12,6 +12,17 @@ from dataclasses import dataclass
 
 from engine.base.errors import UnsupportedPrecisionError
 
+SUPPORTED = ("llama", "qwen2", "mistral")
+"""The model types the fast path (engine/models/fast.py) runs."""
+
+
+def unsupported_type_reason(model_type: str) -> str | None:
+    """Why a model of this type can't take the fast path (from a config or a GGUF header,
+    before any weight is read), or ``None`` if it may."""
+    if model_type not in SUPPORTED:
+        return f"the fast path runs {', '.join(SUPPORTED)} models, not {model_type}"
+    return None
+
 
 @dataclass(frozen=True)
 class Precision:

@@ -1,7 +1,7 @@
 import pytest
 
 from engine.base.errors import CorruptModelError, ModelNotFoundError
-from engine.models.gguf_files import summarize_gguf
+from engine.models.gguf_files import gguf_architecture, summarize_gguf
 from engine.models.loading import LoadRequest, load_model
 from tests.tiny import write_gguf
 
@@ -24,20 +24,59 @@ def test_truncated_gguf_is_refused(tmp_path, small_gguf, keep):
     cut.write_bytes(data[: keep if isinstance(keep, int) else int(len(data) * keep)])
     with pytest.raises(CorruptModelError, match="cut.gguf"):
         summarize_gguf(cut)
+    cut.write_bytes(data[:30])  # cut inside the architecture's key: the header read alone refuses it too
+    with pytest.raises(CorruptModelError, match="truncated"):
+        gguf_architecture(cut)
 
 
-def test_not_a_gguf(tmp_path):
+@pytest.mark.parametrize("read", [summarize_gguf, gguf_architecture])
+def test_not_a_gguf(tmp_path, read):
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"PK\x03\x04 this is a zip")
     with pytest.raises(CorruptModelError, match="not a GGUF"):
-        summarize_gguf(fake)
+        read(fake)
 
 
-def test_gguf_header_with_garbage(tmp_path):
+@pytest.mark.parametrize("read", [summarize_gguf, gguf_architecture])
+def test_gguf_header_with_garbage(tmp_path, read):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + bytes(range(256)) * 8)
     with pytest.raises(CorruptModelError, match="bad.gguf"):
-        summarize_gguf(bad)
+        read(bad)
+
+
+def big_vocabulary_gguf(path, arch):
+    """A header as a real model's: arrays (a tokenizer's strings, its scores) and numbers, here
+    before the architecture, so reading up to it skips every kind of value."""
+    def more(writer):
+        architecture = writer.kv_data[0].pop("general.architecture")
+        writer.add_uint32("test.count", 7)
+        writer.add_array("test.nested", [[1, 2], [3]])
+        writer.add_token_list([f"tok{i}" for i in range(20_000)])
+        writer.add_token_scores([0.5] * 1000)
+        writer.kv_data[0]["general.architecture"] = architecture
+    return write_gguf(path, arch, "big", more)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
+def test_the_architecture_is_read_from_the_header_alone(tmp_path, arch):
+    path = big_vocabulary_gguf(tmp_path / "big.gguf", arch)
+    assert gguf_architecture(path) == summarize_gguf(path).architecture == arch
+
+
+def test_a_fast_precision_for_an_unsupported_gguf_is_refused_before_the_imports(tmp_path, monkeypatch):
+    """Refusing int8-fast for a Gemma 3 GGUF took 10 s: torch and transformers imported, then
+    the whole 262k-token header parsed, for one string."""
+    import gguf
+
+    from engine.base.errors import UnsupportedPrecisionError
+
+    path = big_vocabulary_gguf(tmp_path / "gemma3.gguf", "gemma3")
+    monkeypatch.setattr(gguf, "GGUFReader", None)  # the full reader is not needed for this
+    stages = []
+    with pytest.raises(UnsupportedPrecisionError, match="fast path runs llama, qwen2, mistral models, not gemma3"):
+        load_model(LoadRequest(str(path), "int8-fast", "cpu"), progress=lambda e: stages.append(e.stage))
+    assert "imports" not in stages
 
 
 def test_loading_a_corrupt_gguf_says_so_and_leaves_no_cache(tmp_path, isolated_cache):
