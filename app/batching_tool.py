@@ -39,6 +39,8 @@ def parse_batches(text: str) -> list[int]:
 
 class BatchingTool(SessionTool):
     """The sweep's controls, table and three plots."""
+    needs = ("Batching sweeps a model loaded here; an endpoint is measured with the load generator "
+             "(View → Traffic), which sends it concurrent requests.")
 
     def __init__(self, session, request_for) -> None:
         super().__init__(session, request_for)

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal, Slot
+from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QComboBox,
     QDockWidget,
@@ -38,6 +39,8 @@ from engine.base.sampling import SamplingParams
 LADDER = ("fp32", "bf16", "int8", "nf4")
 LANES_MIN_HEIGHT = 190
 PLOTS_MIN_HEIGHT = 230
+SHORT_SCREEN = 900
+"""On a screen less tall than this the plots and the summary share the bottom area as tabs."""
 
 
 class CompareWindow(QMainWindow):
@@ -143,6 +146,13 @@ class CompareWindow(QMainWindow):
             self.addDockWidget(Qt.BottomDockWidgetArea, dock)
             docks.append(dock)
         self.splitDockWidget(docks[0], docks[1], Qt.Vertical)
+        screen = QGuiApplication.primaryScreen()
+        if screen is not None and screen.availableGeometry().height() < SHORT_SCREEN:
+            # plots above the summary need more height than a laptop has: tabs, the plots first
+            self.tabifyDockWidget(docks[0], docks[1])
+            docks[0].raise_()
+            # and the lanes get the rest: their answers in view, not only their controls
+            QTimer.singleShot(0, lambda: self.resizeDocks([docks[0]], [PLOTS_MIN_HEIGHT + 40], Qt.Vertical))
 
         self.timer = QTimer(self)
         self.timer.setInterval(50)

@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QMainWindow,
     QPushButton,
+    QScrollArea,
     QSlider,
     QVBoxLayout,
     QWidget,
@@ -30,7 +31,7 @@ from engine.estimates import costs, hardware
 from engine.estimates.costs import ALL_PRECISIONS, KV_DTYPES
 from engine.estimates.estimate import DEFAULT_HUB_ID, config_for, count_parameters, shipped_models
 from engine.storage.history import RunRecord, load_all
-from engine.units import format_bytes, format_count
+from engine.units import format_bytes, format_count, format_seconds
 
 __all__ = ["BATCHES", "CONTEXTS", "CostWindow"]
 
@@ -117,7 +118,13 @@ class CostWindow(QMainWindow):
         side = QWidget()
         side_layout = QVBoxLayout(side)
         side_layout.addLayout(form)
-        side_layout.addWidget(self.numbers, 1)
+        numbers = QScrollArea()  # the numbers scroll on a short screen; the button below stays in view
+        numbers.setWidgetResizable(True)
+        numbers.setFrameShape(QScrollArea.NoFrame)
+        numbers.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.numbers.setAlignment(Qt.AlignTop | Qt.AlignLeft)
+        numbers.setWidget(self.numbers)
+        side_layout.addWidget(numbers, 1)
         self.plan = None
         self.copy_command = QPushButton("Copy the vLLM command")
         self.copy_command.setToolTip("Serve this model, context and batch on as many of these GPUs as it needs.")
@@ -308,7 +315,7 @@ class CostWindow(QMainWindow):
             ("Decode ceiling", f"{e.decode_tokens_per_s_ceiling:,.1f} tok/s in all, {e.per_request_tokens_per_s:,.1f} "
                                f"per request ({e.bound}-bound)"),
             ("Compute-bound", ridge),
-            ("Prefill", f"{e.context:,} tokens ≈ {e.prefill_s * 1000:,.1f} ms at peak FLOP/s"),
+            ("Prefill", f"{e.context:,} tokens ≈ {format_seconds(e.prefill_s)} at peak FLOP/s"),
             ("$ per 1M tokens", _money(e.usd_per_million_tokens, e.fits, profile.usd_per_hour, "$ / hour")),
             ("Wh per 1M tokens", _money(e.wh_per_million_tokens, e.fits, profile.watts, "watts")),
         ]

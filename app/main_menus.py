@@ -30,7 +30,7 @@ def build_menus(window, paces) -> None:
     for dock in window._docks.values():
         view.addAction(dock.toggleViewAction())
     view.addSeparator()
-    view.addAction(QAction("&Reset layout", window, triggered=lambda: window.restoreState(window._default_state)))
+    view.addAction(QAction("&Reset layout", window, triggered=window.reset_layout))
     view.addSeparator()
     pace = view.addMenu("Redraw while &generating")
     window.pace_actions: dict[float, QAction] = {}

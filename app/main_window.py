@@ -54,6 +54,8 @@ def _scrolling(panel: QWidget) -> QWidget:
 
 REFRESH_MS = 50  # the plots and the text redraw at 20 Hz, never per token
 SHUTDOWN_MS = 2000
+NARROW_WIDTH = 1200
+"""Below this many pixels the plots stand in one column, two at a time (MainWindow._default_sizes)."""
 SERVER_SHUTDOWN_MS = 10000
 DEFAULT_BUDGET = 0.02
 PACES = (  # share of a CPU core the GUI thread may spend redrawing while the model generates
@@ -160,11 +162,39 @@ class MainWindow(QMainWindow):
         self.addDockWidget(area, dock)
         self._docks[key] = dock
 
+    def reset_layout(self) -> None:
+        """The docks as they start: for a screen this wide (View → Reset layout, and a first start)."""
+        self.restoreState(self._default_state)
+        self._default_sizes()
+
     def _default_sizes(self) -> None:
-        """First start: plots get most of the width, the conversation the middle."""
+        """First start: plots get most of the width, the conversation the middle. On a narrow screen
+        (under :data:`NARROW_WIDTH`: a 1024-px laptop) four plots side by side would be slivers: they stand in one
+        column, two at a time (tokens/sec over the KV cache; latency and memory on the tabs behind)."""
         width = self.width()
-        self.resizeDocks([self._docks["model"], self._docks["speed"], self._docks["kv"]],
+        docks = self._docks
+        if width < NARROW_WIDTH:
+            self.splitDockWidget(docks["speed"], docks["kv"], Qt.Vertical)
+            self.tabifyDockWidget(docks["speed"], docks["latency"])
+            self.tabifyDockWidget(docks["kv"], docks["memory"])
+            docks["speed"].raise_()
+            docks["kv"].raise_()
+            self.resizeDocks([docks["model"], docks["speed"]], [int(width * 0.28), int(width * 0.36)], Qt.Horizontal)
+            return
+        self.resizeDocks([docks["model"], docks["speed"], docks["kv"]],
                          [int(width * 0.26), int(width * 0.24), int(width * 0.24)], Qt.Horizontal)
+
+    def resizeEvent(self, event) -> None:
+        """The side docks keep their share of the width as the window grows or shrinks (Qt gives
+        all of a change to the middle: shrunk to a laptop's width and back, the plots stayed slivers)."""
+        super().resizeEvent(event)
+        old, new = event.oldSize().width(), event.size().width()
+        if old <= 0 or new == old or not self.isVisible():
+            return
+        docks = [d for d in self._docks.values() if d.isVisible() and not d.isFloating() and not d.visibleRegion().isEmpty()
+                 and self.dockWidgetArea(d) in (Qt.LeftDockWidgetArea, Qt.RightDockWidgetArea)]
+        widths = [max(1, round(d.width() * new / old)) for d in docks]
+        QTimer.singleShot(0, lambda: self.resizeDocks(docks, widths, Qt.Horizontal))
 
     # -- the other windows -------------------------------------------------------------
     def open_compare(self):
@@ -370,7 +400,12 @@ class MainWindow(QMainWindow):
         self.model_panel.stage.setText("")  # not the last step it reached: that step is over
         self._update_state()  # the model loaded before (if any) is still loaded and usable
         self.statusBar().clearMessage()
-        kept = (f"\nStill loaded: {self.loaded.name} ({self.loaded.precision}), unchanged." if self.loaded else "")
+        kept = ""
+        if self.loaded is not None and self.model_panel.loaded_request is not None:
+            # the panel shows what runs again: the failed choice left in it would be loaded by the next Generate
+            self.model_panel.choose(self.model_panel.loaded_request)
+            kept = (f"\nStill loaded: {self.loaded.name} ({self.loaded.precision}), unchanged; the Model panel "
+                    "shows it again.")
         not_run = ""
         if self._generate_after_load is not None:
             self.prompt.editor.setPlainText(self._generate_after_load)
@@ -474,7 +509,7 @@ class MainWindow(QMainWindow):
         self._update_status()
 
     def _update_state(self) -> None:
-        self.model_panel.set_loading(self.loading, loaded=self.loaded is not None)
+        self.model_panel.set_loading(self.loading, loaded=self.loaded is not None, generating=self.generating)
         self.model_panel.setEnabled(not self.session.busy or self.generating)
         self.prompt.set_state(can_generate=self.loaded is not None and not self.loading, generating=self.generating)
         self.tools.set_loading(self.loading)

@@ -6,10 +6,24 @@ from PySide6.QtCore import QSize
 from PySide6.QtGui import QGuiApplication
 
 
+DECORATION = QSize(16, 48)
+"""Room a window manager's frame and title bar take around a window (a size set with ``resize``
+is the inside's): kept free so the whole window fits the screen."""
+
+
 def fit_screen(width: int, height: int) -> QSize:
-    """A first window size: ``width`` × ``height``, or the screen's free area if that is smaller."""
+    """A first window size: ``width`` × ``height``, or the screen's free area less a window's frame
+    and title bar if that is smaller."""
     screen = QGuiApplication.primaryScreen()
     if screen is None:
         return QSize(width, height)
     free = screen.availableGeometry()
-    return QSize(min(width, free.width()), min(height, free.height()))
+    return QSize(min(width, free.width() - DECORATION.width()), min(height, free.height() - DECORATION.height()))
+
+
+def compact(*buttons) -> None:
+    """Buttons that may shrink to their text and a little padding (a style's default minimum is
+    about 80 px each: five in a row kept a laptop-wide window from fitting)."""
+    for button in buttons:
+        button.ensurePolished()  # the style sheet's font (a bold Generate) first
+        button.setMinimumWidth(button.fontMetrics().horizontalAdvance(button.text()) + 32)

@@ -40,6 +40,8 @@ OWN = "#2d7dd2"
 
 class SpeculativeTool(SessionTool):
     """The draft's controls, the marked-up text, the acceptance plot and the summary."""
+    needs = ("Speculative decoding runs a draft beside a model loaded here; a model served elsewhere decodes "
+             "on its server (measure it with View → Traffic's load generator).")
 
     def __init__(self, session, request_for) -> None:
         super().__init__(session, request_for)
@@ -244,7 +246,7 @@ class SpeculativeTool(SessionTool):
         self.controls.status.setText(f"Finished ({result.finished.reason}).")
 
     def set_model(self, info: Loaded | None) -> None:
-        if info is not None:
+        if info is not None and info.num_layers:  # a model served elsewhere doesn't say
             self.draft_layers.setRange(1, max(1, info.num_layers - 1))
             if self.draft_layers.value() == 1:
                 self.draft_layers.setValue(max(1, (2 * info.num_layers) // 3))

@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QPushButton,
     QSpinBox,
+    QScrollArea,
     QSplitter,
     QTableWidget,
     QTableWidgetItem,
@@ -144,6 +145,8 @@ class LoadBox(QGroupBox):
         layout.addLayout(form)
         layout.addLayout(buttons)
         layout.addWidget(self.status)
+        self.table.setMinimumHeight(110)
+        self.chart.setMinimumHeight(260)
         layout.addWidget(self.table, 1)
         layout.addWidget(self.show_history)
         layout.addWidget(self.chart, 2)
@@ -401,9 +404,18 @@ class TrafficWindow(QWidget):
         request_layout.addWidget(self.request_view, 1)
         side_layout.addWidget(request_box, 2)
         side_layout.addWidget(self.load_box, 3)
+        self.request_view.setMinimumHeight(140)
+        # the request and the load generator keep their room and scroll on a short screen (they were
+        # crushed to slivers, the chart to 15 px, even maximised on a laptop)
+        side_scroll = QScrollArea()
+        side_scroll.setWidgetResizable(True)
+        side_scroll.setFrameShape(QScrollArea.NoFrame)
+        side_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        side_scroll.setWidget(side)
+        side_scroll.setMinimumWidth(side.minimumSizeHint().width() + side_scroll.verticalScrollBar().sizeHint().width())
         splitter = QSplitter(Qt.Horizontal)
         splitter.addWidget(self.plots)
-        splitter.addWidget(side)
+        splitter.addWidget(side_scroll)
         splitter.setStretchFactor(0, 3)
         splitter.setStretchFactor(1, 1)
         splitter.setSizes([1100, 560])

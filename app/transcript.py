@@ -45,9 +45,13 @@ class Transcript:
         self.model: Loaded | None = None
         self.mode = "chat"
         self.system_prompt: str | None = None
+        self.clears = 0
+        """How many times it was cleared (a view that rendered it before a clear starts again,
+        even when the new turns are as many as the old: raw mode's prompt and answer)."""
 
     def clear(self) -> None:
         self.turns.clear()
+        self.clears += 1
 
     def add_user(self, text: str) -> Turn:
         turn = Turn("user", text)

@@ -53,6 +53,7 @@ class CostCharts(QWidget):
         self._run_labels: list = []
         self._loads: list = []
         self._gpus = 1
+        self._money_title: str | None = None
         self.load_shares: list[float] = []
         """The drawn load points' shares of the ceiling (%), in the order of the records."""
         self._drawing = 0
@@ -238,9 +239,16 @@ class CostCharts(QWidget):
         lx = np.log2(np.array(BATCHES, dtype=float))
         ceiling = np.array([s.decode_tokens_per_s_ceiling for s in sweep])
         fits = np.array([s.fits for s in sweep])
+        gpus = self._gpus
+        if gpus > 1:  # past one GPU: the plan's GPUs at every batch, as the numbers beside it price them
+            ceiling, fits = _on_gpus(config, profile, e, gpus)
+        title = f"on {gpus} GPUs (tensor parallel), as planned" if gpus > 1 else None
+        if self._money_title != title:
+            self._money_title = title
+            self.money_plot.plot.setTitle(title, size="9pt")
         usd_curve = self._curve("usd", self.money_plot, pen=_pen(COLOURS["ceiling"], width=2))
         if profile.usd_per_hour and fits.any():
-            usd = profile.usd_per_hour / (ceiling * 3600) * 1e6
+            usd = gpus * profile.usd_per_hour / (ceiling * 3600) * 1e6
             usd_curve.setData(lx[fits], np.log10(usd[fits]))
             _log_axes(self.money_plot, lx, np.log10(usd[fits]))
             self._money_note.setVisible(False)
@@ -290,7 +298,7 @@ class CostCharts(QWidget):
             [p[0] for p in measured_kv], [p[1] for p in measured_kv])
         self.kv_plot.set_label("left", f"KV cache per sequence ({unit})")
         self.kv_plot.item.setXRange(math.log2(CONTEXTS[0]), math.log2(CONTEXTS[-1]), padding=0.02)
-        self.kv_plot.item.getAxis("bottom").setTicks([[(math.log2(c), _pretty(c)) for c in CONTEXTS[::2]]])
+        self.kv_plot.item.getAxis("bottom").setTicks([[(math.log2(c), token_count(c)) for c in CONTEXTS[::2]]])
         self.kv_plot.item.setYRange(0, top / divisor * 1.05, padding=0)
 
     def _label_runs(self, runs, profile, config, kv_dtype: str, count) -> None:
@@ -322,6 +330,19 @@ class CostCharts(QWidget):
             self._run_labels.append(label)
 
 
+def _on_gpus(config, profile, e, gpus: int) -> tuple[np.ndarray, np.ndarray]:
+    """The decode ceiling and whether it fits, at every batch of the chart, on ``gpus`` GPUs with
+    tensor parallelism (engine/estimates/parallel.py)."""
+    from engine.estimates.parallel import plan_tensor_parallel
+
+    options = []
+    for batch in BATCHES:
+        plan = plan_tensor_parallel(config, profile, e.precision, e.kv_dtype, e.context, batch, model=e.model)
+        options.append(next((o for o in plan.options if o.gpus == gpus), None))
+    return (np.array([o.decode_tokens_per_s_ceiling if o else np.nan for o in options]),
+            np.array([o is not None and o.fits for o in options]))
+
+
 def _unit(largest: float) -> tuple[float, str]:
     from engine.units import binary_unit
 
@@ -351,6 +372,15 @@ def _log_ticks(lo: float, hi: float) -> list[tuple[float, str]]:
         ticks = [(math.log10(m * 10 ** k), _pretty(m * 10 ** k)) for k in decades for m in (1, 2, 5)
                  if lo <= math.log10(m * 10 ** k) <= hi]
     return ticks
+
+
+def token_count(tokens: int) -> str:
+    """A context length as people say it: 2048 → "2k", 131072 → "128k" (not "2.05k", "131k")."""
+    if tokens >= 1 << 20 and tokens % (1 << 20) == 0:
+        return f"{tokens >> 20}M"
+    if tokens >= 1024 and tokens % 1024 == 0:
+        return f"{tokens >> 10}k"
+    return f"{tokens:,}"
 
 
 def _pretty(value: float) -> str:

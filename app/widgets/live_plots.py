@@ -24,7 +24,7 @@ from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import QGraphicsView, QLabel, QVBoxLayout, QWidget
 
 from engine.runs import Run
-from engine.units import binary_unit
+from engine.units import binary_unit, format_seconds
 
 pg.setConfigOptions(antialias=False, background=None)
 
@@ -33,6 +33,8 @@ ROLLING_WINDOW = 16
 SPIKE_FACTOR = 3.0
 """The latency view ends at this many times the 95th percentile (spikes above it are counted)."""
 SPIKE_MIN_TOKENS = 20
+MIN_PLOT_HEIGHT = 120
+"""Below this a plot is hard to read: its caption gives up its sentence (to a tooltip) first."""
 """Below this many tokens the latency view holds every step."""
 
 
@@ -122,7 +124,7 @@ class PlotPanel(QWidget):
         for name, colour, glyph in entries:
             self.add_legend(name, colour, glyph)
         if not entries:
-            self.caption.setText(self._sentence)
+            self._show_caption()
 
     def curve(self, name: str, colour: str, style=Qt.SolidLine, **kwargs):
         self.add_legend(name, colour, _STYLE_GLYPH.get(style, "━━"))
@@ -132,7 +134,31 @@ class PlotPanel(QWidget):
         """``colour``: one of ours by name, or any '#rrggbb'."""
         colour = colour if colour.startswith("#") else _COLOURS[colour]
         self._legend.append(f"<span style='color:{colour}'>{glyph}</span>&nbsp;{name}")
-        self.caption.setText(" &nbsp; ".join(self._legend) + "<br>" + self._sentence)
+        self._show_caption()
+
+    def _show_caption(self) -> None:
+        """The legend and the sentence; where the panel is too short for both beside a readable
+        plot (a laptop screen), the legend alone, the sentence in its tooltip (and a note saying so)."""
+        legend = " &nbsp; ".join(self._legend)
+        full = f"{legend}<br>{self._sentence}" if legend else self._sentence
+        self.caption.setText(full)
+        self.caption.setToolTip("")
+        height = self.height()
+        if height <= 0 or not self.isVisible():
+            return
+        need = self.caption.heightForWidth(max(1, self.caption.width()))
+        if height - need < MIN_PLOT_HEIGHT + 12 and legend:
+            self.caption.setText(f"{legend} &nbsp; <span style='color:{_COLOURS['muted']}'>(hover: what it shows)</span>")
+            self.caption.setToolTip(self._sentence)
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        if event.oldSize().height() != event.size().height() or event.oldSize().width() != event.size().width():
+            self._show_caption()
+
+    def showEvent(self, event) -> None:
+        super().showEvent(event)
+        self._show_caption()
 
     def set_label(self, axis: str, text: str) -> None:
         if self._labels.get(axis) != text:  # a label change re-lays-out the whole plot
@@ -159,6 +185,21 @@ class PlotPanel(QWidget):
     def reset_view(self) -> None:
         self._x_limit = self._y_limit = 0.0
         self._unit = ""
+
+
+def _robust_top(values: np.ndarray, n: int) -> tuple[float, int]:
+    """The top of a view of ``values`` (one per decode step of ``n`` tokens) and how many lie above
+    it: the largest, or past :data:`SPIKE_MIN_TOKENS` at most :data:`SPIKE_FACTOR` × the 95th
+    percentile, so a few outliers (a busy moment; a served answer's chunk of tokens arriving at
+    once, thousands of tok/s) don't flatten the rest."""
+    finite = values[np.isfinite(values)]
+    if n <= 1 or not finite.size:
+        return 0.0, 0
+    top = float(finite.max())
+    if n <= SPIKE_MIN_TOKENS:
+        return top, 0
+    cap = SPIKE_FACTOR * float(np.percentile(finite, 95))
+    return min(top, cap), int(np.sum(finite > cap))
 
 
 class LivePlots:
@@ -237,9 +278,11 @@ class LivePlots:
         speed_now = buffer.tokens_per_s()[1:]
         self._speed_now.setData(x[1:], speed_now, connect="finite")
         self._speed_mean.setData(x[1:], buffer.rolling_tokens_per_s(ROLLING_WINDOW)[1:], connect="finite")
-        self._set_title(self.speed, buffer)
-        finite = speed_now[np.isfinite(speed_now)]
-        self.speed.fit(n, float(finite.max()) if finite.size else 0.0)
+        top, above = _robust_top(speed_now, n)
+        note = (f" · {above} step{'s' if above > 1 else ''} above the view, fastest "
+                f"{float(np.nanmax(speed_now)):,.0f} tok/s" if above else "")
+        self._set_title(self.speed, buffer, note)
+        self.speed.fit(n, top)
 
     def _draw_latency(self, buffer: Run) -> None:
         """Latency of each decode step; the first token's (the TTFT) is in the title. A few spikes
@@ -248,18 +291,15 @@ class LivePlots:
         x, n = buffer.index(), buffer.count
         latency_ms = buffer.column("latency_s")[1:] * 1000
         self._latency.setData(x[1:], latency_ms, skipFiniteCheck=True)
-        top, above = (float(np.nanmax(latency_ms)), 0) if n > 1 else (0.0, 0)
-        if n > SPIKE_MIN_TOKENS:
-            cap = SPIKE_FACTOR * float(np.nanpercentile(latency_ms, 95))
-            above = int(np.sum(latency_ms > cap))
-            top = min(top, cap)
+        top, above = _robust_top(latency_ms, n)
         note = (f" · {above} step{'s' if above > 1 else ''} above the view, longest "
-                f"{float(np.nanmax(latency_ms)):,.0f} ms" if above else "")
+                f"{format_seconds(float(np.nanmax(latency_ms)) / 1000)}" if above else "")
         self._set_title(self.latency, buffer, note)
         self.latency.fit(n, top, shrink=True)
 
     def _set_title(self, panel: PlotPanel, buffer: Run, note: str = "") -> None:
-        title = f"time to first token: {buffer.column('latency_s')[0] * 1000:.0f} ms{note}" if buffer.count else None
+        title = (f"time to first token: {format_seconds(float(buffer.column('latency_s')[0]))}{note}"
+                 if buffer.count else None)
         if self._titles.get(panel) != title:  # a title change re-lays-out the plot
             self._titles[panel] = title
             panel.plot.setTitle(title, size="9pt")
@@ -284,11 +324,14 @@ class LivePlots:
                                    "A served model's memory is the server's: its requests running and waiting, "
                                    "as its /metrics said while this answer streamed.")
         else:
+            if self._titles.get(self.memory) is not None:  # the server's slots, said over its requests only
+                self._titles[self.memory] = None
+                self.memory.plot.setTitle(None)
             for panel in (self.kv, self.memory):
                 legend, sentence = self._modes[panel]
                 panel._legend = list(legend)
                 panel._sentence = sentence
-                panel.caption.setText(" &nbsp; ".join(legend) + "<br>" + sentence)
+                panel._show_caption()
                 panel.set_unavailable(None)
 
     def _draw_server_kv(self, buffer: Run) -> None:

@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.screen import compact
 from engine.endpoint.source import is_endpoint
 from engine.base.events import Loaded, LoadProgress
 from engine.models.loading import LoadRequest
@@ -57,6 +58,10 @@ class ModelPanel(QWidget):
         browse_endpoint.clicked.connect(self.open_endpoint_dialog)
         self._api_key: str | None = None  # an endpoint's key as typed: this session's loads only, never saved
         self.endpoint_dialog = None
+        self.remembered_endpoint = ""
+        self.last_local = ""
+        """The last local model loaded (what the next launch loads when an endpoint was chosen last)."""
+        """The served model chosen last time (its URL and name; the dialog opens on it)."""
         self.precision = QComboBox()
         self.precision.setObjectName("precision")
         for name, precision in PRECISIONS.items():
@@ -65,6 +70,7 @@ class ModelPanel(QWidget):
         self.device.setObjectName("device")
         self.device.addItem("auto (cuda > mps > cpu)", "auto")
         self.device.addItem("cpu", "cpu")
+        self._loading = False
         self.load_button = QPushButton("Load")
         self.load_button.setObjectName("loadButton")
         self.load_button.clicked.connect(lambda: self.load_clicked.emit(self.request()))
@@ -107,10 +113,11 @@ class ModelPanel(QWidget):
         form.addRow("", browse_row)
         form.addRow("Precision", self.precision)
         form.addRow("Device", self.device)
-        unsafe = QHBoxLayout()
+        unsafe = QVBoxLayout()  # one above the other: side by side they set the panel's width
         unsafe.addWidget(self.allow_pickle)
         unsafe.addWidget(self.trust_remote_code)
         form.addRow(unsafe)
+        compact(browse_folder, browse_gguf, browse_endpoint, self.load_button, self.unload_button, self.cancel_button)
         buttons = QHBoxLayout()
         buttons.addWidget(self.load_button)
         buttons.addWidget(self.unload_button)
@@ -164,6 +171,8 @@ class ModelPanel(QWidget):
             box.setChecked(False)
 
     def set_source(self, ref: str) -> None:
+        if is_endpoint(ref):
+            self.remembered_endpoint = ref  # the dialog opens on it, even after the panel went back to a local model
         index = self.source.findData(ref)
         if index < 0:
             self.source.addItem(ref, ref)
@@ -208,7 +217,9 @@ class ModelPanel(QWidget):
         """Ask for a served model's URL, name and key (window-modal, not blocking the app)."""
         from app.endpoint_dialog import ask_for_endpoint
 
-        self.endpoint_dialog = ask_for_endpoint(self, self.request().model, self._api_key, self._use_endpoint)
+        current = self.request().model
+        start = current if is_endpoint(current) else (self.remembered_endpoint or current)
+        self.endpoint_dialog = ask_for_endpoint(self, start, self._api_key, self._use_endpoint)
 
     def _use_endpoint(self, spec: str, api_key: str | None) -> None:
         self._api_key = api_key
@@ -222,6 +233,8 @@ class ModelPanel(QWidget):
     # -- what is loaded vs what is chosen ------------------------------------------------
     def set_loaded_request(self, request: LoadRequest | None) -> None:
         self.loaded_request = request
+        if request is not None and not is_endpoint(request.model):
+            self.last_local = request.model
         self._update_pending()
 
     def pending(self) -> bool:
@@ -232,7 +245,8 @@ class ModelPanel(QWidget):
         loaded, chosen = self.loaded_request, self.request()
         served = is_endpoint(chosen.model)
         for combo in (self.precision, self.device):
-            combo.setEnabled(not served and self.load_button.isEnabled())
+            combo.setEnabled(not served and not self._loading)  # not the button's state: the whole
+            # panel is disabled while a sweep or the server runs, and isEnabled() reads that too
             combo.setToolTip("A served model runs at the server's precision, on the server's device." if served
                              else "")
         show_served_choice(self.precision, self.device, served)
@@ -256,9 +270,15 @@ class ModelPanel(QWidget):
             self.pending_label.hide()
 
     # -- state -----------------------------------------------------------------------
-    def set_loading(self, loading: bool, loaded: bool) -> None:
-        self.load_button.setEnabled(not loading)
-        self.unload_button.setEnabled(loaded and not loading)
+    def set_loading(self, loading: bool, loaded: bool, generating: bool = False) -> None:
+        """``generating``: the loaded model is answering; the choices stay open (they are marked
+        as not loaded yet), Load and Unload wait for it to end."""
+        self._loading = loading
+        self.load_button.setEnabled(not loading and not generating)
+        self.unload_button.setEnabled(loaded and not loading and not generating)
+        why = "The model is answering: Stop first, then load or unload." if generating else ""
+        self.load_button.setToolTip(why)
+        self.unload_button.setToolTip(why)
         self.cancel_button.setVisible(loading)
         self.progress.setVisible(loading)
         for widget in (self.source, self.precision, self.device):
@@ -313,19 +333,29 @@ class ModelPanel(QWidget):
 
     # -- settings --------------------------------------------------------------------
     def save(self, settings: QSettings) -> None:
-        settings.setValue("model/source", self.request().model)
+        """The choices, for the next launch. A model served elsewhere is kept apart (``model/endpoint``,
+        never its key): the next launch loads the last local model, which needs no key to load."""
+        model = self.request().model
+        if is_endpoint(model):
+            settings.setValue("model/endpoint", model)
+            previous = self.last_local or settings.value("model/source", "default", type=str)
+            model = "default" if is_endpoint(previous) else previous
+        settings.setValue("model/source", model)
         for key, combo, served in (("model/precision", self.precision, "served"), ("model/device", self.device, "remote")):
             value = combo.currentData()
             settings.setValue(key, combo.property("localChoice") if value == served else value)
 
     def restore(self, settings: QSettings) -> None:
-        source = settings.value("model/source", "default", type=str)
-        self.set_source(source)
+        """The saved choices: precision and device first, so a source that greys them out (a served
+        model) keeps them as the local choice that comes back after it."""
         self._select(self.precision, settings.value("model/precision", "fp32", type=str))
         device = settings.value("model/device", "auto", type=str)
         if self.device.findData(device) < 0:
             self.device.addItem(device, device)
         self._select(self.device, device)
+        source = settings.value("model/source", "default", type=str)
+        self.set_source("default" if is_endpoint(source) else source)  # an endpoint needs its key, never saved
+        self.remembered_endpoint = settings.value("model/endpoint", "", type=str)
 
 
 def show_served_choice(precision: QComboBox, device: QComboBox, served: bool) -> None:
@@ -346,7 +376,8 @@ def show_served_choice(precision: QComboBox, device: QComboBox, served: bool) ->
             if back >= 0:
                 combo.setCurrentIndex(back)
             combo.blockSignals(False)
-        combo.setEnabled(combo.isEnabled() and not served)
+        if served:  # (not ``isEnabled() and …``: that reads the parent's state too, and a panel disabled
+            combo.setEnabled(False)  # during a sweep left its boxes grey for good)
 
 
 def _served_facts(info: Loaded) -> dict[str, str]:

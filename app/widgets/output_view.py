@@ -14,6 +14,7 @@ from PySide6.QtGui import QColor, QFont, QPalette, QTextCharFormat, QTextCursor,
 from PySide6.QtWidgets import QPlainTextEdit, QToolTip, QWidget
 
 from app.transcript import Transcript, Turn
+from engine.units import format_seconds
 
 _TURN = QTextFormat.UserProperty + 1
 _TOKEN = QTextFormat.UserProperty + 2
@@ -36,6 +37,7 @@ class OutputView(QPlainTextEdit):
         self.show_tokens = False
         self._turns_rendered = 0
         self._tokens_rendered = 0  # of the last rendered assistant turn
+        self._clears_seen = transcript.clears
         self._errors_rendered: set[int] = set()
         self._chips = 0
         self.setPlaceholderText("The answer appears here, token by token.")
@@ -48,6 +50,7 @@ class OutputView(QPlainTextEdit):
 
     def rerender(self) -> None:
         self.clear()
+        self._clears_seen = self.transcript.clears
         self._turns_rendered = 0
         self._tokens_rendered = 0
         self._errors_rendered.clear()
@@ -57,7 +60,7 @@ class OutputView(QPlainTextEdit):
     def sync(self) -> int:
         """Append whatever the transcript gained since the last call; returns tokens added."""
         turns = self.transcript.turns
-        if self._turns_rendered > len(turns):  # the transcript was cleared
+        if self._clears_seen != self.transcript.clears or self._turns_rendered > len(turns):  # cleared
             self.rerender()
             return 0
         bar = self.verticalScrollBar()
@@ -166,7 +169,7 @@ class OutputView(QPlainTextEdit):
             f"<b>token #{token_index}</b> · {ident}<br>"
             f"text <code>{html.escape(repr(token.text))}</code><br>"
             f"{score}<br>"
-            f"latency {token.latency_s * 1000:.1f} ms{' (time to first token)' if token_index == 0 else ''}"
+            f"latency {format_seconds(token.latency_s)}{' (time to first token)' if token_index == 0 else ''}"
             + (" (measured here, as its chunk arrived)" if served else "")
             + (f"<br><br><b>top {len(token.top_alternatives)} at this step</b>"
                f"<table cellspacing=4><tr><td></td><td>token</td><td>p</td><td>id</td></tr>{rows}</table>"

@@ -5,6 +5,8 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
 
+from app.screen import compact
+
 
 class _PromptEdit(QPlainTextEdit):
     submitted = Signal()
@@ -53,6 +55,7 @@ class PromptBox(QWidget):
         self.message.setWordWrap(True)
         self.message.setTextInteractionFlags(Qt.TextSelectableByMouse)
         self.message.hide()
+        compact(self.generate_button, self.stop_button, self.clear_button, self.copy_button, self.save_button)
         buttons = QHBoxLayout()
         for button in (self.generate_button, self.stop_button):
             buttons.addWidget(button)

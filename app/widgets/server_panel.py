@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.screen import compact
 from engine.base.errors import EngineError
 from engine.jobs import ServeJob, Served, ServerStarted, Tagged
 from engine.serve.traffic import TrafficLog
@@ -103,10 +104,10 @@ class ServerPanel(QWidget):
         self.default_max_tokens = QSpinBox()
         self.default_max_tokens.setRange(0, 1_000_000)
         self.default_max_tokens.setValue(0)
-        self.default_max_tokens.setSpecialValueText("auto (the model's, else 512)")
+        self.default_max_tokens.setSpecialValueText("auto")  # short: its text sets the panel's least width
         self.default_max_tokens.setToolTip("Where a request gives no max_tokens, its answer stops here (serve "
                                            "--default-max-tokens): a forgotten limit never holds the server for "
-                                           "minutes.")
+                                           "minutes. auto: the model's own default, else 512.")
         form = QFormLayout()
         form.addRow("Host", self.host)
         form.addRow("Port", self.port)
@@ -153,6 +154,7 @@ class ServerPanel(QWidget):
         copy_example.clicked.connect(self.copy_example)
         self.traffic_button = QPushButton("Open traffic view")
         self.traffic_button.clicked.connect(self.traffic_open_clicked)
+        compact(self.start_button, self.stop_button, self.stop_now_button, copy_url, copy_example, self.traffic_button)
         bottom = QHBoxLayout()
         bottom.addWidget(copy_example)
         bottom.addStretch(1)

@@ -43,6 +43,9 @@ class SessionTool(QWidget):
     implement ``on_events``, ``on_finished`` and ``draw``."""
 
     updated = Signal()  # after a redraw (tests wait on it)
+    needs = ""
+    """What it measures, said when a model served elsewhere is loaded (these tools run the
+    model's own engine, which an endpoint doesn't lend)."""
 
     def __init__(self, session, request_for) -> None:
         """``request_for(prompt)`` gives a GenerationRequest with the main window's settings."""
@@ -94,9 +97,16 @@ class SessionTool(QWidget):
         self.job = self.session.submit(job)
         self._on_queue_changed()  # it may wait behind another job
 
+    @property
+    def served_elsewhere(self) -> bool:
+        return self.info is not None and self.info.source == "endpoint"
+
     def can_start(self) -> bool:
         if self.info is None:
             self.controls.status.setText("Load a model in the main window first.")
+            return False
+        if self.served_elsewhere:
+            self.controls.status.setText(self.needs)
             return False
         if self.loading:
             self.controls.status.setText("The model is loading: wait for it to be ready.")
@@ -168,6 +178,10 @@ class SessionTool(QWidget):
 
     def set_model(self, info: Loaded | None) -> None:
         self.info = info
+        if self.served_elsewhere and not self.running:
+            self.controls.status.setText(self.needs)
+        elif self.controls.status.text() == self.needs:
+            self.controls.status.setText("")
         self.update_state()
 
     def set_loading(self, loading: bool) -> None:
@@ -175,5 +189,6 @@ class SessionTool(QWidget):
         self.update_state()
 
     def update_state(self) -> None:
-        self.controls.run.setEnabled(self.info is not None and not self.loading and not self.running)
+        self.controls.run.setEnabled(self.info is not None and not self.served_elsewhere and not self.loading
+                                     and not self.running)
         self.controls.stop.setEnabled(self.running)

@@ -20,7 +20,7 @@ from PySide6.QtCore import QPointF, Qt, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QGridLayout, QToolTip, QWidget
 
-from app.widgets.live_plots import PlotPanel
+from app.widgets.live_plots import SPIKE_FACTOR, PlotPanel
 from engine.load.metrics import distribution
 from engine.serve.traffic import TrafficLog
 
@@ -65,10 +65,16 @@ class Histogram(PlotPanel):
         self._count = len(values)
         if not values:
             self.bars.setOpts(x0=[], x1=[], height=[])
-            self.caption.setText(f"{self.title}: no requests yet.")
+            self._sentence = f"{self.title}: no requests yet."
+            self._show_caption()
             return
         data = np.asarray(values) * self.scale
-        counts, edges = np.histogram(data, bins=min(30, max(5, len(data) // 3)))
+        # a few far outliers (one request that waited minutes) would squeeze the rest into one bar:
+        # past 10 values the view stops at 3 × the 95th percentile and the caption says what is above
+        shown = data
+        if len(data) >= 10 and data.max() > SPIKE_FACTOR * np.percentile(data, 95):
+            shown = data[data <= SPIKE_FACTOR * np.percentile(data, 95)]
+        counts, edges = np.histogram(shown, bins=min(30, max(5, len(shown) // 3)))
         self.bars.setOpts(x0=edges[:-1], x1=edges[1:], height=counts)
         stats = distribution(data)
         for name, line in self.lines.items():
@@ -77,9 +83,15 @@ class Histogram(PlotPanel):
         self.item.setXRange(0, float(edges[-1]) * 1.05, padding=0)
         self.item.setYRange(0, float(counts.max()) * 1.15, padding=0)
         fmt = "{:.0f}" if self.scale >= 1000 else "{:.2f}"
-        self.caption.setText(f"<b>{self.title}</b> ({len(data)}): p50 {fmt.format(stats['median'])} · p90 "
-                             f"{fmt.format(stats['p90'])} · p99 {fmt.format(stats['p99'])} {self.unit} "
-                             "(red lines: ━ p50, ╍ p90, ┅ p99)")
+        self._sentence = (f"<b>{self.title}</b> ({len(data)}): p50 {fmt.format(stats['median'])} · p90 "
+                          f"{fmt.format(stats['p90'])} · p99 {fmt.format(stats['p99'])} {self.unit} "
+                          "(red lines: ━ p50, ╍ p90, ┅ p99)" + self._above(data, len(data) - len(shown), fmt))
+        self._show_caption()
+
+    def _above(self, data: np.ndarray, above: int, fmt: str) -> str:
+        if not above:
+            return ""
+        return (f" · {above} above the view, the longest {fmt.format(float(data.max()))} {self.unit}")
 
 
 class TrafficPlots(QWidget):
@@ -254,7 +266,7 @@ class TrafficPlots(QWidget):
             self.budget_line.hide()
             note = (f" Budget {budget:,.0f} MiB: off the chart ({used / budget:.1%} used at most)." if budget else "")
         self.kv._sentence = KV_SENTENCE + note
-        self.kv.caption.setText(" &nbsp; ".join(self.kv._legend) + "<br>" + self.kv._sentence)
+        self.kv._show_caption()
         self.kv.item.setXRange(start, max(now, start + 5), padding=0.01)
         self.kv.item.setYRange(0, shown, padding=0)
 

@@ -165,7 +165,7 @@ def remember(info: Loaded | None, finished: Finished, kind: str, transcript: str
     history that can't be written never fails a run (it is logged). ``error``: the run ended in
     one (it is kept, marked failed). ``more``: more of the run's figures, kept in ``extra``
     (a speculative run's draft counts)."""
-    if info is None or finished.tokens == 0:
+    if info is None or (finished.tokens == 0 and not error):  # a failed run is listed, even one with no token
         return
     extra = {**more, **({"transcript_markdown": transcript} if transcript else {})}
     if tokens:

@@ -114,6 +114,15 @@ def test_a_model_past_one_gpu_gets_a_plan_and_the_vllm_command(qtbot, costs_wind
     assert "<b>4 GPUs</b>" in text and "--tensor-parallel-size 4" in text and "--tp 4" in text
     w.copy_command.click()
     assert QGuiApplication.clipboard().text() == w.plan.vllm_command
+    # the $ chart prices the plan's 4 GPUs, as the numbers do (it said "does not fit at any batch")
+    price = w.plan.usd_per_million_tokens
+    assert price and f"${price:,.2f} per 1M tokens" in text
+    assert not w.charts._money_note.isVisible() and "4 GPUs" in w.charts.money_plot.item.titleLabel.text
+    x, y = w.charts._curves["usd"].getData()
+    assert x[0] == 0 and 10 ** y[0] == pytest.approx(price, rel=1e-6)  # batch 1, as the plan
+    # context ticks read as context lengths are said: 2k, 8k, 32k (not 2.05k, 8.19k, 32.8k)
+    labels = [label for _, label in w.charts.kv_plot.item.getAxis("bottom")._tickLevels[0]]
+    assert {"2k", "8k", "32k", "128k"} <= set(labels)
     w.hardware.setCurrentIndex(w.hardware.findData("ddr5-desktop"))
     settle(qtbot, w)
     assert w.plan is None and not w.copy_command.isEnabled() and "Past one GPU" not in w.numbers.text()

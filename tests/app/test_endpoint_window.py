@@ -4,6 +4,8 @@ never saved; a wrong key shown as such and the loaded model kept."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from PySide6.QtWidgets import QDialogButtonBox
 
@@ -87,11 +89,13 @@ def test_a_wrong_key_is_said_and_the_loaded_model_kept(qtbot, window, served, ti
     text = dismiss_load_error(qtbot, window)
     assert "401" in text and "API key" in text
     assert window.loaded is not None and window.loaded.source != "endpoint"  # still the local model
-    assert panel.precision.currentData() == "served"
-    panel.set_source(str(tiny_llama))  # chosen again: nothing to load, and it still answers
+    # the panel shows what runs again, its own precision and device (a Generate now answers locally)
     assert not panel.pending() and (panel.precision.currentData(), panel.device.currentData()) == ("fp32", "cpu")
     assert panel.precision.findData("served") < 0
     assert generate(qtbot, window, PROMPT, max_tokens=3).tokens == 3
+    panel.open_endpoint_dialog()  # the endpoint is one click away to try again with the right key
+    assert panel.endpoint_dialog.url.text() == served.url
+    panel.endpoint_dialog.reject()
 
 
 def test_a_local_lane_and_an_endpoint_lane_agree_token_for_token(qtbot, compare, served, tiny_llama, tmp_path):
@@ -175,3 +179,56 @@ def test_the_load_generator_says_which_requests_errored(qtbot, window):
     qtbot.waitUntil(lambda: len(box.history) == 1, timeout=30_000)  # the history's record says the same
     assert f"- 2 of 3 requests completed ({counts})" in describe(box.history[0])
     traffic.close()
+
+
+def use_endpoint(qtbot, window, served):
+    dialog = choose_endpoint(qtbot, window, served.url, "the-key")
+    qtbot.waitUntil(lambda: dialog.model.count() == 1, timeout=30_000)
+    dialog.buttons.button(QDialogButtonBox.Ok).click()
+    with qtbot.waitSignal(window.session.loaded, timeout=60_000):
+        window.model_panel.load_button.click()
+    qtbot.waitUntil(lambda: window.loaded is not None and window.loaded.source == "endpoint")
+
+
+def test_an_endpoint_leaves_the_tools_and_the_next_launch_true(qtbot, app_factory, served, tiny_llama):
+    window = app_factory()
+    load(qtbot, window, tiny_llama, precision="bf16")
+    speedups = window.open_speedups()
+    qtbot.addWidget(speedups)
+    assert speedups.batching.controls.run.isEnabled()
+    use_endpoint(qtbot, window, served)
+    # the tools follow the model (their title too) and say what they need instead of failing
+    assert served.model_name in speedups.windowTitle()
+    for tool in (speedups.batching, speedups.speculative):
+        assert not tool.controls.run.isEnabled() and tool.controls.status.text() == tool.needs
+    assert "load generator" in speedups.batching.needs
+    window.close()
+
+    again = app_factory()  # the next launch: the last local model and its precision, not an endpoint without its key
+    panel = again.model_panel
+    assert (panel.request().model, panel.request().precision) == (str(tiny_llama), "bf16")
+    panel.set_source("default")
+    assert panel.request().precision == "bf16"
+    panel.open_endpoint_dialog()  # the endpoint is one click away, its URL remembered
+    assert panel.endpoint_dialog.url.text() == served.url and not panel.endpoint_dialog.key.text()
+    panel.endpoint_dialog.reject()
+
+
+def test_a_servers_slots_leave_the_memory_plot_with_it(qtbot, window, tiny_llama):
+    """llama.cpp's /slots line titles the memory plot over a served answer; a local run after it
+    shows its own memory with no server's title left over."""
+    from engine.base.events import ServerSampled
+    from engine.runs import Run
+
+    load(qtbot, window, tiny_llama)
+    local = generate(qtbot, window, PROMPT, max_tokens=3)
+    assert local.tokens == 3
+    served = Run()
+    served.extend([ServerSampled(at_s=0.1, kind="llama.cpp", running=1, waiting=0, kv_usage=0.2, preemptions=None,
+                                 slots_busy=1, slots_total=2)])
+    served.extend([replace(t, memory=replace(t.memory, device="remote")) for t in window.run.tokens])
+    title = window.plots.memory.plot.getPlotItem().titleLabel
+    window.plots.refresh(served)
+    assert title.isVisible() and title.text == "its slots: 1 of 2 busy (/slots)"
+    generate(qtbot, window, PROMPT, max_tokens=4)  # a later local run
+    assert not title.isVisible() and window.plots.point_counts()["memory"] == 4

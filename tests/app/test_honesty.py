@@ -48,12 +48,12 @@ def test_a_failed_load_keeps_the_working_model(qtbot, window, tiny_models, tmp_p
     assert window.loaded is loaded and panel.facts["Model"].toolTip() == loaded.name
     assert "Still loaded" in window.prompt.message.text()
     assert window.statusBar().currentMessage() == "" and panel.stage.text() == ""  # no step left "in progress"
-    # the panel says the choice is not what runs; back to the loaded choice, it generates
-    assert panel.pending() and not panel.pending_label.isHidden()
-    panel.set_source(str(tiny_models["gpt2"]))
-    panel._select(panel.precision, "fp32")
-    assert not panel.pending()
-    assert generate(qtbot, window, "fox", max_tokens=3).tokens == 3
+    # the panel shows what runs again (a failed choice left in it would be loaded by the next Generate)
+    assert "shows it again" in window.prompt.message.text()
+    assert not panel.pending() and panel.pending_label.isHidden()
+    assert (panel.request().model, panel.request().precision) == (str(tiny_models["gpt2"]), "fp32")
+    with qtbot.assertNotEmitted(window.session.load_failed):
+        assert generate(qtbot, window, "fox", max_tokens=3).tokens == 3
 
 
 def test_generate_with_a_pending_choice_that_fails_keeps_the_prompt(qtbot, window, tiny_llama, tmp_path):
@@ -100,6 +100,27 @@ def test_nan_stops_the_run_with_a_message_and_the_run_is_kept_as_failed(qtbot, w
     [record] = [r for r in history.load_all() if r.kind == "single"]
     assert record.extra["error"] == message and record.tokens == 3
     assert "failed" in window.statusBar().currentMessage()
+
+
+def test_a_run_that_fails_at_its_first_token_is_listed_in_the_history(qtbot, window, tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from app.history_dialog import row_values
+
+    folder = tmp_path / "nan-everywhere"
+    shutil.copytree(tiny_llama, folder)
+    weights = load_file(folder / "model.safetensors")
+    weights[next(k for k in weights if k.endswith("embed_tokens.weight"))][:] = float("nan")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    load(qtbot, window, folder)
+    with qtbot.waitSignal(window.generation_failed, timeout=60_000):
+        generate(qtbot, window, "fox", max_tokens=4, wait=False)
+    qtbot.waitUntil(lambda: not window.generating)
+    message = window.prompt.message.text()
+    assert "NaN" in message and window.run.count == 0
+    [record] = [r for r in history.load_all() if r.kind == "single"]
+    assert record.tokens == 0 and record.extra["error"] == message
+    assert row_values(record)[-1] == "failed"
 
 
 def test_a_lane_changed_after_loading_reloads_before_the_run(qtbot, compare, tiny_models):
@@ -210,7 +231,7 @@ def test_one_latency_spike_does_not_flatten_the_plot(qtbot):
     _, top = plots.latency.item.viewRange()[1]
     assert 56 < top <= 200  # the ~50 ms steps fill the view, not a sliver at its bottom
     title = plots.latency.item.titleLabel.text
-    assert "1 step above the view" in title and "2,000 ms" in title
+    assert "1 step above the view" in title and "longest 2.00 s" in title  # seconds, not "2,000 ms"
 
 
 def test_fetch_dialog_time_left():
@@ -277,3 +298,33 @@ def test_the_fast_path_line_says_how_the_compiled_step_was_made_ready_or_why_not
     assert stage.text() == "Fast path: no compiled step, the eager step is in use: not enough free memory."
     feedback.on_compile_finished(CompileReport(0.1, 2, package, error="cancelled"))
     assert stage.text() == "Fast path: no compiled step, the eager step is in use: not enough free memory."
+
+
+def test_one_burst_of_tokens_does_not_flatten_the_speed_plot(qtbot):
+    """A served answer's chunk of tokens arrives at once: thousands of tok/s for one step."""
+    from app.widgets.live_plots import LivePlots
+    from engine.runs import Run
+
+    latency = [0.2] + [0.05 + 0.001 * (i % 7) for i in range(99)]
+    latency[1] = 0.00008  # 12,500 tok/s
+    buffer = Run.from_series({"latency_s": latency, "elapsed_s": list(range(100)), "kv_bytes": [1024.0] * 100})
+    plots = LivePlots()
+    for panel in plots.panels.values():
+        qtbot.addWidget(panel)
+    plots.refresh(buffer)
+    _, top = plots.speed.item.viewRange()[1]
+    assert 20 < top <= 100  # the ~20 tok/s steps fill the view
+    title = plots.speed.item.titleLabel.text
+    assert "1 step above the view" in title and "fastest 12,500 tok/s" in title
+
+
+def test_one_old_request_does_not_stretch_a_traffic_histogram(qtbot):
+    from app.widgets.traffic_plots import Histogram
+
+    e2e = Histogram("End to end", "s", 1.0)
+    qtbot.addWidget(e2e)
+    e2e.draw([1.0 + 0.01 * i for i in range(40)] + [900.0])  # one request left waiting for 15 minutes
+    low, high = e2e.item.viewRange()[0]
+    assert high < 10  # the forty around a second fill the view
+    assert "1 above the view, the longest 900.00 s" in e2e.caption.text()
+    assert "p99" in e2e.caption.text()

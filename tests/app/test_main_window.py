@@ -8,7 +8,7 @@ from PySide6.QtGui import QGuiApplication, QTextCursor
 from PySide6.QtWidgets import QMessageBox
 
 from engine.base.events import TokenGenerated
-from tests.app.conftest import generate, load
+from tests.app.conftest import dismiss_load_error, generate, load
 
 
 def visible(text: str) -> str:
@@ -69,12 +69,16 @@ def test_stop_mid_generation(qtbot, window, slow_tiny):
     load(qtbot, window, slow_tiny)
     generate(qtbot, window, "fox", max_tokens=100_000, wait=False)
     qtbot.waitUntil(lambda: window.run.count >= 5, timeout=60_000)
+    panel = window.model_panel  # Load and Unload would do nothing now: they say so instead of looking clickable
+    assert not panel.load_button.isEnabled() and not panel.unload_button.isEnabled()
+    assert "Stop first" in panel.load_button.toolTip() and panel.precision.isEnabled()
     with qtbot.waitSignal(window.generation_finished, timeout=30_000) as blocker:
         qtbot.keyClick(window.prompt.editor, Qt.Key_Escape)
     finished = blocker.args[0]
     assert finished.reason == "cancelled" and 5 <= finished.tokens < 100_000
     qtbot.waitUntil(lambda: window.prompt.generate_button.isEnabled())
     assert not window.prompt.stop_button.isEnabled()
+    assert panel.load_button.isEnabled() and panel.unload_button.isEnabled() and not panel.load_button.toolTip()
     # and the app keeps working
     assert generate(qtbot, window, "again", max_tokens=3).tokens == 3
 
@@ -89,8 +93,19 @@ def test_bad_path_shows_an_error_and_the_app_stays_usable(qtbot, window, tmp_pat
     assert "No such" in window.prompt.message.text()
     assert not window.prompt.generate_button.isEnabled()
     box.accept()
+    box.deleteLater()
     load(qtbot, window, tiny_llama)
     assert generate(qtbot, window, "fox", max_tokens=4).tokens == 4
+    # a mistyped path with a model loaded: the panel goes back to what runs (else Generate would try it again)
+    qtbot.waitUntil(lambda: window.findChild(QMessageBox, "loadErrorBox") is None)
+    window.model_panel.set_source(str(tmp_path / "no-such-model-either"))
+    with qtbot.waitSignal(window.session.load_failed, timeout=60_000):
+        window.model_panel.load_button.click()
+    assert "no-such-model-either" in dismiss_load_error(qtbot, window)
+    assert "shows it again" in window.prompt.message.text()
+    assert window.model_panel.request().model == str(tiny_llama) and not window.model_panel.pending()
+    with qtbot.assertNotEmitted(window.session.load_failed):
+        assert generate(qtbot, window, "fox", max_tokens=2).tokens == 2
 
 
 def hold_worker_at_weights(window):
@@ -151,6 +166,20 @@ def test_chat_history_and_clear(qtbot, window, tiny_llama):
     assert window.output.toPlainText().count("You") == 2
     window.prompt.clear_button.click()
     assert window.transcript.turns == [] and window.output.toPlainText() == ""
+
+
+def test_raw_mode_shows_each_prompt_and_its_answer_alone(qtbot, window, tiny_llama):
+    """Raw completion has no history: each run replaces the last (it was glued onto it, the new
+    prompt never shown, when the turn count stayed the same)."""
+    load(qtbot, window, tiny_llama)
+    window.generation_panel.mode.setCurrentIndex(window.generation_panel.mode.findData("raw"))
+    generate(qtbot, window, "first prompt", max_tokens=3)
+    first = window.transcript.last_answer()
+    generate(qtbot, window, "second prompt", max_tokens=3)
+    shown = window.output.toPlainText()
+    assert "second prompt" in shown and "first prompt" not in shown
+    assert shown.count("You") == 1 and shown.rstrip().endswith(window.transcript.last_answer().rstrip())
+    assert len(window.transcript.turns) == 2 and first is not None
 
 
 def test_show_tokens_chips_and_hover(qtbot, window, tiny_llama):

@@ -24,6 +24,8 @@ def test_sweep_fills_the_table_and_plots_and_lands_in_history(qtbot, window, spe
     assert [p.batch for p in points] == [1, 2, 4] and not skipped
     qtbot.waitUntil(lambda: not window.session.busy)
     assert window.prompt.generate_button.isEnabled() and window.model_panel.isEnabled()
+    # the panel was disabled during the sweep; its choices open again with it (they stayed grey)
+    assert window.model_panel.precision.isEnabled() and window.model_panel.device.isEnabled()
     assert speedups.batching.sweep_table.rowCount() == 3
     assert speedups.batching.sweep_table.item(2, 0).text() == "4"
     x, y = speedups.batching.speed_curve.getData()

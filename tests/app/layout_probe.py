@@ -1,0 +1,147 @@
+"""Open every window of the app on a screen of a given size and list what doesn't fit.
+
+Run in a process of its own (the screen's size is fixed when Qt starts): ``python -m
+tests.app.layout_probe WIDTH HEIGHT OUT.json [SHOTS_DIR]``, with ``QT_QPA_PLATFORM`` set to the
+offscreen platform with a screen of that size (tests/app/test_layout.py does this). Each problem is
+a line: a window outside the screen (its title bar counted), a button, check box or label without
+room for its text, an input crushed to a sliver, a plot too short to read, a widget cut off by its
+window's edge. ``SHOTS_DIR``: a PNG of every window there."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TITLE_BAR = 32
+"""What a window manager adds above a window (the offscreen screen draws none)."""
+MIN_INPUT_WIDTH = 48
+MIN_PLOT_HEIGHT = 110
+
+
+def problems_in(window, name: str) -> list[str]:
+    from PySide6.QtCore import Qt
+    from PySide6.QtWidgets import (QAbstractButton, QAbstractScrollArea, QAbstractSpinBox, QCheckBox, QComboBox,
+                                   QLabel, QLineEdit, QPushButton, QRadioButton)
+
+    from app.widgets.live_plots import PlotPanel
+
+    out = []
+    screen = window.screen().availableGeometry()
+    frame = window.frameGeometry()  # where it lies is the window manager's to choose; its size is ours
+    if frame.height() + TITLE_BAR > screen.height() or frame.width() > screen.width():
+        out.append(f"{name}: the window ({frame.width()}×{frame.height() + TITLE_BAR} with its title bar) is "
+                   f"larger than the screen ({screen.width()}×{screen.height()})")
+    inside = window.rect()
+
+    def scroller(widget):
+        parent = widget.parentWidget()
+        while parent is not None and parent is not window:
+            if isinstance(parent, QAbstractScrollArea):
+                return parent
+            parent = parent.parentWidget()
+        return None
+
+    for widget in window.findChildren(QAbstractButton) + window.findChildren(QLabel) + \
+            window.findChildren(QLineEdit) + window.findChildren(QComboBox) + \
+            window.findChildren(QAbstractSpinBox) + window.findChildren(PlotPanel):
+        if not widget.isVisible() or widget.window() is not window or widget.visibleRegion().isEmpty():
+            continue  # (a dock behind another's tab counts as visible, with nothing of it on screen)
+        what = f"{name}: {type(widget).__name__} {widget.objectName() or ''}".rstrip()
+        text = getattr(widget, "text", lambda: "")() if isinstance(widget, (QAbstractButton, QLabel)) else ""
+        text = text if isinstance(text, str) else ""
+        if text:
+            what += f" {text[:40]!r}"
+        if isinstance(widget, (QPushButton, QCheckBox, QRadioButton)) and text:
+            need = widget.minimumSizeHint()
+            if isinstance(widget, QPushButton):  # its text and some padding (not the style's 80-px habit)
+                widget.ensurePolished()
+                need.setWidth(widget.fontMetrics().horizontalAdvance(text.replace("&", "")) + 12)
+            if widget.width() + 1 < need.width() or widget.height() + 1 < need.height():
+                out.append(f"{what} is {widget.width()}×{widget.height()}, its text needs {need.width()}×{need.height()}")
+        elif isinstance(widget, QLabel) and text.strip() and not widget.pixmap():
+            if widget.wordWrap():
+                need = widget.heightForWidth(widget.width())
+                if need > 0 and widget.height() + 2 < need:
+                    out.append(f"{what} is {widget.height()} px tall, its text needs {need} at this width")
+            else:
+                need = widget.minimumSizeHint().width()
+                if widget.width() + 1 < need:
+                    out.append(f"{what} is {widget.width()} px wide, its text needs {need}")
+        elif isinstance(widget, (QLineEdit, QComboBox, QAbstractSpinBox)):
+            if widget.width() < MIN_INPUT_WIDTH:
+                out.append(f"{what} is crushed to {widget.width()} px")
+        elif isinstance(widget, PlotPanel):
+            if widget.plot.height() < MIN_PLOT_HEIGHT:
+                out.append(f"{what} {widget.objectName() or ''}: its plot is {widget.plot.height()} px tall")
+        area = scroller(widget)
+        if area is None:
+            box = widget.rect().translated(widget.mapTo(window, widget.rect().topLeft()))
+            if not inside.contains(box):
+                out.append(f"{what} is cut off by the window's edge ({box.x()},{box.y()} "
+                           f"{box.width()}×{box.height()} in {inside.width()}×{inside.height()})")
+        elif area.horizontalScrollBarPolicy() == Qt.ScrollBarAlwaysOff and not isinstance(widget, PlotPanel):
+            viewport = area.viewport()  # it scrolls up and down only: nothing may run past its right edge
+            right = widget.mapTo(viewport, widget.rect().topRight()).x()
+            if right > viewport.width() + 1:
+                out.append(f"{what} runs {right - viewport.width()} px past the right edge of its scroll area")
+    return out
+
+
+def main() -> None:
+    width, height, out_path = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    shots = Path(sys.argv[4]) if len(sys.argv) > 4 else None
+    from PySide6.QtCore import QSettings
+
+    from app.main import create_app
+    from app.main_window import MainWindow
+    from engine.estimates import hardware
+
+    hardware.measure_cpu = lambda: {"bandwidth_bytes_per_s": 3e10, "bf16_flops": 2e11}  # not seconds of measuring
+
+    folder = Path(tempfile.mkdtemp())
+    QSettings.setDefaultFormat(QSettings.IniFormat)
+    QSettings.setPath(QSettings.IniFormat, QSettings.UserScope, str(folder / "settings"))
+    app = create_app([])
+    main_window = MainWindow(QSettings(str(folder / "settings" / "probe.ini"), QSettings.IniFormat))
+    main_window.show()
+    windows = {"main window": main_window}
+    windows["compare"] = main_window.open_compare()
+    windows["cost explorer"] = main_window.open_costs()
+    windows["batching and speculative decoding"] = main_window.open_speedups()
+    windows["traffic"] = main_window.open_traffic()
+    deadline = time.monotonic() + 60
+    while windows["cost explorer"].estimate is None and time.monotonic() < deadline:  # its numbers shown
+        app.processEvents()
+        time.sleep(0.02)
+    costs, drawn = windows["cost explorer"], []
+    costs.updated.connect(lambda: drawn.append(True))
+    costs.set_model("meta-llama/Llama-3.1-70B", "bf16")  # a plan past one GPU: the longest numbers
+    gpu = costs.hardware.findData("h100-sxm")
+    if gpu >= 0:
+        costs.hardware.setCurrentIndex(gpu)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (drawn and costs.plan is not None):
+        app.processEvents()
+        time.sleep(0.01)
+    for _ in range(20):
+        app.processEvents()
+    problems = []
+    for name, window in windows.items():
+        app.processEvents()
+        problems += problems_in(window, name)
+        if shots is not None:
+            shots.mkdir(parents=True, exist_ok=True)
+            window.grab().save(str(shots / f"{name.replace(' ', '-')}-{width}x{height}.png"))
+    out_path.write_text(json.dumps(problems, indent=1))
+    for window in windows.values():
+        window.close()
+    main_window.close()
+    os._exit(0)  # the windows' threads are ended; skip the interpreter's slow teardown
+
+
+if __name__ == "__main__":
+    main()
