@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
     QTableWidgetItem,
 )
 
+from app.glossary import link_headers
 from app.frame_budget import in_turns
 from app.widgets.live_plots import PlotPanel
 from app.widgets.session_tool import DEFAULT_PROMPT, SessionTool
@@ -88,6 +89,8 @@ class BatchingTool(SessionTool):
         self.sweep_table.setHorizontalHeaderLabels(
             ["batch", "tok/s (all)", "tok/s each", "TTFT", "per token", "KV cache", "peak memory", "% of ceiling"])
         self.sweep_table.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
+        link_headers(self.sweep_table, {"batch": "batch", "tok/s (all)": "throughput", "TTFT": "ttft",
+                                        "per token": "tpot", "KV cache": "kv-cache", "% of ceiling": "bandwidth"})
         self.sweep_table.verticalHeader().setVisible(False)
         self.sweep_table.setEditTriggers(QTableWidget.NoEditTriggers)
         self._labels: list[pg.TextItem] = []

@@ -1,9 +1,11 @@
-"""The main window's menus: File (save, history, quit) and View (the other windows, token chips,
-the panels, the layout, the redraw pace)."""
+"""The main window's menus: File (save, history, quit), View (the other windows, token chips,
+the panels, the layout, the redraw pace) and Help (the glossary)."""
 
 from __future__ import annotations
 
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
+
+from app.glossary import open_glossary
 
 
 def build_menus(window, paces) -> None:
@@ -15,6 +17,7 @@ def build_menus(window, paces) -> None:
     file_menu.addSeparator()
     file_menu.addAction(QAction("&Quit", window, shortcut=QKeySequence.Quit, triggered=window.close))
     view = window.menuBar().addMenu("&View")
+    window.help_menu = help_menu = window.menuBar().addMenu("&Help")
     view.addAction(QAction("&Compare models and precisions…", window, shortcut="Ctrl+K",
                            triggered=window.open_compare))
     view.addAction(QAction("Cost &explorer…", window, shortcut="Ctrl+E", triggered=window.open_costs))
@@ -41,3 +44,5 @@ def build_menus(window, paces) -> None:
         group.addAction(action)
         pace.addAction(action)
         window.pace_actions[budget] = action
+    help_menu.addAction(QAction("&Glossary: tokens, TTFT, KV cache…", window, shortcut=QKeySequence.HelpContents,
+                                triggered=lambda: open_glossary(parent=window)))

@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.glossary import link_headers
 from app.background import Background
 from app.frame_budget import FrameBudget
 from app.screen import fit_screen
@@ -124,6 +125,8 @@ class LoadBox(QGroupBox):
         self.status.setWordWrap(True)
         self.table = QTableWidget(0, len(RESULT_COLUMNS))
         self.table.setHorizontalHeaderLabels(RESULT_COLUMNS)
+        link_headers(self.table, {"out tok/s": "throughput", "TTFT p50": "ttft", "TPOT p50": "tpot",
+                                  "TPOT p99": "tpot", "E2E p50": "latency"})
         self.table.verticalHeader().hide()
         self.table.setEditTriggers(QTableWidget.NoEditTriggers)
         self.chart = PlotPanel("Throughput vs latency", "One point per setting: output tok/s of all requests "

@@ -8,6 +8,7 @@ import math
 from PySide6.QtGui import QBrush, QColor
 from PySide6.QtWidgets import QTableWidget, QTableWidgetItem
 
+from app.glossary import link_headers
 from engine.units import format_bytes, format_rate, format_seconds
 
 COLUMNS = (
@@ -42,6 +43,8 @@ class SummaryTable(QTableWidget):
         super().__init__(0, len(COLUMNS))
         self.setObjectName("summaryTable")
         self.setHorizontalHeaderLabels([title for _, title in COLUMNS])
+        link_headers(self, {"Weights": "weights", "TTFT": "ttft", "Decode tok/s": "decode", "Latency mean": "tpot",
+                            "KV cache": "kv-cache", "Tokens": "token", "Agreement": "quantization"})
         self.verticalHeader().hide()
         self.setEditTriggers(QTableWidget.NoEditTriggers)
         self.resizeColumnsToContents()  # whole headers before the first run too

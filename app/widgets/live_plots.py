@@ -23,6 +23,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import QGraphicsView, QLabel, QVBoxLayout, QWidget
 
+from app.glossary import linked, open_glossary
 from engine.runs import Run
 from engine.units import binary_unit, format_seconds
 
@@ -90,6 +91,9 @@ class PlotPanel(QWidget):
         self.caption.setWordWrap(True)
         self.caption.setTextFormat(Qt.RichText)
         self.caption.setObjectName("plotCaption")
+        self.caption.setOpenExternalLinks(False)
+        self.caption.linkActivated.connect(
+            lambda link: open_glossary(link.removeprefix("glossary:"), self.window()))
         layout = QVBoxLayout(self)
         layout.setContentsMargins(2, 2, 2, 2)
         layout.addWidget(self.plot, 1)
@@ -140,7 +144,8 @@ class PlotPanel(QWidget):
         """The legend and the sentence; where the panel is too short for both beside a readable
         plot (a laptop screen), the legend alone, the sentence in its tooltip (and a note saying so)."""
         legend = " &nbsp; ".join(self._legend)
-        full = f"{legend}<br>{self._sentence}" if legend else self._sentence
+        sentence = linked(self._sentence)  # its terms open the glossary (Help → Glossary)
+        full = f"{legend}<br>{sentence}" if legend else sentence
         self.caption.setText(full)
         self.caption.setToolTip("")
         height = self.height()
