@@ -463,7 +463,8 @@ class MainWindow(QMainWindow):
         if event.cached_tokens:  # the conversation so far was in the prefix cache: copied, not computed
             cached = (f", {event.cached_tokens} of {event.prompt_tokens} prompt tokens from the cache; "
                       f"TTFT {format_seconds(event.ttft_s)}")
-        if event.prefix_cache_bytes:  # what keeping them costs, said beside what it saved
+        if event.prefix_cache_bytes and event.cached_tokens:  # what keeping them costs, beside what it saved
+            # (not on a first turn: the status bar has room for one clause, and nothing was saved yet)
             cached += f" (the prefix cache keeps {format_bytes(event.prefix_cache_bytes)})"
         self.statusBar().showMessage(f"Done: {event.tokens} tokens, {rate}{cached}, stopped: {event.reason}{served}",
                                      15000)

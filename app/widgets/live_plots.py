@@ -192,6 +192,11 @@ class PlotPanel(QWidget):
         self._unit = ""
 
 
+def _short_seconds(s: float) -> str:
+    """A time for a plot's title, short enough for a narrow plot: "184 ms", "1.56 s"."""
+    return f"{s * 1000:.0f} ms" if s < 1 else format_seconds(s)
+
+
 def _robust_top(values: np.ndarray, n: int) -> tuple[float, int]:
     """The top of a view of ``values`` (one per decode step of ``n`` tokens) and how many lie above
     it: the largest, or past :data:`SPIKE_MIN_TOKENS` at most :data:`SPIKE_FACTOR` × the 95th
@@ -303,8 +308,8 @@ class LivePlots:
         self.latency.fit(n, top, shrink=True)
 
     def _set_title(self, panel: PlotPanel, buffer: Run, note: str = "") -> None:
-        title = (f"time to first token: {format_seconds(float(buffer.column('latency_s')[0]))}{note}"
-                 if buffer.count else None)
+        title = f"time to first token: {_short_seconds(float(buffer.column('latency_s')[0]))}{note}" \
+            if buffer.count else None
         if self._titles.get(panel) != title:  # a title change re-lays-out the plot
             self._titles[panel] = title
             panel.plot.setTitle(title, size="9pt")

@@ -310,6 +310,7 @@ def test_a_chats_next_turn_copies_its_history_from_the_prefix_cache(qtbot, windo
     load(qtbot, window, tiny_llama)
     first = generate(qtbot, window, "Tell me what a key-value cache holds, please.", max_tokens=12)
     assert first.cached_tokens == 0
+    assert "prefix cache" not in window.statusBar().currentMessage()  # nothing saved: no clause about it
     second = generate(qtbot, window, "And then?", max_tokens=6)
     # the system prompt, the first question and its answer were kept: whole blocks of them come back
     assert 16 <= second.cached_tokens < second.prompt_tokens
