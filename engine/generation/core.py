@@ -122,10 +122,8 @@ class EngineCore:
                  proposer: Proposer | None = None) -> None:
 
         self.loaded = loaded
-        self.proposer = proposer or Proposer()
-        """What guesses tokens for the decode pass to verify (speculation), or the plain one: none."""
-        self.runner = runner if runner is not None else batch_runner_for(loaded, rollback=self.proposer.lookahead > 0)
-        self._configure(settings or CoreSettings(), proposer=self.proposer)
+        self.runner = runner if runner is not None else batch_runner_for(loaded)
+        self._configure(settings or CoreSettings(), proposer=proposer)
         self.steps = 0
         self.probe = MemoryProbe(loaded.device)
         self.probe.reset_peak()
@@ -155,6 +153,7 @@ class EngineCore:
         if kept is not None:
             kv.adopt(kept)
         self.proposer = proposer or Proposer()
+        """What guesses tokens for the decode pass to verify (speculation), or the plain one: none."""
         lookahead = self.proposer.lookahead
         self.runner.rollback = lookahead > 0  # rejected guesses are cropped from the cache
         self.settings, self.kv, self.prefix_caching_off = settings, kv, reason
@@ -190,11 +189,7 @@ class EngineCore:
     def _drop_all(self) -> None:
         """Take every request out (nothing is emitted): a client left without finishing them."""
         for r in [*self.waiting, *self.running]:
-            self.scheduler.remove(r)
-            if r.in_runner:
-                self.runner.remove(r.rid)
-                r.in_runner = False
-            self.proposer.remove(r.rid)
+            self._drop(r, "its client left")
 
     @property
     def waiting(self):
@@ -448,7 +443,7 @@ class EngineCore:
             return self._drop(r, message)
 
     def _drop(self, r: _Request, message: str) -> Finished:
-        """Take ``r`` out of the core whatever state a failure left it in."""
+        """Take ``r`` out of the core whatever state a failure (or a client leaving) left it in."""
         self.scheduler.remove(r)
         for part in (self.runner if r.in_runner else None, self.proposer):
             if part is not None:

@@ -43,16 +43,13 @@ class RequestSampler:
                 self.generator.seed()
 
     def __call__(self, logits: "torch.Tensor", seen: "torch.Tensor") -> int:  # noqa: F821
-        import torch
-
         params = self.params
+        if not params.greedy:
+            return self.draw(self.distribution(logits, seen))
         scores = logits.float()
         if params.repetition_penalty != 1.0 and seen.numel():
             scores = apply_repetition_penalty(scores, seen, params.repetition_penalty)
-        if params.greedy:
-            return argmax(scores)
-        scores = filter_scores(scores / params.temperature, params.top_k, params.top_p, params.min_p)
-        return self.draw(torch.softmax(scores, dim=-1))
+        return argmax(scores)
 
     def distribution(self, logits: "torch.Tensor", seen: "torch.Tensor") -> "torch.Tensor":  # noqa: F821
         return distribution(self.params, logits, seen)

@@ -25,7 +25,7 @@ import torch
 from torch.nn import functional as F
 from engine.models.quantize import fuse_rows
 
-from engine.models.precision import SUPPORTED, unsupported_type_reason
+from engine.models.precision import unsupported_type_reason
 
 MIN_CAPACITY = 256
 MAX_COMPILED_CAPACITY = 1 << 16

@@ -40,12 +40,7 @@ def gguf_architecture(path: Path) -> str:
     all of it, seconds for a refusal that needs one string). A damaged header raises here."""
     import struct
 
-    path = Path(path)
-    if not path.exists():
-        raise ModelNotFoundError(f"No such file: {path}")
-    if not path.is_file():
-        raise NotAModelError(f"{path} is not a file.")
-
+    path = _gguf_file(path)
     size = path.stat().st_size
     with open(path, "rb") as fh:
         def read(n: int) -> bytes:
@@ -79,8 +74,7 @@ def gguf_architecture(path: Path) -> str:
             else:
                 raise CorruptModelError(f"{path.name} has a header value of unknown type {kind}.")
 
-        if read(4) != b"GGUF":
-            raise CorruptModelError(f"{path.name} is not a GGUF file (it does not start with 'GGUF').")
+        read(4)  # the magic, checked
         if number("I") < 2:  # version 1 counted in 32 bits: the library reads it
             return summarize_gguf(path).architecture
         number("Q")  # tensors
@@ -92,8 +86,8 @@ def gguf_architecture(path: Path) -> str:
     raise CorruptModelError(f"{path.name} has no general.architecture in its header.")
 
 
-def summarize_gguf(path: Path) -> GGUFSummary:
-    """Read a GGUF's header and tensor table; raise a typed error if it is not a whole GGUF file."""
+def _gguf_file(path: Path) -> Path:
+    """``path``, if it is a file that begins as a GGUF does; else the typed error saying what it is."""
     path = Path(path)
     if not path.exists():
         raise ModelNotFoundError(f"No such file: {path}")
@@ -103,6 +97,12 @@ def summarize_gguf(path: Path) -> GGUFSummary:
         magic = fh.read(4)
     if magic != b"GGUF":
         raise CorruptModelError(f"{path.name} is not a GGUF file (it does not start with 'GGUF').")
+    return path
+
+
+def summarize_gguf(path: Path) -> GGUFSummary:
+    """Read a GGUF's header and tensor table; raise a typed error if it is not a whole GGUF file."""
+    path = _gguf_file(path)
     try:
         from gguf import GGUFReader, LlamaFileType
 
