@@ -16,7 +16,6 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QMainWindow,
     QPushButton,
-    QScrollArea,
     QSlider,
     QVBoxLayout,
     QWidget,
@@ -24,7 +23,7 @@ from PySide6.QtWidgets import (
 
 from app.background import Background
 from app.hardware_dialog import HardwareDialog
-from app.screen import fit_screen
+from app.screen import fit_screen, scrolling
 from app.widgets.cost_charts import BATCHES, CONTEXTS, CostCharts
 from engine.base.errors import EngineError
 from engine.estimates import costs, hardware
@@ -118,13 +117,8 @@ class CostWindow(QMainWindow):
         side = QWidget()
         side_layout = QVBoxLayout(side)
         side_layout.addLayout(form)
-        numbers = QScrollArea()  # the numbers scroll on a short screen; the button below stays in view
-        numbers.setWidgetResizable(True)
-        numbers.setFrameShape(QScrollArea.NoFrame)
-        numbers.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
         self.numbers.setAlignment(Qt.AlignTop | Qt.AlignLeft)
-        numbers.setWidget(self.numbers)
-        side_layout.addWidget(numbers, 1)
+        side_layout.addWidget(scrolling(self.numbers), 1)  # the button below stays in view on a short screen
         self.plan = None
         self.copy_command = QPushButton("Copy the vLLM command")
         self.copy_command.setToolTip("Serve this model, context and batch on as many of these GPUs as it needs.")

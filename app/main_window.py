@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (
 from app.frame_budget import FrameBudget
 from app.load_feedback import LoadFeedback
 from app.main_menus import build_menus
-from app.screen import fit_screen
+from app.screen import fit_screen, scrolling
 from app.tool_windows import ToolWindows
 from app.transcript import Transcript
 from app.widgets.generation_panel import GenerationPanel
@@ -37,19 +37,6 @@ from engine.storage import history
 from engine.units import format_bytes, format_rate, format_seconds
 
 log = logging.getLogger(__name__)
-
-
-def _scrolling(panel: QWidget) -> QWidget:
-    """``panel`` in a vertical scroll area as wide as the panel needs (never cut on the right)."""
-    from PySide6.QtWidgets import QFrame, QScrollArea
-
-    area = QScrollArea()
-    area.setWidget(panel)
-    area.setWidgetResizable(True)
-    area.setFrameShape(QFrame.NoFrame)
-    area.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-    area.setMinimumWidth(panel.minimumSizeHint().width() + area.verticalScrollBar().sizeHint().width())
-    return area
 
 
 REFRESH_MS = 50  # the plots and the text redraw at 20 Hz, never per token
@@ -104,8 +91,8 @@ class MainWindow(QMainWindow):
         self.prompt.message_shown.connect(self._fit_prompt)
         self._docks: dict[str, QDockWidget] = {}
         # the side panels scroll rather than force a window taller than a laptop screen
-        self._add_dock("model", "Model", _scrolling(self.model_panel), Qt.LeftDockWidgetArea)
-        self._add_dock("generation", "Generation", _scrolling(self.generation_panel), Qt.LeftDockWidgetArea)
+        self._add_dock("model", "Model", scrolling(self.model_panel), Qt.LeftDockWidgetArea)
+        self._add_dock("generation", "Generation", scrolling(self.generation_panel), Qt.LeftDockWidgetArea)
         self.server_panel = ServerPanel(self.session)
         self.server_panel.traffic_open_clicked.connect(self.open_traffic)
         self._add_dock("server", "Server", self.server_panel, Qt.LeftDockWidgetArea)

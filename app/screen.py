@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import QSize
+from PySide6.QtCore import QSize, Qt
 from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import QFrame, QScrollArea, QWidget
 
 
 DECORATION = QSize(16, 48)
@@ -27,3 +28,15 @@ def compact(*buttons) -> None:
     for button in buttons:
         button.ensurePolished()  # the style sheet's font (a bold Generate) first
         button.setMinimumWidth(button.fontMetrics().horizontalAdvance(button.text()) + 32)
+
+
+def scrolling(panel: QWidget) -> QScrollArea:
+    """``panel`` in a vertical scroll area as wide as the panel needs (never cut on the right): a
+    short screen scrolls it instead of squeezing it."""
+    area = QScrollArea()
+    area.setWidget(panel)
+    area.setWidgetResizable(True)
+    area.setFrameShape(QFrame.NoFrame)
+    area.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+    area.setMinimumWidth(panel.minimumSizeHint().width() + area.verticalScrollBar().sizeHint().width())
+    return area

@@ -19,7 +19,6 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QPushButton,
     QSpinBox,
-    QScrollArea,
     QSplitter,
     QTableWidget,
     QTableWidgetItem,
@@ -30,7 +29,7 @@ from PySide6.QtWidgets import (
 from app.glossary import link_headers
 from app.background import Background
 from app.frame_budget import FrameBudget
-from app.screen import fit_screen
+from app.screen import fit_screen, scrolling
 from app.transcript import Transcript, Turn
 from app.widgets.live_plots import PlotPanel
 from app.widgets.output_view import OutputView
@@ -410,15 +409,9 @@ class TrafficWindow(QWidget):
         self.request_view.setMinimumHeight(140)
         # the request and the load generator keep their room and scroll on a short screen (they were
         # crushed to slivers, the chart to 15 px, even maximised on a laptop)
-        side_scroll = QScrollArea()
-        side_scroll.setWidgetResizable(True)
-        side_scroll.setFrameShape(QScrollArea.NoFrame)
-        side_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-        side_scroll.setWidget(side)
-        side_scroll.setMinimumWidth(side.minimumSizeHint().width() + side_scroll.verticalScrollBar().sizeHint().width())
         splitter = QSplitter(Qt.Horizontal)
         splitter.addWidget(self.plots)
-        splitter.addWidget(side_scroll)
+        splitter.addWidget(scrolling(side))
         splitter.setStretchFactor(0, 3)
         splitter.setStretchFactor(1, 1)
         splitter.setSizes([1100, 560])

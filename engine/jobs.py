@@ -10,7 +10,8 @@ their kinds: a new kind of job is a new class here, and nothing else changes.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -60,6 +61,17 @@ def model_core(ctx: JobContext) -> "EngineCore | None":
     return core
 
 
+@contextmanager
+def using_model_core(ctx: JobContext) -> Iterator["EngineCore | None"]:
+    """:func:`model_core` for one job's work; if that work fails the core is dropped (its state
+    may be half-changed) and the next job gets a fresh one."""
+    try:
+        yield model_core(ctx)
+    except BaseException:
+        ctx.keep.pop("core", None)
+        raise
+
+
 @dataclass(frozen=True)
 class GenerateJob:
     """One answer, token by token: emits ``Prefilled``, ``TokenGenerated``…; returns the
@@ -75,15 +87,12 @@ class GenerateJob:
         copies the KV of the conversation so far. A failure drops the core (its state may be
         half-changed); the next prompt gets a fresh one."""
         final = None
-        try:
-            for event in generate(ctx.model, self.request, ctx.cancel, core=model_core(ctx)):
+        with using_model_core(ctx) as core:
+            for event in generate(ctx.model, self.request, ctx.cancel, core=core):
                 if isinstance(event, Finished):
                     final = event
                 else:
                     ctx.emit(event)
-        except BaseException:
-            ctx.keep.pop("core", None)
-            raise
         return final
 
 
@@ -161,12 +170,9 @@ class SweepJob:
                 steps.setdefault(batch, []).append(event)
                 ctx.emit(Tagged(batch, event))
 
-        try:  # through the model's core, under each batch's limits in turn
+        with using_model_core(ctx) as core:  # under each batch's limits in turn
             points, skipped = run_sweep(ctx.model, self.request, self.batches, ctx.cancel, on_event=on_event,
-                                        on_point=ctx.emit, core=model_core(ctx))
-        except BaseException:
-            ctx.keep.pop("core", None)  # its state may be half-changed: the next job gets a fresh one
-            raise
+                                        on_point=ctx.emit, core=core)
         if points:
             try:
                 record_points(ctx.model, points, len(ctx.model.encode(self.request)), steps)
@@ -197,13 +203,10 @@ class SpeculateJob:
                 draft.close()
             ctx.keep.pop("draft", None)
             ctx.keep["draft"] = draft = load_draft(spec, ctx.model, cancel=ctx.cancel)
-        try:  # through the model's core, lent to the draft for the run
+        with using_model_core(ctx) as core:  # lent to the draft for the run
             return speculative_report(ctx.model, draft, self.request, self.draft_tokens, self.compare_plain,
                                       ctx.cancel, lambda run, event: ctx.emit(Tagged(run, event)), record=True,
-                                      core=model_core(ctx))
-        except BaseException:
-            ctx.keep.pop("core", None)  # its state may be half-changed: the next job gets a fresh one
-            raise
+                                      core=core)
 
 
 @dataclass(frozen=True)

@@ -242,7 +242,7 @@ class CostCharts(QWidget):
         gpus = self._gpus
         if gpus > 1:  # past one GPU: the plan's GPUs at every batch, as the numbers beside it price them
             ceiling, fits = _on_gpus(config, profile, e, gpus)
-        title = f"on {gpus} GPUs (tensor parallel), as planned" if gpus > 1 else None
+        title = f"on {gpus} GPUs, as planned" if gpus > 1 else None  # short: a narrow chart clips it
         if self._money_title != title:
             self._money_title = title
             self.money_plot.plot.setTitle(title, size="9pt")
