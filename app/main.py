@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--self-check", metavar="PNG",
                         help="load the model, answer one short prompt, save a screenshot of the window to PNG, "
                              "print what happened and exit (0 if it all worked): checks an install or a bundle")
+    parser.add_argument("--tour-check", metavar="DIR",
+                        help="load the model, take the tour (Help → Tour), pressing Next as each step's figure "
+                             "arrives; save a picture of the screen at each step in DIR, print each figure and "
+                             "its time, and exit (0 if every step measured)")
     return parser
 
 
@@ -69,6 +73,55 @@ def self_check(window, app, path: str) -> None:
     window.session.load_failed.connect(fail)
     window.generation_finished.connect(on_finished)
     window.generation_failed.connect(fail)
+
+
+def tour_check(window, app, folder: str) -> None:
+    """Wire ``window`` to load, take the whole tour (Next as each figure arrives), save the screen
+    at each step, print the figures and times, and quit (exit code 0/1)."""
+    import time
+    from pathlib import Path
+
+    from PySide6.QtCore import QTimer
+    from PySide6.QtGui import QGuiApplication
+
+    from app.tour import STEPS
+
+    target = Path(folder)
+    target.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    times = {"step": started}
+
+    def quit_with(code: int) -> None:
+        window.close()
+        app.exit(code)
+
+    def on_loaded(info) -> None:
+        print(f"tour-check: loaded {info.name} ({info.precision}) in {info.load_s:.2f} s", flush=True)
+        window.session.loaded.disconnect(on_loaded)
+        tour = window.open_tour()
+        tour.step_measured.connect(lambda key, figure: QTimer.singleShot(500, lambda: measured(tour, key, figure)))
+        tour.step_failed.connect(lambda key, why: failed(key, why))
+        times["tour"] = times["step"] = time.perf_counter()
+
+    def measured(tour, key: str, figure: str) -> None:
+        now = time.perf_counter()
+        QGuiApplication.primaryScreen().grabWindow(0).save(str(target / f"tour-{tour.index + 1:02d}-{key}.png"))
+        print(f"tour-check: step {tour.index + 1} {key} ({now - times['step']:.1f} s): {figure}", flush=True)
+        if tour.index + 1 == len(STEPS):
+            print(f"tour-check: the whole tour took {now - times['tour']:.1f} s "
+                  f"({now - started:.1f} s after start)", flush=True)
+            tour.close()
+            QTimer.singleShot(0, lambda: quit_with(0))
+            return
+        times["step"] = time.perf_counter()
+        tour.next()
+
+    def failed(key: str, why: str) -> None:
+        print(f"tour-check: step {key} failed: {why}", file=sys.stderr, flush=True)
+        quit_with(1)
+
+    window.session.loaded.connect(on_loaded)
+    window.session.load_failed.connect(lambda exc: failed("load", str(exc)))
 
 
 def settings():
@@ -182,7 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     app.aboutToQuit.connect(lambda: window.session.shutdown(0))
     if args.self_check:
         self_check(window, app, args.self_check)
-    QTimer.singleShot(0, lambda: window.start(autoload=not args.no_autoload or bool(args.self_check)))
+    if args.tour_check:
+        tour_check(window, app, args.tour_check)
+    checking = bool(args.self_check or args.tour_check)
+    QTimer.singleShot(0, lambda: window.start(autoload=not args.no_autoload or checking))
     return app.exec()
 
 

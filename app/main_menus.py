@@ -1,5 +1,5 @@
 """The main window's menus: File (save, history, quit), View (the other windows, token chips,
-the panels, the layout, the redraw pace) and Help (the glossary)."""
+the panels, the layout, the redraw pace) and Help (the tour, the glossary)."""
 
 from __future__ import annotations
 
@@ -44,5 +44,6 @@ def build_menus(window, paces) -> None:
         group.addAction(action)
         pace.addAction(action)
         window.pace_actions[budget] = action
+    help_menu.addAction(QAction("&Tour: ten questions, measured on this model…", window, triggered=window.open_tour))
     help_menu.addAction(QAction("&Glossary: tokens, TTFT, KV cache…", window, shortcut=QKeySequence.HelpContents,
                                 triggered=lambda: open_glossary(parent=window)))

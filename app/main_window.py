@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Signal, Slot
 from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
+    QDialog,
     QDockWidget,
     QFileDialog,
     QMainWindow,
@@ -135,6 +137,7 @@ class MainWindow(QMainWindow):
         self.prompt.clear_clicked.connect(self.clear_conversation)
         self.prompt.copy_clicked.connect(self.copy_answer)
         self.prompt.save_clicked.connect(self.save_transcript)
+        self.prompt.message.linkActivated.connect(lambda link: self.open_tour() if link == "tour" else None)
         QShortcut(QKeySequence(Qt.Key_Escape), self, activated=self.stop)
         QShortcut(QKeySequence("Ctrl+Return"), self, activated=self.prompt._submit)
 
@@ -198,6 +201,11 @@ class MainWindow(QMainWindow):
 
     def open_traffic(self):
         return self.tools.open_traffic()
+
+    def open_tour(self):
+        from app.tour import open_tour
+
+        return open_tour(self)
 
     @property
     def compare(self):
@@ -285,7 +293,9 @@ class MainWindow(QMainWindow):
             self.session.unload()
 
     @Slot(str)
-    def generate(self, text: str) -> None:
+    def generate(self, text: str, max_new_tokens: int | None = None) -> None:
+        """Answer ``text`` with the Generation panel's settings (``max_new_tokens``: a shorter cap
+        for this answer alone, as the tour asks; the status bar and history show what ran)."""
         if self.loaded is None or self.loading or self.generating:
             return
         if not text.strip():
@@ -306,6 +316,8 @@ class MainWindow(QMainWindow):
                                      "shows; the prompt runs once it is loaded.", "info")
             return
         request = self.generation_panel.request_for(text, self.transcript.history())
+        if max_new_tokens is not None:
+            request = replace(request, max_new_tokens=max_new_tokens)
         if request.mode == "raw":
             self.transcript.clear()
         self.transcript.mode = request.mode
@@ -372,6 +384,7 @@ class MainWindow(QMainWindow):
         self.transcript.model = info
         self.model_panel.show_loaded(info)
         self.model_panel.set_loaded_request(self._load_request)
+        self.plots.set_ceiling(None)  # measured for the model before
         self.server_panel.set_model(info.name)
         self._update_state()
         self._update_status()
@@ -379,6 +392,10 @@ class MainWindow(QMainWindow):
         waiting, self._generate_after_load = self._generate_after_load, None
         if waiting is not None:
             self.generate(waiting)
+        else:
+            from app.tour import offer
+
+            offer(self)  # the first start only
 
     @Slot(object)
     def _on_load_failed(self, exc: Exception) -> None:
@@ -403,6 +420,7 @@ class MainWindow(QMainWindow):
     @Slot()
     def _on_unloaded(self) -> None:
         self.loaded = None
+        self.plots.set_ceiling(None)
         self.model_panel.show_unloaded()
         self.model_panel.set_loaded_request(None)
         self.server_panel.set_model(None)
@@ -509,6 +527,9 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event) -> None:
         self.save_settings()
         self.timer.stop()
+        tour = self.findChild(QDialog, "tour")
+        if tour is not None:
+            tour.close()  # it stops listening, and stops the server it started
         self.tools.close_all()
         serving = self.server_panel.serving
         self.server_panel.stop(now=True)  # every open stream ends with its last chunk before the port closes

@@ -61,6 +61,7 @@ class LoadBox(QGroupBox):
     _request_done = Signal(str, object)  # setting label, RequestResult (from the load's thread)
     _setting_done = Signal(object)  # SettingResult
     _ended = Signal(object, object)  # results, error
+    load_ended = Signal(object, object)  # results, error: after the box shows them
 
     def __init__(self, panel, parent: QWidget | None = None) -> None:
         super().__init__("Load generator", parent)
@@ -277,6 +278,7 @@ class LoadBox(QGroupBox):
                                 + ". Tokens counted from the server's usage (* where from chunks).")
         self.update_state()
         self.reload_history()
+        self.load_ended.emit(results, error)
 
     def reload_history(self) -> None:
         """Read the history's loads off the GUI thread; the chart redraws when they arrive."""

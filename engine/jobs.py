@@ -148,6 +148,81 @@ class TokenizeJob:
 
 
 @dataclass(frozen=True)
+class WeightsFigures:
+    """The weights' memory, predicted (parameters × bytes each) and measured, beside a reference
+    model's prediction (the essay's Llama-3.1-8B: 16 GB in bf16)."""
+
+    parameters: int
+    precision: str
+    predicted_bytes: int
+    measured_bytes: int | None
+    reference: str
+    reference_parameters: int
+    reference_bytes: int
+    """The reference in bf16."""
+
+    @property
+    def bits_per_parameter(self) -> float:
+        return 8 * self.predicted_bytes / self.parameters
+
+
+@dataclass(frozen=True)
+class WeightsJob:
+    """Count the loaded model's parameters from its config, predict its weights' bytes in its
+    precision, and read what it measured when it loaded (the tour's memory step)."""
+
+    reference: str = "meta-llama/Llama-3.1-8B"
+    kind: ClassVar[str] = "weights"
+
+    def run(self, ctx: JobContext) -> WeightsFigures:
+        from engine.estimates.estimate import count_parameters, shipped_config, weights_bytes
+
+        if ctx.model.model is None:
+            raise EngineError("A model served elsewhere keeps its weights on its server: load one here.")
+        info = ctx.model.info
+        count = count_parameters(ctx.model.model.config)
+        predicted = weights_bytes(count, info.precision, info.device.split(":")[0])
+        reference = count_parameters(shipped_config(self.reference))
+        return WeightsFigures(count.total, info.precision, predicted, info.weights_bytes, self.reference,
+                              reference.total, weights_bytes(reference, "bf16"))
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """This machine's measured memory bandwidth and the decode speed it allows one request."""
+
+    bandwidth_bytes_per_s: float
+    source: str
+    """How the bandwidth was found (measured when, how)."""
+    tokens_per_s: float | None
+    """The cost model's ceiling: bandwidth ÷ bytes read per token (weights, then the KV cache)."""
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        return self.bandwidth_bytes_per_s / self.tokens_per_s if self.tokens_per_s else None
+
+
+@dataclass(frozen=True)
+class CeilingJob:
+    """The memory-bandwidth ceiling of one request of ``context`` tokens on this machine (its
+    bandwidth measured once, a few seconds, then cached)."""
+
+    context: int
+    kind: ClassVar[str] = "bandwidth ceiling"
+
+    def run(self, ctx: JobContext) -> Ceiling:
+        from engine.estimates import hardware
+        from engine.storage.history import hardware_for
+
+        if ctx.model.model is None:
+            raise EngineError("A model served elsewhere runs on its server's memory: load one here.")
+        profile_id = hardware_for(ctx.model.info.device, ctx.model.info.device_name)
+        profile = hardware.this_machine() if profile_id == hardware.THIS_MACHINE else hardware.get(profile_id)
+        return Ceiling(profile.bandwidth_bytes_per_s, (profile.sources or {}).get("bandwidth_bytes_per_s", ""),
+                       ceiling_for(ctx.model, 1, max(1, self.context)))
+
+
+@dataclass(frozen=True)
 class SweepResult:
     points: tuple["SweepPoint", ...]
     skipped: tuple["SweepSkip", ...]

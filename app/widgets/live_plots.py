@@ -260,9 +260,25 @@ class LivePlots:
         self._weights.setVisible(False)
         self.memory.plot.addItem(self._weights)
         self.memory.add_legend("weights", "muted", "╍╍")
+        # the memory-bandwidth ceiling of one request, once measured (Help → Tour, step 5)
+        self.ceiling: float | None = None
+        self._ceiling = pg.InfiniteLine(angle=0, pen=_pen("third", Qt.DashLine),
+                                        label="bandwidth ceiling {value:,.0f} tok/s",
+                                        labelOpts={"position": 0.5, "color": _COLOURS["third"], "anchors": [(0.5, 1), (0.5, 1)]})
+        self._ceiling.setVisible(False)
+        self.speed.plot.addItem(self._ceiling)
         self._drawn: dict[str, tuple] = {}  # plot name -> (run, version) it shows
         self._titles: dict[PlotPanel, str | None] = {}
         self.redraws = 0
+
+    def set_ceiling(self, tokens_per_s: float | None) -> None:
+        """Draw the memory-bandwidth ceiling across the speed plot (bandwidth ÷ bytes read per
+        token: one request can't decode faster); ``None`` takes it away (another model loaded)."""
+        self.ceiling = tokens_per_s if tokens_per_s and math.isfinite(tokens_per_s) else None
+        self._ceiling.setVisible(self.ceiling is not None)
+        if self.ceiling is not None:
+            self._ceiling.setValue(self.ceiling)
+            self.speed.fit(max(self.speed._x_limit, 1.0), self.ceiling)
 
     def refresh(self, buffer: Run, only: str | None = None) -> bool:
         """Redraw from the buffer: every plot, or ``only`` one of them (the window cycles through
@@ -292,7 +308,7 @@ class LivePlots:
         note = (f" · {above} step{'s' if above > 1 else ''} above the view, fastest "
                 f"{float(np.nanmax(speed_now)):,.0f} tok/s" if above else "")
         self._set_title(self.speed, buffer, note)
-        self.speed.fit(n, top)
+        self.speed.fit(n, max(top, self.ceiling or 0.0))
 
     def _draw_latency(self, buffer: Run) -> None:
         """Latency of each decode step; the first token's (the TTFT) is in the title. A few spikes

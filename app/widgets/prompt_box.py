@@ -53,7 +53,7 @@ class PromptBox(QWidget):
         self.message = QLabel("")
         self.message.setObjectName("messageArea")
         self.message.setWordWrap(True)
-        self.message.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.message.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.LinksAccessibleByMouse)
         self.message.hide()
         compact(self.generate_button, self.stop_button, self.clear_button, self.copy_button, self.save_button)
         buttons = QHBoxLayout()

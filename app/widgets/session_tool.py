@@ -43,6 +43,8 @@ class SessionTool(QWidget):
     implement ``on_events``, ``on_finished`` and ``draw``."""
 
     updated = Signal()  # after a redraw (tests wait on it)
+    finished = Signal(object)  # the run's result, once the page shows it
+    failed = Signal(str)  # what stopped it ("Stopped." for a cancel)
     needs = ""
     """What it measures, said when a model served elsewhere is loaded (these tools run the
     model's own engine, which an endpoint doesn't lend)."""
@@ -134,6 +136,7 @@ class SessionTool(QWidget):
             self._set_running(False)
             self.on_finished(result)
             self.refresh()
+            self.finished.emit(result)
 
     def _on_job_failed(self, job_id: int, exc) -> None:
         if job_id != self.job:
@@ -145,9 +148,11 @@ class SessionTool(QWidget):
         self.refresh()
         if isinstance(exc, CancelledError):
             self.controls.status.setText("Stopped.")
+            self.failed.emit("Stopped.")
             return
         message = str(exc) or type(exc).__name__
         self.controls.status.setText(f"<span style='color:{REJECTED}'>{message}</span>")
+        self.failed.emit(message)
 
     def _on_queue_changed(self) -> None:
         if self.job is not None and self.job in self.session.waiting():

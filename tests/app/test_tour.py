@@ -1,0 +1,159 @@
+"""Help → Tour: every step measures on the loaded model and shows that figure, the outlined
+widget answers it, leaving stops what the tour started, and the tour is offered once."""
+
+from __future__ import annotations
+
+import pytest
+from shiboken6 import isValid as shiboken_valid
+
+from app.tour import STEPS, Tour
+from engine.units import format_bytes, format_rate, format_seconds
+from tests.app.conftest import load
+
+
+@pytest.fixture
+def toured(qtbot, window, tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path / "data"))
+    load(qtbot, window, tiny_llama)
+    window.server_panel.port.setValue(0)  # any free port: the tour keeps the port it is given when free
+    tour = window.open_tour()
+    yield window, tour
+    if shiboken_valid(tour):  # a finished tour is deleted on close
+        tour.close()
+    window.tools.close_all()
+
+
+def measure(qtbot, tour: Tour, index: int) -> str:
+    """Show step ``index`` (unless shown) and wait for its figure; return it."""
+    key = STEPS[index].key
+    failures: list = []
+    tour.step_failed.connect(lambda k, why: failures.append((k, why)))
+    if tour.index != index:
+        tour.show_step(index)
+    qtbot.waitUntil(lambda: key in tour.figures or bool(failures), timeout=180_000)
+    assert not failures, failures
+    assert tour.figure.text().startswith("<b>Measured:</b>")
+    return tour.figures[key]
+
+
+def outlined(tour: Tour):
+    return tour._highlight.target if tour._highlight is not None else None
+
+
+def test_every_step_shows_the_figure_it_names(qtbot, toured):
+    window, tour = toured
+    qtbot.waitUntil(lambda: tour.index == 0)
+    assert tour.isVisible() and "Step 1 of 10" in tour.heading.text()
+
+    # 1 Tokens: as many chips as the count, the count the one the answer's prompt had
+    figure = measure(qtbot, tour, 0)
+    chips = tour.chips.text().count("<span")
+    assert f"are {chips} tokens" in figure and "context window" in figure
+    assert outlined(tour) is window.prompt and tour.chips_area.isVisible()
+    # 2 One token at a time: the window's own answer, its TTFT and per-token time
+    with qtbot.waitSignal(window.generation_finished, timeout=60_000) as answer:
+        tour.next()
+    figure = measure(qtbot, tour, 1)
+    event = answer.args[0]
+    assert event.prompt_tokens == chips  # step 1 counted what Generate sent
+    assert format_seconds(event.ttft_s) in figure
+    assert format_seconds(event.decode_s / (event.tokens - 1)) in figure
+    assert outlined(tour) is window.plots.latency and window.run.finished is event
+    # 3 Weights: predicted from the config, measured at load, and the essay's 16 GB
+    figure = measure(qtbot, tour, 2)
+    assert f"measured once loaded: {format_bytes(window.loaded.weights_bytes)}" in figure
+    assert "(fp32)" in figure and "32.0 bits" in figure
+    assert "Llama-3.1-8B: 8.0 B × 16 bits = 16.1 GB" in figure
+    assert outlined(tour) is window.plots.memory
+    # 4 KV cache: a follow-up turn's cache, measured against predicted
+    with qtbot.waitSignal(window.generation_finished, timeout=60_000) as answer:
+        tour.next()
+    figure = measure(qtbot, tour, 3)
+    event = answer.args[0]
+    assert len(window.transcript.turns) >= 4  # a second turn of the same conversation
+    assert f"{format_bytes(event.kv_cache_bytes)} measured" in figure
+    assert f"{format_bytes(window.loaded.kv_bytes_per_token)} per token" in figure
+    assert outlined(tour) is window.plots.kv
+    # 5 Bandwidth: the ceiling drawn on the speed plot, the measured speed against it
+    figure = measure(qtbot, tour, 4)
+    ceiling = window.plots.ceiling
+    assert ceiling and window.plots._ceiling.isVisible()
+    assert f"at most {format_rate(ceiling)}" in figure
+    assert f"Measured: {format_rate(event.decode_tokens_per_s)}" in figure
+    assert outlined(tour) is window.plots.speed
+    # 6 Batching: the Batching window's own sweep, set visibly to the tour's sizes
+    figure = measure(qtbot, tour, 5)
+    batching = window.tools.speedups.batching
+    assert batching.batches.text() == "1,4" and [p.batch for p in batching.points] == [1, 4]
+    assert f"{format_rate(batching.points[1].aggregate_tokens_per_s)} in all" in figure
+    assert outlined(tour) is batching.tradeoff_plot
+    # 7 Quantization: Compare's ladder, four lanes
+    figure = measure(qtbot, tour, 6)
+    compare = window.tools.compare
+    assert [lane.spec().precision for lane in compare.lanes] == ["fp32", "bf16", "int8", "nf4"]
+    for lane, row in zip(compare.lanes, compare.summary):
+        assert f"{lane.spec().precision} {format_bytes(row.weights_bytes)}" in figure
+    assert outlined(tour) is compare.table
+    # 8 Speculative decoding: accepted against drafted, and the speed-up against plain decoding
+    figure = measure(qtbot, tour, 7)
+    report = window.tools.speedups.speculative.result
+    assert f"{report.accepted_tokens} of {report.drafted_tokens} guesses accepted" in figure
+    assert f"{report.speedup_vs_plain:.2f}×" in figure
+    # 9 Many users: the server started, a load against it, its requests in the traffic view
+    figure = measure(qtbot, tour, 8)
+    box = window.tools.traffic.load_box
+    assert [r.label for r in box.results] == ["concurrency 1", "concurrency 4"]
+    assert f"{box.results[1].summary.output_throughput:,.1f} tok/s" in figure
+    assert window.server_panel.started is not None and outlined(tour) is window.tools.traffic.plots.timeline
+    # 10 Training vs inference: leaving step 9 stops the server the tour started
+    figure = measure(qtbot, tour, 9)
+    qtbot.waitUntil(lambda: window.server_panel.job is None, timeout=60_000)
+    estimate = window.tools.costs.estimate
+    assert f"{estimate.training_breakeven_tokens:.2e} tokens" in figure
+    assert "20 training tokens per parameter" in figure
+    assert window.tools.costs.training.text() == f"{20 * window.loaded.parameters:.3g}"
+    assert tour.next_button.text() == "Finish"
+    tour.next()
+    assert not tour.isVisible()
+
+
+def test_leaving_mid_step_stops_listening_and_the_tour_server(qtbot, toured):
+    window, tour = toured
+    qtbot.waitUntil(lambda: tour.index == 0)
+    tour.show_step(8)  # Many users: starts the server
+    qtbot.waitUntil(lambda: window.server_panel.started is not None, timeout=60_000)
+    tour.close()  # mid-step: the load may be running
+    qtbot.waitUntil(lambda: window.server_panel.job is None, timeout=60_000)
+    box = window.tools.traffic.load_box
+    qtbot.waitUntil(lambda: box.runner is None, timeout=60_000)
+    assert "serving" not in tour.figures and tour._listening == []
+    assert outlined(tour) is None and window.tools.traffic.plots.timeline.findChildren(type(tour._highlight)) == []
+
+
+def test_without_a_local_model_each_step_says_what_it_needs(qtbot, window):
+    tour = window.open_tour()
+    failed = []
+    tour.step_failed.connect(lambda key, why: failed.append((key, why)))
+    qtbot.waitUntil(lambda: tour.index == 0)
+    assert failed and failed[0][0] == "tokens" and "Load a model first" in failed[0][1]
+    assert "Load a model first" in tour.figure.text()
+    tour.next()  # nothing measured, but the tour goes on
+    assert tour.index == 1 and failed[-1][0] == "decode"
+    tour.close()
+
+
+def test_the_first_start_offers_the_tour_once(qtbot, app_factory, tiny_llama):
+    window = app_factory()
+    load(qtbot, window, tiny_llama)
+    message = window.prompt.message
+    assert message.isVisible() and "Take the tour" in message.text()
+    message.linkActivated.emit("tour")
+    tour = window.findChild(Tour, "tour")
+    assert tour is not None
+    qtbot.waitUntil(lambda: tour.index == 0)
+    tour.close()
+    window.close()
+    again = app_factory()  # same settings: offered already
+    load(qtbot, again, tiny_llama)
+    assert "Take the tour" not in again.prompt.message.text()
+    assert any(a.text().startswith("&Tour") for a in again.help_menu.actions())
