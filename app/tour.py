@@ -69,7 +69,8 @@ STEPS = (
          "then the tokenizer cuts it into tokens (the chips below). An API bills these, and the context "
          "window counts them."),
     Step("decode", "One token at a time", "How does a model actually run?",
-         "Generate answers the prompt in the main window. The Per-token latency plot (outlined) has one point per "
+         "Generate answers the prompt in the main window (up to 32 tokens: the tour keeps answers short, whatever "
+         "the Generation panel says). The Per-token latency plot (outlined) has one point per "
          "token: the first waited for the whole prompt (the TTFT); every later token is one decode step, "
          "a pass through the whole model."),
     Step("weights", "Why so much memory", "Why does it need so much memory?",
@@ -158,6 +159,7 @@ class Tour(QDialog):
         self._job: int | None = None
         self._server_started_here = False
         self.speed: float | None = None  # the decode tok/s the tour measured last (steps 2 and 4)
+        self._draft = main.prompt.editor.toPlainText()  # what the user had typed: back in the box when the tour ends
         self.context_tokens = 0  # the conversation's tokens after the tour's last answer
 
         self.heading = QLabel()
@@ -295,6 +297,9 @@ class Tour(QDialog):
 
     def closeEvent(self, event) -> None:
         self._leave_step()
+        editor = self.main.prompt.editor
+        if editor.toPlainText() in ("", PROMPT, FOLLOW_UP):  # the tour's text, or sent: the user's draft again
+            editor.setPlainText(self._draft)
         super().closeEvent(event)
 
     # -- what steps share ----------------------------------------------------------------------

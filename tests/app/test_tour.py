@@ -16,6 +16,7 @@ def toured(qtbot, window, tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path / "data"))
     load(qtbot, window, tiny_llama)
     window.server_panel.port.setValue(0)  # any free port: the tour keeps the port it is given when free
+    window.prompt.editor.setPlainText("my own question, half typed")
     tour = window.open_tour()
     yield window, tour
     if shiboken_valid(tour):  # a finished tour is deleted on close
@@ -120,6 +121,7 @@ def test_every_step_shows_the_figure_it_names(qtbot, toured):
 def test_leaving_mid_step_stops_listening_and_the_tour_server(qtbot, toured):
     window, tour = toured
     qtbot.waitUntil(lambda: tour.index == 0)
+    assert window.prompt.editor.toPlainText() == "In two sentences: what does a GPU do?"
     tour.show_step(8)  # Many users: starts the server
     qtbot.waitUntil(lambda: window.server_panel.started is not None, timeout=60_000)
     tour.close()  # mid-step: the load may be running
@@ -127,6 +129,7 @@ def test_leaving_mid_step_stops_listening_and_the_tour_server(qtbot, toured):
     box = window.tools.traffic.load_box
     qtbot.waitUntil(lambda: box.runner is None, timeout=60_000)
     assert "serving" not in tour.figures and tour._listening == []
+    assert window.prompt.editor.toPlainText() == "my own question, half typed"  # the user's draft, back
     assert outlined(tour) is None and window.tools.traffic.plots.timeline.findChildren(type(tour._highlight)) == []
 
 
