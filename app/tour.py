@@ -475,9 +475,9 @@ class Tour(QDialog):
                 return
             main.plots.set_ceiling(c.tokens_per_s)
             speed = self.speed or main.run.decode_tokens_per_s()
-            measured = ("Measured: no answer yet (step 2 makes one)." if not speed else
-                        f"Measured: <b>{format_rate(speed)}</b>, {speed / c.tokens_per_s:.0%} of the ceiling "
-                        "(the rest is the kernels and Python between the reads).")
+            measured = ("No answer measured yet (step 2 makes one)." if not speed else
+                        f"The last answer: <b>{format_rate(speed)}</b>, {speed / c.tokens_per_s:.0%} of the ceiling "
+                        "(the rest of each step goes to arithmetic and overheads, not to reading memory).")
             self._done("bandwidth", f"this machine reads <b>{c.bandwidth_bytes_per_s / 1e9:,.1f} GB/s</b> "
                                     f"({html.escape(c.source)}); each token reads {format_bytes(c.bytes_per_token)}, "
                                     f"so one request can make at most <b>{format_rate(c.tokens_per_s)}</b>. {measured}")

@@ -80,7 +80,7 @@ def test_every_step_shows_the_figure_it_names(qtbot, toured):
     ceiling = window.plots.ceiling
     assert ceiling and window.plots._ceiling.isVisible()
     assert f"at most {format_rate(ceiling)}" in figure
-    assert f"Measured: {format_rate(event.decode_tokens_per_s)}" in figure
+    assert f"The last answer: {format_rate(event.decode_tokens_per_s)}" in figure
     assert outlined(tour) is window.plots.speed
     # 6 Batching: the Batching window's own sweep, set visibly to the tour's sizes
     figure = measure(qtbot, tour, 5)
