@@ -295,12 +295,20 @@ class Tour(QDialog):
             self._server_started_here = False
             self.main.server_panel.stop()
 
-    def closeEvent(self, event) -> None:
+    def _end(self) -> None:
         self._leave_step()
         editor = self.main.prompt.editor
         if editor.toPlainText() in ("", PROMPT, FOLLOW_UP):  # the tour's text, or sent: the user's draft again
             editor.setPlainText(self._draft)
+
+    def closeEvent(self, event) -> None:
+        self._end()
         super().closeEvent(event)
+
+    def reject(self) -> None:
+        """Esc: leave the tour, as its button does (a dialog's Esc hides it without a close event)."""
+        self._end()
+        super().reject()
 
     # -- what steps share ----------------------------------------------------------------------
     def _listen(self, signal, slot: Callable) -> None:

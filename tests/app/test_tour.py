@@ -4,6 +4,7 @@ widget answers it, leaving stops what the tour started, and the tour is offered 
 from __future__ import annotations
 
 import pytest
+from PySide6.QtCore import Qt
 from shiboken6 import isValid as shiboken_valid
 
 from app.tour import STEPS, Tour
@@ -124,7 +125,8 @@ def test_leaving_mid_step_stops_listening_and_the_tour_server(qtbot, toured):
     assert window.prompt.editor.toPlainText() == "In two sentences: what does a GPU do?"
     tour.show_step(8)  # Many users: starts the server
     qtbot.waitUntil(lambda: window.server_panel.started is not None, timeout=60_000)
-    tour.close()  # mid-step: the load may be running
+    qtbot.keyClick(tour, Qt.Key_Escape)  # mid-step: the load may be running
+    assert not tour.isVisible()
     qtbot.waitUntil(lambda: window.server_panel.job is None, timeout=60_000)
     box = window.tools.traffic.load_box
     qtbot.waitUntil(lambda: box.runner is None, timeout=60_000)
