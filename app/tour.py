@@ -522,7 +522,12 @@ class Tour(QDialog):
             self._failed("batching", tool.controls.status.text())
 
     def _measure_quantization(self) -> None:
+        from engine.measure.compare import LaneSpec
+
         window = self.main.open_compare()
+        loaded = self.main.model_panel.loaded_request  # lane 1: the model the main window runs, as loaded
+        if loaded is not None and not window.running:
+            window.lanes[0].configure(LaneSpec(loaded.model, loaded.precision, loaded.device))
         window.max_tokens.setValue(LADDER_TOKENS)
         if not window.prompt.toPlainText().strip():
             window.prompt.setPlainText(PROMPT)

@@ -8,6 +8,7 @@ from PySide6.QtCore import Qt
 from shiboken6 import isValid as shiboken_valid
 
 from app.tour import STEPS, Tour
+from engine.measure.compare import LaneSpec
 from engine.units import format_bytes, format_rate, format_seconds
 from tests.app.conftest import load
 
@@ -89,9 +90,11 @@ def test_every_step_shows_the_figure_it_names(qtbot, toured):
     assert batching.batches.text() == "1,4" and [p.batch for p in batching.points] == [1, 4]
     assert f"{format_rate(batching.points[1].aggregate_tokens_per_s)} in all" in figure
     assert outlined(tour) is batching.tradeoff_plot
-    # 7 Quantization: Compare's ladder, four lanes
+    # 7 Quantization: Compare's ladder, four lanes of the model the main window runs
+    compare = window.open_compare()
+    compare.lanes[0].configure(LaneSpec("default", "bf16", "auto"))  # left on another model: the ladder uses the main's
     figure = measure(qtbot, tour, 6)
-    compare = window.tools.compare
+    assert {lane.spec().model for lane in compare.lanes} == {str(window.model_panel.loaded_request.model)}
     assert [lane.spec().precision for lane in compare.lanes] == ["fp32", "bf16", "int8", "nf4"]
     for lane, row in zip(compare.lanes, compare.summary):
         assert f"{lane.spec().precision} {format_bytes(row.weights_bytes)}" in figure
