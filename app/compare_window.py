@@ -29,6 +29,7 @@ from app.frame_budget import FrameBudget
 from app.widgets.compare_plots import ComparePlots
 from app.widgets.compare_summary import SummaryTable
 from app.widgets.lane_widget import LaneWidget
+from app.widgets.quality_view import QualityView
 from app.screen import fit_screen
 from engine.measure import compare
 from engine.measure.compare import LaneSpec
@@ -47,6 +48,7 @@ class CompareWindow(QMainWindow):
     """The Compare view (View → Compare… in the main window)."""
 
     run_finished = Signal()
+    quality_finished = Signal()  # a quality run ended (done, stopped or failed)
     closed = Signal()  # its lanes' models are freed and their threads ended: the window is done
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -89,6 +91,15 @@ class CompareWindow(QMainWindow):
         self.ladder_button = QPushButton("Quantization ladder")
         self.ladder_button.setToolTip("Lane 1's model at fp32, bf16, int8 and nf4")
         self.ladder_button.clicked.connect(self.ladder)
+        self.quality_button = QPushButton("Quality")
+        self.quality_button.setObjectName("qualityButton")
+        self.quality_button.setToolTip("Every lane reads the same text (about 30,000 tokens): its perplexity, and its "
+                                       "KL divergence from lane 1, as llama.cpp's perplexity tool measures them. "
+                                       "About 1-2 minutes a lane on two cores for the default model.")
+        self.quality_button.clicked.connect(self.quality)
+        self.quality_run = None
+        self.quality_settings = {"text": None, "ctx": 512, "chunks": None}  # the shipped text, llama.cpp's ctx, all
+        self._quality_after_load = False
         self.add_button = QPushButton("+ lane")
         self.add_button.clicked.connect(lambda: self.add_lane())
         self.remove_button = QPushButton("− lane")
@@ -108,7 +119,8 @@ class CompareWindow(QMainWindow):
             settings_row.addWidget(QLabel(label))
             settings_row.addWidget(widget)
         settings_row.addStretch(1)
-        for button in (self.run_button, self.stop_button, self.ladder_button, self.add_button, self.remove_button):
+        for button in (self.run_button, self.stop_button, self.ladder_button, self.quality_button, self.add_button,
+                       self.remove_button):
             actions.addWidget(button)
         actions.addStretch(1)
         for button in (self.export_button, self.open_button):
@@ -138,14 +150,18 @@ class CompareWindow(QMainWindow):
             strip.addWidget(panel)
         plot_strip.setMinimumHeight(PLOTS_MIN_HEIGHT)  # readable axes on a short screen: the lanes scroll instead
         self.table = SummaryTable()
+        self.quality_view = QualityView()
         docks = []
-        for title, widget in (("Plots", plot_strip), ("Summary", self.table)):
+        for title, widget in (("Plots", plot_strip), ("Summary", self.table), ("Quality", self.quality_view)):
             dock = QDockWidget(title, self)
             dock.setObjectName(f"compare_dock_{title.lower()}")
             dock.setWidget(widget)
             self.addDockWidget(Qt.BottomDockWidgetArea, dock)
             docks.append(dock)
         self.splitDockWidget(docks[0], docks[1], Qt.Vertical)
+        self.tabifyDockWidget(docks[1], docks[2])  # the quality run's tab behind the summary
+        docks[1].raise_()
+        self._docks = docks
         screen = QGuiApplication.primaryScreen()
         if screen is not None and screen.availableGeometry().height() < SHORT_SCREEN:
             # plots above the summary need more height than a laptop has: tabs, the plots first
@@ -228,8 +244,62 @@ class CompareWindow(QMainWindow):
             return
         self._start(request)
 
+    # -- quality (perplexity and KL divergence) ---------------------------------------------
+    def quality(self) -> None:
+        """Every lane reads the text, lane 1 first (loading what isn't loaded as shown, first)."""
+        if self.running or self.read_only:
+            return
+        stale = [lane for lane in self.lanes if lane.needs_load()]
+        if stale:
+            self._quality_after_load = True
+            for lane in stale:
+                lane.load()
+            self.show_message("Loading the lanes first; the quality run starts when every lane is ready.")
+            self._update_state()
+            return
+        self._start_quality()
+
+    def _start_quality(self) -> None:
+        from app.quality_run import QualityRun
+
+        self.running = True
+        self.quality_run = run = QualityRun(self.lanes, parent=self, **self.quality_settings)
+        run.progressed.connect(lambda lane, text: lane._set_status(text))
+        run.finished.connect(self._on_quality_finished)
+        run.failed.connect(self._on_quality_failed)
+        self.show_message("Quality: every lane reads the same text, lane 1 first (the reference).")
+        self._docks[2].raise_()
+        self._update_state()
+        run.start()
+
+    def _on_quality_finished(self, rows) -> None:
+        self.running = False
+        self.quality_view.show_rows(rows)
+        self._docks[2].raise_()
+        self.show_message("Quality: done. The Quality tab has each lane's perplexity and KL divergence from lane 1.")
+        self._update_state()
+        self.quality_finished.emit()
+
+    def _on_quality_failed(self, message: str) -> None:
+        self.running = False
+        if self.quality_run is not None and self.quality_run.rows:
+            self.quality_view.show_rows(self.quality_run.rows)
+        self.show_message(message, error=True)
+        self._update_state()
+        self.quality_finished.emit()
+
     @Slot(object)
     def _on_lane_load_ended(self, lane: LaneWidget) -> None:
+        if self._quality_after_load and not any(l.loading for l in self.lanes):
+            self._quality_after_load = False
+            failed = [l for l in self.lanes if l.needs_load()]
+            if failed:
+                self.show_message("Quality not run: lane(s) " + ", ".join(str(l.index + 1) for l in failed)
+                                  + " did not load the configuration shown.", error=True)
+                self._update_state()
+            else:
+                self._start_quality()
+            return
         request = self._run_after_load
         if request is None or any(l.loading for l in self.lanes):
             return
@@ -263,6 +333,8 @@ class CompareWindow(QMainWindow):
 
     def stop(self) -> None:
         self._queue = []
+        if self.quality_run is not None and self.quality_run.running:
+            self.quality_run.stop()
         if self._run_after_load is not None:
             self._run_after_load = None
             for lane in self.lanes:
@@ -416,6 +488,7 @@ class CompareWindow(QMainWindow):
         busy_lanes = any(lane.loading or lane.generating for lane in self.lanes)
         self.run_button.setEnabled(idle and not busy_lanes)
         self.stop_button.setEnabled(self.running or self._run_after_load is not None)
+        self.quality_button.setEnabled(idle and not busy_lanes)
         for widget in (self.ladder_button, self.add_button, self.remove_button, self.prompt, self.mode,
                        self.max_tokens, self.seed, self.schedule_box):
             widget.setEnabled(idle)

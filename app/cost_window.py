@@ -67,6 +67,9 @@ class CostWindow(QMainWindow):
         for name in ALL_PRECISIONS:
             self.precision.addItem(name, name)
         self.precision.setCurrentIndex(self.precision.findData("bf16"))
+        # a measured precision's entry grows (its perplexity and KLD): the box keeps its width
+        self.precision.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
+        self.precision.setMinimumContentsLength(10)
         self.kv_dtype = QComboBox()
         for name in KV_DTYPES:
             self.kv_dtype.addItem(name, name)
@@ -252,9 +255,28 @@ class CostWindow(QMainWindow):
             self.numbers.setText(f"<span style='color:#c0392b'>{exc}</span>")
             return
         self._write_numbers(profile)
+        self._show_quality()
         # one chart per event-loop turn; ``updated`` follows the last (charts.drawn)
         self.charts.draw(self.estimate, config, profile, self._points(config, profile), self.kv_dtype.currentData(),
                          self._count, loads=self._loads(), gpus=self._gpus(profile), prefix=self.prefix.value())
+
+    def _show_quality(self) -> None:
+        """Each precision in the list says its measured quality where the history has it (Compare's
+        Quality run, or ``inference-workbench perplexity``, on this model): the latest of each."""
+        measured = {}
+        for r in self.records:
+            if r.kind == "quality" and self._count is not None and r.parameters == self._count.total:
+                measured[r.precision] = r.extra.get("quality") or {}
+        for i in range(self.precision.count()):
+            name = self.precision.itemData(i)
+            q = measured.get(name)
+            text = name
+            if q and q.get("perplexity") is not None:
+                d = q.get("divergence")
+                text = (f"{name} · measured: perplexity {q['perplexity']:.2f}"
+                        + (f", KLD {d['kld_mean']:.4f} vs {d['reference']}" if d else ""))
+            if self.precision.itemText(i) != text:
+                self.precision.setItemText(i, text)
 
     def _prefix_rows(self, e, profile) -> list[tuple[str, str]]:
         """What a shared prefix saves at this batch (the KV chart draws it at every context)."""
@@ -277,7 +299,7 @@ class CostWindow(QMainWindow):
         only (a speculative run is not bound by this ceiling; a served request's batch changed under
         it, step by step) and no run that ended in an error."""
         return [r for r in self.records if r.parameters == self._count.total and r.hardware == profile.id
-                and r.precision == self.precision.currentData() and r.kind not in ("speculative", "served")
+                and r.precision == self.precision.currentData() and r.kind not in ("speculative", "served", "quality")
                 and not r.extra.get("error")]
 
     def _loads(self) -> list[RunRecord]:

@@ -59,6 +59,16 @@ TERMS: dict[str, tuple[str, str, str]] = {
                      "Storing weights in fewer bits (int8, 4-bit) to save memory and the bandwidth each decode "
                      "step spends reading them, at some cost in agreement with the full-precision answer.",
                      "View → Compare → Quantization ladder: bytes, speed and agreement side by side."),
+    "perplexity": ("Perplexity",
+                   "How surprised a model is by a text: exp of the mean −log p of each next token. Lower is "
+                   "better; a quantized model's perplexity against its full-precision one's is the field's "
+                   "first check of what the bits cost.",
+                   "View → Compare → Quality; inference-workbench perplexity on the command line."),
+    "kl-divergence": ("KL divergence",
+                      "How far a model's whole next-token distribution moved from a reference's, per token, in "
+                      "nats: 0 when identical. llama.cpp's quantizers judge their work by its mean and its 99th "
+                      "percentile, and by how often the top token stays the same.",
+                      "View → Compare → Quality: the table, the bytes-vs-KLD chart, the text coloured by it."),
     "bandwidth": ("Memory-bandwidth ceiling",
                   "A decode step must read all the weights (and the KV cache) once, so tokens/second can't "
                   "exceed bandwidth ÷ bytes read. Most single-user speed is this limit, not arithmetic.",

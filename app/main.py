@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-CLI_COMMANDS = ("bench", "compare", "sweep", "estimate", "hardware", "models", "serve", "load")
+CLI_COMMANDS = ("bench", "compare", "sweep", "estimate", "hardware", "models", "serve", "load", "perplexity")
 
 
 SWITCH_INTERVAL_S = 0.001

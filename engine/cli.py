@@ -1,5 +1,5 @@
 """``inference-workbench`` on the command line: bench, compare, sweep, estimate, hardware, models, serve,
-load.
+load, perplexity.
 
 Errors end the program with one line on stderr and a non-zero exit code; ``--debug``
 shows the traceback. Each command imports what it runs inside its function (``# lazy: start-up``):
@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from engine import cli_serve
+from engine import cli_quality, cli_serve
 from engine.base.errors import EngineError, InvalidRequestError
 from engine.cli_text import compare_table, estimate_summary, speculative_summary, summary
 from engine.units import format_bytes, format_rate, format_seconds
@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list the default model and models in the Hugging Face cache")
     cli_serve.add_parsers(sub, PRECISIONS)
+    cli_quality.add_parser(sub, PRECISIONS)
     return parser
 
 
@@ -437,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
             return cli_serve.serve(args, _LoadPrinter())
         if args.command == "load":
             return cli_serve.load(args)
+        if args.command == "perplexity":
+            return cli_quality.run(args, _LoadPrinter())
         return _models(args)
     except KeyboardInterrupt:
         print("\ncancelled", file=sys.stderr)

@@ -27,6 +27,7 @@ from engine.serve.service import NotServingError, Ticket, Token
 
 if TYPE_CHECKING:
     from engine.generation.core import EngineCore
+    from engine.measure.quality import QualityReport, Reference
     from engine.measure.sweep import SweepPoint, SweepSkip
     from engine.serve.protocol import Defaults
 
@@ -220,6 +221,45 @@ class CeilingJob:
         profile = hardware.this_machine() if profile_id == hardware.THIS_MACHINE else hardware.get(profile_id)
         return Ceiling(profile.bandwidth_bytes_per_s, (profile.sources or {}).get("bandwidth_bytes_per_s", ""),
                        ceiling_for(ctx.model, 1, max(1, self.context)))
+
+
+@dataclass(frozen=True)
+class QualityResult:
+    report: "QualityReport"
+    reference: "Reference"
+    """This run's kept distributions: lane 1's are the others' reference."""
+    pieces: tuple[str, ...]
+    """How each scored token reads (the window colours them by their KL divergence)."""
+
+
+@dataclass(frozen=True)
+class QualityJob:
+    """Perplexity over a text and, given a reference, the KL divergence from it
+    (engine/measure/quality.py): emits ``QualityProgress`` after each batch of chunks; the
+    figures join the history."""
+
+    text: str | None = None
+    """A UTF-8 file; ``None``: the shipped text."""
+    ctx: int = 512
+    chunks: int | None = None
+    reference: object = field(default=None, compare=False)
+    """A ``Reference`` of the same tokens (another precision's run), or ``None``."""
+    top_k: int = 64
+    kind: ClassVar[str] = "perplexity"
+
+    def run(self, ctx: JobContext) -> QualityResult:
+        from engine.measure import quality  # lazy: importing it loads numpy
+
+        if ctx.model.model is None:
+            raise EngineError("Perplexity needs every token's whole distribution: a served model gives a few "
+                              "log-probabilities at most. Load the model here to measure it.")
+        name, text = quality.read_text(self.text)
+        tokens = quality.text_tokens(ctx.model, text)
+        report, kept = quality.measure(ctx.model, tokens, name, self.ctx, self.chunks, self.reference, self.top_k,
+                                       cancel=ctx.cancel, on_progress=ctx.emit)
+        quality.record(ctx.model.info, report)
+        pieces = tuple(ctx.model.token_text(i) for i in report.scored_ids)
+        return QualityResult(report, kept, pieces)
 
 
 @dataclass(frozen=True)

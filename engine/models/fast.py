@@ -181,6 +181,20 @@ def _forward(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_laye
     return logits[-1] if rows == 1 else logits
 
 
+def chunk_logits(d: FastDecoder, ids: torch.Tensor, keep: int) -> torch.Tensor:
+    """Logits at the last ``keep`` positions of each row of ``ids`` ([batch, count]), read from
+    position 0 without a cache (a perplexity chunk): [batch, keep, vocab]."""
+    count = ids.shape[1]
+    cos, sin = _rotary_tables(d, count)
+    hidden = d.embed(ids)
+    for layer in d.layers:
+        q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scaling,
+                                                  enable_gqa=d.kv_heads != d.heads)
+        hidden = _rest_of_layer(d, layer, hidden, attended)
+    return d.head(d.norm(hidden[:, -keep:]))
+
+
 def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                 scale: float) -> torch.Tensor:
     """Attention of one query token over a whole cache, as two small matmuls and a softmax in fp32,

@@ -154,3 +154,35 @@ def test_two_lanes_loading_at_once_one_failing(qtbot, compare, slow_tiny, tmp_pa
     assert not compare.lanes[1].needs_load()
     run(qtbot, compare, tokens=4)
     assert [lane.run.finished.tokens for lane in compare.lanes] == [4, 4]
+
+
+def test_quality_run_measures_every_lane_against_lane_1(qtbot, compare, tiny_llama, tmp_path, monkeypatch):
+    """Compare → Quality: lane 1 is the reference (KLD 0 against itself is not shown: it is the
+    reference), lane 2's KL divergence and perplexity come from the same text; the table, the
+    chart and the coloured text show them, and the Cost explorer's precision list says them."""
+    from app.widgets.quality_view import pareto
+    from engine.storage.history import load_all
+
+    monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path / "data"))
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
+    compare.lanes[0].configure(LaneSpec(str(tiny_llama), "fp32", "cpu"))
+    compare.lanes[1].configure(LaneSpec(str(tiny_llama), "bf16", "cpu"))
+    compare.quality_settings = {"text": str(text), "ctx": 64, "chunks": 4}
+    with qtbot.waitSignal(compare.quality_finished, timeout=180_000):
+        compare.quality_button.click()  # loads both lanes first
+    rows = compare.quality_view.rows
+    assert [r.precision for r in rows] == ["fp32", "bf16"]
+    reference, other = rows[0].report, rows[1].report
+    assert reference.divergence is None and other.divergence is not None
+    assert other.divergence.reference == "fp32" and 0 <= other.divergence.kld_mean < 0.1
+    assert other.chunks == 4 and other.tokens_scored == 4 * 31
+    table = compare.quality_view.table
+    assert table.item(0, 5).text() == "reference" and table.item(1, 5).text() == f"{other.divergence.kld_mean:.5f}"
+    assert table.item(1, 4).text().startswith(f"{other.perplexity:.3f}")
+    xs, ys = compare.quality_view.front.getData()
+    assert len(xs) >= 1 and pareto([(2.0, 0.0), (1.0, 0.5), (1.5, 0.6)]) == [1, 0]
+    assert compare.quality_view.text.toPlainText().strip() != ""
+    assert "bends most" in compare.quality_view.worst.text()
+    kinds = sorted(r.precision for r in load_all() if r.kind == "quality")
+    assert kinds == ["bf16", "fp32"]

@@ -182,3 +182,26 @@ def test_a_shared_prefix_shows_what_sharing_its_blocks_saves_at_this_batch(qtbot
     _, batch_ys = w.charts._curves["kv-batch"].getData()
     assert len(xs) == len(CONTEXTS) and all(s <= b for s, b in zip(ys, batch_ys))
     assert "copies a cached prefix" in text
+
+
+def test_the_precision_list_says_the_measured_quality(qtbot, costs_window, loaded_llama, tiny_llama):
+    """A quality run of this model in the history names its perplexity and KLD in the list (and is
+    not drawn as a speed point: it measured no decoding)."""
+    from engine.measure import quality
+
+    tokens = quality.text_tokens(loaded_llama, "The quick brown fox jumps over the lazy dog. " * 10)
+    report, kept = quality.measure(loaded_llama, tokens, "fox", 32, 4)
+    quality.record(loaded_llama.info, report)
+    w = costs_window
+    w.reload_history()
+    w.set_model(str(tiny_llama), "fp32")
+    qtbot.waitUntil(lambda: "measured" in w.precision.itemText(w.precision.findData("fp32")), timeout=30_000)
+    assert w.precision.itemText(w.precision.findData("fp32")) == (
+        f"fp32 · measured: perplexity {report.perplexity:.2f}")
+    assert w.precision.itemText(w.precision.findData("bf16")) == "bf16"
+    assert not [r for r in w._points(w._config, w.profiles[w.hardware.currentData()]) if r.kind == "quality"]
+    again, _ = quality.measure(loaded_llama, tokens, "fox", 32, 4, reference=kept)  # the latest counts
+    quality.record(loaded_llama.info, again)
+    w.reload_history()
+    qtbot.waitUntil(lambda: "KLD" in w.precision.itemText(w.precision.findData("fp32")), timeout=30_000)
+    assert w.precision.itemText(w.precision.findData("fp32")).endswith("KLD 0.0000 vs fp32")

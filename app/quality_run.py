@@ -1,0 +1,98 @@
+"""Compare's Quality run: every lane's model reads the same text (engine/jobs.py's QualityJob),
+lane 1 first, whose kept distributions are the others' reference; one lane at a time, so each
+lane's time is its own and only one text's logits are in memory."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QObject, Signal
+
+from app.widgets.quality_view import LaneQuality
+from engine.jobs import QualityJob, QualityResult
+
+
+class QualityRun(QObject):
+    progressed = Signal(object, str)  # lane, what it is doing
+    finished = Signal(object)  # list[LaneQuality], one per lane that measured
+    failed = Signal(str)  # why the run ended early (the lanes measured so far are in ``rows``)
+
+    def __init__(self, lanes, text: str | None = None, ctx: int = 512, chunks: int | None = None,
+                 parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.lanes = list(lanes)
+        self.text, self.ctx, self.chunks = text, ctx, chunks
+        self.rows: list[LaneQuality] = []
+        self.reference = None
+        self._queue = list(self.lanes)
+        self._current = None
+        self._job: int | None = None
+        self.running = False
+
+    def start(self) -> None:
+        self.running = True
+        self._next()
+
+    def stop(self) -> None:
+        self._queue = []
+        if self._current is not None and self._job is not None:
+            self._current.session.cancel(self._job)
+
+    def _next(self) -> None:
+        self._disconnect()
+        if not self._queue:
+            self.running = False
+            self.finished.emit(self.rows)
+            return
+        lane = self._current = self._queue.pop(0)
+        session = lane.session
+        session.job_events.connect(self._on_events)
+        session.job_finished.connect(self._on_finished)
+        session.job_failed.connect(self._on_failed)
+        self._job = session.submit(QualityJob(self.text, self.ctx, self.chunks, self.reference))
+        self.progressed.emit(lane, "quality: reading the text…")
+
+    def _disconnect(self) -> None:
+        lane, self._current = self._current, None
+        if lane is None:
+            return
+        for signal, slot in ((lane.session.job_events, self._on_events), (lane.session.job_finished, self._on_finished),
+                             (lane.session.job_failed, self._on_failed)):
+            try:
+                signal.disconnect(slot)
+            except (RuntimeError, TypeError):
+                pass
+
+    def _on_events(self, job_id: int, events) -> None:
+        if job_id != self._job:
+            return
+        p = events[-1]
+        eta = f", {p.eta_s:,.0f} s left" if p.eta_s is not None else ""
+        self.progressed.emit(self._current, f"quality: chunk {p.chunks_done}/{p.chunks} · "
+                                            f"{p.tokens_per_s:,.0f} tok/s{eta}")
+
+    def _on_finished(self, job_id: int, result: QualityResult) -> None:
+        if job_id != self._job:
+            return
+        lane = self._current
+        if self.reference is None:
+            self.reference = result.reference
+        run = lane.run.finished if lane.run is not None else None
+        speed = run.decode_tokens_per_s if run is not None else None
+        self.rows.append(LaneQuality(lane.index + 1, lane.spec().label, lane.colour, lane.spec().precision, speed,
+                                     result.report, result.pieces))
+        report = result.report
+        self.progressed.emit(lane, f"quality: perplexity {report.perplexity:.3f}"
+                                   + ("" if report.divergence is None else
+                                      f", mean KLD {report.divergence.kld_mean:.5f}")
+                                   + f" ({report.seconds:.1f} s)")
+        self._next()
+
+    def _on_failed(self, job_id: int, exc) -> None:
+        if job_id != self._job:
+            return
+        lane = self._current
+        self._queue = []
+        self._disconnect()
+        self.running = False
+        message = str(exc) or type(exc).__name__
+        self.progressed.emit(lane, f"quality: {message}")
+        self.failed.emit(f"Quality stopped at lane {lane.index + 1}: {message}")

@@ -1,0 +1,197 @@
+"""Compare's Quality tab: each lane's perplexity and KL divergence from lane 1 beside its bytes
+and speed, the trade-off as a chart with its Pareto front, and the text coloured by one lane's
+per-token divergence, so a user sees where a precision bends the model."""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (
+    QComboBox,
+    QHBoxLayout,
+    QLabel,
+    QSplitter,
+    QTableWidget,
+    QTableWidgetItem,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.glossary import link_headers
+from app.widgets.live_plots import PlotPanel
+from engine.units import format_bytes, format_rate
+
+COLUMNS = ("Lane", "Configuration", "Weights", "Decode tok/s", "Perplexity", "Mean KLD", "KLD p99", "Same top",
+           "Time")
+SHOWN_TOKENS = 3000
+"""Scored tokens drawn in the coloured text (the rest are counted, not drawn)."""
+RED_AT = 1.0
+"""KL divergence (nats) drawn full red."""
+
+
+@dataclass(frozen=True)
+class LaneQuality:
+    lane: int
+    label: str
+    colour: str
+    precision: str
+    decode_tokens_per_s: float | None
+    report: object  # engine.measure.quality.QualityReport
+    pieces: tuple[str, ...]
+
+
+def pareto(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other beats on both (fewer bytes and lower divergence), by bytes."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1]))
+    front, best = [], math.inf
+    for i in order:
+        if points[i][1] < best:
+            front.append(i)
+            best = points[i][1]
+    return front
+
+
+def coloured_text(pieces, klds, limit: int = SHOWN_TOKENS) -> str:
+    """The scored tokens as HTML, each on a background from white (the reference's distribution)
+    to red (KL ≥ :data:`RED_AT` nats)."""
+    out = []
+    for piece, kld in zip(pieces[:limit], klds[:limit]):
+        level = min(1.0, max(0.0, kld) / RED_AT) ** 0.5 if math.isfinite(kld) else 1.0
+        green = int(255 - 150 * level)
+        text = html.escape(piece).replace("\n", "↵<br>")
+        out.append(f"<span style='background:rgb(255,{green},{green}); color:#1b2631' "
+                   f"title='KL {kld:.4f}'>{text}</span>")
+    more = (f"<p><i>… and {len(pieces) - limit:,} more scored tokens (the figures count them all).</i></p>"
+            if len(pieces) > limit else "")
+    return "<div style='white-space:pre-wrap'>" + "".join(out) + "</div>" + more
+
+
+def worst_tokens(pieces, klds, count: int = 8) -> str:
+    """The tokens the precision bends most, with their divergence."""
+    if not len(klds):
+        return ""
+    order = np.argsort(np.asarray(klds))[::-1][:count]
+    return ", ".join(f"“{html.escape(pieces[i].strip() or repr(pieces[i]))}” {klds[i]:.2f}" for i in order)
+
+
+class QualityView(QWidget):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[LaneQuality] = []
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setObjectName("qualityTable")
+        self.table.setHorizontalHeaderLabels(list(COLUMNS))
+        link_headers(self.table, {"Weights": "weights", "Decode tok/s": "decode", "Perplexity": "perplexity",
+                                  "Mean KLD": "kl-divergence", "KLD p99": "kl-divergence", "Same top": "kl-divergence"})
+        self.table.verticalHeader().hide()
+        self.table.setEditTriggers(QTableWidget.NoEditTriggers)
+        self.table.resizeColumnsToContents()
+        self.chart = PlotPanel(
+            "quality-tradeoff", "Each lane's mean KL divergence from lane 1 against its weights' bytes: "
+            "lower left is better; the dashed line joins the lanes no other beats on both (the Pareto front).",
+            "mean KLD (nats)", "weights (MiB)")
+        self.points = pg.ScatterPlotItem(size=11, pen=None)
+        self.chart.plot.addItem(self.points)
+        self.front = self.chart.curve("Pareto front", "muted", Qt.DashLine)
+        self.labels: list[pg.TextItem] = []
+        self.lane_pick = QComboBox()
+        self.lane_pick.setObjectName("qualityLane")
+        self.lane_pick.currentIndexChanged.connect(self._show_text)
+        self.worst = QLabel()
+        self.worst.setWordWrap(True)
+        self.worst.setTextFormat(Qt.RichText)
+        self.text = QTextBrowser()
+        self.text.setObjectName("qualityText")
+        self.note = QLabel("Run <b>Quality</b> (beside the quantization ladder): every lane reads the same text, "
+                           "lane 1 first as the reference; a lane's tokens are coloured by how far its "
+                           "distribution moved from lane 1's (white: not at all, red: a KL divergence of 1 nat "
+                           "or more).")
+        self.note.setWordWrap(True)
+        left = QSplitter(Qt.Vertical)
+        left.addWidget(self.table)
+        left.addWidget(self.chart)
+        right = QWidget()
+        right_layout = QVBoxLayout(right)
+        right_layout.setContentsMargins(0, 0, 0, 0)
+        pick_row = QHBoxLayout()
+        pick_row.addWidget(QLabel("Colour the text by"))
+        pick_row.addWidget(self.lane_pick, 1)
+        right_layout.addLayout(pick_row)
+        right_layout.addWidget(self.worst)
+        right_layout.addWidget(self.text, 1)
+        split = QSplitter(Qt.Horizontal)
+        split.addWidget(left)
+        split.addWidget(right)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(2, 2, 2, 2)
+        layout.addWidget(self.note)
+        layout.addWidget(split, 1)
+
+    def show_rows(self, rows: list[LaneQuality]) -> None:
+        self.rows = rows
+        self.table.setRowCount(len(rows))
+        for r, row in enumerate(rows):
+            report, d = row.report, row.report.divergence
+            cells = [str(row.lane), row.label, format_bytes(report.weights_bytes) if report.weights_bytes else "—",
+                     format_rate(row.decode_tokens_per_s, "") if row.decode_tokens_per_s else "—",
+                     _finite(report.perplexity, f"{report.perplexity:.3f} ± {report.perplexity_err:.3f}"),
+                     "reference" if d is None else _finite(d.kld_mean, f"{d.kld_mean:.5f}"),
+                     "—" if d is None else _finite(d.kld_p99, f"{d.kld_p99:.4f}"),
+                     "—" if d is None else f"{100 * d.same_top:.2f}%",
+                     f"{report.seconds:.1f} s"]
+            for c, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                if c == 1:
+                    item.setForeground(pg.mkColor(row.colour))
+                self.table.setItem(r, c, item)
+        self.table.resizeColumnsToContents()
+        self._draw_chart()
+        self.lane_pick.blockSignals(True)
+        self.lane_pick.clear()
+        for row in rows:
+            if row.report.divergence is not None:
+                self.lane_pick.addItem(f"lane {row.lane}: {row.label}", row.lane)
+        self.lane_pick.setCurrentIndex(self.lane_pick.count() - 1)  # the smallest rung, where it bends most
+        self.lane_pick.blockSignals(False)
+        self._show_text()
+
+    def _draw_chart(self) -> None:
+        for label in self.labels:
+            self.chart.plot.removeItem(label)
+        self.labels = []
+        shown = [row for row in self.rows if row.report.weights_bytes]
+        xs = [row.report.weights_bytes / 2**20 for row in shown]
+        ys = [0.0 if row.report.divergence is None else row.report.divergence.kld_mean for row in shown]
+        self.points.setData(x=xs, y=ys, brush=[pg.mkBrush(row.colour) for row in shown])
+        front = pareto(list(zip(xs, ys)))
+        self.front.setData([xs[i] for i in front], [ys[i] for i in front])
+        for row, x, y in zip(shown, xs, ys):
+            label = pg.TextItem(row.precision, anchor=(0, 1), color=row.colour)
+            label.setPos(x, y)
+            self.chart.plot.addItem(label)
+            self.labels.append(label)
+        if xs:
+            self.chart.reset_view()
+            self.chart.fit(max(xs) * 1.15, max(ys) if max(ys) > 0 else 1e-3)
+
+    def _show_text(self) -> None:
+        lane = self.lane_pick.currentData()
+        row = next((r for r in self.rows if r.lane == lane), None)
+        if row is None:
+            self.text.clear()
+            self.worst.clear()
+            return
+        klds = row.report.token_kld
+        self.worst.setText(f"Where lane {row.lane} ({html.escape(row.precision)}) bends most: "
+                           + worst_tokens(row.pieces, klds))
+        self.text.setHtml(coloured_text(row.pieces, klds))
+
+
+def _finite(value: float, text: str) -> str:
+    return text if math.isfinite(value) else "error: not finite"

@@ -1,0 +1,150 @@
+"""``inference-workbench perplexity``: a precision's perplexity over a text and its KL divergence
+from a reference precision, as llama.cpp's ``llama-perplexity`` (``--kl-divergence``) measures
+them (engine/measure/quality.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from engine.base.errors import InvalidRequestError
+
+
+def add_parser(sub, precisions) -> None:
+    p = sub.add_parser("perplexity", help="perplexity over a text, and KL divergence from a reference precision "
+                                          "(llama.cpp's method)")
+    p.add_argument("--model", default="default", help="'default', a folder, a .gguf file or a hub id")
+    p.add_argument("--precision", default="fp32", choices=list(precisions))
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--text", type=Path, help="a UTF-8 text file (default: resources/quality-text.txt, ~30k tokens "
+                                             "of Shakespeare)")
+    p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default: %(default)s, as llama.cpp)")
+    p.add_argument("--chunks", type=int, help="score only the first N chunks (default: all)")
+    p.add_argument("--batch", type=int, help="chunks per forward pass (default: as many as fit in 256 MiB of logits)")
+    ref = p.add_mutually_exclusive_group()
+    ref.add_argument("--reference", metavar="PRECISION", choices=list(precisions),
+                     help="KL divergence from this precision of the same model (computed once, kept in the user "
+                          "cache for later runs)")
+    ref.add_argument("--reference-file", type=Path, metavar="FILE",
+                     help="KL divergence from a reference saved with --save-reference (llama.cpp's "
+                          "--kl-divergence-base)")
+    p.add_argument("--save-reference", type=Path, metavar="FILE", help="keep this run's distributions here")
+    p.add_argument("--top-k", type=int, default=64,
+                   help="reference log-probabilities kept per token, the rest as one bucket (default: %(default)s)")
+    p.add_argument("--json", type=Path, help="write the report here")
+    p.add_argument("--no-history", action="store_true", help="don't add the run to the history")
+
+
+class _Progress:
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __call__(self, p) -> None:
+        eta = f", {p.eta_s:,.0f} s left" if p.eta_s is not None else ""
+        print(f"\r  {self.what}: chunk {p.chunks_done}/{p.chunks} · {p.tokens_per_s:,.0f} tok/s{eta}   ",
+              end="" if p.chunks_done < p.chunks else "\n", file=sys.stderr, flush=True)
+
+
+def run(args, load_printer) -> int:
+    import json
+
+    from engine.base.cancel import CancelToken
+    from engine.endpoint import is_endpoint
+    from engine.measure import quality
+    from engine.models.loading import LoadRequest, load_model
+
+    if is_endpoint(args.model):
+        raise InvalidRequestError("Perplexity needs each token's whole distribution: a served model gives at most a "
+                                  "few log-probabilities per token. Run it on the model here.")
+    if args.reference == args.precision:
+        raise InvalidRequestError("--reference is the precision measured: pick another (fp32 is the usual one).")
+    name, text = quality.read_text(args.text)
+    cancel = CancelToken()
+
+    def load(precision: str):
+        print(f"Loading {args.model} ({precision}) …", file=sys.stderr, flush=True)
+        return load_model(LoadRequest(model=args.model, precision=precision, device=args.device),
+                          progress=load_printer, cancel=cancel)
+
+    reference = None
+    try:
+        if args.reference_file is not None:
+            reference = quality.Reference.load(args.reference_file)
+        elif args.reference is not None:
+            reference = _reference(args, load, text, name, cancel)
+        loaded = load(args.precision)
+        tokens = quality.text_tokens(loaded, text)
+        report, kept = quality.measure(loaded, tokens, name, args.ctx, args.chunks, reference, args.top_k, args.batch,
+                                       cancel, _Progress(args.precision))
+    except KeyboardInterrupt:
+        cancel.cancel()
+        raise
+    if args.save_reference is not None:
+        print(f"reference {kept.save(args.save_reference)}")
+    if not args.no_history:
+        quality.record(loaded.info, report)
+    print(summary(report, reference))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report.to_dict(), indent=2), encoding="utf-8")
+        print(f"report   {args.json}")
+    loaded.close()
+    return 0
+
+
+def _reference(args, load, text: str, name: str, cancel):
+    """The reference precision's kept distributions: from the cache, or measured now (then kept)."""
+    from engine.measure import quality
+
+    reference = load(args.reference)
+    try:
+        tokens = quality.text_tokens(reference, text)
+        chunks = quality.plan_chunks(len(tokens), args.ctx, args.chunks)
+        key = quality.tokens_sha(tokens, args.ctx, chunks)
+        path = quality.reference_path(reference.info.path, args.reference, f"{key}-k{args.top_k}")
+        if path.exists():
+            try:
+                kept = quality.Reference.load(path)
+                print(f"  reference: {args.reference}, kept from an earlier run ({path})", file=sys.stderr)
+                return kept
+            except InvalidRequestError:
+                pass  # damaged: measure again
+        report, kept = quality.measure(reference, tokens, name, args.ctx, args.chunks, None, args.top_k, args.batch,
+                                       cancel, _Progress(f"reference {args.reference}"))
+        kept.save(path)
+        if not args.no_history:
+            quality.record(reference.info, report)
+        print(f"  reference: {args.reference}, PPL {report.perplexity:.4f}, {report.seconds:.1f} s (kept in {path})",
+              file=sys.stderr)
+        return kept
+    finally:
+        reference.close()
+
+
+def summary(report, reference=None) -> str:
+    from engine.units import format_bytes
+
+    lines = [
+        f"model     {report.model} · {report.precision} · {report.device}"
+        + (f" · weights {format_bytes(report.weights_bytes)}" if report.weights_bytes else ""),
+        f"text      {report.text} · {report.chunks} chunks × {report.ctx} tokens · {report.tokens_scored:,} scored",
+        f"PPL       {report.perplexity:.4f} ± {report.perplexity_err:.4f}",
+        f"time      {report.seconds:.1f} s ({report.tokens_per_s:,.0f} tok/s read)",
+    ]
+    d = report.divergence
+    if d is not None:
+        how = "every probability" if d.top_k == 0 else f"its top {d.top_k} and the rest as one bucket"
+        lines += [
+            f"against {d.reference} (KL over {how}):",
+            f"  PPL ratio          {d.ppl_ratio:.4f}",
+            f"  Cor(ln PPL)        {100 * d.ln_ppl_correlation:.2f}%",
+            f"  Mean KLD           {d.kld_mean:.6f} ± {d.kld_mean_err:.6f}",
+            f"  KLD median/90/95   {d.kld_median:.6f} / {d.kld_p90:.6f} / {d.kld_p95:.6f}",
+            f"  KLD 99/99.9/max    {d.kld_p99:.6f} / {d.kld_p999:.6f} / {d.kld_max:.6f}",
+            f"  Same top           {100 * d.same_top:.2f} ± {100 * d.same_top_err:.2f}%",
+            f"  Mean Δp            {100 * d.dp_mean:+.3f} ± {100 * d.dp_mean_err:.3f}%",
+            f"  RMS Δp             {100 * d.dp_rms:.3f}%",
+            f"  Δp 1% / 99%        {100 * d.dp_p1:+.3f}% / {100 * d.dp_p99:+.3f}%",
+            f"  Δp min / max       {100 * d.dp_min:+.3f}% / {100 * d.dp_max:+.3f}%",
+        ]
+    return "\n".join(lines)

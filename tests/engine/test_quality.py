@@ -1,0 +1,152 @@
+"""Perplexity and KL divergence (engine/measure/quality.py), checked against sums done by hand on
+a tiny model: the chunking, the scored half, the reference kept as top-k plus the rest."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from engine.base.errors import InvalidRequestError
+from engine.measure import quality
+
+CTX = 16
+TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+        "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 3
+
+
+@pytest.fixture(scope="module")
+def tokens(loaded_llama):
+    return quality.text_tokens(loaded_llama, TEXT)
+
+
+@pytest.fixture(scope="module")
+def perturbed(tiny_llama):
+    """The tiny llama again, its output head nudged: another model on the same tokens."""
+    from engine.models.loading import LoadRequest, load_model
+
+    loaded = load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        head = loaded.model.get_output_embeddings().weight
+        head.add_(0.05 * torch.randn(head.shape, generator=generator))
+    yield loaded
+    loaded.close()
+
+
+def by_hand(reference, other, tokens, chunks):
+    """KL(p_ref ‖ p_other) and −log p_other(token) for every scored token, summed with plain
+    softmaxes over whole chunks read alone."""
+    klds, nlls = [], []
+    first = CTX // 2
+    for c in range(chunks):
+        ids = torch.tensor([tokens[c * CTX:(c + 1) * CTX]])
+        with torch.no_grad():
+            p = torch.softmax(reference.model(input_ids=ids).logits[0].double(), -1)
+            q = torch.softmax(other.model(input_ids=ids).logits[0].double(), -1)
+        for j in range(first, CTX - 1):
+            klds.append(float((p[j] * (p[j].log() - q[j].log())).sum()))
+            nlls.append(-math.log(float(q[j, tokens[c * CTX + j + 1]])))
+    return np.array(klds), np.array(nlls)
+
+
+def test_the_same_weights_give_zero_divergence_and_the_same_perplexity(loaded_llama, tokens):
+    report, kept = quality.measure(loaded_llama, tokens, "dickens", CTX)
+    chunks = len(tokens) // CTX
+    assert report.chunks == chunks and report.tokens_scored == chunks * (CTX - 1 - CTX // 2)
+    again, _ = quality.measure(loaded_llama, tokens, "dickens", CTX, reference=kept)
+    d = again.divergence
+    assert again.perplexity == report.perplexity
+    assert d.kld_mean == pytest.approx(0, abs=1e-6) and d.kld_max == pytest.approx(0, abs=1e-5)
+    assert d.same_top == 1.0 and d.ppl_ratio == pytest.approx(1.0) and d.dp_rms == pytest.approx(0, abs=1e-7)
+    exact, _ = quality.measure(loaded_llama, tokens, "dickens", CTX, reference=loaded_llama)
+    assert exact.divergence.top_k == 0 and exact.divergence.kld_mean == pytest.approx(0, abs=1e-6)
+
+
+def test_a_perturbed_copy_gives_the_divergence_summed_by_hand(loaded_llama, perturbed, tokens):
+    chunks = 3
+    klds, nlls = by_hand(loaded_llama, perturbed, tokens, chunks)
+    assert klds.mean() > 1e-4  # the nudge shows
+    vocab = loaded_llama.vocab_size
+    # every probability kept: the reference file gives the exact sum
+    _, kept = quality.measure(loaded_llama, tokens, "", CTX, chunks, top_k=vocab)
+    report, _ = quality.measure(perturbed, tokens, "", CTX, chunks, reference=kept)
+    assert report.perplexity == pytest.approx(math.exp(nlls.mean()), rel=1e-5)
+    assert report.divergence.kld_mean == pytest.approx(klds.mean(), rel=1e-4)
+    assert report.divergence.kld_max == pytest.approx(klds.max(), rel=1e-4)
+    assert np.allclose(report.token_kld, klds, rtol=1e-3, atol=1e-7)
+    # both models side by side: the same exact sum
+    exact, _ = quality.measure(perturbed, tokens, "", CTX, chunks, reference=loaded_llama)
+    assert exact.divergence.kld_mean == pytest.approx(klds.mean(), rel=1e-4)
+    # top 4 and the rest as one bucket: a lower bound, close to it
+    _, top4 = quality.measure(loaded_llama, tokens, "", CTX, chunks, top_k=4)
+    rough, _ = quality.measure(perturbed, tokens, "", CTX, chunks, reference=top4)
+    assert rough.divergence.top_k == 4
+    assert 0 < rough.divergence.kld_mean <= klds.mean() * (1 + 1e-6)
+    assert np.all(np.array(rough.token_kld) <= klds * (1 + 1e-4) + 1e-9)
+    # Δp: this model's probability of the text's token minus the reference's
+    p_ref = np.exp(-by_hand(loaded_llama, loaded_llama, tokens, chunks)[1])
+    assert report.divergence.dp_mean == pytest.approx(float((np.exp(-nlls) - p_ref).mean()), abs=1e-6)
+
+
+def test_the_fast_path_scores_as_the_reference_does(tiny_llama, loaded_llama, tokens):
+    from engine.models.loading import LoadRequest, load_model
+
+    fast = load_model(LoadRequest(str(tiny_llama), "fp32-fast", "cpu"))
+    try:
+        assert fast.fast is not None
+        _, kept = quality.measure(loaded_llama, tokens, "", CTX, 3)
+        report, _ = quality.measure(fast, tokens, "", CTX, 3, reference=kept)
+    finally:
+        fast.close()
+    assert report.divergence.kld_mean == pytest.approx(0, abs=1e-5) and report.divergence.same_top == 1.0
+    assert report.divergence.ppl_ratio == pytest.approx(1.0, rel=1e-4)
+
+
+def test_bad_inputs_are_refused_with_a_reason(loaded_llama, tokens, tmp_path):
+    with pytest.raises(InvalidRequestError, match="fewer than one chunk"):
+        quality.measure(loaded_llama, tokens[:CTX - 1], "", CTX)
+    with pytest.raises(InvalidRequestError, match="even number"):
+        quality.measure(loaded_llama, tokens, "", 15)
+    _, kept = quality.measure(loaded_llama, tokens, "", CTX, 2)
+    with pytest.raises(InvalidRequestError, match="scored other tokens"):
+        quality.measure(loaded_llama, tokens[1:], "", CTX, 2, reference=kept)
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    with pytest.raises(InvalidRequestError, match="not UTF-8"):
+        quality.read_text(tmp_path / "latin1.txt")
+    with pytest.raises(InvalidRequestError, match="No text file"):
+        quality.read_text(tmp_path / "missing.txt")
+    (tmp_path / "junk.npz").write_bytes(b"not a reference")
+    with pytest.raises(InvalidRequestError, match="not a reference file"):
+        quality.Reference.load(tmp_path / "junk.npz")
+
+
+def test_the_shipped_text_is_long_enough_and_said_where_it_comes_from():
+    name, text = quality.read_text(None)
+    assert name == "quality-text.txt" and len(text) > 90_000
+    notes = (quality.default_text_path().parent / "quality-text.md").read_text(encoding="utf-8")
+    assert "public domain" in notes and "char-rnn" in notes
+
+
+def test_the_command_line_keeps_the_reference_and_the_history(tiny_llama, tmp_path, isolated_cache, capsys):
+    from engine.cli import main
+    from engine.storage.history import load_all
+
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    args = ["perplexity", "--model", str(tiny_llama), "--precision", "bf16", "--reference", "fp32", "--text",
+            str(text), "--ctx", str(CTX), "--chunks", "3", "--json", str(tmp_path / "out.json")]
+    assert main(args) == 0
+    first = capsys.readouterr()
+    assert "Mean KLD" in first.out and "Same top" in first.out and "reference: fp32, PPL" in first.err
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert report["precision"] == "bf16" and report["chunks"] == 3 and report["divergence"]["reference"] == "fp32"
+    assert main(args) == 0  # the reference is kept: not measured again
+    assert "kept from an earlier run" in capsys.readouterr().err
+    kinds = [(r.kind, r.precision) for r in load_all()]
+    assert kinds.count(("quality", "bf16")) == 2 and kinds.count(("quality", "fp32")) == 1
+    assert main(["perplexity", "--model", str(tiny_llama), "--precision", "fp32", "--reference", "fp32"]) == 1
+    assert "--reference is the precision measured" in capsys.readouterr().err
