@@ -341,9 +341,16 @@ class Tour(QDialog):
         self.raise_()
 
     def _say(self, text: str) -> None:
+        """The figure line; the panel grows with it, kept inside the screen where the user left it."""
         self.figure.setText(text)
-        if self.isVisible():
-            self._place(self._highlight.target if self._highlight is not None else None)
+        if not self.isVisible():
+            return
+        bottom = self.frameGeometry().bottom()
+        self.adjustSize()
+        screen = self.main.screen().availableGeometry()
+        frame = self.frameGeometry()
+        y = min(max(screen.top(), bottom - frame.height() + 1), screen.bottom() - frame.height() + 1)
+        self.move(frame.left(), y)  # its bottom edge stays put (it sits in a bottom corner)
 
     def _done(self, key: str, figure: str) -> None:
         """A step's figure (rich text), shown and remembered if the step is still the one shown."""

@@ -33,6 +33,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--compare", action="store_true",
                         help="the Compare window after a quantization ladder (fp32/bf16/int8/nf4) run")
+    parser.add_argument("--quality", type=int, metavar="CHUNKS",
+                        help="with --compare: then the Quality run over the text's first CHUNKS chunks of 512 "
+                             "tokens, its tab shown (docs/quality.png)")
     parser.add_argument("--costs", action="store_true", help="the Cost explorer: Llama-3.1-8B on an H100")
     parser.add_argument("--traffic", action="store_true",
                         help="the traffic view under a 16-stream load from its load generator (docs/traffic.png)")
@@ -47,7 +50,8 @@ def main() -> int:
     args = parser.parse_args()
     args.screen = tuple(int(v) for v in args.size.lower().split("x")) if args.size else None
     if args.out == ROOT / "docs" / "screenshot.png" and (args.compare or args.costs or args.endpoint):
-        args.out = ROOT / "docs" / ("compare.png" if args.compare else "endpoint.png" if args.endpoint else "costs.png")
+        args.out = ROOT / "docs" / ("quality.png" if args.quality else "compare.png" if args.compare else
+                                    "endpoint.png" if args.endpoint else "costs.png")
 
     scratch = Path(tempfile.mkdtemp(prefix="iw-shot-"))
     if "QT_QPA_PLATFORM" not in os.environ:
@@ -314,7 +318,15 @@ def compare_shot(app, args) -> int:
         window.close()
         app.quit()
 
-    window.run_finished.connect(lambda: QTimer.singleShot(300, finish))
+    if args.quality:
+        def quality() -> None:
+            window.quality_settings["chunks"] = args.quality
+            window.quality()
+
+        window.run_finished.connect(quality)
+        window.quality_finished.connect(lambda: QTimer.singleShot(300, finish))
+    else:
+        window.run_finished.connect(lambda: QTimer.singleShot(300, finish))
     for lane in window.lanes:
         lane.load()
     QTimer.singleShot(500, start_when_loaded)
