@@ -186,3 +186,10 @@ def test_quality_run_measures_every_lane_against_lane_1(qtbot, compare, tiny_lla
     assert "bends most" in compare.quality_view.worst.text()
     kinds = sorted(r.precision for r in load_all() if r.kind == "quality")
     assert kinds == ["bf16", "fp32"]
+    # Stop ends the run at its next chunk: the lanes measured so far stay, the message says so
+    with qtbot.waitSignal(compare.quality_finished, timeout=60_000):
+        compare.quality_button.click()
+        assert compare.running and compare.stop_button.isEnabled()
+        compare.stop_button.click()
+    assert not compare.running and "stopped" in compare.message.text().lower()
+    assert compare.quality_button.isEnabled()

@@ -150,3 +150,19 @@ def test_the_command_line_keeps_the_reference_and_the_history(tiny_llama, tmp_pa
     assert kinds.count(("quality", "bf16")) == 2 and kinds.count(("quality", "fp32")) == 1
     assert main(["perplexity", "--model", str(tiny_llama), "--precision", "fp32", "--reference", "fp32"]) == 1
     assert "--reference is the precision measured" in capsys.readouterr().err
+
+
+def test_a_cancel_stops_at_the_next_chunk_and_progress_has_an_eta(loaded_llama, tokens):
+    from engine.base.cancel import CancelToken
+    from engine.base.errors import CancelledError
+
+    cancel, seen = CancelToken(), []
+
+    def on_progress(p):
+        seen.append(p)
+        cancel.cancel()
+
+    with pytest.raises(CancelledError):
+        quality.measure(loaded_llama, tokens, "", CTX, batch=1, cancel=cancel, on_progress=on_progress)
+    assert len(seen) == 1 and seen[0].chunks_done == 1 and seen[0].chunks == len(tokens) // CTX
+    assert seen[0].eta_s is not None and seen[0].eta_s > 0 and seen[0].tokens_per_s > 0
