@@ -48,10 +48,10 @@ class _Progress:
 def run(args, load_printer) -> int:
     import json
 
-    from engine.base.cancel import CancelToken
-    from engine.endpoint import is_endpoint
-    from engine.measure import quality
-    from engine.models.loading import LoadRequest, load_model
+    from engine.base.cancel import CancelToken  # lazy: start-up
+    from engine.endpoint import is_endpoint  # lazy: start-up
+    from engine.measure import quality  # lazy: start-up
+    from engine.models.loading import LoadRequest, load_model  # lazy: start-up
 
     if is_endpoint(args.model):
         raise InvalidRequestError("Perplexity needs each token's whole distribution: a served model gives at most a "
@@ -94,7 +94,7 @@ def run(args, load_printer) -> int:
 
 def _reference(args, load, text: str, name: str, cancel):
     """The reference precision's kept distributions: from the cache, or measured now (then kept)."""
-    from engine.measure import quality
+    from engine.measure import quality  # lazy: start-up
 
     reference = load(args.reference)
     try:
@@ -122,7 +122,7 @@ def _reference(args, load, text: str, name: str, cancel):
 
 
 def summary(report, reference=None) -> str:
-    from engine.units import format_bytes
+    from engine.units import format_bytes  # lazy: start-up
 
     lines = [
         f"model     {report.model} · {report.precision} · {report.device}"

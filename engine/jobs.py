@@ -176,6 +176,7 @@ class WeightsJob:
     kind: ClassVar[str] = "weights"
 
     def run(self, ctx: JobContext) -> WeightsFigures:
+        # lazy: counting parameters imports transformers
         from engine.estimates.estimate import count_parameters, shipped_config, weights_bytes
 
         if ctx.model.model is None:
@@ -212,8 +213,8 @@ class CeilingJob:
     kind: ClassVar[str] = "bandwidth ceiling"
 
     def run(self, ctx: JobContext) -> Ceiling:
-        from engine.estimates import hardware
-        from engine.storage.history import hardware_for
+        from engine.estimates import hardware  # lazy: measuring this machine imports torch
+        from engine.storage.history import hardware_for  # lazy: importing it loads numpy
 
         if ctx.model.model is None:
             raise EngineError("A model served elsewhere runs on its server's memory: load one here.")

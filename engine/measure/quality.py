@@ -36,7 +36,8 @@ import numpy as np
 
 from engine.base.cancel import CancelToken
 from engine.base.errors import CancelledError, EngineError, InvalidRequestError
-from engine.storage.paths import resource_dir
+from engine.storage.history import RunRecord, _model_fields, save
+from engine.storage.paths import cache_dir, resource_dir
 
 DEFAULT_CTX = 512
 TOP_K = 64
@@ -217,7 +218,7 @@ def _chunk_logprobs(loaded, ids, keep: int):
 
     with torch.inference_mode():
         if loaded.fast is not None:
-            from engine.models.fast import chunk_logits
+            from engine.models.fast import chunk_logits  # lazy: it imports torch, which --help never needs
 
             logits = chunk_logits(loaded.fast, ids, keep)
         elif loaded.supports_logits_to_keep:
@@ -356,7 +357,6 @@ def record(info, report: QualityReport) -> None:
     window read them back; a history that can't be written never fails the run (it is logged)."""
     import logging
 
-    from engine.storage.history import RunRecord, _model_fields, save
 
     try:
         save(RunRecord(kind="quality", **_model_fields(info), kv_cache_bytes=None, prompt_tokens=report.tokens_scored,
@@ -368,7 +368,5 @@ def record(info, report: QualityReport) -> None:
 
 def reference_path(model_ref: str, precision: str, tokens_key: str) -> Path:
     """Where a reference precision's kept distributions wait for the next run (the user cache)."""
-    from engine.storage.paths import cache_dir
-
     name = hashlib.sha256(model_ref.encode()).hexdigest()[:12]
     return cache_dir() / "quality" / f"{name}-{precision}-{tokens_key}.npz"

@@ -203,7 +203,10 @@ def test_rapid_generate_and_stop(qtbot, window, tiny_llama):
     # every generation that started ended exactly once: stopped, or refused once the chat's
     # growing history no longer fits the tiny model's 256-token context
     assert len(answers) == len(finished) + len(failed) and len(finished) >= 1
-    assert all(f.reason == "cancelled" for f in finished)
+    # Stop reaches a run at its next token; a run the click reached too late (a busy machine held
+    # the GUI thread while the tiny model filled its 256-token context) ended at the context's end
+    reasons = [f.reason for f in finished]
+    assert "cancelled" in reasons and set(reasons) <= {"cancelled", "context"}
     assert all("context" in str(e) for e in failed)
     assert not window.prompt.stop_button.isEnabled() and window.prompt.generate_button.isEnabled()
     window.clear_conversation()  # the chat's history filled the context; a fresh one works
