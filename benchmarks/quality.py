@@ -2,9 +2,9 @@
 text (llama.cpp's method, ctx 512), KL divergence from fp32 (mean, 99th percentile), the share of
 tokens whose top choice stays fp32's, weights bytes, decode tok/s, and how long each took.
 
-fp32 runs first and is kept as the reference (top 64 log-probabilities per token and the rest's
+fp32 runs first and is kept as the reference (top 512 log-probabilities per token and the rest's
 mass); one precision (``--exact``, int8-fast by default) is also measured against fp32 loaded
-beside it with every probability, to say how much keeping the top 64 changes the figure.
+beside it with every probability, to say how much keeping the top 512 changes the figure.
 
     python benchmarks/contention.py   # first, if another program may be running
     python benchmarks/quality.py [--precisions fp32,bf16,...] [--chunks N] [--exact int8-fast]

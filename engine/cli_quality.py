@@ -29,7 +29,7 @@ def add_parser(sub, precisions) -> None:
                      help="KL divergence from a reference saved with --save-reference (llama.cpp's "
                           "--kl-divergence-base)")
     p.add_argument("--save-reference", type=Path, metavar="FILE", help="keep this run's distributions here")
-    p.add_argument("--top-k", type=int, default=64,
+    p.add_argument("--top-k", type=int, default=512,
                    help="reference log-probabilities kept per token, the rest as one bucket (default: %(default)s)")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--no-history", action="store_true", help="don't add the run to the history")

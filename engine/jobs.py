@@ -245,7 +245,7 @@ class QualityJob:
     chunks: int | None = None
     reference: object = field(default=None, compare=False)
     """A ``Reference`` of the same tokens (another precision's run), or ``None``."""
-    top_k: int = 64
+    top_k: int = 512
     kind: ClassVar[str] = "perplexity"
 
     def run(self, ctx: JobContext) -> QualityResult:

@@ -40,7 +40,7 @@ from engine.storage.history import RunRecord, _model_fields, save
 from engine.storage.paths import cache_dir, resource_dir
 
 DEFAULT_CTX = 512
-TOP_K = 64
+TOP_K = 512
 """Reference log-probabilities kept per scored token (with the rest's mass)."""
 BATCH_BYTES = 256 * 2**20
 """Chunks go through the model together while their scored logits (fp32) stay under this."""
