@@ -30,7 +30,7 @@ from app.widgets.compare_plots import ComparePlots
 from app.widgets.compare_summary import SummaryTable
 from app.widgets.lane_widget import LaneWidget
 from app.widgets.quality_view import QualityView
-from app.screen import fit_screen
+from app.screen import fit_screen, scrolling
 from engine.measure import compare
 from engine.measure.compare import LaneSpec
 from engine.base.errors import EngineError
@@ -152,7 +152,8 @@ class CompareWindow(QMainWindow):
         self.table = SummaryTable()
         self.quality_view = QualityView()
         docks = []
-        for title, widget in (("Plots", plot_strip), ("Summary", self.table), ("Quality", self.quality_view)):
+        # the quality tab scrolls rather than make the window taller than a laptop's screen
+        for title, widget in (("Plots", plot_strip), ("Summary", self.table), ("Quality", scrolling(self.quality_view))):
             dock = QDockWidget(title, self)
             dock.setObjectName(f"compare_dock_{title.lower()}")
             dock.setWidget(widget)
@@ -166,6 +167,7 @@ class CompareWindow(QMainWindow):
         if screen is not None and screen.availableGeometry().height() < SHORT_SCREEN:
             # plots above the summary need more height than a laptop has: tabs, the plots first
             self.tabifyDockWidget(docks[0], docks[1])
+            self.tabifyDockWidget(docks[0], docks[2])
             docks[0].raise_()
             # and the lanes get the rest: their answers in view, not only their controls
             QTimer.singleShot(0, lambda: self.resizeDocks([docks[0]], [PLOTS_MIN_HEIGHT + 40], Qt.Vertical))
@@ -177,6 +179,9 @@ class CompareWindow(QMainWindow):
         for _ in range(2):
             self.add_lane()
         self.resize(fit_screen(1500, 950))
+        # again once the docks have their tabs: before that, three bottom docks' minimum heights
+        # add up and the first resize came out taller than a laptop's screen
+        QTimer.singleShot(0, lambda: self.resize(fit_screen(1500, 950)))
         self._update_state()
 
     # -- lanes -------------------------------------------------------------------------

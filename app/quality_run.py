@@ -26,18 +26,24 @@ class QualityRun(QObject):
         self._current = None
         self._job: int | None = None
         self.running = False
+        self.stopped = False
 
     def start(self) -> None:
         self.running = True
         self._next()
 
     def stop(self) -> None:
+        self.stopped = True
         self._queue = []
         if self._current is not None and self._job is not None:
             self._current.session.cancel(self._job)
 
     def _next(self) -> None:
         self._disconnect()
+        if self.stopped:  # a lane may have finished its last chunk before Stop reached it
+            self.running = False
+            self.failed.emit(f"Quality stopped: {len(self.rows)} of {len(self.lanes)} lanes measured.")
+            return
         if not self._queue:
             self.running = False
             self.finished.emit(self.rows)
@@ -95,4 +101,5 @@ class QualityRun(QObject):
         self.running = False
         message = str(exc) or type(exc).__name__
         self.progressed.emit(lane, f"quality: {message}")
-        self.failed.emit(f"Quality stopped at lane {lane.index + 1}: {message}")
+        self.failed.emit(f"Quality stopped at lane {lane.index + 1}: {message}" if not self.stopped else
+                         f"Quality stopped: {len(self.rows)} of {len(self.lanes)} lanes measured.")

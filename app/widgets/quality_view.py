@@ -113,6 +113,9 @@ class QualityView(QWidget):
                            "distribution moved from lane 1's (white: not at all, red: a KL divergence of 1 nat "
                            "or more).")
         self.note.setWordWrap(True)
+        self.table.setMinimumHeight(120)
+        self.chart.setMinimumHeight(200)  # readable in the tab's scroll area on a short screen
+        self.text.setMinimumHeight(200)
         left = QSplitter(Qt.Vertical)
         left.addWidget(self.table)
         left.addWidget(self.chart)
