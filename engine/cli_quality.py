@@ -93,22 +93,21 @@ def run(args, load_printer) -> int:
 
 
 def _reference(args, load, text: str, name: str, cancel):
-    """The reference precision's kept distributions: from the cache, or measured now (then kept)."""
+    """The reference precision's kept distributions: from the cache (no model loaded), or
+    measured now (then kept)."""
     from engine.measure import quality  # lazy: start-up
 
+    path = quality.reference_path(args.model, args.reference, text, args.ctx, args.chunks, args.top_k)
+    if path.exists():
+        try:
+            kept = quality.Reference.load(path)
+            print(f"  reference: {args.reference}, kept from an earlier run ({path})", file=sys.stderr)
+            return kept
+        except InvalidRequestError:
+            pass  # damaged: measure again
     reference = load(args.reference)
     try:
         tokens = quality.text_tokens(reference, text)
-        chunks = quality.plan_chunks(len(tokens), args.ctx, args.chunks)
-        key = quality.tokens_sha(tokens, args.ctx, chunks)
-        path = quality.reference_path(reference.info.path, args.reference, f"{key}-k{args.top_k}")
-        if path.exists():
-            try:
-                kept = quality.Reference.load(path)
-                print(f"  reference: {args.reference}, kept from an earlier run ({path})", file=sys.stderr)
-                return kept
-            except InvalidRequestError:
-                pass  # damaged: measure again
         report, kept = quality.measure(reference, tokens, name, args.ctx, args.chunks, None, args.top_k, args.batch,
                                        cancel, _Progress(f"reference {args.reference}"))
         kept.save(path)

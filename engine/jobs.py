@@ -21,7 +21,7 @@ from engine.base.events import BatchStep, Finished
 from engine.base.request import GenerationRequest
 from engine.generation.generate import generate, kept_core
 from engine.models.model import LoadedModel
-from engine.measure.sweep import record_points, run_sweep, ceiling_for
+from engine.measure.sweep import ceiling_for, profile_for, record_points, run_sweep
 from engine.generation.speculative import load_draft, parse_draft
 from engine.serve.service import NotServingError, Ticket, Token
 
@@ -213,15 +213,11 @@ class CeilingJob:
     kind: ClassVar[str] = "bandwidth ceiling"
 
     def run(self, ctx: JobContext) -> Ceiling:
-        from engine.estimates import hardware  # lazy: measuring this machine imports torch
-        from engine.storage.history import hardware_for  # lazy: importing it loads numpy
-
         if ctx.model.model is None:
             raise EngineError("A model served elsewhere runs on its server's memory: load one here.")
-        profile_id = hardware_for(ctx.model.info.device, ctx.model.info.device_name)
-        profile = hardware.this_machine() if profile_id == hardware.THIS_MACHINE else hardware.get(profile_id)
+        profile = profile_for(ctx.model)
         return Ceiling(profile.bandwidth_bytes_per_s, (profile.sources or {}).get("bandwidth_bytes_per_s", ""),
-                       ceiling_for(ctx.model, 1, max(1, self.context)))
+                       ceiling_for(ctx.model, 1, max(1, self.context), profile))
 
 
 @dataclass(frozen=True)

@@ -252,14 +252,15 @@ def measure(loaded, tokens: Sequence[int], text_name: str = "", ctx: int = DEFAU
     bos = adds_bos(loaded.tokenizer)
     device = loaded.device
     data = torch.tensor(list(tokens[:ctx * chunks]), dtype=torch.long).view(chunks, ctx)
-    nll = np.empty(chunks * scored, dtype=np.float64)
     kept_ids = np.empty((chunks * scored, k), dtype=np.int32)
     kept_lp = np.empty((chunks * scored, k), dtype=np.float32)
     token_lp = np.empty(chunks * scored, dtype=np.float32)
-    argmax = np.empty(chunks * scored, dtype=np.int64)
     kld = np.empty(chunks * scored, dtype=np.float64) if reference is not None else None
-    ref_token_lp = np.empty(chunks * scored, dtype=np.float32) if reference is not None else None
-    ref_argmax = np.empty(chunks * scored, dtype=np.int64) if reference is not None else None
+    if exact:  # filled as the reference model reads each batch
+        ref_token_lp = np.empty(chunks * scored, dtype=np.float32)
+        ref_argmax = np.empty(chunks * scored, dtype=np.int64)
+    elif reference is not None:  # the kept reference has them for these very tokens (checked above)
+        ref_token_lp, ref_argmax = reference.token_logprobs, reference.top_ids[:, 0]
     started = time.perf_counter()
     for begin in range(0, chunks, batch):
         if cancel is not None and cancel.cancelled:
@@ -276,11 +277,9 @@ def measure(loaded, tokens: Sequence[int], text_name: str = "", ctx: int = DEFAU
         picked = lp.gather(-1, targets.to(lp.device).unsqueeze(-1)).squeeze(-1)
         top_lp, top_ids = lp.topk(k, dim=-1)
         span = slice(begin * scored, (begin + len(rows)) * scored)
-        nll[span] = (-picked).double().reshape(-1).cpu().numpy()
         token_lp[span] = picked.reshape(-1).cpu().numpy()
         kept_ids[span] = top_ids.reshape(-1, k).cpu().numpy()
         kept_lp[span] = top_lp.reshape(-1, k).cpu().numpy()
-        argmax[span] = top_ids[..., 0].reshape(-1).cpu().numpy()
         if exact:
             ref_lp = _chunk_logprobs(reference, inputs.to(reference.device), ctx - first).to(lp.device)
             kld[span] = (ref_lp.exp() * (ref_lp - lp)).sum(-1).double().reshape(-1).cpu().numpy()
@@ -296,8 +295,6 @@ def measure(loaded, tokens: Sequence[int], text_name: str = "", ctx: int = DEFAU
             q_rest = (1 - q_lp.exp().sum(-1)).clamp_min(1e-30)
             rest = torch.where(p_rest > 0, p_rest * (p_rest.clamp_min(1e-30).log() - q_rest.log()), 0.0)
             kld[span] = ((p * (p_lp - q_lp)).sum(-1) + rest).double().reshape(-1).cpu().numpy()
-            ref_token_lp[span] = reference.token_logprobs[span]
-            ref_argmax[span] = reference.top_ids[span, 0]
         del lp
         done = min(begin + batch, chunks)
         if on_progress is not None:
@@ -305,6 +302,7 @@ def measure(loaded, tokens: Sequence[int], text_name: str = "", ctx: int = DEFAU
             rate = done * ctx / elapsed if elapsed > 0 else 0.0
             on_progress(QualityProgress(done, chunks, rate, (chunks - done) * ctx / rate if rate else None))
     seconds = time.perf_counter() - started
+    nll = -token_lp.astype(np.float64)  # each scored token's −log p (fp32 scores, summed in fp64)
     mean = float(nll.mean())
     ppl = math.exp(mean)
     count = len(nll)
@@ -313,7 +311,7 @@ def measure(loaded, tokens: Sequence[int], text_name: str = "", ctx: int = DEFAU
     if reference is not None:
         divergence = _divergence(reference.info.precision if exact else reference.precision,
                                  0 if exact or reference.k >= vocab else reference.k,
-                                 kld, token_lp, ref_token_lp, argmax, ref_argmax, nll)
+                                 kld, token_lp, ref_token_lp, kept_ids[:, 0], ref_argmax, nll)
     info = loaded.info
     report = QualityReport(info.name, info.precision, info.device, text_name, ctx, chunks, count, ppl, ppl_err,
                            seconds, chunks * ctx / seconds if seconds > 0 else 0.0, info.weights_bytes, divergence,
@@ -366,7 +364,9 @@ def record(info, report: QualityReport) -> None:
         logging.getLogger(__name__).warning("could not save the quality run to the history: %s", exc)
 
 
-def reference_path(model_ref: str, precision: str, tokens_key: str) -> Path:
-    """Where a reference precision's kept distributions wait for the next run (the user cache)."""
-    name = hashlib.sha256(model_ref.encode()).hexdigest()[:12]
-    return cache_dir() / "quality" / f"{name}-{precision}-{tokens_key}.npz"
+def reference_path(model_ref: str, precision: str, text: str, ctx: int, chunks: int | None, top_k: int) -> Path:
+    """Where a reference precision's kept distributions wait for the next run (the user cache),
+    found from what was asked, before any model loads (the file's token hash is checked when it
+    is used)."""
+    key = hashlib.sha256(f"{model_ref}|{precision}|{ctx}|{chunks}|{top_k}|{text}".encode()).hexdigest()[:20]
+    return cache_dir() / "quality" / f"{precision}-{key}.npz"

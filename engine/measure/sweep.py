@@ -70,17 +70,21 @@ def predicted_extra_bytes(loaded, batch: int, prompt_tokens: int, new_tokens: in
     return kv + activation_bytes(text, batch, context, element) + prefill
 
 
-def ceiling_for(loaded, batch: int, context: int) -> float | None:
-    """The cost model's decode ceiling (tok/s, all sequences) for this model on this machine,
-    from the hardware profile the run belongs to; ``None`` if that profile isn't measured yet."""
+def profile_for(loaded) -> hardware.Hardware:
+    """The hardware profile a loaded model runs on: this machine's (measured once, then cached) or
+    a known GPU's."""
     from engine.storage.history import hardware_for  # lazy: importing it loads numpy
 
+    profile_id = hardware_for(loaded.info.device, loaded.info.device_name)
+    return hardware.this_machine() if profile_id == hardware.THIS_MACHINE else hardware.get(profile_id)
+
+
+def ceiling_for(loaded, batch: int, context: int, profile: hardware.Hardware | None = None) -> float | None:
+    """The cost model's decode ceiling (tok/s, all sequences) for this model on this machine,
+    from the hardware profile the run belongs to (``profile``, or :func:`profile_for`'s); ``None``
+    if that profile isn't measured yet."""
     try:
-        profile_id = hardware_for(loaded.info.device, loaded.info.device_name)
-        if profile_id == hardware.THIS_MACHINE:
-            profile = hardware.this_machine()
-        else:
-            profile = hardware.get(profile_id)
+        profile = profile or profile_for(loaded)
         kv_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(loaded.info.compute_dtype, "fp32")
         result = estimate(loaded.model.config, profile, loaded.info.precision, kv_dtype, context, batch)
         return result.decode_tokens_per_s_ceiling
