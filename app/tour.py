@@ -396,6 +396,22 @@ class Tour(QDialog):
         if not main.generating:
             self._failed(key, main.prompt.message.text() or "The window did not start the answer.")
 
+    def _speedup_tool(self, name: str):
+        """The Batching and speculative decoding window's tool ``name``, its tab in front."""
+        window = self.main.open_speedups()
+        tool = getattr(window, name)
+        window.tabs.setCurrentWidget(tool)
+        return tool
+
+    def _run_tool(self, tool, on_finished: Callable[[object], None]) -> None:
+        """Press the tool's Run; its result (or what stopped it) ends the step."""
+        key = self.step.key
+        self._listen(tool.finished, on_finished)
+        self._listen(tool.failed, lambda message: self._failed(key, message))
+        tool.start()
+        if not tool.running:
+            self._failed(key, tool.controls.status.text())
+
     def _remember_answer(self, event) -> None:
         if event.decode_tokens_per_s and math.isfinite(event.decode_tokens_per_s):
             self.speed = event.decode_tokens_per_s
@@ -500,9 +516,7 @@ class Tour(QDialog):
         self._submit(CeilingJob(context), show)
 
     def _measure_batching(self) -> None:
-        window = self.main.open_speedups()
-        tool = window.batching
-        window.tabs.setCurrentWidget(tool)
+        tool = self._speedup_tool("batching")
         tool.batches.setText(BATCHES)
         tool.sweep_tokens.setValue(SWEEP_TOKENS)
         self._outline(tool.tradeoff_plot)
@@ -522,11 +536,7 @@ class Tour(QDialog):
                                    f"<b>{format_seconds(many.mean_per_token_latency_s)} per token</b> "
                                    f"({many.mean_per_token_latency_s / one.mean_per_token_latency_s:.1f}× slower).")
 
-        self._listen(tool.finished, finished)
-        self._listen(tool.failed, lambda message: self._failed("batching", message))
-        tool.start()
-        if not tool.running:
-            self._failed("batching", tool.controls.status.text())
+        self._run_tool(tool, finished)
 
     def _measure_quantization(self) -> None:
         from engine.measure.compare import LaneSpec
@@ -561,9 +571,7 @@ class Tour(QDialog):
             self._failed("quantization", window.message.text() or "Compare did not start the ladder.")
 
     def _measure_speculative(self) -> None:
-        window = self.main.open_speedups()
-        tool = window.speculative
-        window.tabs.setCurrentWidget(tool)
+        tool = self._speedup_tool("speculative")
         tool.draft_kind.setCurrentIndex(tool.draft_kind.findData("early-exit"))
         tool.compare_plain.setChecked(True)
         tool.spec_tokens.setValue(SPECULATIVE_TOKENS)
@@ -581,11 +589,7 @@ class Tour(QDialog):
                        f"{format_rate(report.plain_decode_tokens_per_s)}: <b>"
                        + ("n/a" if speedup is None else f"{speedup:.2f}×") + "</b>.")
 
-        self._listen(tool.finished, finished)
-        self._listen(tool.failed, lambda message: self._failed("speculative", message))
-        tool.start()
-        if not tool.running:
-            self._failed("speculative", tool.controls.status.text())
+        self._run_tool(tool, finished)
 
     def _measure_serving(self) -> None:
         main = self.main
