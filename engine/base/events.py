@@ -84,6 +84,28 @@ class Alternative:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptTokenScore:
+    """One prompt token as the model scored it, given every token before it."""
+
+    token_id: int
+    text: str
+    logprob: float
+    rank: int
+    """1 + how many tokens the model found likelier (1: its top choice), as vLLM counts."""
+    top_alternatives: tuple[Alternative, ...]
+    """The likeliest tokens at this position, best first (the request's ``prompt_logprobs``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptScored:
+    """The prompt's tokens scored (a request with ``prompt_logprobs``): every token after the
+    first, in order; it comes before the request's ``Prefilled``."""
+
+    scores: tuple[PromptTokenScore, ...]
+    request_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Prefilled:
     """The prompt went through the model; the first token is being picked."""
 
@@ -202,7 +224,7 @@ class Preempted:
     request_id: int = 0
 
 
-GenerationEvent = Union[Prefilled, TokenGenerated, DraftVerified, Preempted, Finished]
+GenerationEvent = Union[PromptScored, Prefilled, TokenGenerated, DraftVerified, Preempted, Finished]
 
 
 @dataclass(frozen=True, slots=True)

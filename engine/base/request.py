@@ -9,6 +9,8 @@ from engine.base.errors import InvalidRequestError
 from engine.base.sampling import SamplingParams
 
 MAX_NEW_TOKENS = 10_000_000
+MAX_LOGPROBS = 20
+"""The most likeliest tokens reported beside one token (vLLM's ``--max-logprobs`` default)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,11 @@ class GenerationRequest:
     reuse_prefix: bool = True
     """Copy what the prefix cache holds of this prompt instead of computing it (where the core
     keeps one); ``False`` computes the whole prompt (a cold TTFT), its blocks still kept."""
+    prompt_logprobs: int | None = None
+    """Score the prompt too (vLLM's ``prompt_logprobs``): each prompt token's log-probability
+    given the ones before it, its rank, and this many likeliest tokens beside it (0: the token's
+    own only); the core then computes the whole prompt, never copying it from the prefix cache
+    (:class:`~engine.base.events.PromptScored`). ``None``: not scored."""
 
     def validated(self) -> "GenerationRequest":
         if not isinstance(self.prompt, str) or not self.prompt.strip():
@@ -52,6 +59,9 @@ class GenerationRequest:
                 f"max_new_tokens must be a whole number from 1 to {MAX_NEW_TOKENS:,}, not {self.max_new_tokens!r}.")
         if not isinstance(self.top_alternatives, int) or not 0 <= self.top_alternatives <= 20:
             raise InvalidRequestError("top_alternatives must be between 0 and 20.")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or not isinstance(
+                self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"prompt_logprobs must be a whole number from 0 to {MAX_LOGPROBS}.")
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if not all(isinstance(s, str) for s in stops):
             raise InvalidRequestError(f"stop strings must be text, not {self.stop!r}.")
@@ -60,7 +70,7 @@ class GenerationRequest:
             prompt=self.prompt, mode=self.mode, system_prompt=self.system_prompt,
             history=tuple(self.history), sampling=self.sampling.validated(), max_new_tokens=max_new,
             stop=stops, ignore_eos=bool(self.ignore_eos), top_alternatives=self.top_alternatives,
-            reuse_prefix=bool(self.reuse_prefix),
+            reuse_prefix=bool(self.reuse_prefix), prompt_logprobs=self.prompt_logprobs,
         )
 
     def messages(self) -> list[dict[str, str]]:

@@ -39,8 +39,8 @@ from engine.generation.output import OutputProcessor
 from engine.generation.kv_manager import BLOCK_TOKENS, KeptBlock, KVCacheManager
 from engine.generation.scheduler import Scheduler
 from engine.base.errors import EngineError, InvalidRequestError, is_out_of_memory, non_finite_message
-from engine.base.events import (Alternative, Finished, GenerationEvent, Preempted, Prefilled, StepCompleted,
-                           TokenGenerated)
+from engine.base.events import (Alternative, Finished, GenerationEvent, Preempted, Prefilled, PromptScored,
+                                PromptTokenScore, StepCompleted, TokenGenerated)
 from engine.base.memory import MemoryProbe
 from engine.base.request import GenerationRequest
 from engine.generation.proposer import NOTHING, Proposal, Proposer
@@ -109,10 +109,20 @@ class _Request:
     prefilled: int = 0
     prefill_started: float | None = None
     next_token: int | None = None
+    prompt_scores: list = field(default_factory=list)
+    """With ``prompt_logprobs``: each prompt token's score so far (from the second token on)."""
+    prompt_scored: bool = False
+    """Its :class:`PromptScored` was sent (a recomputed prompt, after a preemption, isn't scored twice)."""
 
     @property
     def reuse_prefix(self) -> bool:
-        return self.request.reuse_prefix
+        """Copy kept blocks? Not when the prompt is scored: every position must be computed."""
+        return self.request.reuse_prefix and self.request.prompt_logprobs is None
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Its next prompt chunk must give every position's scores, not only the last one's."""
+        return self.request.prompt_logprobs is not None and len(self.prompt_scores) < len(self.prompt) - 1
 
 
 class EngineCore:
@@ -277,6 +287,8 @@ class EngineCore:
         proposals: dict[int, Proposal] = {}
         verify_s: dict[int, float] = {}
         failed: list[tuple[_Request, Exception]] = []
+        scored: list[PromptScored] = []
+        """Prompts whose scores this step completed (sent before their first token)."""
         with torch.inference_mode():
             for r, size in chunks:
                 if r.prefill_started is None:
@@ -284,11 +296,18 @@ class EngineCore:
                 try:
                     ids = torch.tensor([r.feed[r.prefilled:r.prefilled + size]], dtype=torch.long,
                                        device=self.loaded.device)
-                    out = self.runner.prefill(r.rid, ids)
+                    if r.scoring_prompt:
+                        out = self.runner.prefill(r.rid, ids, rows=size).view(size, -1)
+                        self._score_prompt(r, r.prefilled, out)
+                        out = out[-1]
+                    else:
+                        out = self.runner.prefill(r.rid, ids)
                     self.proposer.prefill(r.rid, ids)
                     r.prefilled += size
                     r.computed += size
                     self.kv.keep(r.feed, r.prefilled, self._copier(r))
+                    if r.prefilled == len(r.feed) and r.request.prompt_logprobs is not None and not r.prompt_scored:
+                        scored.append(self._prompt_scored(r))
                 except Exception as exc:
                     if is_out_of_memory(exc):
                         raise
@@ -332,6 +351,7 @@ class EngineCore:
                     counts.append(1)
         for r, exc in failed:
             yield self._fail(r, exc)
+        yield from scored
         choices: list[Choice | Exception] = []
         if ready:
             with torch.inference_mode():
@@ -366,6 +386,40 @@ class EngineCore:
             kv_blocks_kept=self.kv.kept_blocks, kv_kept_bytes=self.kept_bytes(), kv_blocks_total=self.kv.total_blocks,
             kv_block_tokens=self.kv.block_tokens)
         self.steps += 1
+
+    def _score_prompt(self, r: _Request, start: int, logits) -> None:
+        """Keep the scores of the prompt tokens that ``logits`` (rows for positions ``start`` …)
+        predict: each position's row scores the token after it."""
+        import torch
+
+        first = len(r.prompt_scores)  # positions before it were scored by an earlier chunk (or admission)
+        end = min(start + logits.shape[0], len(r.prompt) - 1)
+        if end <= first:
+            return
+        rows = logits[first - start:end - start].float()
+        logprobs = torch.log_softmax(rows, dim=-1)
+        if not torch.isfinite(logprobs).all():
+            info = self.loaded.info
+            raise EngineError(f"{info.name} in {info.precision} produced NaN/infinite scores in the prompt (tokens "
+                              f"{first + 2}–{end + 1}): no prompt log-probabilities. Try fp32.")
+        targets = torch.tensor(r.prompt[first + 1:end + 1], dtype=torch.long, device=logprobs.device)
+        picked = logprobs.gather(-1, targets.unsqueeze(-1))
+        ranks = (logprobs > picked).sum(-1) + 1
+        k = r.request.prompt_logprobs
+        top = logprobs.topk(k, dim=-1) if k else None
+        picked, ranks = picked.squeeze(-1).tolist(), ranks.tolist()
+        top_values, top_ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+        for i in range(end - first):
+            r.prompt_scores.append((r.prompt[first + 1 + i], picked[i], ranks[i],
+                                    tuple(zip(top_ids[i], top_values[i])) if top is not None else ()))
+
+    def _prompt_scored(self, r: _Request) -> PromptScored:
+        """``r``'s prompt scores as the event its caller gets (the tokens' texts read now)."""
+        text = self.loaded.token_text
+        r.prompt_scored = True
+        return PromptScored(tuple(
+            PromptTokenScore(token, text(token), logprob, rank, tuple(Alternative(i, text(i), v) for i, v in top))
+            for token, logprob, rank, top in r.prompt_scores), request_id=r.rid)
 
     def _room(self, r: _Request) -> int:
         """Tokens ``r`` may still get: its ``max_tokens`` and the context."""

@@ -34,7 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.base.errors import InvalidRequestError, PromptTooLongError
-from engine.base.events import Finished
+from engine.base.events import Finished, PromptScored
 from engine.generation.output import StopTrimmer
 from engine.serve import protocol
 from engine.serve.metrics import ServerMetrics
@@ -277,6 +277,22 @@ class _Reply:
         self.trimmer = StopTrimmer(ticket.request.stop)
         self.created = int(time.time())
         self.items: list[protocol.TokenLogprob] = []
+        self.prompt_scores: list | None = None
+        """vLLM's ``prompt_logprobs`` once the prompt is scored (asked for: ``PromptScored``)."""
+
+    def _scored(self, event: PromptScored) -> None:
+        self.prompt_scores = protocol.prompt_logprobs(event, self.parsed.return_tokens_as_token_ids)
+
+    def _with_prompt_scores(self, body: dict) -> dict:
+        """``body`` with the prompt's scores where vLLM puts them (the first chunk, or the whole
+        answer): in the choice for completions, beside the choices for chat."""
+        if self.prompt_scores is not None:
+            if self.chat:
+                body["prompt_logprobs"] = self.prompt_scores
+            else:
+                body["choices"][0]["prompt_logprobs"] = self.prompt_scores
+            self.prompt_scores = None
+        return body
 
     def _logprobs(self, items, offset: int = 0):
         if not self.logprobs:
@@ -317,6 +333,8 @@ class _Reply:
                 if isinstance(event, Token):
                     self._piece(event)
                     self.items.append(self._item(event))
+                elif isinstance(event, PromptScored):
+                    self._scored(event)
                 elif isinstance(event, Finished):
                     finished = event
             if finished is None:  # the client left: nobody to answer
@@ -326,8 +344,9 @@ class _Reply:
             text = self.trimmer.final(finished.reason, finished.stop_string)
             choice = self._choice(text, self._logprobs(self.items), protocol.FINISH_REASONS[finished.reason],
                                   whole=True)
-            return {**protocol.envelope(self.kind, self.rid, self.model, self.created), "choices": [choice],
-                    "usage": protocol.usage(self.accepted.prompt_tokens, finished.tokens, finished.cached_tokens)}
+            return self._with_prompt_scores(
+                {**protocol.envelope(self.kind, self.rid, self.model, self.created), "choices": [choice],
+                 "usage": protocol.usage(self.accepted.prompt_tokens, finished.tokens, finished.cached_tokens)})
         finally:
             watch.cancel()
             self.ticket.abort()  # no-op once finished; frees the cache if the client left
@@ -350,8 +369,8 @@ class _Reply:
                 return
 
     def _chunk(self, delta_or_text, logprobs=None, reason=None) -> str:
-        body = {**protocol.envelope(self.chunk_kind, self.rid, self.model, self.created),
-                "choices": [self._choice(delta_or_text, logprobs, reason)]}
+        body = self._with_prompt_scores({**protocol.envelope(self.chunk_kind, self.rid, self.model, self.created),
+                                         "choices": [self._choice(delta_or_text, logprobs, reason)]})
         if self.parsed.continuous_usage:
             body["usage"] = protocol.usage(self.accepted.prompt_tokens, self.generated)
         elif self.parsed.include_usage:
@@ -365,7 +384,9 @@ class _Reply:
             offset = 0
             text, items = "", []  # held until ``interval`` tokens are in hand (or the answer ends)
             async for event in self._until():
-                if isinstance(event, Token):
+                if isinstance(event, PromptScored):
+                    self._scored(event)  # sent with the first chunk
+                elif isinstance(event, Token):
                     if role:
                         yield self._chunk({"role": "assistant", "content": ""})
                         role = False

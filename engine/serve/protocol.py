@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.base.errors import InvalidRequestError
 from engine.base.sampling import SamplingParams
-from engine.base.request import ChatMessage, GenerationRequest
+from engine.base.request import MAX_LOGPROBS, ChatMessage, GenerationRequest
 
 IGNORED = {"user", "metadata", "store", "service_tier"}
 """Fields accepted and not acted on (they change nothing in the answer)."""
@@ -60,6 +60,10 @@ class _Request(BaseModel):
     return_tokens_as_token_ids: bool = False
     """vLLM's: logprob entries name their token ``token_id:N`` (ids survive text that doesn't
     decode alone)."""
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    """vLLM's: each prompt token's log-probability given the ones before it, its rank, and this
+    many likeliest tokens at its position (the prompt is then computed whole, not read from the
+    prefix cache)."""
 
     @property
     def include_usage(self) -> bool:
@@ -90,12 +94,12 @@ class ChatRequest(_Request):
     messages: list[_Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionRequest(_Request):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -233,7 +237,7 @@ def chat_to_engine(request: ChatRequest, defaults: Defaults | None = None) -> Ge
         prompt=messages[-1][1], mode="chat", system_prompt="\n".join(system) if system else None,
         history=tuple(ChatMessage(role, text) for role, text in messages[:-1]), sampling=_sampling(request, defaults),
         max_new_tokens=limit, stop=_stops(request), ignore_eos=request.ignore_eos,
-        top_alternatives=top or 0)
+        top_alternatives=top or 0, prompt_logprobs=request.prompt_logprobs)
 
 
 def completion_to_engine(request: CompletionRequest,
@@ -258,7 +262,8 @@ def completion_to_engine(request: CompletionRequest,
     return GenerationRequest(
         prompt=prompt, mode="raw", sampling=_sampling(request, defaults),
         max_new_tokens=request.max_tokens or defaults.max_tokens,
-        stop=_stops(request), ignore_eos=request.ignore_eos, top_alternatives=request.logprobs or 0), ids
+        stop=_stops(request), ignore_eos=request.ignore_eos, top_alternatives=request.logprobs or 0,
+        prompt_logprobs=request.prompt_logprobs), ids
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -304,6 +309,22 @@ def completion_logprobs(items: list[TokenLogprob], top: int, offset: int) -> dic
             "top_logprobs": [{i.name(a.text, a.token_id): a.logprob for a in reversed(i.alternatives[:top])}
                              for i in items],
             "text_offset": offsets}
+
+
+def prompt_logprobs(scored, as_ids: bool) -> list:
+    """vLLM's ``prompt_logprobs``: one entry per prompt token, ``None`` for the first (nothing
+    before it), then ``{token id: {logprob, rank, decoded_token}}`` holding the prompt's token and
+    the likeliest ones at its position (JSON makes the ids strings)."""
+    def entry(token_id: int, text: str, logprob: float, rank: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": f"token_id:{token_id}" if as_ids else text}
+
+    out: list = [None]
+    for score in scored.scores:
+        entries = {a.token_id: entry(a.token_id, a.text, a.logprob, rank)
+                   for rank, a in enumerate(score.top_alternatives, 1)}
+        entries[score.token_id] = entry(score.token_id, score.text, score.logprob, score.rank)
+        out.append(entries)
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
