@@ -11,6 +11,29 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
+
+def _test_downloads() -> Path:
+    """Where the tests keep the default model they fetch (a folder of their own, kept between
+    runs so each run doesn't download it again, never the app's cache)."""
+    override = os.environ.get("INFERENCE_WORKBENCH_TEST_DOWNLOADS")
+    if override:
+        return Path(override).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("inference-workbench-tests", appauthor=False))
+
+
+# A private cache for the whole session, set before anything imports the engine (which points
+# torch's compiled-code cache into it at import): compiled decode steps, inductor's code, kept
+# quality references and conversions all land in a temporary folder. Only the default model is
+# shared between runs, from the tests' own download folder.
+_USERS_CACHE_OVERRIDE = os.environ.get("INFERENCE_WORKBENCH_CACHE")
+_SESSION_CACHE = Path(tempfile.mkdtemp(prefix="workbench-test-cache-"))
+(_test_downloads() / "default").mkdir(parents=True, exist_ok=True)
+(_SESSION_CACHE / "default").symlink_to(_test_downloads() / "default", target_is_directory=True)
+os.environ["INFERENCE_WORKBENCH_CACHE"] = str(_SESSION_CACHE)
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(_SESSION_CACHE / "inductor")
+
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2")
 
 
@@ -39,6 +62,29 @@ _USERS_HISTORY = _users_history()
 _SESSION_DATA = os.environ["INFERENCE_WORKBENCH_DATA"] = tempfile.mkdtemp(prefix="workbench-test-data-")
 
 
+def _users_cache() -> tuple[Path, frozenset[str]]:
+    """The user's own cache folder and what it holds now (two levels deep)."""
+    from engine.storage.paths import cache_dir
+
+    saved = os.environ.pop("INFERENCE_WORKBENCH_CACHE")
+    if _USERS_CACHE_OVERRIDE is not None:
+        os.environ["INFERENCE_WORKBENCH_CACHE"] = _USERS_CACHE_OVERRIDE
+    try:
+        folder = cache_dir()
+    finally:
+        os.environ["INFERENCE_WORKBENCH_CACHE"] = saved
+    return folder, _listing(folder)
+
+
+def _listing(folder: Path) -> frozenset[str]:
+    if not folder.is_dir():
+        return frozenset()
+    return frozenset(str(p.relative_to(folder)) for pattern in ("*", "*/*") for p in folder.glob(pattern))
+
+
+_USERS_CACHE = _users_cache()
+
+
 def _users_profile() -> tuple[Path, bytes | None]:
     """This machine's measured profile in the user cache, and what it holds now."""
     from engine.estimates import hardware
@@ -58,8 +104,14 @@ os.environ["INFERENCE_WORKBENCH_HARDWARE_PROFILE"] = str(_SESSION_PROFILE)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Fail the run if anything wrote into the user's history folder or profile meanwhile."""
+    """Fail the run if anything wrote into the user's history folder, profile or cache meanwhile."""
     shutil.rmtree(_SESSION_DATA, ignore_errors=True)
+    (_SESSION_CACHE / "default").unlink()  # the link only: the download stays for the next run
+    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+    folder, before = _USERS_CACHE
+    if _listing(folder) - before:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print(f"\nThe tests wrote into the user's cache ({folder}): {sorted(_listing(folder) - before)[:10]}")
     path, before = _USERS_PROFILE
     if (path.read_bytes() if path.is_file() else None) != before:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -114,7 +166,7 @@ def loaded_llama(tiny_llama):
 
 @pytest.fixture(scope="session")
 def default_model_folder() -> Path:
-    """The real default model, fetched and converted once into the user cache."""
+    """The real default model, fetched and converted once into the tests' download folder."""
     from engine.models import default_model
 
     return default_model.ensure()
@@ -122,7 +174,7 @@ def default_model_folder() -> Path:
 
 @pytest.fixture(scope="session")
 def default_gguf(default_model_folder) -> Path:
-    """The default model's original GGUF file in the user cache."""
+    """The default model's original GGUF file (in the tests' download folder)."""
     from engine.models import default_model
 
     return default_model.gguf_path()
