@@ -13,7 +13,9 @@ from engine.base.errors import InvalidRequestError
 def add_parser(sub, precisions) -> None:
     p = sub.add_parser("perplexity", help="perplexity over a text, and KL divergence from a reference precision "
                                           "(llama.cpp's method)")
-    p.add_argument("--model", default="default", help="'default', a folder, a .gguf file or a hub id")
+    p.add_argument("--model", default="default", help="'default', a folder, a .gguf file, a hub id, or a served "
+                                                       "model (endpoint:http://HOST:PORT/v1#NAME) that returns prompt "
+                                                       "log-probabilities (vLLM, inference-workbench serve)")
     p.add_argument("--precision", default="fp32", choices=list(precisions))
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--text", type=Path, help="a UTF-8 text file (default: resources/quality-text.txt, ~30k tokens "
@@ -31,6 +33,14 @@ def add_parser(sub, precisions) -> None:
     p.add_argument("--save-reference", type=Path, metavar="FILE", help="keep this run's distributions here")
     p.add_argument("--top-k", type=int, default=512,
                    help="reference log-probabilities kept per token, the rest as one bucket (default: %(default)s)")
+    served = p.add_argument_group("a served model (--model endpoint:…)")
+    served.add_argument("--local", default="default", metavar="MODEL",
+                        help="the served model's model here: its tokenizer reads the text, and --reference is its "
+                             "precision (default: %(default)s)")
+    served.add_argument("--served-top-k", type=int, default=20, metavar="K",
+                        help="likeliest tokens asked of the server per token (1-20, default: %(default)s; vLLM allows "
+                             "20 unless started with --max-logprobs)")
+    served.add_argument("--concurrency", type=int, default=4, help="chunks sent at once (default: %(default)s)")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--no-history", action="store_true", help="don't add the run to the history")
 
@@ -46,33 +56,34 @@ class _Progress:
 
 
 def run(args, load_printer) -> int:
-    import json
-
     from engine.base.cancel import CancelToken  # lazy: start-up
     from engine.endpoint import is_endpoint  # lazy: start-up
     from engine.measure import quality  # lazy: start-up
     from engine.models.loading import LoadRequest, load_model  # lazy: start-up
 
-    if is_endpoint(args.model):
-        raise InvalidRequestError("Perplexity needs each token's whole distribution: a served model gives at most a "
-                                  "few log-probabilities per token. Run it on the model here.")
-    if args.reference == args.precision:
+    served = is_endpoint(args.model)
+    if args.reference == args.precision and not served:
         raise InvalidRequestError("--reference is the precision measured: pick another (fp32 is the usual one).")
+    if is_endpoint(args.local):
+        raise InvalidRequestError("--local: a model here (its tokenizer reads the text), not a served one.")
     name, text = quality.read_text(args.text)
     cancel = CancelToken()
 
-    def load(precision: str):
-        print(f"Loading {args.model} ({precision}) …", file=sys.stderr, flush=True)
-        return load_model(LoadRequest(model=args.model, precision=precision, device=args.device),
+    def load(model: str, precision: str):
+        print(f"Loading {model} ({precision}) …", file=sys.stderr, flush=True)
+        return load_model(LoadRequest(model=model, precision=precision, device=args.device),
                           progress=load_printer, cancel=cancel)
 
+    if served:
+        return _served(args, load, text, name, cancel)
     reference = None
     try:
         if args.reference_file is not None:
             reference = quality.Reference.load(args.reference_file)
         elif args.reference is not None:
-            reference = _reference(args, load, text, name, cancel)
-        loaded = load(args.precision)
+            reference = _reference(args, args.model, lambda: (load(args.model, args.reference), True), text, name,
+                                   cancel)
+        loaded = load(args.model, args.precision)
         tokens = quality.text_tokens(loaded, text)
         report, kept = quality.measure(loaded, tokens, name, args.ctx, args.chunks, reference, args.top_k, args.batch,
                                        cancel, _Progress(args.precision))
@@ -81,23 +92,68 @@ def run(args, load_printer) -> int:
         raise
     if args.save_reference is not None:
         print(f"reference {kept.save(args.save_reference)}")
+    _report(args, loaded.info, report, reference)
+    loaded.close()
+    return 0
+
+
+def _report(args, info, report, reference) -> None:
+    """Keep the run in the history, print it, write its JSON."""
+    import json
+
+    from engine.measure import quality  # lazy: start-up
+
     if not args.no_history:
-        quality.record(loaded.info, report)
+        quality.record(info, report)
     print(summary(report, reference))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report.to_dict(), indent=2), encoding="utf-8")
         print(f"report   {args.json}")
-    loaded.close()
+
+
+def _served(args, load, text: str, name: str, cancel) -> int:
+    """A served model's figures from the prompt log-probabilities its server returns, the text
+    tokenized (and the reference kept) by ``--local``, the same model here."""
+    from engine.endpoint import connect, parse_endpoint  # lazy: start-up
+    from engine.measure import quality  # lazy: start-up
+    from engine.measure.served_quality import measure_served  # lazy: start-up
+
+    if args.save_reference is not None:
+        raise InvalidRequestError("--save-reference keeps a model's whole distributions; a server sends only its top "
+                                  "few. Save the reference from the model here (--model LOCAL).")
+    spec = parse_endpoint(args.model)
+    print(f"Connecting to {spec.url} …", file=sys.stderr, flush=True)
+    endpoint = connect(spec, cancel=cancel)
+    try:
+        local = load(args.local, args.reference or "fp32")
+        try:
+            reference = None
+            if args.reference_file is not None:
+                reference = quality.Reference.load(args.reference_file)
+            elif args.reference is not None:
+                reference = _reference(args, args.local, lambda: (local, False), text, name, cancel)
+            tokens = quality.text_tokens(local, text)
+            report = measure_served(endpoint, tokens, local.token_text, quality.adds_bos(local.tokenizer), name,
+                                    args.ctx, args.chunks, reference, args.served_top_k, args.concurrency, cancel,
+                                    _Progress(f"{endpoint.info.name} at {spec.url}"))
+        except KeyboardInterrupt:
+            cancel.cancel()
+            raise
+        finally:
+            local.close()
+        _report(args, endpoint.info, report, reference)
+    finally:
+        endpoint.close()
     return 0
 
 
-def _reference(args, load, text: str, name: str, cancel):
+def _reference(args, model: str, get_model, text: str, name: str, cancel):
     """The reference precision's kept distributions: from the cache (no model loaded), or
-    measured now (then kept)."""
+    measured now with ``get_model()``'s (model, whether to close it), then kept."""
     from engine.measure import quality  # lazy: start-up
 
-    path = quality.reference_path(args.model, args.reference, text, args.ctx, args.chunks, args.top_k)
+    path = quality.reference_path(model, args.reference, text, args.ctx, args.chunks, args.top_k)
     if path.exists():
         try:
             kept = quality.Reference.load(path)
@@ -105,7 +161,7 @@ def _reference(args, load, text: str, name: str, cancel):
             return kept
         except InvalidRequestError:
             pass  # damaged: measure again
-    reference = load(args.reference)
+    reference, owned = get_model()
     try:
         tokens = quality.text_tokens(reference, text)
         report, kept = quality.measure(reference, tokens, name, args.ctx, args.chunks, None, args.top_k, args.batch,
@@ -117,7 +173,8 @@ def _reference(args, load, text: str, name: str, cancel):
               file=sys.stderr)
         return kept
     finally:
-        reference.close()
+        if owned:
+            reference.close()
 
 
 def summary(report, reference=None) -> str:
@@ -133,6 +190,9 @@ def summary(report, reference=None) -> str:
     d = report.divergence
     if d is not None:
         how = "every probability" if d.top_k == 0 else f"its top {d.top_k} and the rest as one bucket"
+        if d.served_top_k is not None:
+            how = (f"the server's top {d.served_top_k} found in the reference's top {d.top_k or 'all'}, the rest as "
+                   "one bucket: a lower bound")
         lines += [
             f"against {d.reference} (KL over {how}):",
             f"  PPL ratio          {d.ppl_ratio:.4f}",

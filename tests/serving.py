@@ -104,6 +104,12 @@ def _handler(server: ThirdPartyServer):
                 self._json(404, {"detail": "Not Found"})
                 return
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if body.get("stream") is False and "prompt" in body:  # a whole completion; unknown fields ignored
+                self._json(200, {"id": "req", "object": "text_completion", "model": body.get("model"),
+                                 "choices": [{"index": 0, "text": "word0", "logprobs": None,
+                                              "finish_reason": "length"}],
+                                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+                return
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()  # HTTP/1.0: the stream ends when the connection closes

@@ -129,6 +129,10 @@ class Divergence:
     """This perplexity over the reference's."""
     ln_ppl_correlation: float
     """Pearson correlation of the tokens' −log p here and under the reference."""
+    served_top_k: int | None = None
+    """A served model (engine/measure/served_quality.py): the likeliest tokens the server sent per
+    token; the KL divergence is then summed over those of them the reference's list holds, the rest
+    as one bucket: a lower bound."""
 
 
 @dataclass(frozen=True)

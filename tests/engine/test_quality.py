@@ -166,3 +166,120 @@ def test_a_cancel_stops_at_the_next_chunk_and_progress_has_an_eta(loaded_llama, 
         quality.measure(loaded_llama, tokens, "", CTX, batch=1, cancel=cancel, on_progress=on_progress)
     assert len(seen) == 1 and seen[0].chunks_done == 1 and seen[0].chunks == len(tokens) // CTX
     assert seen[0].eta_s is not None and seen[0].eta_s > 0 and seen[0].tokens_per_s > 0
+
+
+# -- a served model, from the prompt log-probabilities its server returns ----------------------
+def bounded_by_hand(reference, other, tokens, chunks, k):
+    """Each scored token's KL(p_ref ‖ p_other) over what a server sends (its top ``k`` and the
+    text's token), the rest of each distribution as one bucket, with plain softmaxes."""
+    out = []
+    first = CTX // 2
+    for c in range(chunks):
+        ids = torch.tensor([tokens[c * CTX:(c + 1) * CTX]])
+        with torch.no_grad():
+            p = torch.softmax(reference.model(input_ids=ids).logits[0].double(), -1)
+            q = torch.softmax(other.model(input_ids=ids).logits[0].double(), -1)
+        for j in range(first, CTX - 1):
+            sent = set(q[j].topk(k).indices.tolist()) | {tokens[c * CTX + j + 1]}
+            s = torch.tensor(sorted(sent))
+            p_s, q_s = p[j, s], q[j, s]
+            p_rest, q_rest = 1 - float(p_s.sum()), 1 - float(q_s.sum())
+            out.append(float((p_s * (p_s.log() - q_s.log())).sum()) + p_rest * math.log(p_rest / q_rest))
+    return np.array(out)
+
+
+@pytest.fixture
+def served(request):
+    """Serve the model fixture named by the test's parameter; yields (endpoint, loaded)."""
+    from engine.endpoint import connect, parse_endpoint
+    from tests.serving import serve
+
+    loaded = request.getfixturevalue(request.param)
+    server = serve(loaded)
+    endpoint = connect(parse_endpoint(server.url))
+    yield endpoint, loaded
+    endpoint.close()
+    server.stop()
+
+
+@pytest.mark.parametrize("served", ["loaded_llama"], indirect=True)
+def test_a_served_copy_of_the_same_weights_scores_as_the_model_here(served, tokens):
+    from engine.measure.served_quality import measure_served
+
+    endpoint, loaded = served
+    local, kept = quality.measure(loaded, tokens, "dickens", CTX, 3)
+    report = measure_served(endpoint, tokens, loaded.token_text, quality.adds_bos(loaded.tokenizer), "dickens", CTX,
+                            3, reference=kept)
+    assert report.precision == "served" and report.tokens_scored == local.tokens_scored
+    assert report.perplexity == pytest.approx(local.perplexity, rel=1e-5)
+    d = report.divergence
+    assert d.served_top_k == 20 and d.kld_max == pytest.approx(0, abs=1e-5) and d.same_top == 1.0
+    assert d.dp_rms == pytest.approx(0, abs=1e-6)
+
+
+@pytest.mark.parametrize("served", ["perturbed"], indirect=True)
+def test_a_served_model_gives_the_bounded_divergence_summed_by_hand(served, loaded_llama, tokens):
+    from engine.measure.served_quality import measure_served
+
+    endpoint, perturbed = served
+    chunks, k = 3, 5
+    _, every = quality.measure(loaded_llama, tokens, "", CTX, chunks, top_k=loaded_llama.vocab_size)
+    here, _ = quality.measure(perturbed, tokens, "", CTX, chunks, reference=every)
+    report = measure_served(endpoint, tokens, loaded_llama.token_text, quality.adds_bos(loaded_llama.tokenizer), "",
+                            CTX, chunks, reference=every, top_k=k, concurrency=2)
+    # what needs only the text's token is exact: perplexity, Δp, the top choice
+    assert report.perplexity == pytest.approx(here.perplexity, rel=1e-5)
+    d, exact = report.divergence, here.divergence
+    assert d.dp_mean == pytest.approx(exact.dp_mean, abs=1e-6) and d.same_top == exact.same_top
+    # KL over the server's top k and the text's token, the rest as one bucket: a lower bound, by hand
+    bounded = bounded_by_hand(loaded_llama, perturbed, tokens, chunks, k)
+    assert np.allclose(report.token_kld, bounded, rtol=1e-3, atol=1e-7)
+    assert 0 < d.kld_mean <= exact.kld_mean * (1 + 1e-6)
+    assert np.all(np.array(report.token_kld) <= np.array(here.token_kld) * (1 + 1e-4) + 1e-9)
+
+
+def test_a_server_without_prompt_logprobs_or_with_another_tokenizer_is_told(loaded_llama, tokens, tmp_path,
+                                                                            sp_tokenizer):
+    from engine.base.errors import EndpointError
+    from engine.endpoint import connect, parse_endpoint
+    from engine.measure.served_quality import measure_served
+    from engine.models.loading import LoadRequest, load_model
+    from tests.serving import ThirdPartyServer, serve
+    from tests.tiny import build_model_folder
+
+    bos = quality.adds_bos(loaded_llama.tokenizer)
+    with ThirdPartyServer() as other:
+        endpoint = connect(parse_endpoint(other.url))
+        with pytest.raises(EndpointError, match="without prompt log-probabilities"):
+            measure_served(endpoint, tokens, loaded_llama.token_text, bos, "", CTX, 2)
+        endpoint.close()
+    elsewhere = load_model(LoadRequest(str(build_model_folder(tmp_path / "sp", "llama", sp_tokenizer)), "fp32", "cpu"))
+    server = serve(elsewhere)
+    endpoint = connect(parse_endpoint(server.url))
+    try:
+        with pytest.raises(EndpointError, match="another tokenizer"):
+            measure_served(endpoint, tokens, loaded_llama.token_text, bos, "", CTX, 2)
+    finally:
+        endpoint.close()
+        server.stop()
+
+
+def test_the_command_line_measures_a_served_model_against_a_reference_here(loaded_llama, tiny_llama, tmp_path,
+                                                                           isolated_cache, capsys):
+    from engine.cli import main
+    from tests.serving import serve
+
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    server = serve(loaded_llama)
+    try:
+        args = ["perplexity", "--model", f"endpoint:{server.url}", "--local", str(tiny_llama), "--reference", "fp32",
+                "--text", str(text), "--ctx", str(CTX), "--chunks", "3", "--served-top-k", "8",
+                "--json", str(tmp_path / "served.json")]
+        assert main(args) == 0
+    finally:
+        server.stop()
+    out = capsys.readouterr().out
+    assert "served" in out and "lower bound" in out and "server's top 8" in out
+    report = json.loads((tmp_path / "served.json").read_text())
+    assert report["divergence"]["served_top_k"] == 8 and report["divergence"]["kld_max"] < 1e-5
