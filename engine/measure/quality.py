@@ -115,7 +115,8 @@ class Divergence:
     kld_p999: float
     kld_max: float
     same_top: float
-    """Share of tokens whose likeliest next token is the reference's."""
+    """Share of tokens whose likeliest next token is the reference's (of tied tokens, the lowest
+    id: the one greedy decoding picks)."""
     same_top_err: float
     dp_mean: float
     """Mean of p(text's token) here minus under the reference."""
@@ -279,7 +280,7 @@ def measure(loaded, tokens: Sequence[int], text_name: str = "", ctx: int = DEFAU
         if not torch.isfinite(lp).all():
             raise EngineError(f"{loaded.info.precision} gave non-finite scores in chunk {begin + 1}: no perplexity.")
         picked = lp.gather(-1, targets.to(lp.device).unsqueeze(-1)).squeeze(-1)
-        top_lp, top_ids = lp.topk(k, dim=-1)
+        top_lp, top_ids = _topk(lp, k)
         span = slice(begin * scored, (begin + len(rows)) * scored)
         token_lp[span] = picked.reshape(-1).cpu().numpy()
         kept_ids[span] = top_ids.reshape(-1, k).cpu().numpy()
@@ -288,7 +289,7 @@ def measure(loaded, tokens: Sequence[int], text_name: str = "", ctx: int = DEFAU
             ref_lp = _chunk_logprobs(reference, inputs.to(reference.device), ctx - first).to(lp.device)
             kld[span] = (ref_lp.exp() * (ref_lp - lp)).sum(-1).double().reshape(-1).cpu().numpy()
             ref_token_lp[span] = ref_lp.gather(-1, targets.to(lp.device).unsqueeze(-1)).reshape(-1).cpu().numpy()
-            ref_argmax[span] = ref_lp.argmax(-1).reshape(-1).cpu().numpy()
+            ref_argmax[span] = ref_lp.argmax(-1).reshape(-1).cpu().numpy()  # the first of tied tokens, as topk's
             del ref_lp
         elif reference is not None:
             ids = torch.from_numpy(reference.top_ids[span].astype(np.int64)).view(len(rows), scored, -1)
@@ -323,6 +324,20 @@ def measure(loaded, tokens: Sequence[int], text_name: str = "", ctx: int = DEFAU
                            tuple(int(t) for t in data[:, first + 1:].reshape(-1).tolist()))
     kept = Reference(info.name, info.precision, ctx, sha, kept_ids, kept_lp, token_lp, ppl)
     return report, kept
+
+
+def _topk(lp, k: int):
+    """The ``k`` likeliest tokens, best first, the first being ``argmax``'s: of tokens tied at the
+    top, the lowest id, as greedy decoding picks (``topk`` orders ties as its kernel happens to,
+    which depends on the tensor's shape; with bf16 logits, ties at the top are common)."""
+    import torch
+
+    top_lp, top_ids = lp.topk(k, dim=-1)
+    best = lp.argmax(-1, keepdim=True)
+    where = (top_ids == best).to(torch.uint8).argmax(-1, keepdim=True)  # its place in the list (0 if absent)
+    top_ids.scatter_(-1, where, top_ids[..., :1].clone())
+    top_ids[..., :1] = best
+    return top_lp, top_ids
 
 
 def _stderr(values: np.ndarray) -> float:

@@ -7,7 +7,8 @@ What a server returns per prompt token is the token's own log-probability and it
 top ``k`` tokens (vLLM allows 20 by default; so does this workbench's server):
 
 - perplexity, Δp and the correlation of ln p are exact: they need only the text's own token;
-- "same top" needs the server's top-1: exact whenever ``k`` ≥ 1;
+- "same top" needs the server's likeliest token (of tied ones the lowest id, as greedy decoding
+  picks): exact whenever ``k`` ≥ 1 (and fewer than ``k`` tokens tie at the top);
 - the KL divergence needs the whole distribution, which the server does not send: it is summed
   over the tokens both the server's top ``k`` and the reference's kept top list hold, the rest of
   each distribution as one bucket. Grouping tokens can only lower a KL divergence (the log-sum
@@ -150,7 +151,7 @@ def measure_served(endpoint, tokens: Sequence[int], token_text: Callable[[int], 
             g = c * scored + i
             target = data[c][at]
             ids, lps, token_lp[g], read_as = _parse(results[c][at], target, at + 1)
-            argmax[g] = ids[0] if len(ids) else target
+            argmax[g] = ids[lps == lps.max()].min()  # of tied tokens the lowest id, as greedy decoding picks
             if read_as:
                 mine = token_text(target)
                 if mine:

@@ -283,3 +283,12 @@ def test_the_command_line_measures_a_served_model_against_a_reference_here(loade
     assert "served" in out and "lower bound" in out and "server's top 8" in out
     report = json.loads((tmp_path / "served.json").read_text())
     assert report["divergence"]["served_top_k"] == 8 and report["divergence"]["kld_max"] < 1e-5
+
+
+def test_of_tokens_tied_at_the_top_the_lowest_id_comes_first_as_greedy_decoding_picks():
+    lp = torch.tensor([[[0.5, 1.0, 0.9, 1.0, 0.2, 1.0]] * 3])
+    for k in (3, 4, 6):
+        values, ids = quality._topk(lp, k)
+        assert ids[..., 0].eq(1).all() and ids[..., 0].eq(lp.argmax(-1)).all()
+        assert all(sorted(row) == sorted(lp.topk(k).indices[0, 0].tolist()) for row in ids[0].tolist())
+        assert torch.equal(lp.gather(-1, ids), values)  # the values still belong to their ids
