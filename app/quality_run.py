@@ -1,6 +1,8 @@
 """Compare's Quality run: every lane's model reads the same text (engine/jobs.py's QualityJob),
 lane 1 first, whose kept distributions are the others' reference; one lane at a time, so each
-lane's time is its own and only one text's logits are in memory."""
+lane's time is its own and only one text's logits are in memory. A served lane is sent lane 1's
+tokens and scored from the prompt log-probabilities its server returns
+(engine/measure/served_quality.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ class QualityRun(QObject):
         self.text, self.ctx, self.chunks = text, ctx, chunks
         self.rows: list[LaneQuality] = []
         self.reference = None
+        self.first = None
+        """Lane 1's result: a served lane is sent its tokens."""
         self._queue = list(self.lanes)
         self._current = None
         self._job: int | None = None
@@ -53,7 +57,7 @@ class QualityRun(QObject):
         session.job_events.connect(self._on_events)
         session.job_finished.connect(self._on_finished)
         session.job_failed.connect(self._on_failed)
-        self._job = session.submit(QualityJob(self.text, self.ctx, self.chunks, self.reference))
+        self._job = session.submit(QualityJob(self.text, self.ctx, self.chunks, self.reference, read_by=self.first))
         self.progressed.emit(lane, "quality: reading the text…")
 
     def _disconnect(self) -> None:
@@ -79,8 +83,8 @@ class QualityRun(QObject):
         if job_id != self._job:
             return
         lane = self._current
-        if self.reference is None:
-            self.reference = result.reference
+        if self.first is None:
+            self.first, self.reference = result, result.reference
         run = lane.run.finished if lane.run is not None else None
         speed = run.decode_tokens_per_s if run is not None else None
         self.rows.append(LaneQuality(lane.index + 1, lane.spec().label, lane.colour, lane.spec().precision, speed,

@@ -4,10 +4,13 @@ tokens whose top choice stays fp32's, weights bytes, decode tok/s, and how long 
 
 fp32 runs first and is kept as the reference (top 512 log-probabilities per token and the rest's
 mass); one precision (``--exact``, int8-fast by default) is also measured against fp32 loaded
-beside it with every probability, to say how much keeping the top 512 changes the figure.
+beside it with every probability, to say how much keeping the top 512 changes the figure, and
+served (``--served``, int8-fast by default) by this workbench's server on a loopback port and
+scored from the prompt log-probabilities it returns (its top 20), as a served model is measured:
+the same perplexity, and how low the served KL's lower bound reads against the figure here.
 
     python benchmarks/contention.py   # first, if another program may be running
-    python benchmarks/quality.py [--precisions fp32,bf16,...] [--chunks N] [--exact int8-fast]
+    python benchmarks/quality.py [--precisions fp32,bf16,...] [--chunks N] [--exact int8-fast] [--served int8-fast]
 """
 
 from __future__ import annotations
@@ -36,6 +39,22 @@ def decode_speed(loaded, tokens: int = 64) -> float | None:
     return finished.decode_tokens_per_s
 
 
+def measure_served_copy(loaded, tokens, args, reference):
+    """``loaded`` served on a free loopback port, scored from its prompt log-probabilities."""
+    from engine.endpoint import connect, parse_endpoint
+    from engine.measure.served_quality import measure_served
+    from engine.serve.server import Server, ServeSettings
+
+    server = Server(loaded, ServeSettings(port=0, history=False, token_budget=512)).start()
+    endpoint = connect(parse_endpoint(server.url))
+    try:
+        return measure_served(endpoint, tokens, loaded.token_text, quality.adds_bos(loaded.tokenizer),
+                              "quality-text.txt", args.ctx, args.chunks, reference)
+    finally:
+        endpoint.close()
+        server.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--precisions", default=PRECISIONS)
@@ -43,9 +62,11 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--exact", default="int8-fast", help="also measured against fp32 with every probability "
                                                              "('' to skip)")
+    parser.add_argument("--served", default="int8-fast", help="also served and scored through the API ('' to skip)")
     args = parser.parse_args()
     _, text = quality.read_text(None)
     rows = []
+    served = []
     reference = None
     reference_model = None
     for precision in ["fp32"] + [p for p in args.precisions.split(",") if p and p != "fp32"]:
@@ -57,6 +78,8 @@ def main() -> None:
             exact, _ = quality.measure(loaded, tokens, "quality-text.txt", args.ctx, args.chunks, reference_model)
         speed = decode_speed(loaded)
         rows.append((precision, report, speed, exact))
+        if precision == args.served and reference is not None:
+            served.append((precision, report, measure_served_copy(loaded, tokens, args, reference)))
         d = report.divergence
         print(f"  {precision}: PPL {report.perplexity:.4f} in {report.seconds:.1f} s"
               + ("" if d is None else f", KLD {d.kld_mean:.5f}"), file=sys.stderr, flush=True)
@@ -83,6 +106,13 @@ def main() -> None:
                   f"{top:.6f}, with every probability {full:.6f}: the kept reference reads "
                   f"{100 * (top - full) / full:+.2f}% (p99 {report.divergence.kld_p99:.5f} vs "
                   f"{exact.divergence.kld_p99:.5f})")
+    for precision, here, there in served:
+        d, e = here.divergence, there.divergence
+        print(f"\n{precision} served (this workbench's server, its top {e.served_top_k} per token): PPL "
+              f"{there.perplexity:.4f} (here {here.perplexity:.4f}), same top {100 * e.same_top:.2f}% (here "
+              f"{100 * d.same_top:.2f}%), mean KLD ≥ {e.kld_mean:.6f} (here {d.kld_mean:.6f}: the lower bound reads "
+              f"{100 * (e.kld_mean - d.kld_mean) / d.kld_mean:+.1f}%), p99 ≥ {e.kld_p99:.5f} (here {d.kld_p99:.5f}); "
+              f"{there.seconds:.1f} s through the API")
     if reference_model is not None:
         reference_model.close()
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}")

@@ -227,6 +227,10 @@ class QualityResult:
     """This run's kept distributions: lane 1's are the others' reference."""
     pieces: tuple[str, ...]
     """How each scored token reads (the window colours them by their KL divergence)."""
+    tokens: tuple[int, ...] = field(default=(), repr=False)
+    """The whole text's token ids as this model read it (a served lane is sent these)."""
+    bos: int | None = None
+    """The BOS id each chunk begins with, where the tokenizer adds one."""
 
 
 @dataclass(frozen=True)
@@ -242,21 +246,39 @@ class QualityJob:
     reference: object = field(default=None, compare=False)
     """A ``Reference`` of the same tokens (another precision's run), or ``None``."""
     top_k: int = 512
+    read_by: QualityResult | None = field(default=None, compare=False)
+    """A served model: the run of the model here whose tokens it is sent (and whose tokens'
+    texts its server's are checked against)."""
     kind: ClassVar[str] = "perplexity"
 
     def run(self, ctx: JobContext) -> QualityResult:
         from engine.measure import quality  # lazy: importing it loads numpy
 
-        if ctx.model.model is None:
-            raise EngineError("Perplexity needs every token's whole distribution: a served model gives a few "
-                              "log-probabilities at most. Load the model here to measure it.")
         name, text = quality.read_text(self.text)
+        if ctx.model.model is None:
+            return self._served(ctx, name)
         tokens = quality.text_tokens(ctx.model, text)
         report, kept = quality.measure(ctx.model, tokens, name, self.ctx, self.chunks, self.reference, self.top_k,
                                        cancel=ctx.cancel, on_progress=ctx.emit)
         quality.record(ctx.model.info, report)
         pieces = tuple(ctx.model.token_text(i) for i in report.scored_ids)
-        return QualityResult(report, kept, pieces)
+        return QualityResult(report, kept, pieces, tuple(tokens), quality.adds_bos(ctx.model.tokenizer))
+
+    def _served(self, ctx: JobContext, name: str) -> QualityResult:
+        """A served model, scored from the prompt log-probabilities its server returns
+        (engine/measure/served_quality.py), on the tokens a model here read."""
+        from engine.measure import quality  # lazy: importing it loads numpy
+        from engine.measure.served_quality import measure_served  # lazy: importing it loads numpy
+
+        if self.read_by is None:
+            raise EngineError("A served model is measured on the tokens of a model here, the same model: put it in "
+                              "lane 1 (its tokenizer reads the text, and its distributions are the reference).")
+        ours = self.read_by
+        texts = dict(zip(ours.report.scored_ids, ours.pieces))
+        report = measure_served(ctx.model, ours.tokens, lambda token: texts.get(token, ""), ours.bos, name,
+                                self.ctx, self.chunks, self.reference, cancel=ctx.cancel, on_progress=ctx.emit)
+        quality.record(ctx.model.info, report)
+        return QualityResult(report, None, tuple(texts.get(i, "") for i in report.scored_ids))
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,9 @@ class QualityView(QWidget):
         self.note = QLabel("Run <b>Quality</b> (beside the quantization ladder): every lane reads the same text, "
                            "lane 1 first as the reference; a lane's tokens are coloured by how far its "
                            "distribution moved from lane 1's (white: not at all, red: a KL divergence of 1 nat "
-                           "or more).")
+                           "or more). A served lane is sent lane 1's tokens and scored from the prompt "
+                           "log-probabilities its server returns (vLLM, this workbench's server): its KL is a lower "
+                           "bound (≥).")
         self.note.setWordWrap(True)
         self.table.setMinimumHeight(120)
         self.chart.setMinimumHeight(200)  # readable in the tab's scroll area on a short screen
@@ -141,17 +143,23 @@ class QualityView(QWidget):
         self.table.setRowCount(len(rows))
         for r, row in enumerate(rows):
             report, d = row.report, row.report.divergence
+            bound = "≥ " if d is not None and d.served_top_k is not None else ""
             cells = [str(row.lane), row.label, format_bytes(report.weights_bytes) if report.weights_bytes else "—",
                      format_rate(row.decode_tokens_per_s, "") if row.decode_tokens_per_s else "—",
                      _finite(report.perplexity, f"{report.perplexity:.3f} ± {report.perplexity_err:.3f}"),
-                     "reference" if d is None else _finite(d.kld_mean, f"{d.kld_mean:.5f}"),
-                     "—" if d is None else _finite(d.kld_p99, f"{d.kld_p99:.4f}"),
+                     "reference" if d is None else _finite(d.kld_mean, f"{bound}{d.kld_mean:.5f}"),
+                     "—" if d is None else _finite(d.kld_p99, f"{bound}{d.kld_p99:.4f}"),
                      "—" if d is None else f"{100 * d.same_top:.2f}%",
                      f"{report.seconds:.1f} s"]
             for c, text in enumerate(cells):
                 item = QTableWidgetItem(text)
                 if c == 1:
                     item.setForeground(pg.mkColor(row.colour))
+                if bound and c in (5, 6):
+                    item.setToolTip(f"A served model sends its top {d.served_top_k} tokens per position, not its whole "
+                                    "distribution: the KL divergence is summed over those the reference's list holds, "
+                                    "the rest as one bucket, which can only read low (a lower bound). Perplexity and "
+                                    "same-top are exact.")
                 self.table.setItem(r, c, item)
         self.table.resizeColumnsToContents()
         self._draw_chart()

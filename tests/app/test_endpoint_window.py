@@ -232,3 +232,29 @@ def test_a_servers_slots_leave_the_memory_plot_with_it(qtbot, window, tiny_llama
     assert title.isVisible() and title.text == "its slots: 1 of 2 busy (/slots)"
     generate(qtbot, window, PROMPT, max_tokens=4)  # a later local run
     assert not title.isVisible() and window.plots.point_counts()["memory"] == 4
+
+
+def test_quality_scores_a_served_lane_against_lane_1(qtbot, compare, served, tiny_llama, tmp_path, monkeypatch):
+    """Compare → Quality with lane 2 served (the same weights): the server's prompt
+    log-probabilities give lane 2 lane 1's perplexity and no divergence, its KL marked as a lower
+    bound; a served lane 1 can't be the reference, and says so."""
+    from tests.app.test_compare_window import configure
+    from engine.measure.compare import LaneSpec
+
+    monkeypatch.setenv("INFERENCE_WORKBENCH_API_KEY", "the-key")
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
+    configure(compare, [LaneSpec(str(tiny_llama), "fp32", "cpu"), LaneSpec(f"endpoint:{served.url}", "", "cpu")])
+    compare.quality_settings = {"text": str(text), "ctx": 64, "chunks": 3}
+    with qtbot.waitSignal(compare.quality_finished, timeout=180_000):
+        compare.quality_button.click()
+    here, remote = (row.report for row in compare.quality_view.rows)
+    assert remote.precision == "served" and remote.tokens_scored == here.tokens_scored == 3 * 31
+    assert remote.perplexity == pytest.approx(here.perplexity, rel=1e-5)
+    assert remote.divergence.kld_max == pytest.approx(0, abs=1e-5) and remote.divergence.same_top == 1.0
+    cell = compare.quality_view.table.item(1, 5)
+    assert cell.text().startswith("≥ ") and "lower bound" in cell.toolTip()
+    configure(compare, [LaneSpec(f"endpoint:{served.url}", "", "cpu"), LaneSpec(str(tiny_llama), "fp32", "cpu")])
+    with qtbot.waitSignal(compare.quality_finished, timeout=180_000):
+        compare.quality_button.click()
+    assert "put it in lane 1" in compare.message.text()
