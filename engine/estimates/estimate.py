@@ -15,9 +15,12 @@ bitsandbytes leaves the output head (``lm_head``) unquantized, so it counts as "
 
 The fast path's int8 / int4 (engine/models/quantize.py) quantize every linear layer, the head
 included (a head tied to the embeddings gets its own quantized copy; the table stays bf16):
-int8 at 1 byte plus a bf16 scale per row, int4 at ½ byte plus a bf16 scale and zero per
-group of 32 inputs, its head in int8. Its fp32 / bf16 store every parameter as the plain
-precisions do.
+where its int8-activation kernels run (engine/models/kernels), int8 at 1 byte plus an fp16
+scale per block of 32 inputs (Q8_0), int4 at ½ byte plus an fp16 scale and minimum per block
+(Q4_1); elsewhere int8 at 1 byte plus a bf16 scale per row and int4 at ½ byte plus a bf16 scale
+and zero per group of 32; the head in int8 under both. (Rows are padded to a multiple of 16
+for the kernels: not counted, as no common model has such a layer.) Its fp32 / bf16 store
+every parameter as the plain precisions do.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from engine.base.kv import kv_layout
 from engine.storage.paths import resource_dir
 from engine.models.precision import get_precision, dtype_bytes
 from engine.models.load_lock import exclusive
+from engine.models.kernels import expected as kernels_expected
 from engine.endpoint.source import is_endpoint
 from engine.models import default_model, sources
 from engine.models.gguf_files import converted_dir_for, is_converted
@@ -87,19 +91,26 @@ def count_parameters(config) -> ParameterCount:
                           head_rows=head.weight.shape[0] if head is not None else 0, tied=tied)
 
 
-def weights_bytes(count: ParameterCount, precision: str, device_type: str = "cpu") -> int:
-    """Bytes the weights take once loaded in ``precision`` (see the module docstring)."""
+def weights_bytes(count: ParameterCount, precision: str, device_type: str = "cpu",
+                  int8_blocks: bool | None = None) -> int:
+    """Bytes the weights take once loaded in ``precision`` (see the module docstring);
+    ``int8_blocks``: whether the fast path's int8 is in blocks of 32 (its int8-activation
+    kernels), ``None``: as it will be on this machine."""
     name = get_precision(precision).name
     if name in ("fp32", "fp32-fast"):
         return 4 * count.total
     if name in ("bf16", "fp16", "bf16-fast"):
         return 2 * count.total
     if name in ("int8-fast", "int4-fast"):
-        head = count.head + 2 * count.head_rows  # int8 under both (see engine/models/quantize.py)
-        if name == "int8-fast":
-            quantized = count.linear + 2 * count.linear_rows + head
-        else:
-            quantized = count.linear // 2 + count.linear // 8 + head
+        if int8_blocks is None:
+            int8_blocks = kernels_expected()
+        if int8_blocks:  # Q8_0 blocks: an fp16 scale per 32
+            head = count.head + count.head // 16  # int8 under both (see engine/models/quantize.py)
+            int8 = count.linear + count.linear // 16
+        else:  # a bf16 scale per row
+            head = count.head + 2 * count.head_rows
+            int8 = count.linear + 2 * count.linear_rows
+        quantized = int8 + head if name == "int8-fast" else count.linear // 2 + count.linear // 8 + head
         # the bf16 rest: embeddings (kept even when the head was tied to them), norms, biases
         return quantized + 2 * (count.other - (0 if count.tied else count.head))
     if name == "int8":

@@ -165,6 +165,146 @@ class Int4WeightOnlyLinear(_BlockedLinear):
         return fused
 
 
+BLOCK = 32
+"""Inputs per scale block of the int8-activation layers (llama.cpp's Q8_0/Q4_1 blocks)."""
+
+
+def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes [N, K] and fp16 scales [N, K/32] of ``weight`` (llama.cpp's Q8_0: symmetric,
+    absmax / 127 per block of 32 inputs; the codes divide by the fp16-rounded scale)."""
+    rows, cols = weight.shape
+    blocks = weight.float().reshape(rows, cols // BLOCK, BLOCK)
+    scales = (blocks.abs().amax(dim=-1) / 127.0).to(torch.float16)
+    safe = scales.float().clamp(min=1e-30)[..., None]
+    codes = torch.round(blocks / safe).clamp(-127, 127).to(torch.int8).reshape(rows, cols)
+    return codes, scales
+
+
+def q4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit codes [N, K] (uint8, 0…15), fp16 scales and minimums [N, K/32] of ``weight``
+    (llama.cpp's Q4_1: w ≈ d · q + m per block of 32 inputs)."""
+    rows, cols = weight.shape
+    blocks = weight.float().reshape(rows, cols // BLOCK, BLOCK)
+    low, high = blocks.amin(dim=-1), blocks.amax(dim=-1)
+    d = ((high - low) / 15.0).to(torch.float16)
+    m = low.to(torch.float16)
+    codes = torch.round((blocks - m.float()[..., None]) / d.float().clamp(min=1e-30)[..., None]).clamp(0, 15)
+    return codes.to(torch.uint8).reshape(rows, cols), d, m
+
+
+def _padded(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with zero rows added up to a multiple of 16 rows."""
+    extra = -t.shape[0] % 16
+    return t if not extra else torch.cat([t, t.new_zeros((extra, *t.shape[1:]))])
+
+
+def pack_q8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's layout (q8_gemm.cpp): 16 columns side by side, 4 inputs a lane."""
+    codes, scales = _padded(codes), _padded(scales)
+    groups, cols = codes.shape[0] // 16, codes.shape[1]
+    return (codes.reshape(groups, 16, cols // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).contiguous(),
+            scales.reshape(groups, 16, cols // BLOCK).permute(0, 2, 1).contiguous())
+
+
+def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernel's layout: 16 columns side by side, 4 inputs a lane, two groups of 4 a byte."""
+    codes, d, m = _padded(codes), _padded(d), _padded(m)
+    groups, cols = codes.shape[0] // 16, codes.shape[1]
+    c = codes.reshape(groups, 16, cols // BLOCK, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)  # [G, B, v, lane, i, h]
+    packed = (c[..., 0] | (c[..., 1] << 4)).contiguous()
+    def spread(t):
+        return t.reshape(groups, 16, cols // BLOCK).permute(0, 2, 1).contiguous()
+    return packed, spread(d), spread(m)
+
+
+def int8_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernels do to the activations, in plain PyTorch (for tests): int codes [M, K] and
+    fp32 scales [M, K/32], absmax / 127 per block, rounded half to even."""
+    rows, cols = x.shape
+    blocks = x.float().reshape(rows, cols // BLOCK, BLOCK)
+    top = blocks.abs().amax(dim=-1)
+    inverse = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    codes = torch.round(blocks * inverse[..., None]).reshape(rows, cols)
+    return codes, top / 127.0
+
+
+class _Int8ActivationLinear(_BlockedLinear):
+    """Shared by the layers that multiply with int8 activations: one kernel call for every row."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.blocks = [(0, out_features)]  # the kernel takes a tall matrix whole
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()
+        out = self._matmul(flat, 0)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+
+class Int8BlockLinear(_Int8ActivationLinear):
+    """int8 weights with an fp16 scale per block of 32 inputs (Q8_0), multiplied with activations
+    quantized the same way as they arrive (engine/models/kernels/q8_gemm.cpp): int8 dot products."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        weight = linear.weight.detach()
+        if weight.shape[1] % BLOCK:
+            raise ValueError(f"int8 blocks need inputs ({weight.shape[1]}) in multiples of {BLOCK}")
+        super().__init__(weight.shape[1], weight.shape[0], linear.bias)
+        packed, scales = pack_q8(*q8_blocks(weight))
+        self.register_buffer("weight", packed)
+        self.register_buffer("scales", scales)
+
+    def _matmul(self, x, block):
+        out = torch.ops.workbench.q8_linear(x, self.weight, self.scales)
+        return out if out.shape[-1] == self.out_features else out[:, :self.out_features]
+
+    @classmethod
+    def fuse(cls, parts: list["Int8BlockLinear"]) -> "Int8BlockLinear | None":
+        """One layer for all of ``parts``, whose weights become views of its column groups (as
+        :meth:`Int8WeightOnlyLinear.fuse`); ``None`` unless each part is whole groups of 16."""
+        return _fuse_groups(cls, parts, ("weight", "scales"))
+
+
+class Int4BlockLinear(_Int8ActivationLinear):
+    """4-bit weights with an fp16 scale and minimum per block of 32 inputs (Q4_1), multiplied with
+    int8 activations (Q8_1: the block's sum carries the minimum's share)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        weight = linear.weight.detach()
+        if weight.shape[1] % BLOCK:
+            raise ValueError(f"int4 blocks need inputs ({weight.shape[1]}) in multiples of {BLOCK}")
+        super().__init__(weight.shape[1], weight.shape[0], linear.bias)
+        packed, d, m = pack_q4(*q4_blocks(weight))
+        self.register_buffer("packed", packed)
+        self.register_buffer("d", d)
+        self.register_buffer("m", m)
+
+    def _matmul(self, x, block):
+        out = torch.ops.workbench.q4_linear(x, self.packed, self.d, self.m)
+        return out if out.shape[-1] == self.out_features else out[:, :self.out_features]
+
+    @classmethod
+    def fuse(cls, parts: list["Int4BlockLinear"]) -> "Int4BlockLinear | None":
+        return _fuse_groups(cls, parts, ("packed", "d", "m"))
+
+
+def _fuse_groups(cls, parts, names: tuple[str, ...]):
+    if any(p.out_features % 16 for p in parts):
+        return None
+    fused = cls.__new__(cls)
+    _Int8ActivationLinear.__init__(fused, parts[0].in_features, sum(p.out_features for p in parts), _fused_bias(parts))
+    for name in names:
+        fused.register_buffer(name, torch.cat([getattr(p, name) for p in parts]))
+    for part, rows in _share_bias(fused, parts):
+        groups = slice(rows.start // 16, rows.stop // 16)
+        for name in names:
+            setattr(part, name, getattr(fused, name)[groups])
+    return fused
+
+
 class BlockedDenseLinear(_BlockedLinear):
     """A plain bf16 or fp32 weight, multiplied in row blocks (the tall head is slow in one piece).
     Each block is a tensor of its own, not a slice of one weight: frozen into a compiled step with
@@ -224,6 +364,9 @@ def fuse_rows(parts: list[nn.Module]) -> nn.Module | None:
         return Int8WeightOnlyLinear.fuse(parts)
     if all(type(p) is Int4WeightOnlyLinear for p in parts):
         return Int4WeightOnlyLinear.fuse(parts)
+    for kind in (Int8BlockLinear, Int4BlockLinear):
+        if all(type(p) is kind for p in parts):
+            return kind.fuse(parts)
     if all(type(p) is nn.Linear for p in parts):
         weight = torch.cat([p.weight.detach() for p in parts])
         has_bias = any(p.bias is not None for p in parts)
@@ -244,12 +387,22 @@ def fuse_rows(parts: list[nn.Module]) -> nn.Module | None:
     return None
 
 
+def int8_kernels() -> bool:
+    """The int8-activation kernels are there (compiled once per machine; engine/models/kernels)."""
+    from engine.models.kernels import kernels  # lazy: it reads /proc/cpuinfo and may compile
+
+    return kernels()
+
+
 def quantize_linears(model: nn.Module, scheme: str) -> int:
     """Swap every ``nn.Linear`` of ``model`` (the head included) for the ``scheme`` handler, in
     place; return how many were swapped. A quantized head tied to the embeddings gets its own
     copy (the embedding table stays as it is: looking up one row per token reads almost nothing);
     a dense head in row blocks keeps the tie: the embedding looks its rows up in the head's blocks."""
-    make = {"int8": Int8WeightOnlyLinear, "int4": Int4WeightOnlyLinear,
+    int8, int4 = Int8WeightOnlyLinear, Int4WeightOnlyLinear
+    if scheme in ("int8", "int4") and int8_kernels():
+        int8, int4 = Int8BlockLinear, Int4BlockLinear
+    make = {"int8": int8, "int4": int4,
             "bf16": lambda linear: BlockedDenseLinear(linear, torch.bfloat16),
             "fp32": lambda linear: BlockedDenseLinear(linear, torch.float32)}[scheme]
     swapped = 0
@@ -263,10 +416,10 @@ def quantize_linears(model: nn.Module, scheme: str) -> int:
             continue  # a dense matrix of ordinary height gains nothing from blocks
         try:
             if scheme == "int4" and child is head and HEAD_INT8_UNDER_INT4:
-                replacement = Int8WeightOnlyLinear(child)
+                replacement = int8(child)
             else:
                 replacement = make(child)
-        except ValueError:  # a shape the int4 kernel can't take: int8 for this one layer
+        except ValueError:  # a shape the kernel can't take: int8 weight-only for this one layer
             replacement = Int8WeightOnlyLinear(child)
         setattr(parent, name, replacement)
         swapped += 1

@@ -108,11 +108,19 @@ def test_int4_layers_fuse_when_their_rows_fit_the_packing():
 
 
 def test_int4_falls_back_to_int8_for_shapes_its_kernel_refuses(tiny_models):
+    from engine.models import kernels
+    from engine.models.quantize import Int4BlockLinear
+
     model = load_model(LoadRequest(str(tiny_models["llama"]), "fp32", "cpu")).model
-    model.model.layers[0].mlp.down_proj = torch.nn.Linear(128, 60, bias=False)  # 60 rows: not a multiple of 16
+    if kernels.kernels():  # blocks of 32 inputs: 100 inputs don't divide
+        model.model.layers[0].mlp.down_proj = torch.nn.Linear(100, 64, bias=False)
+        kind = Int4BlockLinear
+    else:  # the weight-only int4 kernel: rows in multiples of 16
+        model.model.layers[0].mlp.down_proj = torch.nn.Linear(128, 60, bias=False)
+        kind = Int4WeightOnlyLinear
     quantize_linears(model, "int4")
     assert isinstance(model.model.layers[0].mlp.down_proj, Int8WeightOnlyLinear)
-    assert isinstance(model.model.layers[0].mlp.up_proj, Int4WeightOnlyLinear)
+    assert isinstance(model.model.layers[0].mlp.up_proj, kind)
 
 
 def test_unsupported_models_and_devices_are_refused_clearly(tiny_models):

@@ -1,0 +1,107 @@
+"""The int8-activation kernels (engine/models/kernels/q8_gemm.cpp) against the same arithmetic in
+plain PyTorch: Q8_0 and Q4_1 weights times activations quantized per block of 32, every row on
+its own (a batched row equals the row alone, bit for bit), whatever the thread count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models import kernels
+from engine.models.quantize import (BLOCK, Int4BlockLinear, Int8BlockLinear, fuse_rows, int8_activations_reference,
+                                    pack_q4, pack_q8, q4_blocks, q8_blocks)
+
+pytestmark = pytest.mark.skipif(not kernels.kernels(), reason=f"int8 kernels: {kernels.unavailable()}")
+
+SHAPES = [(13, 96, 40), (1, 576, 200), (21, 576, 64), (8, 1536, 48), (5, 64, 200)]
+"""(rows, inputs, outputs): tiles of 4 and 1 rows, of 2 and 1 column groups; outputs padded to 16."""
+
+
+def by_hand_q8(x, codes, scales):
+    xq, xs = int8_activations_reference(x)
+    rows, cols = x.shape
+    n = codes.shape[0]
+    dots = (xq.double().reshape(rows, 1, cols // BLOCK, BLOCK)
+            * codes.double().reshape(1, n, cols // BLOCK, BLOCK)).sum(-1)  # [M, N, blocks]
+    return (dots * xs.double()[:, None, :] * scales.double()[None]).sum(-1)
+
+
+def by_hand_q4(x, codes, d, m):
+    xq, xs = int8_activations_reference(x)
+    rows, cols = x.shape
+    n = codes.shape[0]
+    codes = codes.double()
+    dots = (xq.double().reshape(rows, 1, cols // BLOCK, BLOCK) * codes.reshape(1, n, cols // BLOCK, BLOCK)).sum(-1)
+    sums = xq.double().reshape(rows, cols // BLOCK, BLOCK).sum(-1) * xs.double()  # [M, blocks]
+    return (dots * xs.double()[:, None, :] * d.double()[None] + m.double()[None] * sums[:, None, :]).sum(-1)
+
+
+@pytest.mark.parametrize("rows,cols,outs", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_is_the_block_arithmetic_and_each_row_its_own(rows, cols, outs, dtype):
+    generator = torch.Generator().manual_seed(rows * cols + outs)
+    weight = torch.randn(outs, cols, generator=generator)
+    x = (torch.randn(rows, cols, generator=generator) * 3).to(dtype)
+    x[0, :BLOCK] = 0  # an all-zero block: scale 0, no division by it
+    codes, scales = q8_blocks(weight)
+    packed = pack_q8(codes, scales)
+    y = torch.ops.workbench.q8_linear(x, *packed)[:, :outs]
+    assert y.dtype == dtype and y.shape == (rows, outs)
+    expected = by_hand_q8(x, codes, scales)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(y.double(), expected, rtol=tolerance, atol=tolerance * expected.abs().max())
+    alone = torch.cat([torch.ops.workbench.q8_linear(x[i:i + 1].contiguous(), *packed)[:, :outs] for i in range(rows)])
+    assert torch.equal(y, alone)
+    # and the weights' own error is Q8_0's: small against the float product
+    exact = x.double() @ weight.double().T
+    assert (y.double() - exact).norm() / exact.norm() < 0.02
+
+
+@pytest.mark.parametrize("rows,cols,outs", SHAPES)
+def test_q4_is_the_block_arithmetic_and_each_row_its_own(rows, cols, outs):
+    generator = torch.Generator().manual_seed(7 + rows)
+    weight = torch.randn(outs, cols, generator=generator)
+    x = torch.randn(rows, cols, generator=generator)
+    codes, d, m = q4_blocks(weight)
+    packed = pack_q4(codes, d, m)
+    y = torch.ops.workbench.q4_linear(x, *packed)[:, :outs]
+    expected = by_hand_q4(x, codes, d, m)
+    assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
+    alone = torch.cat([torch.ops.workbench.q4_linear(x[i:i + 1].contiguous(), *packed)[:, :outs] for i in range(rows)])
+    assert torch.equal(y, alone)
+    exact = x.double() @ weight.double().T
+    assert (y.double() - exact).norm() / exact.norm() < 0.15  # 4 bits: Q4_1's error
+
+
+def test_the_thread_count_changes_nothing():
+    generator = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(300, 576, generator=generator), torch.randn(17, 576, generator=generator)
+    packed = pack_q8(*q8_blocks(weight))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.workbench.q8_linear(x, *packed)
+        torch.set_num_threads(2)
+        two = torch.ops.workbench.q8_linear(x, *packed)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("kind", [Int8BlockLinear, Int4BlockLinear])
+def test_layers_fuse_into_one_call_and_keep_their_own(kind):
+    generator = torch.Generator().manual_seed(5)
+    parts = []
+    for rows in (576, 192, 192):
+        linear = torch.nn.Linear(576, rows, bias=rows == 192)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(rows, 576, generator=generator) * 0.05)
+        parts.append(kind(linear))
+    x = torch.randn(3, 576, generator=generator).to(torch.bfloat16)
+    separate = torch.cat([p(x) for p in parts], dim=-1)
+    fused = fuse_rows(parts)
+    assert isinstance(fused, kind)
+    assert torch.equal(fused(x), separate)
+    assert torch.equal(torch.cat([p(x) for p in parts], dim=-1), separate)  # the parts, now views, still work
+    name = "weight" if kind is Int8BlockLinear else "packed"
+    assert getattr(parts[1], name).untyped_storage().data_ptr() == getattr(fused, name).untyped_storage().data_ptr()
