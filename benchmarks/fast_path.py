@@ -10,10 +10,13 @@ When ``llama-bench`` is on PATH (and ``llama-quantize`` to make the F32/BF16/Q8_
 default model's Q4_1 GGUF: the bit width is what sets the speed, not the values), each of our four
 fast precisions is set against llama.cpp at the same bit width, one ``llama-bench -p 0 -n N``
 per round between ours, and the table gives the median of the per-round ratios. With
-``llama-batched-bench`` too, the batched runner at ``--batch`` sequences against it. llama.cpp
-is built outside the project (never a CI step); see the README's benchmarks section.
+``llama-batched-bench`` too, the engine core at ``--batch`` sequences against it (and against
+itself at one sequence: what batching buys), for each of ``--batch-precisions``; and a prompt of
+``--prompt`` tokens (``llama-bench -p``) for each fast precision. llama.cpp is built outside the
+project (never a CI step); see the README's benchmarks section.
 
     python benchmarks/fast_path.py --tokens 64 --rounds 3
+    INFERENCE_WORKBENCH_NO_INT8_KERNELS=1 python benchmarks/fast_path.py …   # the weight-only kernels instead
     python benchmarks/fast_path.py --engines generate-fp32,int8-fast,int8-fast+compiled --rounds 5
 
 "+compiled" engines make the compiled decode step ready first (engine/generation/compiled_step.py:
@@ -113,6 +116,43 @@ def our_batched(name: str, tokens: int, batch: int):
     return run, len(ids)
 
 
+def prompt_text(tokens: int) -> str:
+    """A raw prompt of about ``tokens`` tokens: the start of the shipped evaluation text."""
+    from engine.measure import quality
+
+    loaded = load_model(LoadRequest("default", "bf16", "cpu"))
+    ids = quality.text_tokens(loaded, quality.read_text(None)[1])[1:tokens + 1]
+    text = loaded.tokenizer.decode(ids)
+    loaded.close()
+    return text
+
+
+def our_prompt(name: str, text: str):
+    """A function reading ``text`` once as a prompt (one token generated): prompt tok/s; and its
+    token count."""
+    from engine.base.events import Prefilled
+
+    loaded = load_model(LoadRequest("default", name, "cpu"))
+    request = GenerationRequest(text, mode="raw", max_new_tokens=1, reuse_prefix=False)
+
+    def run() -> float:
+        prefilled = next(e for e in generate(loaded, request) if isinstance(e, Prefilled))
+        return prefilled.prefill_tokens_per_s
+    return run, len(loaded.encode(request))
+
+
+def llama_prompt(path: str, tokens: int):
+    """A function running ``llama-bench -p tokens -n 0`` once: prompt tok/s."""
+    import subprocess
+
+    def run() -> float:
+        out = subprocess.run([_tool("llama-bench"), "-m", path, "-p", str(tokens), "-n", "0", "-r", "1",
+                              "-t", str(torch.get_num_threads()), "-o", "json"], check=True, capture_output=True,
+                             text=True).stdout
+        return json.loads(out)[0]["avg_ts"]
+    return run
+
+
 def _steps(times: list[float]) -> list[float]:
     return [b - a for a, b in zip(times, times[1:])]
 
@@ -147,7 +187,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--engines", default=",".join(DEFAULT_ENGINES))
     parser.add_argument("--batch", type=int, default=16, help="sequences for the batched runner (0: skip it)")
-    parser.add_argument("--batch-precision", default="bf16-fast", help="the batched runner's precision")
+    parser.add_argument("--batch-precisions", default="bf16-fast,int8-fast,int4-fast",
+                        help="the batched runner's precisions (each also at one sequence: the batching gain)")
+    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens for the prompt column (0: skip it)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
 
@@ -174,18 +216,41 @@ def main() -> int:
             if kind:
                 engines[f"llama.cpp {kind}"] = (llama_bench(files[kind], args.tokens), os.path.getsize(files[kind]))
                 pairs[name] = f"llama.cpp {kind}"
-    batched = {}
+    batched = {}  # name -> run; pairs by precision: ours at batch, ours alone, llama.cpp at batch
+    batch_pairs = {}
     if args.batch:
-        print(f"loading the batched runner ({args.batch_precision}, {args.batch} sequences) …", flush=True)
-        run, prompt_tokens = our_batched(args.batch_precision, args.tokens, args.batch)
-        batched[f"ours {args.batch_precision}"] = run
-        kind = LLAMA_TYPES.get(args.batch_precision)
-        if peer and _tool("llama-batched-bench") and kind:
-            batched[f"llama.cpp {kind}"] = llama_batched(llama_files([kind])[kind], args.tokens, args.batch,
-                                                         prompt_tokens)
+        for precision in [p.strip() for p in args.batch_precisions.split(",") if p.strip()]:
+            print(f"loading the batched runner ({precision}, {args.batch} sequences and one) …", flush=True)
+            run, prompt_tokens = our_batched(precision, args.tokens, args.batch)
+            batched[f"ours {precision} ×{args.batch}"] = run
+            batched[f"ours {precision} ×1"] = our_batched(precision, args.tokens, 1)[0]
+            kind = LLAMA_TYPES.get(precision)
+            theirs = None
+            if peer and _tool("llama-batched-bench") and kind:
+                theirs = f"llama.cpp {kind} ×{args.batch}"
+                batched[theirs] = llama_batched(llama_files([kind])[kind], args.tokens, args.batch, prompt_tokens)
+            batch_pairs[precision] = (f"ours {precision} ×{args.batch}", f"ours {precision} ×1", theirs)
+    prompts = {}
+    prompt_pairs = {}
+    if args.prompt:
+        text = prompt_text(args.prompt)
+        for name in names:
+            precision = name.removesuffix("+compiled")
+            if precision not in LLAMA_TYPES or f"ours {precision}" in prompts:
+                continue
+            print(f"loading {precision} for the prompt column …", flush=True)
+            run, count = our_prompt(precision, text)
+            prompts[f"ours {precision}"] = run
+            theirs = None
+            if peer:
+                kind = LLAMA_TYPES[precision]
+                theirs = f"llama.cpp {kind} p{count}"
+                prompts[theirs] = llama_prompt(llama_files([kind])[kind], count)
+            prompt_pairs[precision] = (f"ours {precision}", theirs, count)
     steps: dict[str, list[float]] = {name: [] for name in engines}
     per_round: dict[str, list[float]] = {name: [] for name in engines}
     batch_rates: dict[str, list[float]] = {name: [] for name in batched}
+    prompt_rates: dict[str, list[float]] = {name: [] for name in prompts}
     for round_ in range(args.rounds + 1):  # round 0 warms every engine up and is dropped
         for name, (run, _) in engines.items():
             times = run()
@@ -196,10 +261,18 @@ def main() -> int:
             rate = run()
             if round_:
                 batch_rates[name].append(rate)
+        for name, run in prompts.items():
+            rate = run()
+            if round_:
+                prompt_rates[name].append(rate)
     rate = {name: 1.0 / statistics.median(times) for name, times in steps.items()}
     base = rate.get("generate-fp32")
+    from engine.models import kernels
+
+    flags = sorted(f for f in kernels.cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni")) or f == "avx2")
     print(f"\n{args.tokens} greedy tokens × {args.rounds} rounds, interleaved; {torch.get_num_threads()} threads; "
-          f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s")
+          f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s\nCPU flags: {' '.join(flags)}; int8-activation "
+          f"kernels: {'on' if kernels.kernels() else 'off (' + str(kernels.unavailable()) + ')'}")
     print(f"{'engine':<20} {'tok/s':>7} {'vs generate fp32':>17} {'weights':>10} {'% of roofline':>14}")
     rows = []
     for name in engines:
@@ -215,14 +288,33 @@ def main() -> int:
             ratio = statistics.median(a / b for a, b in zip(per_round[ours], per_round[theirs]))
             print(f"{ours:<20} {rate[ours]:7.1f}   {theirs:<15} {rate[theirs]:7.1f}   {ratio:.2f}")
             rows.append({"engine": ours, "versus": theirs, "ratio": ratio})
+    def ratio(a: str, b: str, rates) -> float:
+        return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
+
+    if prompt_rates:
+        print(f"\nprompt of {args.prompt} tokens (prompt tok/s; ratio: median of the per-round ratios):")
+        for precision, (ours, theirs, count) in prompt_pairs.items():
+            line = f"  {precision:<10} ours {statistics.median(prompt_rates[ours]):8.1f}"
+            if theirs:
+                line += (f"   {theirs:<22} {statistics.median(prompt_rates[theirs]):8.1f}   "
+                         f"ratio {ratio(ours, theirs, prompt_rates):.2f}")
+                rows.append({"engine": f"prompt {precision}", "versus": theirs, "ratio": ratio(ours, theirs, prompt_rates)})
+            print(line)
+            rows.append({"engine": f"prompt {precision}", "tokens_per_s": statistics.median(prompt_rates[ours]),
+                         "prompt_tokens": count})
     if batch_rates:
-        print(f"\nbatched, {args.batch} sequences × {args.tokens} tokens (decode tok/s of all):")
-        for name, rates in batch_rates.items():
-            print(f"  {name:<20} {statistics.median(rates):7.1f}")
-            rows.append({"engine": f"batch{args.batch} {name}", "tokens_per_s": statistics.median(rates)})
-        if len(batch_rates) == 2:
-            (ours, a), (_, b) = batch_rates.items()
-            print(f"  ratio {statistics.median(x / y for x, y in zip(a, b)):.2f}")
+        print(f"\nbatched, {args.batch} sequences × {args.tokens} tokens through the engine core (decode tok/s of all):")
+        for precision, (ours, alone, theirs) in batch_pairs.items():
+            line = (f"  {precision:<10} ×{args.batch} {statistics.median(batch_rates[ours]):7.1f}   ×1 "
+                    f"{statistics.median(batch_rates[alone]):6.1f}   gain {ratio(ours, alone, batch_rates):.2f}×")
+            if theirs:
+                line += (f"   {theirs:<20} {statistics.median(batch_rates[theirs]):7.1f}   "
+                         f"ratio {ratio(ours, theirs, batch_rates):.2f}")
+                rows.append({"engine": f"batch{args.batch} {precision}", "versus": theirs,
+                             "ratio": ratio(ours, theirs, batch_rates)})
+            print(line)
+            rows.append({"engine": f"batch{args.batch} {precision}", "tokens_per_s": statistics.median(batch_rates[ours]),
+                         "gain_over_one": ratio(ours, alone, batch_rates)})
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"rows": rows, "bandwidth_bytes_per_s": bandwidth, "tokens": args.tokens,
