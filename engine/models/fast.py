@@ -23,7 +23,7 @@ import threading
 
 import torch
 from torch.nn import functional as F
-from engine.models.quantize import fuse_rows
+from engine.models.quantize import _Int8ActivationLinear, fuse_rows
 
 from engine.models.precision import unsupported_type_reason
 
@@ -105,6 +105,8 @@ class FastDecoder:
         table = next(self.embed.parameters(), None)
         table = table if table is not None else next(self.embed.buffers())  # blocks shared with the head
         self.dtype, self.device = table.dtype, table.device
+        if any(isinstance(module, _Int8ActivationLinear) for module in model.modules()):
+            self.dtype = torch.float32  # int8 activations: the rest computes in fp32, as llama.cpp's does
         self.compiled = None
         """The compiled decode step, once engine/generation/compiled_step.py has made it ready:
         called as :func:`_decode_step` is, for any cache size."""
@@ -169,7 +171,7 @@ def _forward(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_laye
     mask = None
     if count > 1:  # prefill: each new token sees the cache and the new tokens up to itself
         mask = torch.ones(count, end, dtype=torch.bool, device=d.device).tril(diagonal=start)
-    hidden = d.embed(ids)
+    hidden = d.embed(ids).to(d.dtype)
     for layer, keys, values in zip(d.layers, keys_per_layer, values_per_layer):
         q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
         keys[:, :, start:end] = k
@@ -186,7 +188,7 @@ def chunk_logits(d: FastDecoder, ids: torch.Tensor, keep: int) -> torch.Tensor:
     position 0 without a cache (a perplexity chunk): [batch, keep, vocab]."""
     count = ids.shape[1]
     cos, sin = _rotary_tables(d, count)
-    hidden = d.embed(ids)
+    hidden = d.embed(ids).to(d.dtype)
     for layer in d.layers:
         q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scaling,
@@ -219,7 +221,7 @@ def _decode_step(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_
     capacity = keys_per_layer[0].shape[2]
     cos, sin = cos_table.index_select(2, position), sin_table.index_select(2, position)
     mask = (torch.arange(capacity, device=position.device) <= position).view(1, 1, 1, capacity)
-    hidden = d.embed(ids)
+    hidden = d.embed(ids).to(d.dtype)
     for layer, keys, values in zip(d.layers, keys_per_layer, values_per_layer):
         q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
         keys.index_copy_(2, position, k)
@@ -263,7 +265,7 @@ def _decode_batch(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per
     groups = [(selector, min(span, capacity), mask[..., :capacity])
               for selector, span, mask in _length_groups(positions.tolist(), positions.device)]
     rows = torch.arange(batch, device=positions.device)
-    hidden = d.embed(ids)
+    hidden = d.embed(ids).to(d.dtype)
     for layer, keys, values in zip(d.layers, keys_per_layer, values_per_layer):
         q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
         keys[rows, :, positions] = k[:, :, 0]

@@ -170,7 +170,7 @@ def _prepare_fast(model, precision: Precision, name: str, reporter: ProgressRepo
     if not isinstance(precision, FastPrecision):
         return None
     from engine.models import fast  # lazy: importing it loads numpy, torch
-    from engine.models.quantize import quantize_linears  # lazy: importing it loads numpy, torch
+    from engine.models.quantize import _Int8ActivationLinear, quantize_linears  # lazy: importing it loads torch
 
     reason = fast.unsupported_reason(model)
     if reason:
@@ -183,10 +183,19 @@ def _prepare_fast(model, precision: Precision, name: str, reporter: ProgressRepo
     with torch.inference_mode():
         quantize_linears(model, precision.scheme)
     if precision.scheme in ("int8", "int4"):
-        for param in model.parameters():  # embeddings, norms, biases: bf16 like the activations
+        for param in model.parameters():  # embeddings, norms, biases: stored in bf16
             if param.dtype == torch.float32:  # (buffers such as rotary frequencies stay fp32)
                 param.data = param.data.to(torch.bfloat16)
+        if any(isinstance(module, _Int8ActivationLinear) for module in model.modules()):
+            # int8 activations: the activations between the layers stay fp32, as llama.cpp's do (the
+            # fast decoder casts the looked-up rows; this makes transformers' own forward, which
+            # teacher forcing and speculation use, do the same)
+            model.get_input_embeddings().register_forward_hook(_fp32_output)
     return fast.FastDecoder(model)
+
+
+def _fp32_output(module, args, output):
+    return output.float()
 
 
 def _typed_load_error(exc: BaseException, name: str, precision: str, device) -> BaseException:

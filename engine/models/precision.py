@@ -121,7 +121,14 @@ class FastPrecision(Precision):
             )
 
     def compute_dtype(self, device_type: str) -> str:
-        return "float32" if self.scheme == "fp32" else "bfloat16"
+        if self.scheme == "fp32":
+            return "float32"
+        if self.scheme in ("int8", "int4"):
+            from engine.models.kernels import expected  # lazy: it reads /proc/cpuinfo
+
+            # int8 activations (engine/models/kernels): the rest computes, and caches K/V, in fp32
+            return "float32" if expected() else "bfloat16"
+        return "bfloat16"
 
     def load_kwargs(self, device_type: str) -> dict:
         import torch
@@ -142,8 +149,8 @@ PRECISIONS: dict[str, Precision] = {
         BitsAndBytesPrecision("fp4", "fp4 (bitsandbytes 4-bit float)", 4, scheme="fp4"),
         FastPrecision("fp32-fast", "fp32 (fast path)", 32, scheme="fp32"),
         FastPrecision("bf16-fast", "bf16 (fast path)", 16, scheme="bf16"),
-        FastPrecision("int8-fast", "int8 (fast: weight-only, per-row scales)", 8, scheme="int8"),
-        FastPrecision("int4-fast", "int4 (fast: weight-only, groups of 32)", 4, scheme="int4"),
+        FastPrecision("int8-fast", "int8 (fast path)", 8, scheme="int8"),
+        FastPrecision("int4-fast", "int4 (fast path, blocks of 32)", 4, scheme="int4"),
     )
 }
 

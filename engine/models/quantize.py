@@ -229,7 +229,8 @@ def int8_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 class _Int8ActivationLinear(_BlockedLinear):
-    """Shared by the layers that multiply with int8 activations: one kernel call for every row."""
+    """Shared by the layers that multiply with int8 activations: one kernel call for every row,
+    the output in the activations' dtype (the fast path feeds them fp32: engine/models/fast.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__(in_features, out_features, bias)
@@ -237,8 +238,10 @@ class _Int8ActivationLinear(_BlockedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        flat = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()
-        out = self._matmul(flat, 0)
+        flat = x.reshape(-1, shape[-1])
+        if flat.dtype not in (torch.float32, torch.bfloat16):
+            flat = flat.float()
+        out = self._matmul(flat.contiguous(), 0)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)

@@ -55,7 +55,8 @@ def test_fast_int8_and_int4_on_the_default_model(default_model_folder):
 
     reference = load_model(LoadRequest("default", "fp32", "cpu"))
     request = GenerationRequest("Explain microservices in simple terms.", max_new_tokens=32)
-    _, expected = run(reference, request)
+    reference_events, expected = run(reference, request)
+    chosen = [e for e in reference_events if isinstance(e, TokenGenerated)]
     prompt = reference.encode(request)
     baseline = teacher_forced_logprobs(reference, prompt, list(expected.token_ids))
     count = count_parameters(config_for("default"))
@@ -68,8 +69,12 @@ def test_fast_int8_and_int4_on_the_default_model(default_model_folder):
         assert sum(abs(a - b) for a, b in zip(scores, baseline)) / len(baseline) < 0.1, precision
         # the weights as predicted from the config (all but the 256-byte rotary buffer)
         assert abs(loaded.info.weights_bytes - weights_bytes(count, precision)) <= 256
-        if precision == "int8-fast":  # per-row int8 keeps fp32's greedy answer here
-            assert final.token_ids == expected.token_ids
+        # its greedy answer leaves fp32's only where fp32 itself nearly tied (here the first token:
+        # 0.024 nats between its top two, which int8 activations, as llama.cpp's Q8_0, tip over)
+        apart = next((i for i, (a, b) in enumerate(zip(final.token_ids, expected.token_ids)) if a != b), None)
+        if apart is not None:
+            top = chosen[apart].top_alternatives
+            assert top[0].logprob - top[1].logprob < 0.1, (precision, apart)
     assert weights_bytes(count, "int4-fast") < weights_bytes(count, "int8-fast") < weights_bytes(count, "bf16")
 
 

@@ -105,3 +105,33 @@ def test_layers_fuse_into_one_call_and_keep_their_own(kind):
     assert torch.equal(torch.cat([p(x) for p in parts], dim=-1), separate)  # the parts, now views, still work
     name = "weight" if kind is Int8BlockLinear else "packed"
     assert getattr(parts[1], name).untyped_storage().data_ptr() == getattr(fused, name).untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("precision", ["int8-fast", "int4-fast"])
+def test_a_batched_answer_through_the_core_is_the_request_alone(tiny_llama, precision):
+    """Each row's activations are quantized on their own: four requests decoded together (and
+    read in the same steps) give each one's solo tokens."""
+    from engine.base.events import TokenGenerated
+    from engine.base.request import GenerationRequest
+    from engine.base.sampling import SamplingParams
+    from engine.generation.core import CoreSettings, EngineCore
+    from engine.models.loading import LoadRequest, load_model
+    from engine.models.quantize import _Int8ActivationLinear
+    from tests.tiny import CORPUS
+
+    loaded = load_model(LoadRequest(str(tiny_llama), precision, "cpu"))
+    assert any(isinstance(m, _Int8ActivationLinear) for m in loaded.model.modules())
+
+    def answers(core, requests):
+        rids = [core.submit(r) for r in requests]
+        tokens = {rid: [] for rid in rids}
+        for event in core.run():
+            if isinstance(event, TokenGenerated):
+                tokens[event.request_id].append(event.token_id)
+        return [tokens[rid] for rid in rids]
+
+    requests = [GenerationRequest(text, mode="raw", sampling=SamplingParams(temperature=0.0), max_new_tokens=12,
+                                  ignore_eos=True) for text in CORPUS[:4]]
+    together = answers(EngineCore(loaded, CoreSettings(max_batch=8)), requests)
+    alone = [answers(EngineCore(loaded, CoreSettings(max_batch=1)), [r])[0] for r in requests]
+    assert together == alone and all(len(t) == 12 for t in together)
