@@ -177,6 +177,12 @@ def _prepare_fast(model, precision: Precision, name: str, reporter: ProgressRepo
         raise UnsupportedPrecisionError(f"{name} can't use {precision.name}: {reason}. Choose fp32, bf16, int8 or "
                                         "nf4 (the reference path runs every model).")
     reporter.report("quantize", 0, 0, f"Preparing the fast path ({precision.label})")
+    if precision.scheme in ("int8", "int4"):
+        from engine.models import kernels  # lazy: it reads /proc/cpuinfo
+
+        if kernels.expected() and not kernels.is_built():
+            reporter.report("quantize", 0, 0, "Compiling the int8 kernels for this CPU (once on this machine, about "
+                                              "half a minute)")
     import torch
 
     model._workbench_parameters = count_parameters(model)  # the quantized weights become buffers

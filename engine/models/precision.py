@@ -107,9 +107,9 @@ class BitsAndBytesPrecision(Precision):
 
 @dataclass(frozen=True)
 class FastPrecision(Precision):
-    """The fast path (engine/models/fast.py): a lean decoder over a static KV cache, with weight-only
-    int8 / int4 linears (engine/models/quantize.py) or plain fp32 / bf16 weights. CPU only for now:
-    the int8/int4 kernels it uses are PyTorch's CPU ones."""
+    """The fast path (engine/models/fast.py): a lean decoder over a static KV cache, with int8 / int4
+    linears (engine/models/quantize.py: int8 activations on this project's CPU kernels where the CPU
+    has AVX-512 VNNI, else PyTorch's weight-only ones) or plain fp32 / bf16 weights. CPU only."""
 
     scheme: str = "int8"
 

@@ -1,12 +1,17 @@
-"""Weight-only quantized linear layers for the fast path: one handler per scheme (gpt-fast style).
+"""Quantized linear layers for the fast path: one handler per scheme (gpt-fast style).
 
 Decoding one token multiplies a single activation row by every weight matrix, so its cost is
-reading the weights: fewer bytes per weight, faster tokens. These layers keep the weights in
-int8 (one scale per output row) or int4 (a scale and zero per group of 32 inputs) and
-multiply with PyTorch's CPU weight-only kernels, activations in bf16.
+reading the weights: fewer bytes per weight, faster tokens; a prompt or a batch multiplies many
+rows, so its cost is the arithmetic. Two families:
 
-Those kernels slow down sharply on very tall matrices (a 49152 × 576 vocabulary head ran
-~6× slower than the same bytes in 4096-row pieces), so every layer works in row blocks.
+- int8 activations (:class:`Int8BlockLinear`, :class:`Int4BlockLinear`), where the CPU has
+  AVX-512 VNNI: llama.cpp's Q8_0 / Q4_1 weight blocks times activations quantized per block of
+  32 as they arrive, on int8 dot products (engine/models/kernels/q8_gemm.cpp);
+- weight-only (:class:`Int8WeightOnlyLinear`, :class:`Int4WeightOnlyLinear`) elsewhere: int8 with
+  one scale per output row, int4 with a scale and zero per group of 32 inputs, multiplied by
+  PyTorch's CPU weight-only kernels with bf16 activations. Those kernels slow down sharply on very
+  tall matrices (a 49152 × 576 vocabulary head ran ~6× slower than the same bytes in 4096-row
+  pieces), so those layers work in row blocks.
 """
 
 from __future__ import annotations
