@@ -37,10 +37,9 @@ def perturbed(tiny_llama):
     loaded.close()
 
 
-def by_hand(reference, other, tokens, chunks):
-    """KL(p_ref ‖ p_other) and −log p_other(token) for every scored token, summed with plain
-    softmaxes over whole chunks read alone."""
-    klds, nlls = [], []
+def scored(reference, other, tokens, chunks):
+    """For every scored token: both models' next-token distributions (plain softmaxes over whole
+    chunks read alone) and the text's token."""
     first = CTX // 2
     for c in range(chunks):
         ids = torch.tensor([tokens[c * CTX:(c + 1) * CTX]])
@@ -48,8 +47,15 @@ def by_hand(reference, other, tokens, chunks):
             p = torch.softmax(reference.model(input_ids=ids).logits[0].double(), -1)
             q = torch.softmax(other.model(input_ids=ids).logits[0].double(), -1)
         for j in range(first, CTX - 1):
-            klds.append(float((p[j] * (p[j].log() - q[j].log())).sum()))
-            nlls.append(-math.log(float(q[j, tokens[c * CTX + j + 1]])))
+            yield p[j], q[j], tokens[c * CTX + j + 1]
+
+
+def by_hand(reference, other, tokens, chunks):
+    """KL(p_ref ‖ p_other) and −log p_other(token) for every scored token."""
+    klds, nlls = [], []
+    for p, q, token in scored(reference, other, tokens, chunks):
+        klds.append(float((p * (p.log() - q.log())).sum()))
+        nlls.append(-math.log(float(q[token])))
     return np.array(klds), np.array(nlls)
 
 
@@ -171,20 +177,13 @@ def test_a_cancel_stops_at_the_next_chunk_and_progress_has_an_eta(loaded_llama, 
 # -- a served model, from the prompt log-probabilities its server returns ----------------------
 def bounded_by_hand(reference, other, tokens, chunks, k):
     """Each scored token's KL(p_ref ‖ p_other) over what a server sends (its top ``k`` and the
-    text's token), the rest of each distribution as one bucket, with plain softmaxes."""
+    text's token), the rest of each distribution as one bucket."""
     out = []
-    first = CTX // 2
-    for c in range(chunks):
-        ids = torch.tensor([tokens[c * CTX:(c + 1) * CTX]])
-        with torch.no_grad():
-            p = torch.softmax(reference.model(input_ids=ids).logits[0].double(), -1)
-            q = torch.softmax(other.model(input_ids=ids).logits[0].double(), -1)
-        for j in range(first, CTX - 1):
-            sent = set(q[j].topk(k).indices.tolist()) | {tokens[c * CTX + j + 1]}
-            s = torch.tensor(sorted(sent))
-            p_s, q_s = p[j, s], q[j, s]
-            p_rest, q_rest = 1 - float(p_s.sum()), 1 - float(q_s.sum())
-            out.append(float((p_s * (p_s.log() - q_s.log())).sum()) + p_rest * math.log(p_rest / q_rest))
+    for p, q, token in scored(reference, other, tokens, chunks):
+        s = torch.tensor(sorted(set(q.topk(k).indices.tolist()) | {token}))
+        p_s, q_s = p[s], q[s]
+        p_rest, q_rest = 1 - float(p_s.sum()), 1 - float(q_s.sum())
+        out.append(float((p_s * (p_s.log() - q_s.log())).sum()) + p_rest * math.log(p_rest / q_rest))
     return np.array(out)
 
 

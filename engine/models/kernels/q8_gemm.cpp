@@ -3,12 +3,11 @@
 // as they arrive (as llama.cpp's Q8_0 / Q8_1), and every product of a block is an integer dot
 // product (vpdpbusd), scaled by the weight block's and the activation block's scales.
 //
-// Layouts (row-major, contiguous):
-//   q8 weights   w  int8 [N, K]    (symmetric, round(w / s)), s = fp16 [N, K/32]
-//   q4 weights   w  uint8 [N, K/2] (two 4-bit values a byte: input 2j in the low nibble, 2j+1 in
-//                   the high one; w = d · q + m), d, m = fp16 [N, K/32]
+// Layouts (contiguous; see "interleaved" below for the weights' order):
+//   q8 weights   int8 codes, symmetric (round(w / s)), an fp16 scale s per block of 32 inputs
+//   q4 weights   4-bit codes q, w = d · q + m, an fp16 d and m per block of 32 inputs
 //   activations  x  float32 or bfloat16 [M, K]; K a multiple of 32
-//   output       y  the activations' dtype [M, N]
+//   output       y  the activations' dtype [M, N] (N padded to a multiple of 16 by the caller)
 //
 // vpdpbusd multiplies unsigned by signed bytes, so activations are stored as q + 128 (u8) and
 // the 128 · Σw each block picks up is taken back (for q8: per weight block, from the same
@@ -215,6 +214,13 @@ void tiles(int64_t M, int64_t groups, Tile&& tile) {
     });
 }
 
+// ``run(x's data, y's data)`` with the activations' element type (float32 or bfloat16).
+template <typename Run>
+void by_dtype(const torch::Tensor& x, torch::Tensor& y, Run&& run) {
+    if (x.scalar_type() == at::kFloat) run(x.data_ptr<float>(), y.data_ptr<float>());
+    else run(x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>());
+}
+
 void check(const torch::Tensor& x, int64_t K) {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "activations: a contiguous [M, K] tensor");
     TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "activations: float32 or bfloat16");
@@ -235,21 +241,12 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& w, const to
     QuantizedRows xq;
     const int8_t* wp = w.data_ptr<int8_t>();
     const at::Half* sp = scales.data_ptr<at::Half>();
-    AT_DISPATCH_SWITCH(x.scalar_type(), "q8_linear",
-        AT_DISPATCH_CASE(at::kFloat, [&] {
-            quantize_rows(x.data_ptr<float>(), M, K, true, false, xq);
-            float* yp = y.data_ptr<float>();
-            tiles<2>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
-                q8_tile<decltype(tm)::value, decltype(tn)::value>(wp, sp, xq, m0, g0, K, N, yp);
-            });
-        })
-        AT_DISPATCH_CASE(at::kBFloat16, [&] {
-            quantize_rows(x.data_ptr<at::BFloat16>(), M, K, true, false, xq);
-            at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-            tiles<2>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
-                q8_tile<decltype(tm)::value, decltype(tn)::value>(wp, sp, xq, m0, g0, K, N, yp);
-            });
-        }));
+    by_dtype(x, y, [&](const auto* xp, auto* yp) {
+        quantize_rows(xp, M, K, true, false, xq);
+        tiles<2>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
+            q8_tile<decltype(tm)::value, decltype(tn)::value>(wp, sp, xq, m0, g0, K, N, yp);
+        });
+    });
     return y;
 }
 
@@ -268,21 +265,12 @@ torch::Tensor q4_linear(const torch::Tensor& x, const torch::Tensor& w, const to
     const uint8_t* wp = w.data_ptr<uint8_t>();
     const at::Half* dp = d.data_ptr<at::Half>();
     const at::Half* mp = mins.data_ptr<at::Half>();
-    AT_DISPATCH_SWITCH(x.scalar_type(), "q4_linear",
-        AT_DISPATCH_CASE(at::kFloat, [&] {
-            quantize_rows(x.data_ptr<float>(), M, K, false, true, xq);
-            float* yp = y.data_ptr<float>();
-            tiles<2>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
-                q4_tile<decltype(tm)::value, decltype(tn)::value>(wp, dp, mp, xq, m0, g0, K, N, yp);
-            });
-        })
-        AT_DISPATCH_CASE(at::kBFloat16, [&] {
-            quantize_rows(x.data_ptr<at::BFloat16>(), M, K, false, true, xq);
-            at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-            tiles<2>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
-                q4_tile<decltype(tm)::value, decltype(tn)::value>(wp, dp, mp, xq, m0, g0, K, N, yp);
-            });
-        }));
+    by_dtype(x, y, [&](const auto* xp, auto* yp) {
+        quantize_rows(xp, M, K, false, true, xq);
+        tiles<2>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
+            q4_tile<decltype(tm)::value, decltype(tn)::value>(wp, dp, mp, xq, m0, g0, K, N, yp);
+        });
+    });
     return y;
 }
 
