@@ -23,14 +23,19 @@ class QualityRun(QObject):
         self.lanes = list(lanes)
         self.text, self.ctx, self.chunks = text, ctx, chunks
         self.rows: list[LaneQuality] = []
-        self.reference = None
         self.first = None
-        """Lane 1's result: a served lane is sent its tokens."""
+        """Lane 1's result: its kept distributions are the others' reference, and a served lane is
+        sent its tokens."""
         self._queue = list(self.lanes)
         self._current = None
         self._job: int | None = None
         self.running = False
         self.stopped = False
+
+    @property
+    def reference(self):
+        """Lane 1's kept distributions (``None`` until lane 1 has read the text)."""
+        return None if self.first is None else self.first.reference
 
     def start(self) -> None:
         self.running = True
@@ -84,7 +89,7 @@ class QualityRun(QObject):
             return
         lane = self._current
         if self.first is None:
-            self.first, self.reference = result, result.reference
+            self.first = result
         run = lane.run.finished if lane.run is not None else None
         speed = run.decode_tokens_per_s if run is not None else None
         self.rows.append(LaneQuality(lane.index + 1, lane.spec().label, lane.colour, lane.spec().precision, speed,

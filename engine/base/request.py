@@ -57,8 +57,8 @@ class GenerationRequest:
         if isinstance(self.max_new_tokens, bool) or max_new != self.max_new_tokens or not 0 < max_new <= MAX_NEW_TOKENS:
             raise InvalidRequestError(
                 f"max_new_tokens must be a whole number from 1 to {MAX_NEW_TOKENS:,}, not {self.max_new_tokens!r}.")
-        if not isinstance(self.top_alternatives, int) or not 0 <= self.top_alternatives <= 20:
-            raise InvalidRequestError("top_alternatives must be between 0 and 20.")
+        if not isinstance(self.top_alternatives, int) or not 0 <= self.top_alternatives <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"top_alternatives must be between 0 and {MAX_LOGPROBS}.")
         if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or not isinstance(
                 self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError(f"prompt_logprobs must be a whole number from 0 to {MAX_LOGPROBS}.")

@@ -27,7 +27,7 @@ from engine.base.events import (
     TokenGenerated,
 )
 from engine.base.cancel import CancelToken
-from engine.base.request import GenerationRequest
+from engine.base.request import MAX_LOGPROBS, GenerationRequest
 from engine.endpoint.scrape import ServerState, metrics_url, scrape_once_sync, read_slots
 
 PREFIX = "endpoint:"
@@ -261,7 +261,7 @@ class EndpointModel:
         if self.kind in TOKEN_IDS:
             body["stream_options"]["continuous_usage_stats"] = True
             body["return_tokens_as_token_ids"] = True
-        top = min(request.top_alternatives, 20)
+        top = min(request.top_alternatives, MAX_LOGPROBS)
         if request.mode == "raw":
             return "/completions", {**body, "prompt": request.prompt, "logprobs": top}
         return "/chat/completions", {**body, "messages": request.messages(), "logprobs": True, "top_logprobs": top}

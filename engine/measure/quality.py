@@ -57,6 +57,13 @@ class QualityProgress:
     tokens_per_s: float
     eta_s: float | None
 
+    @classmethod
+    def since(cls, started: float, done: int, chunks: int, ctx: int) -> "QualityProgress":
+        """``done`` of ``chunks`` chunks of ``ctx`` tokens read since ``started`` (perf_counter)."""
+        elapsed = time.perf_counter() - started
+        rate = done * ctx / elapsed if elapsed > 0 else 0.0
+        return cls(done, chunks, rate, (chunks - done) * ctx / rate if rate else None)
+
 
 @dataclass
 class Reference:
@@ -303,9 +310,7 @@ def measure(loaded, tokens: Sequence[int], text_name: str = "", ctx: int = DEFAU
         del lp
         done = min(begin + batch, chunks)
         if on_progress is not None:
-            elapsed = time.perf_counter() - started
-            rate = done * ctx / elapsed if elapsed > 0 else 0.0
-            on_progress(QualityProgress(done, chunks, rate, (chunks - done) * ctx / rate if rate else None))
+            on_progress(QualityProgress.since(started, done, chunks, ctx))
     seconds = time.perf_counter() - started
     nll = -token_lp.astype(np.float64)  # each scored token's −log p (fp32 scores, summed in fp64)
     mean = float(nll.mean())

@@ -33,11 +33,12 @@ import numpy as np
 
 from engine.base.cancel import CancelToken
 from engine.base.errors import CancelledError, EndpointError, InvalidRequestError
+from engine.base.request import MAX_LOGPROBS
 from engine.endpoint.source import http_error, unreachable
 from engine.measure.quality import (DEFAULT_CTX, QualityProgress, QualityReport, Reference, _divergence, _stderr,
                                     plan_chunks, tokens_sha)
 
-SERVED_TOP_K = 20
+SERVED_TOP_K = MAX_LOGPROBS
 """The likeliest tokens asked for per prompt token (vLLM's default ``--max-logprobs``)."""
 CONCURRENCY = 4
 """Chunks in flight at once (a batching server reads them together)."""
@@ -109,8 +110,8 @@ def measure_served(endpoint, tokens: Sequence[int], token_text: Callable[[int], 
     if reference is not None and (reference.tokens_sha != tokens_sha(tokens, ctx, chunks) or reference.ctx != ctx):
         raise InvalidRequestError(f"The reference ({reference.model} {reference.precision}) scored other tokens "
                                   "(another text, model, --ctx or --chunks): make it again with these.")
-    if not 1 <= top_k <= 20:
-        raise InvalidRequestError("The served top-k: from 1 to 20 (what servers allow).")
+    if not 1 <= top_k <= MAX_LOGPROBS:
+        raise InvalidRequestError(f"The served top-k: from 1 to {MAX_LOGPROBS} (what servers allow).")
     first = ctx // 2
     scored = ctx - 1 - first
     data = [list(tokens[c * ctx:(c + 1) * ctx]) for c in range(chunks)]
@@ -129,10 +130,7 @@ def measure_served(endpoint, tokens: Sequence[int], token_text: Callable[[int], 
                 for future in done:
                     results[pending.pop(future)] = future.result()
                     if on_progress is not None:
-                        elapsed = time.perf_counter() - started
-                        rate = len(results) * ctx / elapsed if elapsed > 0 else 0.0
-                        left = (chunks - len(results)) * ctx / rate if rate else None
-                        on_progress(QualityProgress(len(results), chunks, rate, left))
+                        on_progress(QualityProgress.since(started, len(results), chunks, ctx))
                 while results and next_chunk < chunks and len(pending) < concurrency:
                     pending[pool.submit(_request, endpoint, sent[next_chunk], top_k)] = next_chunk
                     next_chunk += 1

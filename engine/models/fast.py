@@ -23,7 +23,7 @@ import threading
 
 import torch
 from torch.nn import functional as F
-from engine.models.quantize import _Int8ActivationLinear, fuse_rows
+from engine.models.quantize import fuse_rows, has_int8_activations
 
 from engine.models.precision import unsupported_type_reason
 
@@ -105,7 +105,7 @@ class FastDecoder:
         table = next(self.embed.parameters(), None)
         table = table if table is not None else next(self.embed.buffers())  # blocks shared with the head
         self.dtype, self.device = table.dtype, table.device
-        if any(isinstance(module, _Int8ActivationLinear) for module in model.modules()):
+        if has_int8_activations(model):
             self.dtype = torch.float32  # int8 activations: the rest computes in fp32, as llama.cpp's does
         self.compiled = None
         """The compiled decode step, once engine/generation/compiled_step.py has made it ready:

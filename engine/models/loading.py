@@ -170,7 +170,7 @@ def _prepare_fast(model, precision: Precision, name: str, reporter: ProgressRepo
     if not isinstance(precision, FastPrecision):
         return None
     from engine.models import fast  # lazy: importing it loads numpy, torch
-    from engine.models.quantize import _Int8ActivationLinear, quantize_linears  # lazy: importing it loads torch
+    from engine.models.quantize import has_int8_activations, quantize_linears  # lazy: importing it loads torch
 
     reason = fast.unsupported_reason(model)
     if reason:
@@ -192,7 +192,7 @@ def _prepare_fast(model, precision: Precision, name: str, reporter: ProgressRepo
         for param in model.parameters():  # embeddings, norms, biases: stored in bf16
             if param.dtype == torch.float32:  # (buffers such as rotary frequencies stay fp32)
                 param.data = param.data.to(torch.bfloat16)
-        if any(isinstance(module, _Int8ActivationLinear) for module in model.modules()):
+        if has_int8_activations(model):
             # int8 activations: the activations between the layers stay fp32, as llama.cpp's do (the
             # fast decoder casts the looked-up rows; this makes transformers' own forward, which
             # teacher forcing and speculation use, do the same)

@@ -252,6 +252,11 @@ class _Int8ActivationLinear(_BlockedLinear):
         return out.reshape(*shape[:-1], self.out_features)
 
 
+def has_int8_activations(model: nn.Module) -> bool:
+    """Whether ``model``'s linears multiply with int8 activations (the layers between then run in fp32)."""
+    return any(isinstance(module, _Int8ActivationLinear) for module in model.modules())
+
+
 class Int8BlockLinear(_Int8ActivationLinear):
     """int8 weights with an fp16 scale per block of 32 inputs (Q8_0), multiplied with activations
     quantized the same way as they arrive (engine/models/kernels/q8_gemm.cpp): int8 dot products."""

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.models import kernels
-from engine.models.quantize import (BLOCK, Int4BlockLinear, Int8BlockLinear, fuse_rows, int8_activations_reference,
-                                    pack_q4, pack_q8, q4_blocks, q8_blocks)
+from engine.models.quantize import (BLOCK, Int4BlockLinear, Int8BlockLinear, fuse_rows, has_int8_activations,
+                                    int8_activations_reference, pack_q4, pack_q8, q4_blocks, q8_blocks)
 
 pytestmark = pytest.mark.skipif(not kernels.kernels(), reason=f"int8 kernels: {kernels.unavailable()}")
 
@@ -116,11 +116,10 @@ def test_a_batched_answer_through_the_core_is_the_request_alone(tiny_llama, prec
     from engine.base.sampling import SamplingParams
     from engine.generation.core import CoreSettings, EngineCore
     from engine.models.loading import LoadRequest, load_model
-    from engine.models.quantize import _Int8ActivationLinear
     from tests.tiny import CORPUS
 
     loaded = load_model(LoadRequest(str(tiny_llama), precision, "cpu"))
-    assert any(isinstance(m, _Int8ActivationLinear) for m in loaded.model.modules())
+    assert has_int8_activations(loaded.model)
 
     def answers(core, requests):
         rids = [core.submit(r) for r in requests]
