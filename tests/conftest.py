@@ -33,6 +33,12 @@ _SESSION_CACHE = Path(tempfile.mkdtemp(prefix="workbench-test-cache-"))
 (_SESSION_CACHE / "default").symlink_to(_test_downloads() / "default", target_is_directory=True)
 os.environ["INFERENCE_WORKBENCH_CACHE"] = str(_SESSION_CACHE)
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(_SESSION_CACHE / "inductor")
+# huggingface_hub's home too (its hub cache, its "checked for an update" marker…), before anything
+# imports it: a run wrote ~/.cache/huggingface/.check_for_update_done.
+_USERS_HF_HOME = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser()
+for _variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_ASSETS_CACHE", "HF_XET_CACHE"):
+    os.environ.pop(_variable, None)
+os.environ["HF_HOME"] = str(_SESSION_CACHE / "huggingface")
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2")
 
@@ -83,6 +89,7 @@ def _listing(folder: Path) -> frozenset[str]:
 
 
 _USERS_CACHE = _users_cache()
+_USERS_HF = _USERS_HF_HOME, _listing(_USERS_HF_HOME)
 
 
 def _users_profile() -> tuple[Path, bytes | None]:
@@ -108,10 +115,10 @@ def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_SESSION_DATA, ignore_errors=True)
     (_SESSION_CACHE / "default").unlink()  # the link only: the download stays for the next run
     shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
-    folder, before = _USERS_CACHE
-    if _listing(folder) - before:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        print(f"\nThe tests wrote into the user's cache ({folder}): {sorted(_listing(folder) - before)[:10]}")
+    for folder, before in (_USERS_CACHE, _USERS_HF):
+        if _listing(folder) - before:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            print(f"\nThe tests wrote into the user's cache ({folder}): {sorted(_listing(folder) - before)[:10]}")
     path, before = _USERS_PROFILE
     if (path.read_bytes() if path.is_file() else None) != before:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -201,6 +201,7 @@ def _hub_snapshot(ref: str, allow_pickle: bool, offline: bool | None, hub_cache:
 
 def list_models(hub_cache: Path | None = None) -> list[ModelEntry]:
     """The default model, then the models already in the Hugging Face cache."""
+    from huggingface_hub import constants as hub_constants
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
@@ -209,7 +210,9 @@ def list_models(hub_cache: Path | None = None) -> list[ModelEntry]:
         path=str(default_model.model_dir()), size_bytes=None, ready=default_model.is_ready(),
     )]
     try:
-        info = scan_cache_dir(hub_cache)
+        # The cache named as _hub_snapshot names it: scan_cache_dir's own default is the value
+        # when huggingface_hub first imported it, whatever the constant says now.
+        info = scan_cache_dir(hub_cache or hub_constants.HF_HUB_CACHE)
     except (CacheNotFound, OSError):
         return entries
     for repo in sorted(info.repos, key=lambda r: r.repo_id.lower()):

@@ -53,20 +53,27 @@ def test_token_ids_outside_the_vocabulary_get_400_while_other_streams_go_on(serv
     vocab = loaded_llama.vocab_size
     bad_ids = ([vocab], [-5, 3], [[1, vocab + 7]])
     texts: dict[str, str] = {}
-    all_decoding, all_bad_queued = threading.Event(), threading.Event()
+    all_streams_in, all_decoding, all_bad_queued = threading.Event(), threading.Event(), threading.Event()
     decode, submit = server.service.core.runner.decode, server.service.submit
 
-    def gated_decode(seqs, tokens):  # once the three decode together, wait for the bad requests
+    def gated_decode(seqs, tokens):
+        # The first stream waits for the other two (on a busy machine it could otherwise finish
+        # before they arrive); once the three decode together, they wait for the bad requests.
+        all_streams_in.wait(30)
         if len(seqs) == len(PROMPTS):
             all_decoding.set()
             all_bad_queued.wait(30)
         return decode(seqs, tokens)
 
-    queued = []
+    streams_in, queued = [], []
 
     def counted_submit(ticket):
         out = submit(ticket)
-        if ticket.prompt_ids is not None:
+        if ticket.prompt_ids is None:  # a text prompt: one of the streams
+            streams_in.append(ticket)
+            if len(streams_in) == len(PROMPTS):
+                all_streams_in.set()
+        else:
             queued.append(ticket)
             if len(queued) == len(bad_ids):
                 all_bad_queued.set()
@@ -99,7 +106,8 @@ def test_token_ids_outside_the_vocabulary_get_400_while_other_streams_go_on(serv
             t.start()
     finally:
         for t in [*bad, *streams]:
-            t.join(60)
+            if t.ident is not None:  # started
+                t.join(60)
     assert [r.status_code for r in refusals] == [400] * len(bad_ids)
     assert all("not a token of" in r.json()["error"]["message"] for r in refusals)
     assert texts == solo
