@@ -109,7 +109,7 @@ class BitsAndBytesPrecision(Precision):
 class FastPrecision(Precision):
     """The fast path (engine/models/fast.py): a lean decoder over a static KV cache, with int8 / int4
     linears (engine/models/quantize.py: int8 activations on this project's CPU kernels where the CPU
-    has AVX-512 VNNI, else PyTorch's weight-only ones) or plain fp32 / bf16 weights. CPU only."""
+    has AVX-512 VNNI or AVX2, else PyTorch's weight-only ones) or plain fp32 / bf16 weights. CPU only."""
 
     scheme: str = "int8"
 

@@ -5,8 +5,9 @@ reading the weights: fewer bytes per weight, faster tokens; a prompt or a batch 
 rows, so its cost is the arithmetic. Two families:
 
 - int8 activations (:class:`Int8BlockLinear`, :class:`Int4BlockLinear`), where the CPU has
-  AVX-512 VNNI: llama.cpp's Q8_0 / Q4_1 weight blocks times activations quantized per block of
-  32 as they arrive, on int8 dot products (engine/models/kernels/q8_gemm.cpp);
+  AVX-512 VNNI or AVX2: llama.cpp's Q8_0 / Q4_1 weight blocks times activations quantized per
+  block of 32 as they arrive, on int8 dot products (engine/models/kernels: the build for this
+  CPU is chosen at run time);
 - weight-only (:class:`Int8WeightOnlyLinear`, :class:`Int4WeightOnlyLinear`) elsewhere: int8 with
   one scale per output row, int4 with a scale and zero per group of 32 inputs, multiplied by
   PyTorch's CPU weight-only kernels with bf16 activations. Those kernels slow down sharply on very

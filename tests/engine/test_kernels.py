@@ -1,8 +1,13 @@
-"""The int8-activation kernels (engine/models/kernels/q8_gemm.cpp) against the same arithmetic in
-plain PyTorch: Q8_0 and Q4_1 weights times activations quantized per block of 32, every row on
-its own (a batched row equals the row alone, bit for bit), whatever the thread count."""
+"""The int8-activation kernels (engine/models/kernels: the build this CPU takes, AVX-512 VNNI or
+AVX2) against the same arithmetic in plain PyTorch: Q8_0 and Q4_1 weights times activations
+quantized per block of 32, every row on its own (a batched row equals the row alone, bit for
+bit), whatever the thread count; and, where the CPU runs more than one build, the others too."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,7 +19,8 @@ from engine.models.quantize import (BLOCK, Int4BlockLinear, Int8BlockLinear, fus
 pytestmark = pytest.mark.skipif(not kernels.kernels(), reason=f"int8 kernels: {kernels.unavailable()}")
 
 SHAPES = [(13, 96, 40), (1, 576, 200), (21, 576, 64), (8, 1536, 48), (5, 64, 200)]
-"""(rows, inputs, outputs): tiles of 4 and 1 rows, of 2 and 1 column groups; outputs padded to 16."""
+"""(rows, inputs, outputs): whole row tiles (4 for AVX-512, 2 for AVX2) and single rows left over,
+whole and part column tiles; outputs padded to 16."""
 
 
 def by_hand_q8(x, codes, scales):
@@ -134,3 +140,25 @@ def test_a_batched_answer_through_the_core_is_the_request_alone(tiny_llama, prec
     together = answers(EngineCore(loaded, CoreSettings(max_batch=8)), requests)
     alone = [answers(EngineCore(loaded, CoreSettings(max_batch=1)), [r])[0] for r in requests]
     assert together == alone and all(len(t) == 12 for t in together)
+
+
+def test_every_build_this_cpu_runs_does_the_same_arithmetic():
+    """The tests above run the build this CPU takes; on a CPU that runs another (an AVX-512
+    machine runs the AVX2 one), the arithmetic tests run again in a process that loads that one."""
+    others = [choice for choice in kernels.ISAS if choice != kernels.loaded()
+              and all(flag in kernels.cpu_flags() for flag in choice.flags)]
+    if not others:
+        pytest.skip(f"this CPU runs one build only ({kernels.loaded().name})")
+    for choice in others:
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "block_arithmetic"],
+            env={**os.environ, kernels.ISA_ENV: choice.name}, capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, result.stdout[-3000:]
+        assert " passed" in result.stdout and "skipped" not in result.stdout
+
+
+def test_the_loaded_build_is_the_one_chosen():
+    assert kernels.loaded() == kernels.isa()
+    assert kernels.build_dir().name.startswith(kernels.loaded().name)
+    if os.environ.get(kernels.ISA_ENV):
+        assert kernels.loaded().name == os.environ[kernels.ISA_ENV]

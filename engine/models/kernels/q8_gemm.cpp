@@ -17,31 +17,18 @@
 // Each output row y[m] depends on x[m] alone: a batched answer equals the request alone.
 // Threads: ATen's pool (torch.set_num_threads), split over the output columns.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-
-#include <cstdint>
-#include <cstring>
-#include <vector>
+#include "q8_common.h"
 
 namespace {
 
-constexpr int64_t BLOCK = 32;
+constexpr bool Q8_OFFSET = true;
+constexpr int ROW_TILE = 4, COL_TILE = 2;
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
     __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-
-// One row of activations, quantized per block of 32: codes (q + 128 for q8's unsigned side, or
-// q itself for q4's signed side), each block's scale, and (q4) each block's sum of q · scale.
-struct QuantizedRows {
-    std::vector<uint8_t> codes;   // [M, K]
-    std::vector<float> scales;    // [M, K/32]
-    std::vector<float> sums;      // [M, K/32]: s · Σq (q4 only)
-};
 
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, bool offset, bool with_sums, QuantizedRows& out) {
@@ -93,11 +80,7 @@ inline __m512 halves16(const at::Half* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-inline __m512i broadcast4(const uint8_t* p) {
-    int32_t v;
-    std::memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
+inline __m512i broadcast4(const uint8_t* p) { return _mm512_set1_epi32(four_bytes(p)); }
 
 // The weights are interleaved for these loops: 16 output columns side by side, each 32-bit lane
 // of a vector holding 4 consecutive inputs of one column, so one vpdpbusd adds 4 products to
@@ -191,95 +174,6 @@ inline void q4_tile(const uint8_t* w, const at::Half* d, const at::Half* mins, c
         for (int j = 0; j < TN; ++j) store16(y + (m0 + i) * N + (g0 + j) * 16, acc[i][j]);
 }
 
-// Every (rows, column groups) tile of the product: row tiles of 4, then 1; column tiles of TN
-// groups of 16, then 1, split across threads by column groups.
-template <int TN, typename Tile>
-void tiles(int64_t M, int64_t groups, Tile&& tile) {
-    at::parallel_for(0, (groups + TN - 1) / TN, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t c = begin; c < end; ++c) {
-            const int64_t g0 = c * TN;
-            const bool whole = g0 + TN <= groups;
-            int64_t m0 = 0;
-            for (; m0 + 4 <= M; m0 += 4) {
-                if (whole) tile(std::integral_constant<int, 4>{}, std::integral_constant<int, TN>{}, m0, g0);
-                else for (int64_t g = g0; g < groups; ++g)
-                    tile(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{}, m0, g);
-            }
-            for (; m0 < M; ++m0) {
-                if (whole) tile(std::integral_constant<int, 1>{}, std::integral_constant<int, TN>{}, m0, g0);
-                else for (int64_t g = g0; g < groups; ++g)
-                    tile(std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{}, m0, g);
-            }
-        }
-    });
-}
-
-// ``run(x's data, y's data)`` with the activations' element type (float32 or bfloat16).
-template <typename Run>
-void by_dtype(const torch::Tensor& x, torch::Tensor& y, Run&& run) {
-    if (x.scalar_type() == at::kFloat) run(x.data_ptr<float>(), y.data_ptr<float>());
-    else run(x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>());
-}
-
-void check(const torch::Tensor& x, int64_t K) {
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "activations: a contiguous [M, K] tensor");
-    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "activations: float32 or bfloat16");
-    TORCH_CHECK(x.size(1) == K && K % BLOCK == 0, "activations: K a multiple of 32, as the weights'");
-}
-
 }  // namespace
 
-torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
-    TORCH_CHECK(w.dim() == 5 && w.size(2) == 8 && w.size(3) == 16 && w.size(4) == 4 && w.scalar_type() == at::kChar &&
-                    w.is_contiguous(), "q8 weights: contiguous int8 [N/16, K/32, 8, 16, 4]");
-    const int64_t M = x.size(0), groups = w.size(0), K = w.size(1) * BLOCK, N = groups * 16;
-    check(x, K);
-    TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
-                    scales.size(0) == groups && scales.size(1) == K / BLOCK && scales.size(2) == 16,
-                "q8 scales: contiguous fp16 [N/16, K/32, 16]");
-    auto y = torch::empty({M, N}, x.options());
-    QuantizedRows xq;
-    const int8_t* wp = w.data_ptr<int8_t>();
-    const at::Half* sp = scales.data_ptr<at::Half>();
-    by_dtype(x, y, [&](const auto* xp, auto* yp) {
-        quantize_rows(xp, M, K, true, false, xq);
-        tiles<2>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
-            q8_tile<decltype(tm)::value, decltype(tn)::value>(wp, sp, xq, m0, g0, K, N, yp);
-        });
-    });
-    return y;
-}
-
-torch::Tensor q4_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& d,
-                        const torch::Tensor& mins) {
-    TORCH_CHECK(w.dim() == 5 && w.size(2) == 4 && w.size(3) == 16 && w.size(4) == 4 && w.scalar_type() == at::kByte &&
-                    w.is_contiguous(), "q4 weights: contiguous uint8 [N/16, K/32, 4, 16, 4]");
-    const int64_t M = x.size(0), groups = w.size(0), K = w.size(1) * BLOCK, N = groups * 16;
-    check(x, K);
-    TORCH_CHECK(d.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf && d.is_contiguous() &&
-                    mins.is_contiguous() && d.dim() == 3 && d.size(0) == groups && d.size(1) == K / BLOCK &&
-                    d.size(2) == 16 && mins.sizes() == d.sizes(),
-                "q4 scales and minimums: contiguous fp16 [N/16, K/32, 16]");
-    auto y = torch::empty({M, N}, x.options());
-    QuantizedRows xq;
-    const uint8_t* wp = w.data_ptr<uint8_t>();
-    const at::Half* dp = d.data_ptr<at::Half>();
-    const at::Half* mp = mins.data_ptr<at::Half>();
-    by_dtype(x, y, [&](const auto* xp, auto* yp) {
-        quantize_rows(xp, M, K, false, true, xq);
-        tiles<2>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
-            q4_tile<decltype(tm)::value, decltype(tn)::value>(wp, dp, mp, xq, m0, g0, K, N, yp);
-        });
-    });
-    return y;
-}
-
-TORCH_LIBRARY(workbench, m) {
-    m.def("q8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
-    m.def("q4_linear(Tensor x, Tensor w, Tensor d, Tensor mins) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(workbench, CPU, m) {
-    m.impl("q8_linear", &q8_linear);
-    m.impl("q4_linear", &q4_linear);
-}
+#include "q8_ops.h"

@@ -1,0 +1,72 @@
+// What the int8 kernels share whatever the instruction set (q8_gemm.cpp: AVX-512 VNNI,
+// q8_gemm_avx2.cpp: AVX2): the activations' quantized rows, the walk over output tiles split
+// across threads, and the checks of the operands. The weights' layout, one for both, is
+// described in q8_gemm.cpp.
+
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BLOCK = 32;
+
+// One row of activations, quantized per block of 32: codes (q + 128 for an unsigned side, or q
+// itself for a signed one), each block's scale, and (q4) each block's sum of q · scale.
+struct QuantizedRows {
+    std::vector<uint8_t> codes;   // [M, K]
+    std::vector<float> scales;    // [M, K/32]
+    std::vector<float> sums;      // [M, K/32]: s · Σq (q4 only)
+};
+
+// The 4 bytes at p, repeated in every 32-bit lane.
+inline int32_t four_bytes(const uint8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
+// Every (rows, column groups) tile of the product: row tiles of TM, then 1; column tiles of TN
+// groups of 16, then 1, split across threads by column groups.
+template <int TM, int TN, typename Tile>
+void tiles(int64_t M, int64_t groups, Tile&& tile) {
+    at::parallel_for(0, (groups + TN - 1) / TN, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t c = begin; c < end; ++c) {
+            const int64_t g0 = c * TN;
+            const bool whole = g0 + TN <= groups;
+            int64_t m0 = 0;
+            for (; m0 + TM <= M; m0 += TM) {
+                if (whole) tile(std::integral_constant<int, TM>{}, std::integral_constant<int, TN>{}, m0, g0);
+                else for (int64_t g = g0; g < groups; ++g)
+                    tile(std::integral_constant<int, TM>{}, std::integral_constant<int, 1>{}, m0, g);
+            }
+            for (; m0 < M; ++m0) {
+                if (whole) tile(std::integral_constant<int, 1>{}, std::integral_constant<int, TN>{}, m0, g0);
+                else for (int64_t g = g0; g < groups; ++g)
+                    tile(std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{}, m0, g);
+            }
+        }
+    });
+}
+
+// ``run(x's data, y's data)`` with the activations' element type (float32 or bfloat16).
+template <typename Run>
+void by_dtype(const torch::Tensor& x, torch::Tensor& y, Run&& run) {
+    if (x.scalar_type() == at::kFloat) run(x.data_ptr<float>(), y.data_ptr<float>());
+    else run(x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>());
+}
+
+void check(const torch::Tensor& x, int64_t K) {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "activations: a contiguous [M, K] tensor");
+    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "activations: float32 or bfloat16");
+    TORCH_CHECK(x.size(1) == K && K % BLOCK == 0, "activations: K a multiple of 32, as the weights'");
+}
+
+}  // namespace

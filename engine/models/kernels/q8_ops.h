@@ -1,0 +1,63 @@
+// The operators, for a kernel file that has defined (in its anonymous namespace) what they call:
+//   quantize_rows(x, M, K, offset, with_sums, out)    the activations, per block of 32
+//   q8_tile<TM, TN>(…), q4_tile<TM, TN>(…)            one tile of rows × column groups
+//   Q8_OFFSET                                           q8's activations stored as q + 128
+//   ROW_TILE, COL_TILE                                  the tile the registers hold
+// Included once, last, by each of q8_gemm.cpp and q8_gemm_avx2.cpp (one of which a process loads).
+
+#pragma once
+
+torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
+    TORCH_CHECK(w.dim() == 5 && w.size(2) == 8 && w.size(3) == 16 && w.size(4) == 4 && w.scalar_type() == at::kChar &&
+                    w.is_contiguous(), "q8 weights: contiguous int8 [N/16, K/32, 8, 16, 4]");
+    const int64_t M = x.size(0), groups = w.size(0), K = w.size(1) * BLOCK, N = groups * 16;
+    check(x, K);
+    TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
+                    scales.size(0) == groups && scales.size(1) == K / BLOCK && scales.size(2) == 16,
+                "q8 scales: contiguous fp16 [N/16, K/32, 16]");
+    auto y = torch::empty({M, N}, x.options());
+    QuantizedRows xq;
+    const int8_t* wp = w.data_ptr<int8_t>();
+    const at::Half* sp = scales.data_ptr<at::Half>();
+    by_dtype(x, y, [&](const auto* xp, auto* yp) {
+        quantize_rows(xp, M, K, Q8_OFFSET, false, xq);
+        tiles<ROW_TILE, COL_TILE>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
+            q8_tile<decltype(tm)::value, decltype(tn)::value>(wp, sp, xq, m0, g0, K, N, yp);
+        });
+    });
+    return y;
+}
+
+torch::Tensor q4_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& d,
+                        const torch::Tensor& mins) {
+    TORCH_CHECK(w.dim() == 5 && w.size(2) == 4 && w.size(3) == 16 && w.size(4) == 4 && w.scalar_type() == at::kByte &&
+                    w.is_contiguous(), "q4 weights: contiguous uint8 [N/16, K/32, 4, 16, 4]");
+    const int64_t M = x.size(0), groups = w.size(0), K = w.size(1) * BLOCK, N = groups * 16;
+    check(x, K);
+    TORCH_CHECK(d.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf && d.is_contiguous() &&
+                    mins.is_contiguous() && d.dim() == 3 && d.size(0) == groups && d.size(1) == K / BLOCK &&
+                    d.size(2) == 16 && mins.sizes() == d.sizes(),
+                "q4 scales and minimums: contiguous fp16 [N/16, K/32, 16]");
+    auto y = torch::empty({M, N}, x.options());
+    QuantizedRows xq;
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    const at::Half* dp = d.data_ptr<at::Half>();
+    const at::Half* mp = mins.data_ptr<at::Half>();
+    by_dtype(x, y, [&](const auto* xp, auto* yp) {
+        quantize_rows(xp, M, K, false, true, xq);
+        tiles<ROW_TILE, COL_TILE>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
+            q4_tile<decltype(tm)::value, decltype(tn)::value>(wp, dp, mp, xq, m0, g0, K, N, yp);
+        });
+    });
+    return y;
+}
+
+TORCH_LIBRARY(workbench, m) {
+    m.def("q8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
+    m.def("q4_linear(Tensor x, Tensor w, Tensor d, Tensor mins) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(workbench, CPU, m) {
+    m.impl("q8_linear", &q8_linear);
+    m.impl("q4_linear", &q4_linear);
+}
