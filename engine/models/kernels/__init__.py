@@ -39,10 +39,15 @@ HEADERS = (_HERE / "q8_common.h", _HERE / "q8_ops.h")
 ISAS = (
     Isa("avx512-vnni", _HERE / "q8_gemm.cpp",
         ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma"),
-        ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-mfma")),
-    Isa("avx2", _HERE / "q8_gemm_avx2.cpp", ("avx2", "f16c", "fma"), ("-O3", "-mavx2", "-mf16c", "-mfma")),
+        ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
+         "-mfma")),
+    Isa("avx2", _HERE / "q8_gemm_avx2.cpp", ("avx2", "f16c", "fma"), ("-O3", "-fopenmp", "-mavx2", "-mf16c", "-mfma")),
 )
-"""Best first: the first whose flags the CPU has is built."""
+"""Best first: the first whose flags the CPU has is built. ``-fopenmp``: ATen's ``parallel_for`` is
+a header whose ``#pragma omp parallel`` a build without it drops, running every product on one
+thread (as these kernels did until it was added); the link names PyTorch's own OpenMP runtime
+(torch/lib/libgomp.so.1, the one ATen's pool runs on), so no second pool of threads starts."""
+LDFLAGS = ("-l:libgomp.so.1",)
 ISA_ENV = "INFERENCE_WORKBENCH_KERNELS_ISA"
 """Set to an :class:`Isa` name: build that one (where the CPU has its flags) instead of the best
 (to measure or test the AVX2 kernels on an AVX-512 machine)."""
@@ -112,7 +117,8 @@ def build_dir(choice: Isa | None = None) -> Path:
 
     choice = choice or isa() or ISAS[0]
     text = b"".join(path.read_bytes() for path in (choice.source, *HEADERS))
-    key = hashlib.sha256(text + torch.__version__.encode() + " ".join(choice.cflags).encode()).hexdigest()
+    flags = " ".join(choice.cflags + LDFLAGS).encode()
+    key = hashlib.sha256(text + torch.__version__.encode() + flags).hexdigest()
     root = os.environ.get(DIR_ENV)
     return (Path(root) if root else cache_dir() / "kernels") / f"{choice.name}-{key[:16]}"
 
@@ -136,7 +142,7 @@ def _build(choice: Isa) -> None:
     folder = build_dir(choice)
     folder.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(name=f"workbench_q8_{folder.name.replace('-', '_')}", sources=[str(choice.source)],
-                       extra_cflags=list(choice.cflags), extra_include_paths=[str(_HERE)],
+                       extra_cflags=list(choice.cflags), extra_ldflags=list(LDFLAGS), extra_include_paths=[str(_HERE)],
                        build_directory=str(folder), is_python_module=False, verbose=False)
 
 
