@@ -94,6 +94,32 @@ def test_the_thread_count_changes_nothing():
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+def test_the_products_run_on_more_than_one_thread(kind):
+    """Built without OpenMP, ATen's parallel_for runs everything on the calling thread: count the
+    CPU time each of this process's threads spends on a run of products."""
+    psutil = pytest.importorskip("psutil")
+    generator = torch.Generator().manual_seed(5)
+    weight, x = torch.randn(4096, 576, generator=generator), torch.randn(64, 576, generator=generator)
+    op, packed = ((torch.ops.workbench.q8_linear, pack_q8(*q8_blocks(weight))) if kind == "q8" else
+                  (torch.ops.workbench.q4_linear, pack_q4(*q4_blocks(weight))))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        op(x, *packed)
+        before = {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
+        spent = 0.0
+        while spent < 1.0:  # CPU seconds over all threads, counted in 10 ms ticks
+            for _ in range(20):
+                op(x, *packed)
+            spent = sum(t.user_time + t.system_time - before.get(t.id, 0.0) for t in psutil.Process().threads())
+        after = {t.id: t.user_time + t.system_time - before.get(t.id, 0.0) for t in psutil.Process().threads()}
+    finally:
+        torch.set_num_threads(threads)
+    working = sorted(after.values(), reverse=True)
+    assert working[1] > 0.2 * working[0], working[:4]
+
+
 @pytest.mark.parametrize("kind", [Int8BlockLinear, Int4BlockLinear])
 def test_layers_fuse_into_one_call_and_keep_their_own(kind):
     generator = torch.Generator().manual_seed(5)
