@@ -10,6 +10,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -33,25 +34,24 @@ inline int32_t four_bytes(const uint8_t* p) {
     return v;
 }
 
-// Every (rows, column groups) tile of the product: row tiles of TM, then 1; column tiles of TN
-// groups of 16, then 1, split across threads by column groups.
-template <int TM, int TN, typename Tile>
+// Every (rows, column groups) tile of the product: row tiles of TM with column tiles of TN groups
+// of 16, then single rows with column tiles of TN1 groups (a single row has registers to spare),
+// then single groups where the columns run out; split across threads by column tiles.
+template <int TM, int TN, int TN1, typename Tile>
 void tiles(int64_t M, int64_t groups, Tile&& tile) {
-    at::parallel_for(0, (groups + TN - 1) / TN, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t c = begin; c < end; ++c) {
-            const int64_t g0 = c * TN;
-            const bool whole = g0 + TN <= groups;
-            int64_t m0 = 0;
-            for (; m0 + TM <= M; m0 += TM) {
-                if (whole) tile(std::integral_constant<int, TM>{}, std::integral_constant<int, TN>{}, m0, g0);
-                else for (int64_t g = g0; g < groups; ++g)
-                    tile(std::integral_constant<int, TM>{}, std::integral_constant<int, 1>{}, m0, g);
-            }
-            for (; m0 < M; ++m0) {
-                if (whole) tile(std::integral_constant<int, 1>{}, std::integral_constant<int, TN>{}, m0, g0);
-                else for (int64_t g = g0; g < groups; ++g)
-                    tile(std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{}, m0, g);
-            }
+    const int64_t wide = M >= TM ? TN : TN1;  // the column tile the threads split by
+    at::parallel_for(0, (groups + wide - 1) / wide, 1, [&](int64_t begin, int64_t end) {
+        const int64_t first = begin * wide, last = std::min(end * wide, groups);
+        int64_t m0 = 0;
+        for (; m0 + TM <= M; m0 += TM) {
+            int64_t g = first;
+            for (; g + TN <= last; g += TN) tile(std::integral_constant<int, TM>{}, std::integral_constant<int, TN>{}, m0, g);
+            for (; g < last; ++g) tile(std::integral_constant<int, TM>{}, std::integral_constant<int, 1>{}, m0, g);
+        }
+        for (; m0 < M; ++m0) {
+            int64_t g = first;
+            for (; g + TN1 <= last; g += TN1) tile(std::integral_constant<int, 1>{}, std::integral_constant<int, TN1>{}, m0, g);
+            for (; g < last; ++g) tile(std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{}, m0, g);
         }
     });
 }

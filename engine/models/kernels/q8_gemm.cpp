@@ -22,7 +22,7 @@
 namespace {
 
 constexpr bool Q8_OFFSET = true;
-constexpr int ROW_TILE = 4, COL_TILE = 2;
+constexpr int ROW_TILE = 4, COL_TILE = 2, ROW1_COL_TILE = 2;
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {

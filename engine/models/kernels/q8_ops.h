@@ -2,7 +2,8 @@
 //   quantize_rows(x, M, K, offset, with_sums, out)    the activations, per block of 32
 //   q8_tile<TM, TN>(…), q4_tile<TM, TN>(…)            one tile of rows × column groups
 //   Q8_OFFSET                                           q8's activations stored as q + 128
-//   ROW_TILE, COL_TILE                                  the tile the registers hold
+//   ROW_TILE, COL_TILE, ROW1_COL_TILE                   the tiles the registers hold (rows × groups of
+//                                                       16 columns; groups for a single row)
 // Included once, last, by each of q8_gemm.cpp and q8_gemm_avx2.cpp (one of which a process loads).
 
 #pragma once
@@ -21,7 +22,7 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& w, const to
     const at::Half* sp = scales.data_ptr<at::Half>();
     by_dtype(x, y, [&](const auto* xp, auto* yp) {
         quantize_rows(xp, M, K, Q8_OFFSET, false, xq);
-        tiles<ROW_TILE, COL_TILE>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
+        tiles<ROW_TILE, COL_TILE, ROW1_COL_TILE>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
             q8_tile<decltype(tm)::value, decltype(tn)::value>(wp, sp, xq, m0, g0, K, N, yp);
         });
     });
@@ -45,7 +46,7 @@ torch::Tensor q4_linear(const torch::Tensor& x, const torch::Tensor& w, const to
     const at::Half* mp = mins.data_ptr<at::Half>();
     by_dtype(x, y, [&](const auto* xp, auto* yp) {
         quantize_rows(xp, M, K, false, true, xq);
-        tiles<ROW_TILE, COL_TILE>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
+        tiles<ROW_TILE, COL_TILE, ROW1_COL_TILE>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
             q4_tile<decltype(tm)::value, decltype(tn)::value>(wp, dp, mp, xq, m0, g0, K, N, yp);
         });
     });
