@@ -181,8 +181,8 @@ def _prepare_fast(model, precision: Precision, name: str, reporter: ProgressRepo
         from engine.models import kernels  # lazy: it reads /proc/cpuinfo
 
         if kernels.expected() and not kernels.is_built():
-            reporter.report("quantize", 0, 0, "Compiling the int8 kernels for this CPU (once on this machine, about "
-                                              "half a minute)")
+            reporter.report("quantize", 0, 0, f"Compiling the int8 kernels for this CPU ({kernels.isa().name}; once "
+                                              "on this machine, about a minute)")
     import torch
 
     model._workbench_parameters = count_parameters(model)  # the quantized weights become buffers
