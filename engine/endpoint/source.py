@@ -223,6 +223,13 @@ class EndpointModel:
     def server(self) -> str:
         return SERVERS.get(self.kind, "OpenAI-compatible server")
 
+    @property
+    def client(self):
+        """The ``httpx.Client`` on the server's API root that this model's requests go through
+        (its key and timeouts set; safe to share between threads): for requests of other shapes
+        (engine/measure/served_quality.py's prompt scoring)."""
+        return self._client
+
     def encode(self, request: GenerationRequest) -> None:
         """The server tokenizes: the prompt's ids are not known here (its ``usage`` counts them)."""
         request.validated()

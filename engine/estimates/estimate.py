@@ -8,7 +8,8 @@ precision follow what the loaders actually store:
 - int8 (bitsandbytes LLM.int8): linear weights at 1 byte plus one fp32 scale per output row;
   everything else (embeddings, norms, the output head) in fp16;
 - nf4 / fp4 (bitsandbytes 4-bit): linear weights at ½ byte plus one absmax per block of 64
-  (fp32 on a GPU; on the CPU bitsandbytes repacks it to bf16 at the first forward pass) and a
+  (fp32 on a GPU; on a CPU with AVX-512 BF16 bitsandbytes repacks it to bf16 at the first forward
+  pass, elsewhere it stays fp32) and a
   16-entry fp32 code book per layer; everything else in bf16.
 
 bitsandbytes leaves the output head (``lm_head``) unquantized, so it counts as "other".
@@ -34,7 +35,7 @@ from engine.base.kv import kv_layout
 from engine.storage.paths import resource_dir
 from engine.models.precision import get_precision, dtype_bytes
 from engine.models.load_lock import exclusive
-from engine.models.kernels import expected as kernels_expected
+from engine.models.kernels import cpu_flags, expected as kernels_expected
 from engine.endpoint.source import is_endpoint
 from engine.models import default_model, sources
 from engine.models.gguf_files import converted_dir_for, is_converted
@@ -117,7 +118,7 @@ def weights_bytes(count: ParameterCount, precision: str, device_type: str = "cpu
         return count.linear + 4 * count.linear_rows + 2 * count.other
     # nf4 / fp4
     blocks = -(-count.linear // BNB_BLOCK)
-    absmax = 2 if device_type == "cpu" else 4
+    absmax = 2 if device_type == "cpu" and "avx512_bf16" in cpu_flags() else 4  # bitsandbytes' CPU layout
     return count.linear // 2 + absmax * blocks + 16 * 4 * count.linear_layers + 2 * count.other
 
 

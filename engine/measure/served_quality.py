@@ -55,7 +55,7 @@ def _request(endpoint, ids: list[int], top_k: int) -> list:
             "prompt_logprobs": top_k}
     where = f"{endpoint.spec.url}/completions"
     try:
-        response = endpoint._client.post("/completions", json=body)
+        response = endpoint.client.post("/completions", json=body)
     except httpx.HTTPError as exc:
         raise unreachable(endpoint.spec.url, exc) from None
     if response.status_code != 200:

@@ -50,3 +50,17 @@ def test_default_model_prediction_is_exact_but_buffers(default_model_folder, pre
     assert loaded.info.weights_bytes == pytest.approx(predicted, rel=1e-4)
     if precision != "int8":
         assert loaded.info.weights_bytes - predicted == 128 * 2
+
+
+def test_nf4_absmax_bytes_follow_bitsandbytes_cpu_layout(tiny_llama, monkeypatch):
+    """bitsandbytes repacks 4-bit weights with a bf16 absmax only where the CPU has AVX-512 BF16;
+    elsewhere (and on a GPU) the absmax stays fp32."""
+    from engine.estimates import estimate
+
+    count = count_parameters(config_for(str(tiny_llama)))
+    blocks = -(-count.linear // estimate.BNB_BLOCK)
+    monkeypatch.setattr(estimate, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    with_bf16 = weights_bytes(count, "nf4")
+    monkeypatch.setattr(estimate, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert weights_bytes(count, "nf4") - with_bf16 == 2 * blocks
+    assert weights_bytes(count, "nf4", "cuda") == weights_bytes(count, "nf4")

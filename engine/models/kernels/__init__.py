@@ -12,6 +12,7 @@ PyTorch's weight-only kernels (engine/models/quantize.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import threading
@@ -62,15 +63,17 @@ _why_not: str | None = None
 _loaded: Isa | None = None
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's flags as /proc/cpuinfo names them (empty where it can't be read)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
             for line in info:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def isa() -> Isa | None:
