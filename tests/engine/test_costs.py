@@ -112,7 +112,7 @@ def test_this_machine_is_measured_once_and_cached(isolated_cache, monkeypatch):
 def test_measure_cpu_gives_plausible_numbers():
     result = hardware.measure_cpu()
     assert 1e9 < result["bandwidth_bytes_per_s"] < 2e12
-    assert 1e9 < result["bf16_flops"] < 1e16
+    assert 1e8 < result["bf16_flops"] < 1e16  # a CPU without bf16 instructions (AVX2 only) reads ~1e9
 
 
 def test_edits_are_kept_and_sources_shipped(tmp_path, monkeypatch):
