@@ -229,7 +229,9 @@ def int8_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     rows, cols = x.shape
     blocks = x.float().reshape(rows, cols // BLOCK, BLOCK)
     top = blocks.abs().amax(dim=-1)
-    inverse = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    # a true division, as the kernels' 127.0f / top: torch's scalar / tensor is a reciprocal times
+    # 127, an ulp off at times, which moved a code whose product fell on .5 (x · inverse = 87.5)
+    inverse = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))
     codes = torch.round(blocks * inverse[..., None]).reshape(rows, cols)
     return codes, top / 127.0
 

@@ -1,5 +1,5 @@
-"""The int8-activation kernels (engine/models/kernels: the build this CPU takes, AVX-512 VNNI or
-AVX2) against the same arithmetic in plain PyTorch: Q8_0 and Q4_1 weights times activations
+"""The int8-activation kernels (engine/models/kernels: the build this CPU takes, AMX, AVX-512
+VNNI or AVX2) against the same arithmetic in plain PyTorch: Q8_0 and Q4_1 weights times activations
 quantized per block of 32, every row on its own (a batched row equals the row alone, bit for
 bit), whatever the thread count; and, where the CPU runs more than one build, the others too."""
 
@@ -18,9 +18,11 @@ from engine.models.quantize import (BLOCK, Int4BlockLinear, Int8BlockLinear, fus
 
 pytestmark = pytest.mark.skipif(not kernels.kernels(), reason=f"int8 kernels: {kernels.unavailable()}")
 
-SHAPES = [(13, 96, 40), (1, 576, 200), (21, 576, 64), (8, 1536, 48), (5, 64, 200)]
+SHAPES = [(13, 96, 40), (1, 576, 200), (21, 576, 64), (8, 1536, 48), (5, 64, 200), (16, 1536, 48), (37, 96, 40)]
 """(rows, inputs, outputs): whole row tiles (4 for AVX-512, 2 for AVX2) and single rows left over,
-whole and part column tiles; outputs padded to 16."""
+whole and part column tiles; outputs padded to 16. With AMX, 16 rows and more run on its tiles:
+whole tiles of 16 rows and fewer left over, an even and an odd number of blocks (and each row
+still equals the row alone, which the VNNI tiles compute)."""
 
 
 def by_hand_q8(x, codes, scales):

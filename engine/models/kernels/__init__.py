@@ -3,9 +3,10 @@
 and source into the user cache, the first time a quantized fast precision loads (about a minute
 on two cores; the load says so).
 
-Which source is compiled is chosen at run time from the CPU's flags: q8_gemm.cpp for AVX-512
-(F, BW, VL, DQ) with VNNI, q8_gemm_avx2.cpp for AVX2 with FMA and F16C (the same operators,
-layouts and numerics on 256-bit vectors). Where neither fits, or the compiler fails,
+Which source is compiled is chosen at run time from the CPU's flags: q8_gemm_amx.cpp where the
+CPU has AMX-INT8 (products of 16 rows or more on AMX tiles, fewer on AVX-512 VNNI), q8_gemm.cpp
+for AVX-512 (F, BW, VL, DQ) with VNNI, q8_gemm_avx2.cpp for AVX2 with FMA and F16C (the same
+operators, layouts and numerics on 256-bit vectors). Where neither fits, or the compiler fails,
 :func:`kernels` is ``False``, :func:`unavailable` says why, and the quantized layers keep using
 PyTorch's weight-only kernels (engine/models/quantize.py).
 """
@@ -36,12 +37,14 @@ class Isa:
 
 
 _HERE = Path(__file__).parent
-HEADERS = (_HERE / "q8_common.h", _HERE / "q8_ops.h")
+HEADERS = (_HERE / "q8_common.h", _HERE / "q8_ops.h", _HERE / "q8_avx512.h")
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma")
+_AVX512_CFLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
+                  "-mfma")
 ISAS = (
-    Isa("avx512-vnni", _HERE / "q8_gemm.cpp",
-        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma"),
-        ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
-         "-mfma")),
+    Isa("avx512-amx", _HERE / "q8_gemm_amx.cpp", _AVX512 + ("amx_tile", "amx_int8"),
+        _AVX512_CFLAGS + ("-mamx-tile", "-mamx-int8")),
+    Isa("avx512-vnni", _HERE / "q8_gemm.cpp", _AVX512, _AVX512_CFLAGS),
     Isa("avx2", _HERE / "q8_gemm_avx2.cpp", ("avx2", "f16c", "fma"), ("-O3", "-fopenmp", "-mavx2", "-mf16c", "-mfma")),
 )
 """Best first: the first whose flags the CPU has is built. ``-fopenmp``: ATen's ``parallel_for`` is

@@ -4,7 +4,11 @@
 //   Q8_OFFSET                                           q8's activations stored as q + 128
 //   ROW_TILE, COL_TILE, ROW1_COL_TILE                   the tiles the registers hold (rows × groups of
 //                                                       16 columns; groups for a single row)
-// Included once, last, by each of q8_gemm.cpp and q8_gemm_avx2.cpp (one of which a process loads).
+// and, where it defines WORKBENCH_AMX (q8_gemm_amx.cpp), for products of at least AMX_ROWS rows:
+//   amx_allowed()                                       whether this process may use the tiles
+//   amx_tiles(M, groups, tile)                          the walk over AMX tiles of 16 rows × 16 columns
+//   q8_amx<FULL>(…), q4_amx<FULL>(…)                    one such tile (FULL: 16 rows, else fewer)
+// Included once, last, by each kernel file (one of which a process loads).
 
 #pragma once
 
@@ -21,6 +25,15 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& w, const to
     const int8_t* wp = w.data_ptr<int8_t>();
     const at::Half* sp = scales.data_ptr<at::Half>();
     by_dtype(x, y, [&](const auto* xp, auto* yp) {
+#ifdef WORKBENCH_AMX
+        if (M >= AMX_ROWS && amx_allowed()) {  // signed activations: AMX multiplies signed by signed
+            quantize_rows(xp, M, K, false, false, xq);
+            amx_tiles(M, groups, [&](auto full, int64_t m0, int rows, int64_t g) {
+                q8_amx<decltype(full)::value>(wp, sp, xq, m0, rows, g, K, N, yp);
+            });
+            return;
+        }
+#endif
         quantize_rows(xp, M, K, Q8_OFFSET, false, xq);
         tiles<ROW_TILE, COL_TILE, ROW1_COL_TILE>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
             q8_tile<decltype(tm)::value, decltype(tn)::value>(wp, sp, xq, m0, g0, K, N, yp);
@@ -46,6 +59,14 @@ torch::Tensor q4_linear(const torch::Tensor& x, const torch::Tensor& w, const to
     const at::Half* mp = mins.data_ptr<at::Half>();
     by_dtype(x, y, [&](const auto* xp, auto* yp) {
         quantize_rows(xp, M, K, false, true, xq);
+#ifdef WORKBENCH_AMX
+        if (M >= AMX_ROWS && amx_allowed()) {
+            amx_tiles(M, groups, [&](auto full, int64_t m0, int rows, int64_t g) {
+                q4_amx<decltype(full)::value>(wp, dp, mp, xq, m0, rows, g, K, N, yp);
+            });
+            return;
+        }
+#endif
         tiles<ROW_TILE, COL_TILE, ROW1_COL_TILE>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
             q4_tile<decltype(tm)::value, decltype(tn)::value>(wp, dp, mp, xq, m0, g0, K, N, yp);
         });

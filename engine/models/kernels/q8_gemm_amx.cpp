@@ -1,0 +1,174 @@
+// The AMX build of the int8 kernels (CPUs with AMX-INT8, which all have AVX-512 VNNI): products
+// of AMX_ROWS rows or more (prompts, batches) run on AMX tiles, 16 rows × 16 columns at a time;
+// fewer rows (one token's decode) on q8_avx512.h's VNNI tiles, which stream the weights as fast.
+//
+// The weights need no other layout: one block of 32 inputs × 16 columns of q8_avx512.h's
+// interleaved weights, [8, 16, 4] int8, is exactly an AMX B tile of 8 rows × 64 bytes (each row
+// 4 inputs of 16 columns); q4's [4, 16, 4] bytes are unpacked per block into such a tile (row
+// 2v the low nibbles of part v, row 2v+1 the high ones). An A tile is 16 rows × 32 bytes of the
+// quantized activations (one block of every row), a C tile the 16 × 16 int32 dot products.
+// AMX adds no scales: each block's products are stored and scaled into fp32 sums with AVX-512,
+// in the same order of operations as the VNNI tiles, so a row's result is the same whichever
+// tiles computed it (and whatever other rows were in the product).
+//
+// q8: both sides signed (tdpbssd), the activations stored as q, not q + 128. q4: signed
+// activations × unsigned nibbles (tdpbsud), as the VNNI tiles' Q4_1 × Q8_1.
+
+#include "q8_avx512.h"
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace {
+
+constexpr int64_t AMX_ROWS = 16;
+constexpr int TILE_ROWS = 16;
+
+// ldtilecfg's 64-byte operand (palette 1).
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
+
+// Tiles 0 and 1: the activations of an even and an odd block; 2 and 3: their weights; 4 and 5:
+// their products. Two sets, so the next block's product runs while this one's is scaled.
+void configure(int rows) {
+    TileConfig c;
+    for (int t = 0; t < 2; ++t) {
+        c.rows[t] = rows, c.colsb[t] = BLOCK;
+        c.rows[2 + t] = BLOCK / 4, c.colsb[2 + t] = 64;
+        c.rows[4 + t] = rows, c.colsb[4 + t] = 64;
+    }
+    // inline, not _tile_loadconfig: GCC 12 declares that one as reading 8 bytes of the 64
+    asm volatile("ldtilecfg %0" ::"m"(c));
+}
+
+// Linux gives a process AMX's register state only when it asks (arch_prctl, Linux 5.16+); where
+// it refuses, the VNNI tiles do all the rows.
+bool amx_allowed() {
+    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    static const bool allowed = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return allowed;
+}
+
+// Every 16-row × 16-column tile: whole tiles of 16 rows, then the rows left (fewer, with their
+// own configuration); split across threads by columns.
+template <typename Tile>
+void amx_tiles(int64_t M, int64_t groups, Tile&& tile) {
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+        const int64_t whole = M / TILE_ROWS * TILE_ROWS;
+        if (whole) {
+            configure(TILE_ROWS);
+            for (int64_t m0 = 0; m0 < whole; m0 += TILE_ROWS)
+                for (int64_t g = begin; g < end; ++g) tile(std::true_type{}, m0, TILE_ROWS, g);
+        }
+        if (M > whole) {
+            configure(static_cast<int>(M - whole));
+            for (int64_t g = begin; g < end; ++g) tile(std::false_type{}, whole, static_cast<int>(M - whole), g);
+        }
+        _tile_release();
+    });
+}
+
+// The loop both kinds share: for each pair of blocks, load (weights(b, buffer), the activations),
+// multiply with DOT, store the products, and hand them to scale(b, products, rows) to add in.
+template <bool FULL, typename Weights, typename Dot, typename Scale>
+inline void amx_blocks(const uint8_t* a, int64_t K, int rows_left, Weights&& weights, Dot&& dot, Scale&& scale) {
+    const int64_t blocks = K / BLOCK;
+    const int rows = FULL ? TILE_ROWS : rows_left;
+    alignas(64) int32_t products[2][TILE_ROWS][16];
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        _tile_loadd(0, a + b * BLOCK, K);
+        _tile_loadd(2, weights(b, 0), 64);
+        _tile_zero(4);
+        dot(std::integral_constant<int, 0>{});
+        _tile_loadd(1, a + (b + 1) * BLOCK, K);
+        _tile_loadd(3, weights(b + 1, 1), 64);
+        _tile_zero(5);
+        dot(std::integral_constant<int, 1>{});
+        _tile_stored(4, products[0], 64);
+        scale(b, products[0], rows);
+        _tile_stored(5, products[1], 64);
+        scale(b + 1, products[1], rows);
+    }
+    if (b < blocks) {
+        _tile_loadd(0, a + b * BLOCK, K);
+        _tile_loadd(2, weights(b, 0), 64);
+        _tile_zero(4);
+        dot(std::integral_constant<int, 0>{});
+        _tile_stored(4, products[0], 64);
+        scale(b, products[0], rows);
+    }
+}
+
+// Rows m0 … m0+rows (16 where FULL) of columns 16·g … 16·g+15: q8.
+template <bool FULL, typename T>
+void q8_amx(const int8_t* w, const at::Half* ws, const QuantizedRows& xq, int64_t m0, int rows_left, int64_t g,
+            int64_t K, int64_t N, T* y) {
+    const int64_t blocks = K / BLOCK;
+    const int rows = FULL ? TILE_ROWS : rows_left;
+    __m512 acc[TILE_ROWS];
+    for (int i = 0; i < rows; ++i) acc[i] = _mm512_setzero_ps();
+    const int8_t* wg = w + g * blocks * BLOCK * 16;
+    amx_blocks<FULL>(
+        xq.codes.data() + m0 * K, K, rows, [&](int64_t b, int) { return wg + b * BLOCK * 16; },
+        [](auto set) {
+            if constexpr (decltype(set)::value == 0) _tile_dpbssd(4, 0, 2);
+            else _tile_dpbssd(5, 1, 3);
+        },
+        [&](int64_t b, const int32_t (*dots)[16], int) {
+            const __m512 scale = halves16(ws + (g * blocks + b) * 16);
+            for (int i = 0; i < rows; ++i) {
+                const __m512 xs = _mm512_set1_ps(xq.scales[(m0 + i) * blocks + b]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots[i])), _mm512_mul_ps(scale, xs),
+                                         acc[i]);
+            }
+        });
+    for (int i = 0; i < rows; ++i) store16(y + (m0 + i) * N + g * 16, acc[i]);
+}
+
+// Rows m0 … m0+rows (16 where FULL) of columns 16·g … 16·g+15: q4 (Q4_1 × Q8_1).
+template <bool FULL, typename T>
+void q4_amx(const uint8_t* w, const at::Half* d, const at::Half* mins, const QuantizedRows& xq, int64_t m0,
+            int rows_left, int64_t g, int64_t K, int64_t N, T* y) {
+    const int64_t blocks = K / BLOCK;
+    const int rows = FULL ? TILE_ROWS : rows_left;
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    __m512 acc[TILE_ROWS];
+    for (int i = 0; i < rows; ++i) acc[i] = _mm512_setzero_ps();
+    alignas(64) uint8_t unpacked[2][BLOCK / 4][64];
+    const uint8_t* wg = w + g * blocks * BLOCK * 8;
+    amx_blocks<FULL>(
+        xq.codes.data() + m0 * K, K, rows,
+        [&](int64_t b, int set) {
+            for (int v = 0; v < 4; ++v) {
+                const __m512i packed = _mm512_loadu_si512(wg + (b * 4 + v) * 64);
+                _mm512_store_si512(unpacked[set][2 * v], _mm512_and_si512(packed, nibble));
+                _mm512_store_si512(unpacked[set][2 * v + 1], _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble));
+            }
+            return &unpacked[set][0][0];
+        },
+        [](auto set) {
+            if constexpr (decltype(set)::value == 0) _tile_dpbsud(4, 0, 2);
+            else _tile_dpbsud(5, 1, 3);
+        },
+        [&](int64_t b, const int32_t (*dots)[16], int) {
+            const __m512 scale = halves16(d + (g * blocks + b) * 16);
+            const __m512 low = halves16(mins + (g * blocks + b) * 16);
+            for (int i = 0; i < rows; ++i) {
+                const __m512 xs = _mm512_set1_ps(xq.scales[(m0 + i) * blocks + b]);
+                const __m512 sum = _mm512_set1_ps(xq.sums[(m0 + i) * blocks + b]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots[i])), _mm512_mul_ps(scale, xs),
+                                         _mm512_fmadd_ps(low, sum, acc[i]));
+            }
+        });
+    for (int i = 0; i < rows; ++i) store16(y + (m0 + i) * N + g * 16, acc[i]);
+}
+
+}  // namespace
+
+#define WORKBENCH_AMX
+#include "q8_ops.h"
