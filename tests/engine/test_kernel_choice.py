@@ -1,6 +1,6 @@
 """Which build of the int8 kernels a CPU takes (engine/models/kernels): chosen at run time from
 its flags, best first, or as INFERENCE_WORKBENCH_KERNELS_ISA names; none where no build fits,
-with the reason. Nothing is compiled here."""
+with the reason. Nothing is compiled here, except by the last test: this CPU's build."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ AVX512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", 
 
 
 @pytest.mark.parametrize("flags,wanted,chosen", [
+    (AVX512 | {"amx_tile", "amx_int8"}, None, "avx512-amx"),
+    (AVX512 | {"amx_tile", "amx_int8"}, "avx512-vnni", "avx512-vnni"),
+    (AVX512 | {"amx_tile", "amx_bf16"}, None, "avx512-vnni"),  # AMX without its int8 products
     (AVX512, None, "avx512-vnni"),
     (AVX512, "avx2", "avx2"),
     ({"avx2", "fma", "f16c"}, None, "avx2"),
@@ -44,3 +47,14 @@ def test_each_build_has_its_own_folder(monkeypatch):
     assert len(folders) == len(kernels.ISAS)
     assert all(folder.name.startswith(choice.name) for folder, choice in
                zip(sorted(folders), sorted(kernels.ISAS, key=lambda c: c.name)))
+
+
+def test_this_cpus_build_compiles_and_loads():
+    """Where the CPU takes a build, it has to compile: test_kernels.py skips its tests where the
+    kernels are unavailable (a machine without them), which would hide a build that fails."""
+    import os
+
+    if kernels.isa() is None or os.environ.get(kernels.DISABLE_ENV):
+        pytest.skip(f"no build for this CPU: {kernels._why_no_isa()}" if kernels.isa() is None
+                    else f"{kernels.DISABLE_ENV} is set")
+    assert kernels.kernels(), kernels.unavailable()

