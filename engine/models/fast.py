@@ -30,9 +30,10 @@ from engine.models.precision import unsupported_type_reason
 MIN_CAPACITY = 64
 """The smallest cache (slots per sequence). The compiled decode step attends over the whole cache,
 masked, so its size is what each token's attention reads: at 256 a short answer's fp32 keys and
-values cost 11.8 MB a token on the default model, 8% of int8-fast's weights; at 64 the cache
-grows by doubling as the answer does (int8-fast decode against llama.cpp's Q8_0, one run each on
-an AMX machine: 0.82 → 0.92)."""
+values cost 11.8 MB a token on the default model, 8% of int8-fast's weights. From 64, a request
+gets the power of two that holds its prompt and answer (a 10-token prompt and a 64-token answer:
+128 slots; engine/generation/slot_cache.py). int8-fast decode against llama.cpp's Q8_0, one run
+each on an AMX machine: 0.82 at 256, 0.92 at 64."""
 MAX_COMPILED_CAPACITY = 1 << 16
 """The largest cache the compiled step is built for (its capacity is dynamic up to this)."""
 CPU_COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
