@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.fast import (MAX_COMPILED_CAPACITY, MIN_CAPACITY, FastDecoder, _bucket, _decode_batch, _forward,
-                                _rotary_tables)
+from engine.models.fast import (MAX_COMPILED_CAPACITY, MIN_CAPACITY, FastDecoder, _bucket, _decode_batch, _decode_rows,
+                                _forward, _rotary_tables)
 
 
 class SlotCache:
@@ -109,16 +109,20 @@ class SlotCache:
         ids = torch.tensor(feed, dtype=torch.long, device=self.d.device).view(batch, 1)
         positions = torch.tensor(self.lengths[:batch], device=self.d.device)
         rows = slice(0, batch)
+        keys, values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
+        d = self.d
+        compiled = (torch.get_num_threads() == d.compiled_threads and self.capacity <= MAX_COMPILED_CAPACITY)
         if batch == 1:  # one sequence: the single-sequence step (compiled when ready), no mask over idle slots
-            keys, values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
-            if (self.d.compiled is not None and torch.get_num_threads() == self.d.compiled_threads
-                    and self.capacity <= MAX_COMPILED_CAPACITY):
-                logits = self.d.compiled(self.d, keys, values, self.cos, self.sin, ids, positions).unsqueeze(0)
+            if compiled and d.compiled is not None:
+                logits = d.compiled(d, keys, values, self.cos, self.sin, ids, positions).unsqueeze(0)
             else:
-                logits = _forward(self.d, keys, values, self.cos, self.sin, ids, int(positions[0])).unsqueeze(0)
-        else:
-            logits = _decode_batch(self.d, [k[rows] for k in self.keys], [v[rows] for v in self.values], self.cos,
-                                   self.sin, ids, positions)
+                logits = _forward(d, keys, values, self.cos, self.sin, ids, int(positions[0])).unsqueeze(0)
+        elif compiled and d.compiled_rows is not None:  # the compiled batched step
+            logits = d.compiled_rows(d, keys, values, self.cos, self.sin, ids, positions)
+        elif d.rows_attention:  # the same step, eager, while it is built (or where it can't be)
+            logits = _decode_rows(d, keys, values, self.cos, self.sin, ids, positions)
+        else:  # no kernels: attention per group of rows of a similar length
+            logits = _decode_batch(d, keys, values, self.cos, self.sin, ids, positions)
         for slot in slots:
             self.lengths[slot] += 1
         if slots == list(range(batch)) and order == list(range(batch)):

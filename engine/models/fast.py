@@ -116,6 +116,13 @@ class FastDecoder:
         self.compiled = None
         """The compiled decode step, once engine/generation/compiled_step.py has made it ready:
         called as :func:`_decode_step` is, for any cache size."""
+        self.compiled_rows = None
+        """The compiled batched step (two sequences or more), once ready: called as
+        :func:`_decode_rows` is, for any batch and cache size."""
+        self.rows_attention = attention_op()
+        """Whether eager batched steps run :func:`_decode_rows` (the kernels' attention, loaded
+        before this decoder was made: the quantized precisions load them first, and the compiled
+        batched step's build loads them) or :func:`_decode_batch`."""
         self.compiled_threads: int | None = None
         """PyTorch threads the step was built for: its generated code runs that many, so at another
         count (the thread count adapts to the machine's load) the eager step runs instead."""
@@ -264,7 +271,8 @@ def _decode_batch(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per
     in cache rows ``keys[b]`` (views of the first B slots). The projections and the MLP run on
     all rows in one go; attention runs per group of rows of a similar length, each over its
     own span with the unwritten positions masked out (a 2,000-token request in the batch costs
-    only its own row the long attention). Returns the logits [B, vocab]."""
+    only its own row the long attention). Returns the logits [B, vocab]. Where the kernels'
+    attention is loaded, :func:`_decode_rows` runs instead."""
     batch, capacity = ids.shape[0], keys_per_layer[0].shape[2]
     cos = cos_table[0, 0].index_select(0, positions).view(batch, 1, 1, -1)
     sin = sin_table[0, 0].index_select(0, positions).view(batch, 1, 1, -1)
@@ -295,11 +303,42 @@ def _decode_batch(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per
     return d.head(d.norm(hidden))[:, -1]
 
 
+def attention_op() -> bool:
+    """Whether the kernels' batched attention (``torch.ops.workbench.attend_rows``) is loaded:
+    with it a batched step reads each row's cache up to its own position (:func:`_decode_rows`)."""
+    from engine.models import kernels  # lazy: kernels imports torch's extension tools
+
+    return kernels.loaded() is not None
+
+
+def _decode_rows(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_layer: list[torch.Tensor],
+                 cos_table: torch.Tensor, sin_table: torch.Tensor, ids: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+    """One decode step of B sequences, as :func:`_decode_batch`, with the kernels' attention
+    (:func:`attention_op`): each row attends over its own cache up to its own position, so no
+    grouping by length is needed and every shape is fixed by B and the cache's capacity. What
+    the compiled batched step is exported from (engine/generation/compiled_step.py: B and the
+    capacity its dynamic dimensions); it also runs eagerly where it isn't built yet. Returns the
+    logits [B, vocab]."""
+    batch = ids.shape[0]
+    cos = cos_table[0, 0].index_select(0, positions).view(batch, 1, 1, -1)
+    sin = sin_table[0, 0].index_select(0, positions).view(batch, 1, 1, -1)
+    rows = torch.arange(batch, device=positions.device)
+    hidden = d.embed(ids).to(d.dtype)
+    for layer, keys, values in zip(d.layers, keys_per_layer, values_per_layer):
+        q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
+        keys[rows, :, positions] = k[:, :, 0]
+        values[rows, :, positions] = v[:, :, 0]
+        attended = torch.ops.workbench.attend_rows(q, keys, values, positions, layer.scaling)
+        hidden = _rest_of_layer(d, layer, hidden, attended)
+    return d.head(d.norm(hidden))[:, -1]
+
+
 def early_exit_decoder(d: FastDecoder, layers: int) -> FastDecoder:
     """A view of ``d`` that runs only its first ``layers`` layers, then the final norm and the
     head (speculation's early-exit draft on the fast path). It shares every weight with ``d``;
     it runs the eager step (the compiled one is the whole model's)."""
     view = copy.copy(d)
     view.layers = d.layers[:layers]
-    view.compiled, view.compiled_threads, view._compile_thread = None, None, None
+    view.compiled, view.compiled_rows, view.compiled_threads, view._compile_thread = None, None, None, None
     return view

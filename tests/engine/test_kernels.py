@@ -1,7 +1,8 @@
 """The int8-activation kernels (engine/models/kernels: the build this CPU takes, AMX, AVX-512
 VNNI or AVX2) against the same arithmetic in plain PyTorch: Q8_0 and Q4_1 weights times activations
 quantized per block of 32, every row on its own (a batched row equals the row alone, bit for
-bit), whatever the thread count; and, where the CPU runs more than one build, the others too."""
+bit), whatever the thread count; the batched decode step's attention against softmax in float64;
+and, where the CPU runs more than one build, the others too."""
 
 from __future__ import annotations
 
@@ -170,6 +171,84 @@ def test_a_batched_answer_through_the_core_is_the_request_alone(tiny_llama, prec
     assert together == alone and all(len(t) == 12 for t in together)
 
 
+ATTENTION_SHAPES = [(16, 9, 3, 128, 64), (1, 9, 3, 64, 64), (5, 8, 8, 300, 32), (3, 4, 1, 64, 128), (2, 2, 2, 1, 16)]
+"""(rows, query heads, KV heads, cache slots, head size): the default model's GQA at 16 rows and
+at one, plain multi-head attention, one KV head for four queries, a one-slot cache."""
+
+
+@pytest.mark.parametrize("rows,heads,kv_heads,capacity,dim", ATTENTION_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_is_each_rows_softmax_over_its_own_cache(rows, heads, kv_heads, capacity, dim, dtype):
+    """The batched step's attention: each row over its slots up to its own position (what lies
+    beyond is never read: NaN there changes nothing), the query heads of a KV head sharing it,
+    and a row's result bit for bit the same alone as in the batch."""
+    from engine.models.fast import _attend_one
+
+    generator = torch.Generator().manual_seed(rows * capacity + dim)
+    q = torch.randn(rows, heads, 1, dim, generator=generator).to(dtype)
+    keys = torch.randn(rows, kv_heads, capacity, dim, generator=generator).to(dtype)
+    values = torch.randn(rows, kv_heads, capacity, dim, generator=generator).to(dtype)
+    positions = torch.randint(0, capacity, (rows,), generator=generator)
+    positions[0] = capacity - 1
+    positions[-1] = 0 if rows > 1 else positions[-1]
+    mask = (torch.arange(capacity) <= positions.view(rows, 1)).view(rows, 1, 1, capacity)
+    expected = _attend_one(q.double(), keys.double(), values.double(), mask, dim ** -0.5)
+    for row, at in enumerate(positions.tolist()):
+        keys[row, :, at + 1:] = float("nan")
+        values[row, :, at + 1:] = float("nan")
+    out = torch.ops.workbench.attend_rows(q, keys, values, positions, dim ** -0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    tolerance = 2e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(out.double(), expected, rtol=tolerance, atol=tolerance)
+    alone = [torch.ops.workbench.attend_rows(q[r:r + 1], keys[r:r + 1], values[r:r + 1], positions[r:r + 1],
+                                             dim ** -0.5) for r in range(rows)]
+    assert torch.equal(torch.cat(alone), out)
+
+
+def test_attention_refuses_what_it_cannot_read():
+    q, cache = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 8, 16)
+    with pytest.raises(RuntimeError, match="a position outside the cache"):
+        torch.ops.workbench.attend_rows(q, cache, cache, torch.tensor([3, 8]), 0.25)
+    with pytest.raises(RuntimeError, match="positions, int64"):
+        torch.ops.workbench.attend_rows(q, cache, cache, torch.tensor([3]), 0.25)
+    with pytest.raises(RuntimeError, match="heads must match"):
+        torch.ops.workbench.attend_rows(torch.randn(2, 3, 1, 16), cache, cache, torch.tensor([3, 4]), 0.25)
+    with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
+        torch.ops.workbench.attend_rows(q.bfloat16(), cache, cache, torch.tensor([3, 4]), 0.25)
+
+
+@pytest.mark.parametrize("precision", ["fp32-fast", "int8-fast"])
+def test_the_batched_step_with_the_kernels_attention_is_the_one_without(tiny_llama, precision):
+    """The engine core's eager batched step with the kernels' attention (each row up to its own
+    position) and without it (rows grouped by length, masked matrix products): the same tokens,
+    scores within rounding."""
+    from engine.base.request import GenerationRequest
+    from engine.generation.slot_cache import SlotCache
+    from engine.models.loading import LoadRequest, load_model
+    from tests.tiny import CORPUS
+
+    loaded = load_model(LoadRequest(str(tiny_llama), precision, "cpu"))
+    assert loaded.fast.rows_attention  # the kernels are loaded in this process
+    prompts = [torch.tensor([loaded.encode(GenerationRequest(text, mode="raw"))]) for text in CORPUS[:4]]
+    runs = {}
+    for attention in (True, False):
+        loaded.fast.rows_attention = attention
+        cache = SlotCache(loaded.fast)
+        tokens, scores = [[] for _ in prompts], []
+        with torch.inference_mode():
+            for seq, ids in enumerate(prompts):
+                cache.add(seq, ids.shape[1] + 16)
+                tokens[seq].append(int(cache.prefill(seq, ids).argmax()))
+            for _ in range(12):
+                logits = cache.decode(list(range(len(prompts))), [t[-1] for t in tokens])
+                scores.append(logits)
+                for seq, row in enumerate(logits):
+                    tokens[seq].append(int(row.argmax()))
+        runs[attention] = tokens, torch.stack(scores)
+    assert runs[True][0] == runs[False][0]
+    assert torch.allclose(runs[True][1], runs[False][1], atol=1e-3 * float(runs[False][1].abs().max()))
+
+
 def test_every_build_this_cpu_runs_does_the_same_arithmetic():
     """The tests above run the build this CPU takes; on a CPU that runs another (an AVX-512
     machine runs the AVX2 one), the arithmetic tests run again in a process that loads that one."""
@@ -190,7 +269,7 @@ def arithmetic_tests_with(choice: kernels.Isa) -> subprocess.CompletedProcess:
     the tests leave the user's cache alone)."""
     env = {name: value for name, value in os.environ.items() if name != kernels.DIR_ENV}
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "block_arithmetic"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "block_arithmetic or softmax_over"],
         env={**env, kernels.ISA_ENV: choice.name}, capture_output=True, text=True, timeout=900)
 
 

@@ -37,7 +37,7 @@ class Isa:
 
 
 _HERE = Path(__file__).parent
-HEADERS = (_HERE / "q8_common.h", _HERE / "q8_ops.h", _HERE / "q8_avx512.h")
+HEADERS = (_HERE / "q8_common.h", _HERE / "q8_ops.h", _HERE / "q8_avx512.h", _HERE / "attention.h")
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma")
 _AVX512_CFLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
                   "-mfma")
@@ -203,3 +203,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("workbench::q4_linear")
     def _(x, w, d, mins):
         return x.new_empty((x.shape[0], w.shape[0] * 16))
+
+    @torch.library.register_fake("workbench::attend_rows")
+    def _(q, keys, values, positions, scale):
+        return q.new_empty(q.shape)
