@@ -38,9 +38,9 @@ class LoadFeedback(QObject):
     @Slot(object)
     def on_compile_started(self) -> None:
         self.main.model_panel.stage.setText(
-            "Fast path: getting the compiled decode step ready. Built once per model, precision and thread "
-            "count by a background process at low priority (1-2 minutes on two cores), loaded in seconds "
-            "afterwards; until then generation runs the eager step.")
+            "Fast path: getting the compiled decode steps ready (one sequence, then batches). Built once per "
+            "model, precision and thread count by a background process at low priority (a few minutes on two "
+            "cores), loaded in seconds afterwards; until then generation runs the eager steps.")
 
     def on_compile_finished(self, report) -> None:
         if self.main.loaded is None:

@@ -209,7 +209,7 @@ def _bench(args) -> int:
         print("Getting the compiled decode step ready …", file=sys.stderr, flush=True)
         from engine.generation.compiled_step import compile_decoder  # lazy: start-up
 
-        compiled = compile_decoder(loaded.fast)
+        compiled = compile_decoder(loaded.fast, rows=False)  # one request: the batched step isn't needed
         print(f"  {compiled.describe()}", file=sys.stderr)
     draft = None
     if args.draft:

@@ -107,10 +107,11 @@ def serve(args, load_printer) -> int:
     loaded = load_model(LoadRequest(model=args.model, precision=args.precision, device=args.device,
                                     offline=True if args.offline else None), progress=load_printer)
     server = Server(loaded, settings)
-    if loaded.fast is not None:  # one sequence at a time runs the compiled step once it is ready
+    if loaded.fast is not None:  # the compiled steps (one sequence, batches) run once they are ready
         from engine.generation.compiled_step import compile_in_background, stop_compiling  # lazy: start-up
 
-        print("Fast path: getting the compiled decode step ready in the background …", file=sys.stderr, flush=True)
+        print("Fast path: getting the compiled decode steps ready in the background (one sequence, then batches) …",
+              file=sys.stderr, flush=True)
         compile_in_background(loaded.fast, lambda report: print(f"Fast path: {report.describe()}", file=sys.stderr,
                                                                 flush=True))
     from engine.units import format_bytes  # lazy: start-up

@@ -289,11 +289,15 @@ def test_the_fast_path_line_says_how_the_compiled_step_was_made_ready_or_why_not
     monkeypatch.setattr(window, "loaded", object())
     stage, feedback = window.model_panel.stage, window.feedback
     package = "/cache/compiled/step-x.pt2"
-    feedback.on_compile_finished(CompileReport(74.2, 2, package, built=True, package_bytes=178 << 20))
+    feedback.on_compile_finished(CompileReport(74.2, 2, package, built=True, package_bytes=178 << 20,
+                                               rows_bytes=170 << 20))
     assert stage.text().startswith("Fast path: compiled step built in 74.2 s (2 threads, 178 MiB in "
-                                   f"{package}). It runs the tokens while generation has those threads")
-    feedback.on_compile_finished(CompileReport(0.4, 2, package, package_bytes=178 << 20))
-    assert "compiled step loaded from the cache in 0.4 s" in stage.text()
+                                   f"{package}), and the batched step (170 MiB). It runs the tokens while "
+                                   "generation has those threads")
+    feedback.on_compile_finished(CompileReport(0.4, 2, package, package_bytes=178 << 20,
+                                               rows_error="it needs the int8 kernels' attention: no compiler"))
+    assert ("compiled step loaded from the cache in 0.4 s (2 threads, 178 MiB in /cache/compiled/step-x.pt2); "
+            "batches run the eager step: it needs the int8 kernels' attention: no compiler.") in stage.text()
     feedback.on_compile_finished(CompileReport(3.0, 2, package, error="not enough free memory"))
     assert stage.text() == "Fast path: no compiled step, the eager step is in use: not enough free memory."
     feedback.on_compile_finished(CompileReport(0.1, 2, package, error="cancelled"))

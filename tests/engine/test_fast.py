@@ -156,11 +156,29 @@ def test_fused_layers_leave_the_model_itself_working(long_models, arch, precisio
     assert int(ours.argmax()) == int(theirs.argmax())
 
 
+def batched_answers(loaded, prompts: list[str], tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens, all decoded together through the engine core."""
+    from engine.base.events import BatchFinished
+    from engine.measure.batch import stream_batch
+
+    request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=tokens, ignore_eos=True)
+    ids = [loaded.encode(GenerationRequest(p, mode="raw")) for p in prompts]
+    finished = [e for e in stream_batch(loaded, request, ids) if isinstance(e, BatchFinished)][0]
+    return [list(s.token_ids) for s in finished.sequences]
+
+
+BATCH_PROMPTS = [PROMPT, "a", PROMPT * 3, "Once upon"]
+"""Prompts of different lengths: each row of a batched step at its own position."""
+
+
 def test_the_compiled_decode_step_gives_the_same_tokens(long_models, isolated_cache, monkeypatch):
     """Built by a child process into the user cache, loaded here: the eager step's tokens, for
     every cache size (the capacity is a dynamic dimension of one build), at its own thread count
-    only; a later load of the same weights loads the package instead of building it."""
+    only; a later load of the same weights loads the package instead of building it. The
+    batched step beside it (where the int8 kernels are) gives the eager batched tokens, for any
+    number of rows."""
     from engine.generation.compiled_step import CompileReport
+    from engine.models import kernels
 
     # a fixed count: the build's process is "other load", after which the count would adapt
     monkeypatch.setenv("INFERENCE_WORKBENCH_THREADS", str(torch.get_num_threads()))
@@ -169,14 +187,28 @@ def test_the_compiled_decode_step_gives_the_same_tokens(long_models, isolated_ca
     long = GenerationRequest(PROMPT, mode="raw", max_new_tokens=300, ignore_eos=True)  # a 512-token cache
     _, eager = run(loaded, request)
     _, eager_long = run(loaded, long)
+    eager_batched = {n: batched_answers(loaded, BATCH_PROMPTS[:n], 20) for n in (2, 4)}
     reports: list[CompileReport] = []
     thread = compile_in_background(loaded.fast, reports.append)
-    thread.join(timeout=600)
+    thread.join(timeout=900)
     report = reports[0]
     assert report.error is None and report.built and report.seconds > 0
     package = isolated_cache / "compiled"
-    assert [p.name for p in package.glob("*.pt2")] == [report.package.rsplit("/", 1)[-1]]  # no partial file left
-    assert report.package_bytes == (package / report.package.rsplit("/", 1)[-1]).stat().st_size
+    step_name = report.package.rsplit("/", 1)[-1]
+    if kernels.kernels():
+        assert report.rows_error is None and loaded.fast.compiled_rows is not None
+        rows_name = step_name.replace("step-", "rows-", 1)
+        assert sorted(p.name for p in package.glob("*.pt2")) == sorted([rows_name, step_name])  # no partial file
+        assert report.rows_bytes == (package / rows_name).stat().st_size > 0
+        rows_calls = []
+        compiled_rows = loaded.fast.compiled_rows
+        loaded.fast.compiled_rows = lambda *a: rows_calls.append(a[5].shape[0]) or compiled_rows(*a)
+        assert {n: batched_answers(loaded, BATCH_PROMPTS[:n], 20) for n in (2, 4)} == eager_batched
+        assert 2 in rows_calls and 4 in rows_calls and min(rows_calls) >= 2  # one row: the one-sequence step
+    else:
+        assert report.rows_error and loaded.fast.compiled_rows is None
+        assert [p.name for p in package.glob("*.pt2")] == [step_name]
+    assert report.package_bytes == (package / step_name).stat().st_size
     calls = []
     compiled = loaded.fast.compiled
     loaded.fast.compiled = lambda *a: calls.append(a[1][0].shape[2]) or compiled(*a)
@@ -269,7 +301,7 @@ def test_a_compiled_step_with_a_head_in_row_blocks_gives_the_eager_tokens(tmp_pa
     loaded = load_model(LoadRequest(str(folder), precision, "cpu"))
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=12, ignore_eos=True)
     events, eager = run(loaded, request)
-    report = compile_decoder(loaded.fast)
+    report = compile_decoder(loaded.fast, rows=False)
     assert report.error is None and report.built
     compiled_events, compiled = run(loaded, request)
     # fp32: the same tokens throughout; int8: the compiled step's attention is in fp32 where the eager
@@ -326,7 +358,7 @@ def test_two_models_compiled_in_one_process_each_run_their_own_weights(tmp_path,
         models.append(loaded)
     assert eager[0] != eager[1]
     for loaded in models:
-        assert compile_decoder(loaded.fast).built
+        assert compile_decoder(loaded.fast, rows=False).built
     assert len(list((isolated_cache / "compiled").glob("step-*.pt2"))) == 2
     assert [run(loaded, request)[1].token_ids for loaded in models] == eager
 
