@@ -11,7 +11,8 @@ default model's Q4_1 GGUF: the bit width is what sets the speed, not the values)
 fast precisions is set against llama.cpp at the same bit width, one ``llama-bench -p 0 -n N``
 per round between ours, and the table gives the median of the per-round ratios. With
 ``llama-batched-bench`` too, the engine core at ``--batch`` sequences against it (and against
-itself at one sequence: what batching buys), for each of ``--batch-precisions``; and a prompt of
+itself at one sequence: what batching buys; both with the compiled steps ready), for each of
+``--batch-precisions``; and a prompt of
 ``--prompt`` tokens (``llama-bench -p``) for each fast precision. llama.cpp is built outside the
 project (never a CI step); see the README's benchmarks section.
 
@@ -100,13 +101,20 @@ def llama_batched(path: str, tokens: int, batch: int, prompt_tokens: int):
     return run
 
 
-def our_batched(name: str, tokens: int, batch: int):
+def batch_model(name: str):
+    """The default model at precision ``name`` with its compiled steps ready (one sequence and
+    batches), as the app runs it once its background build is done."""
+    loaded = load_model(LoadRequest("default", name, "cpu"))
+    print(f"  {compile_decoder(loaded.fast).describe()}")
+    return loaded
+
+
+def our_batched(loaded, tokens: int, batch: int):
     """A function running our batched runner once (``batch`` copies of the prompt): aggregate decode
     tok/s, and the prompt's token count."""
     from engine.base.events import BatchFinished
     from engine.measure.batch import stream_batch
 
-    loaded = load_model(LoadRequest("default", name, "cpu"))
     request = GenerationRequest(PROMPT, max_new_tokens=tokens, ignore_eos=True)
     ids = loaded.encode(request)
 
@@ -221,9 +229,10 @@ def main() -> int:
     if args.batch:
         for precision in [p.strip() for p in args.batch_precisions.split(",") if p.strip()]:
             print(f"loading the batched runner ({precision}, {args.batch} sequences and one) …", flush=True)
-            run, prompt_tokens = our_batched(precision, args.tokens, args.batch)
+            loaded = batch_model(precision)
+            run, prompt_tokens = our_batched(loaded, args.tokens, args.batch)
             batched[f"ours {precision} ×{args.batch}"] = run
-            batched[f"ours {precision} ×1"] = our_batched(precision, args.tokens, 1)[0]
+            batched[f"ours {precision} ×1"] = our_batched(loaded, args.tokens, 1)[0]
             kind = LLAMA_TYPES.get(precision)
             theirs = None
             if peer and _tool("llama-batched-bench") and kind:
