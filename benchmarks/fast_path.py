@@ -20,9 +20,10 @@ project (never a CI step); see the README's benchmarks section.
     INFERENCE_WORKBENCH_NO_INT8_KERNELS=1 python benchmarks/fast_path.py …   # the weight-only kernels instead
     python benchmarks/fast_path.py --engines generate-fp32,int8-fast,int8-fast+compiled --rounds 5
 
-"+compiled" engines make the compiled decode step ready first (engine/generation/compiled_step.py:
-built by a child process into the user cache, 1-2 minutes per engine the first time on two
-cores, loaded in seconds afterwards).
+"+compiled" engines, and the batched runner, make the compiled decode steps ready first
+(engine/generation/compiled_step.py: the one-sequence step and the batched step, built by a child
+process into the user cache, about four minutes per precision the first time on two cores,
+loaded in seconds afterwards).
 """
 
 from __future__ import annotations

@@ -43,8 +43,9 @@ with them): the weights frozen into the step as constants (prepacked), and its m
 generated as C++ micro-kernels (AVX-512/AMX where the CPU has them) picked by timing on this
 machine, instead of calls into oneDNN/MKL. Measured here (2 cores, default model, the compiled
 step alone, under torch.compile): bf16 28.6 → 62.9 tok/s, fp32 ~24 → 42.5, int8 65 → 102, int4
-73 → 106 (benchmarks/fast_path.py has the side-by-side figures). The price: 1-2 minutes of building
-in a background process, once per model, precision and thread count, and packed copies of the
+73 → 106 (benchmarks/fast_path.py has the side-by-side figures). The price: a few minutes of building
+in a background process (the batched step too: about four minutes for both on two cores), once
+per model, precision and thread count, and packed copies of the
 weights beside them. ``size_asserts`` off: the generated code checked ~1,000 tensor shapes a step
 (0.6 ms of a 12 ms int4 step) that the fixed shapes of the step already guarantee."""
 
