@@ -80,16 +80,22 @@ class CompileReport:
     """Why there is no compiled batched step (``None``: there is one, beside the one-sequence step)."""
     rows_bytes: int = 0
     """The batched step's package size."""
+    rows_built: bool = False
+    """The batched step built now (else loaded from an earlier build, or none: ``rows_error``)."""
 
     def describe(self) -> str:
         """One line: how the steps were made ready, or why they weren't."""
         if self.error:
             return f"no compiled step, the eager step is in use: {self.error}"
         how = "built" if self.built else "loaded from the cache"
-        rows = (f"; batches run the eager step: {self.rows_error}" if self.rows_error
-                else f", and the batched step ({self.rows_bytes / 2**20:.0f} MiB)")
-        return (f"compiled step {how} in {self.seconds:.1f} s ({self.threads} threads, "
-                f"{self.package_bytes / 2**20:.0f} MiB in {self.package}){rows}")
+        if self.rows_error:
+            return (f"compiled step {how} in {self.seconds:.1f} s ({self.threads} threads, "
+                    f"{self.package_bytes / 2**20:.0f} MiB in {self.package}); batches run the eager step: "
+                    f"{self.rows_error}")
+        rows_how = "built" if self.rows_built else "loaded from the cache"
+        return (f"compiled steps ready in {self.seconds:.1f} s ({self.threads} threads): the one-sequence step "
+                f"{how} ({self.package_bytes / 2**20:.0f} MiB in {self.package}), the batched step {rows_how} "
+                f"({self.rows_bytes / 2**20:.0f} MiB)")
 
 
 class StepModule(torch.nn.Module):
@@ -413,7 +419,7 @@ def compile_step(d, threads: int, cancelled: Callable[[], bool] = lambda: False,
             receive.close()
         if error:
             return None, None, report(error=error)
-        built = True
+        built = STEP in wanted
         _prune(path.parent, path)
     try:
         step = load_package(d, path, weights)
@@ -435,7 +441,8 @@ def compile_step(d, threads: int, cancelled: Callable[[], bool] = lambda: False,
         except Exception as exc:  # as above: the next load builds it afresh
             rows_path.unlink(missing_ok=True)
             rows_error = f"{type(exc).__name__}: {exc}"
-    return step, batched, report(built=built, rows_error=rows_error)
+    return step, batched, report(built=built, rows_error=rows_error,
+                                 rows_built=batched is not None and ROWS in wanted)
 
 
 def compile_decoder(d, threads: int | None = None, cancelled: Callable[[], bool] | None = None,

@@ -290,10 +290,16 @@ def test_the_fast_path_line_says_how_the_compiled_step_was_made_ready_or_why_not
     stage, feedback = window.model_panel.stage, window.feedback
     package = "/cache/compiled/step-x.pt2"
     feedback.on_compile_finished(CompileReport(74.2, 2, package, built=True, package_bytes=178 << 20,
-                                               rows_bytes=170 << 20))
-    assert stage.text().startswith("Fast path: compiled step built in 74.2 s (2 threads, 178 MiB in "
-                                   f"{package}), and the batched step (170 MiB). It runs the tokens while "
-                                   "generation has those threads")
+                                               rows_bytes=170 << 20, rows_built=True))
+    assert stage.text().startswith("Fast path: compiled steps ready in 74.2 s (2 threads): the one-sequence step "
+                                   f"built (178 MiB in {package}), the batched step built (170 MiB). It runs the "
+                                   "tokens while generation has those threads")
+    # the one-sequence step from an earlier build (bench --compile's), the batched step built now:
+    # the time is the batched step's build, and the line says which was built
+    feedback.on_compile_finished(CompileReport(98.0, 2, package, package_bytes=178 << 20, rows_bytes=170 << 20,
+                                               rows_built=True))
+    assert stage.text().startswith("Fast path: compiled steps ready in 98.0 s (2 threads): the one-sequence step "
+                                   f"loaded from the cache (178 MiB in {package}), the batched step built (170 MiB).")
     feedback.on_compile_finished(CompileReport(0.4, 2, package, package_bytes=178 << 20,
                                                rows_error="it needs the int8 kernels' attention: no compiler"))
     assert ("compiled step loaded from the cache in 0.4 s (2 threads, 178 MiB in /cache/compiled/step-x.pt2); "
