@@ -4,7 +4,8 @@ Every engine is loaded once, then all of them run round after round, interleaved
 A B C …), each making exactly N greedy tokens of the same prompt on the default model, so the
 drift of a shared machine lands on all alike. Per engine: decode tok/s as the median of the
 per-token times over all rounds; the ratio to ``generate`` in fp32; the share of this machine's
-measured read bandwidth the weights stream at (the roofline).
+measured read bandwidth the weights a token reads stream at (the roofline: all the weights but
+an embedding table the head doesn't share, of which a token reads one row).
 
 When ``llama-bench`` is on PATH (and ``llama-quantize`` to make the F32/BF16/Q8_0 files from the
 default model's Q4_1 GGUF: the bit width is what sets the speed, not the values), each of our four
@@ -166,8 +167,22 @@ def _steps(times: list[float]) -> list[float]:
     return [b - a for a, b in zip(times, times[1:])]
 
 
+def read_per_token(loaded) -> int:
+    """The weight bytes one decode token reads: all of them, less an input embedding table the
+    head doesn't share (the quantized precisions keep one beside their quantized head; a token
+    reads one row of it). llama.cpp's files tie the two, so the head reads the table whole."""
+    embed, head = loaded.model.get_input_embeddings(), loaded.model.get_output_embeddings()
+    if embed is None or head is None:
+        return loaded.info.weights_bytes
+    shared = {t.data_ptr() for t in (*head.parameters(), *head.buffers())}
+    own = {t.data_ptr(): t for t in (*embed.parameters(), *embed.buffers()) if t.data_ptr() not in shared}
+    table = sum(t.numel() * t.element_size() for t in own.values())
+    row = sum(t[0].numel() * t.element_size() for t in own.values() if t.dim() == 2)
+    return loaded.info.weights_bytes - table + row
+
+
 def make_engine(name: str, tokens: int):
-    """(a function that returns per-token decode times, weights bytes)."""
+    """(a function that returns per-token decode times, weights bytes, weight bytes a token reads)."""
     request = GenerationRequest(PROMPT, max_new_tokens=tokens, ignore_eos=True)
     if name.startswith("generate-"):
         loaded = load_model(LoadRequest("default", name.split("-", 1)[1], "cpu"))
@@ -180,14 +195,14 @@ def make_engine(name: str, tokens: int):
             loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
                                   streamer=clock)
             return _steps(clock.times[1:])  # the first put is the prompt
-        return run, loaded.info.weights_bytes
+        return run, loaded.info.weights_bytes, read_per_token(loaded)
     loaded = load_model(LoadRequest("default", name.removesuffix("+compiled"), "cpu"))
     if name.endswith("+compiled"):  # one sequence: the batched step is the batch runner's to build
         print(f"  {compile_decoder(loaded.fast, rows=False).describe()}")
 
     def run() -> list[float]:
         return [e.latency_s for e in generate(loaded, request) if isinstance(e, TokenGenerated)][1:]
-    return run, loaded.info.weights_bytes
+    return run, loaded.info.weights_bytes, read_per_token(loaded)
 
 
 def main() -> int:
@@ -223,7 +238,8 @@ def main() -> int:
         for name in names:
             kind = LLAMA_TYPES.get(name.removesuffix("+compiled"))
             if kind:
-                engines[f"llama.cpp {kind}"] = (llama_bench(files[kind], args.tokens), os.path.getsize(files[kind]))
+                engines[f"llama.cpp {kind}"] = (llama_bench(files[kind], args.tokens), os.path.getsize(files[kind]),
+                                               os.path.getsize(files[kind]))
                 pairs[name] = f"llama.cpp {kind}"
     batched = {}  # name -> run; pairs by precision: ours at batch, ours alone, llama.cpp at batch
     batch_pairs = {}
@@ -262,7 +278,7 @@ def main() -> int:
     batch_rates: dict[str, list[float]] = {name: [] for name in batched}
     prompt_rates: dict[str, list[float]] = {name: [] for name in prompts}
     for round_ in range(args.rounds + 1):  # round 0 warms every engine up and is dropped
-        for name, (run, _) in engines.items():
+        for name, (run, *_) in engines.items():
             times = run()
             if round_:
                 steps[name] += times
@@ -283,15 +299,16 @@ def main() -> int:
     print(f"\n{args.tokens} greedy tokens × {args.rounds} rounds, interleaved; {torch.get_num_threads()} threads; "
           f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s\nCPU flags: {' '.join(flags)}; int8-activation "
           f"kernels: {'on' if kernels.kernels() else 'off (' + str(kernels.unavailable()) + ')'}")
-    print(f"{'engine':<20} {'tok/s':>7} {'vs generate fp32':>17} {'weights':>10} {'% of roofline':>14}")
+    print(f"{'engine':<20} {'tok/s':>7} {'vs generate fp32':>17} {'weights':>10} {'read/token':>11} "
+          f"{'% of roofline':>14}")
     rows = []
     for name in engines:
-        weights = engines[name][1]
-        roofline = 100 * weights * rate[name] / bandwidth
+        weights, read = engines[name][1:]
+        roofline = 100 * read * rate[name] / bandwidth  # what a token reads, not what is held
         print(f"{name:<20} {rate[name]:7.1f} {(f'{rate[name] / base:.2f}×' if base else ''):>17} "
-              f"{weights / 2**20:8.1f}Mi {roofline:13.0f}%")
+              f"{weights / 2**20:8.1f}Mi {read / 2**20:9.1f}Mi {roofline:13.0f}%")
         rows.append({"engine": name, "tokens_per_s": rate[name], "vs_generate_fp32": rate[name] / base if base else None,
-                     "weights_bytes": weights, "roofline_percent": roofline})
+                     "weights_bytes": weights, "read_per_token_bytes": read, "roofline_percent": roofline})
     if pairs:
         print(f"\n{'ours':<20} {'tok/s':>7}   {'llama.cpp':<15} {'tok/s':>7}   ratio (median of {args.rounds} rounds)")
         for ours, theirs in pairs.items():
