@@ -14,6 +14,8 @@ them if the load didn't). Measured on the default model, int8-fast, 16 sequences
 eager batched step 48.6 ms, compiled with the matmul attention over the whole cache 36.2 ms,
 compiled with the kernels' attention 28.8 ms (AMX machine, 2 threads). The eager step's ~20
 small operations a layer (norms, rotary, silu·up, the activations' quantization) are fused.
+The one-sequence step attends with the kernels too wherever they load (the child loads them
+before exporting it, the parent before loading it), with two matmuls and a softmax elsewhere.
 
 Why not ``torch.compile`` in a thread of the app, as before: while inductor traces, torch.fx
 patches ``nn.Module.__call__`` for the whole process, and a generation running meanwhile failed
@@ -26,8 +28,8 @@ all three, and what it leaves on disk is loaded by every later load of the same 
 The package holds the model's weights and the GEMM kernels' packed copies; on loading, the
 model's own tensors take the weights' place (``user_managed``: no second copy), so memory grows
 by the packed copies only. A package is named by what its code depends on: a fingerprint of the
-weights, the thread count, PyTorch's version, the CPU's vector ISA and the fast path's source
-(fast.py, quantize.py, this module).
+weights, the thread count, PyTorch's version, the CPU's vector ISA, whether the int8 kernels
+are expected here and the fast path's source (fast.py, quantize.py, this module).
 """
 
 from __future__ import annotations
@@ -153,7 +155,10 @@ def package_path(d, threads: int, weights: str | None = None, kind: str = STEP) 
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
 
-    key = json.dumps([weights or fingerprint(d), threads, torch.__version__, str(pick_vec_isa()), _source_digest()])
+    from engine.models import kernels  # lazy: whether the step is built with the kernels' attention
+
+    key = json.dumps([weights or fingerprint(d), threads, torch.__version__, str(pick_vec_isa()), _source_digest(),
+                      kernels.expected()])
     return cache_dir() / "compiled" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
 
 
@@ -343,12 +348,15 @@ def _child(request, threads: int, paths: dict[str, str], weights: str, conn) -> 
         if mine != weights:
             raise ValueError("the model on disk changed since it was loaded; load it again")
         _compile_each_kernel_template_once()
+        from engine.models import kernels  # lazy: loaded (built the first time) only where they are expected
+
+        # the one-sequence step attends with the kernels wherever they load (the parent loads
+        # them before the package, package_path's key says whether they were expected)
+        loaded.fast.step_attention = kernels.expected() and kernels.kernels()
         if STEP in paths:
             build_package(loaded.fast, Path(paths[STEP]), threads, weights)
         if ROWS in paths:
             try:
-                from engine.models import kernels  # lazy: only the build needs them here
-
                 if not kernels.kernels():
                     raise RuntimeError(f"it needs the int8 kernels' attention: {kernels.unavailable()}")
                 build_package(loaded.fast, Path(paths[ROWS]), threads, weights, ROWS)
@@ -422,6 +430,10 @@ def compile_step(d, threads: int, cancelled: Callable[[], bool] = lambda: False,
         built = STEP in wanted
         _prune(path.parent, path)
     try:
+        from engine.models import kernels  # lazy: as in the build
+
+        if kernels.expected():  # the step may call their attention: it loads them (built by the child)
+            kernels.kernels()
         step = load_package(d, path, weights)
     except Exception as exc:  # a damaged or foreign package: removed, so the next load builds afresh
         path.unlink(missing_ok=True)

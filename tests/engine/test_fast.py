@@ -171,6 +171,15 @@ BATCH_PROMPTS = [PROMPT, "a", PROMPT * 3, "Once upon"]
 """Prompts of different lengths: each row of a batched step at its own position."""
 
 
+def calls_attend_rows(package) -> bool:
+    """Whether a compiled package's generated code calls the kernels' attention operator."""
+    import zipfile
+
+    with zipfile.ZipFile(package) as z:
+        return any(b"workbench::attend_rows" in z.read(info) or b"workbench.attend_rows" in z.read(info)
+                   for info in z.infolist() if info.filename.endswith((".cpp", ".json")))
+
+
 def test_the_compiled_decode_step_gives_the_same_tokens(long_models, isolated_cache, monkeypatch):
     """Built by a child process into the user cache, loaded here: the eager step's tokens, for
     every cache size (the capacity is a dynamic dimension of one build), at its own thread count
@@ -209,6 +218,9 @@ def test_the_compiled_decode_step_gives_the_same_tokens(long_models, isolated_ca
         assert report.rows_error and loaded.fast.compiled_rows is None
         assert [p.name for p in package.glob("*.pt2")] == [step_name]
     assert report.package_bytes == (package / step_name).stat().st_size
+    # the one-sequence step attends with the kernels wherever they load (its generated code
+    # calls their operator), with the matmuls elsewhere: the same tokens either way (below)
+    assert calls_attend_rows(package / step_name) == kernels.kernels()
     calls = []
     compiled = loaded.fast.compiled
     loaded.fast.compiled = lambda *a: calls.append(a[1][0].shape[2]) or compiled(*a)
