@@ -275,6 +275,26 @@ def _length_groups(positions: list[int], device) -> list[tuple[object, int, torc
     return groups
 
 
+def _row_tables(cos_table: torch.Tensor, sin_table: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batched step's rotary cos and sin, each row at its own position ([B, 1, 1, head_dim]),
+    and the rows' indices."""
+    batch = positions.shape[0]
+    cos = cos_table[0, 0].index_select(0, positions).view(batch, 1, 1, -1)
+    sin = sin_table[0, 0].index_select(0, positions).view(batch, 1, 1, -1)
+    return cos, sin, torch.arange(batch, device=positions.device)
+
+
+def _rows_attention_inputs(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
+                           positions: torch.Tensor) -> torch.Tensor:
+    """A batched step's queries, each row's new key and value written at its own position."""
+    q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
+    keys[rows, :, positions] = k[:, :, 0]
+    values[rows, :, positions] = v[:, :, 0]
+    return q
+
+
 def _decode_batch(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_layer: list[torch.Tensor],
                   cos_table: torch.Tensor, sin_table: torch.Tensor, ids: torch.Tensor,
                   positions: torch.Tensor) -> torch.Tensor:
@@ -284,17 +304,13 @@ def _decode_batch(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per
     own span with the unwritten positions masked out (a 2,000-token request in the batch costs
     only its own row the long attention). Returns the logits [B, vocab]. Where the kernels'
     attention is loaded, :func:`_decode_rows` runs instead."""
-    batch, capacity = ids.shape[0], keys_per_layer[0].shape[2]
-    cos = cos_table[0, 0].index_select(0, positions).view(batch, 1, 1, -1)
-    sin = sin_table[0, 0].index_select(0, positions).view(batch, 1, 1, -1)
+    capacity = keys_per_layer[0].shape[2]
+    cos, sin, rows = _row_tables(cos_table, sin_table, positions)
     groups = [(selector, min(span, capacity), mask[..., :capacity])
               for selector, span, mask in _length_groups(positions.tolist(), positions.device)]
-    rows = torch.arange(batch, device=positions.device)
     hidden = d.embed(ids).to(d.dtype)
     for layer, keys, values in zip(d.layers, keys_per_layer, values_per_layer):
-        q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
-        keys[rows, :, positions] = k[:, :, 0]
-        values[rows, :, positions] = v[:, :, 0]
+        q = _rows_attention_inputs(d, layer, hidden, cos, sin, keys, values, rows, positions)
         attended = q.new_empty(q.shape) if len(groups) > 1 else None
         for selector, span, mask in groups:
             if isinstance(selector, slice):
@@ -331,15 +347,10 @@ def _decode_rows(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_
     the compiled batched step is exported from (engine/generation/compiled_step.py: B and the
     capacity its dynamic dimensions); it also runs eagerly where it isn't built yet. Returns the
     logits [B, vocab]."""
-    batch = ids.shape[0]
-    cos = cos_table[0, 0].index_select(0, positions).view(batch, 1, 1, -1)
-    sin = sin_table[0, 0].index_select(0, positions).view(batch, 1, 1, -1)
-    rows = torch.arange(batch, device=positions.device)
+    cos, sin, rows = _row_tables(cos_table, sin_table, positions)
     hidden = d.embed(ids).to(d.dtype)
     for layer, keys, values in zip(d.layers, keys_per_layer, values_per_layer):
-        q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
-        keys[rows, :, positions] = k[:, :, 0]
-        values[rows, :, positions] = v[:, :, 0]
+        q = _rows_attention_inputs(d, layer, hidden, cos, sin, keys, values, rows, positions)
         attended = torch.ops.workbench.attend_rows(q, keys, values, positions, layer.scaling)
         hidden = _rest_of_layer(d, layer, hidden, attended)
     return d.head(d.norm(hidden))[:, -1]
