@@ -217,12 +217,14 @@ def main() -> int:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
 
-    from engine.estimates.hardware import this_machine
+    from engine.estimates.hardware import measure_cpu
 
     # a fixed thread count: llama.cpp's runs between ours would otherwise read as another program's
     # load, and ours would give up a thread (and the compiled step, built for two)
     os.environ.setdefault("INFERENCE_WORKBENCH_THREADS", str(torch.get_num_threads()))
-    bandwidth = this_machine().bandwidth_bytes_per_s
+    # measured now, before the engines load and after the rounds (the hardware profile's cached
+    # figure is from whenever it was first taken: this machine's bandwidth moves by a third)
+    bandwidth_before = measure_cpu()["bandwidth_bytes_per_s"]
     names = [n.strip() for n in args.engines.split(",") if n.strip()]
     peer = _tool("llama-bench") is not None and _tool("llama-quantize") is not None
     if not peer:
@@ -291,13 +293,16 @@ def main() -> int:
             rate = run()
             if round_:
                 prompt_rates[name].append(rate)
+    bandwidth_after = measure_cpu()["bandwidth_bytes_per_s"]
+    bandwidth = (bandwidth_before + bandwidth_after) / 2
     rate = {name: 1.0 / statistics.median(times) for name, times in steps.items()}
     base = rate.get("generate-fp32")
     from engine.models import kernels
 
     flags = sorted(f for f in kernels.cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni")) or f == "avx2")
     print(f"\n{args.tokens} greedy tokens × {args.rounds} rounds, interleaved; {torch.get_num_threads()} threads; "
-          f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s\nCPU flags: {' '.join(flags)}; int8-activation "
+          f"read bandwidth measured before and after the rounds {bandwidth_before / 1e9:.1f} and "
+          f"{bandwidth_after / 1e9:.1f} GB/s (the roofline takes their mean)\nCPU flags: {' '.join(flags)}; int8-activation "
           f"kernels: {'on' if kernels.kernels() else 'off (' + str(kernels.unavailable()) + ')'}")
     print(f"{'engine':<20} {'tok/s':>7} {'vs generate fp32':>17} {'weights':>10} {'read/token':>11} "
           f"{'% of roofline':>14}")
@@ -344,7 +349,8 @@ def main() -> int:
                          "gain_over_one": ratio(ours, alone, batch_rates)})
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"rows": rows, "bandwidth_bytes_per_s": bandwidth, "tokens": args.tokens,
+            json.dump({"rows": rows, "bandwidth_bytes_per_s": bandwidth,
+                       "bandwidth_before_after": [bandwidth_before, bandwidth_after], "tokens": args.tokens,
                        "rounds": args.rounds, "versions": versions()}, f, indent=2)
     return 0
 
