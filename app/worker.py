@@ -92,7 +92,15 @@ class EngineWorker(QObject):
             self.compile_started.emit()
             from engine.generation.compiled_step import compile_in_background
 
-            compile_in_background(model.fast, self.compile_finished.emit)
+            compile_in_background(model.fast, self._compile_done)
+
+    def _compile_done(self, report) -> None:
+        """From the build's thread: the report, unless this worker is gone (the window closed
+        while a build that ignored its stop was ending: nobody is left to tell)."""
+        try:
+            self.compile_finished.emit(report)
+        except RuntimeError:  # "Signal source has been deleted"
+            pass
 
     @Slot(object)
     def predict(self, request) -> None:
