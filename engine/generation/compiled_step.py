@@ -330,9 +330,10 @@ def _message(exc: BaseException) -> str:
 
 def _child(request, threads: int, paths: dict[str, str], weights: str, conn) -> None:
     """In the child process: load the model as the parent did, check it is the same, build the
-    packages of ``paths`` (kind → path), the one-sequence step first. Sends (the one-sequence
-    step's error, the batched step's error), ``None`` for each that was built (or not asked for)."""
-    step_error = rows_error = None
+    packages of ``paths`` (kind → path), the one-sequence step first. Sends the one-sequence
+    step's error, ``None`` once the builds are done; a batched step that fails leaves its reason
+    in its ``.failed`` file, which the parent reads."""
+    step_error = None
     try:
         import psutil
 
@@ -361,11 +362,10 @@ def _child(request, threads: int, paths: dict[str, str], weights: str, conn) -> 
                     raise RuntimeError(f"it needs the int8 kernels' attention: {kernels.unavailable()}")
                 build_package(loaded.fast, Path(paths[ROWS]), threads, weights, ROWS)
             except Exception as exc:  # the one-sequence step stands; batches run the eager step
-                rows_error = _message(exc)
-                _failed(Path(paths[ROWS])).write_text(rows_error, encoding="utf-8")
+                _failed(Path(paths[ROWS])).write_text(_message(exc), encoding="utf-8")
     except BaseException as exc:  # the parent reports it; the eager step keeps running
         step_error = _message(exc)
-    conn.send((step_error, rows_error))
+    conn.send(step_error)
 
 
 def child_context():
@@ -420,7 +420,7 @@ def compile_step(d, threads: int, cancelled: Callable[[], bool] = lambda: False,
                     _partial(where, child.pid).unlink(missing_ok=True)
                 return None, None, report(error="cancelled")
             try:
-                error, _ = receive.recv()
+                error = receive.recv()
             except EOFError:  # it ended without a word: killed, out of memory, exited on import
                 error = f"the build process ended with code {child.exitcode} before it finished"
         finally:
