@@ -171,9 +171,12 @@ def test_a_batched_answer_through_the_core_is_the_request_alone(tiny_llama, prec
     assert together == alone and all(len(t) == 12 for t in together)
 
 
-ATTENTION_SHAPES = [(16, 9, 3, 128, 64), (1, 9, 3, 64, 64), (5, 8, 8, 300, 32), (3, 4, 1, 64, 128), (2, 2, 2, 1, 16)]
+ATTENTION_SHAPES = [(16, 9, 3, 128, 64), (1, 9, 3, 64, 64), (5, 8, 8, 300, 32), (3, 4, 1, 64, 128), (2, 2, 2, 1, 16),
+                    (2, 7, 1, 70, 32), (3, 4, 2, 50, 24)]
 """(rows, query heads, KV heads, cache slots, head size): the default model's GQA at 16 rows and
-at one, plain multi-head attention, one KV head for four queries, a one-slot cache."""
+at one (its query heads split between the threads), plain multi-head attention, one KV head for
+four queries, a one-slot cache, seven queries per KV head (the vector loops' blocks of 4, 2 and 1
+heads), and a head size that isn't a multiple of 16 (the plain loops)."""
 
 
 @pytest.mark.parametrize("rows,heads,kv_heads,capacity,dim", ATTENTION_SHAPES)

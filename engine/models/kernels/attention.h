@@ -11,6 +11,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -34,6 +35,107 @@ inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+// Heads g0 … g1 - 1's scores [·, n] → e^(score - the head's largest), their sums in total.
+inline void softmax_numerators(float* scores, int64_t n, int64_t g0, int64_t g1, float* total) {
+    for (int64_t g = g0; g < g1; ++g) {
+        float* sg = scores + g * n;
+        float top = sg[0];
+        for (int64_t t = 1; t < n; ++t) top = std::max(top, sg[t]);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; ++t) {
+            sg[t] = exp_nonpositive(sg[t] - top);
+            sum += sg[t];
+        }
+        total[g] = sum;
+    }
+}
+
+// Query heads g0 … g1 - 1 of a KV head (their scaled fp32 queries in query, [group, dim]) over
+// slots 0 … n - 1 of its keys and values (rows ks and vs elements apart): scores [group, n]
+// become the softmax's numerators, total[g] their sums, acc [group, dim] the weighted values.
+// The plain loops, for any head size; the AVX-512 ones below where they apply.
+template <typename T>
+void attend_plain(const float* query, const T* kbase, int64_t ks, const T* vbase, int64_t vs, int64_t n,
+                  int64_t dim, int64_t g0, int64_t g1, float* key, float* scores, float* total, float* acc) {
+    for (int64_t t = 0; t < n; ++t) {
+        const T* krow = kbase + t * ks;
+        for (int64_t d = 0; d < dim; ++d) key[d] = static_cast<float>(krow[d]);
+        for (int64_t g = g0; g < g1; ++g) {
+            const float* qg = query + g * dim;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < dim; ++d) dot += qg[d] * key[d];
+            scores[g * n + t] = dot;
+        }
+    }
+    softmax_numerators(scores, n, g0, g1, total);
+    std::fill(acc + g0 * dim, acc + g1 * dim, 0.0f);
+    for (int64_t t = 0; t < n; ++t) {
+        const T* vrow = vbase + t * vs;
+        for (int64_t d = 0; d < dim; ++d) key[d] = static_cast<float>(vrow[d]);
+        for (int64_t g = g0; g < g1; ++g) {
+            const float p = scores[g * n + t];
+            float* a = acc + g * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) a[d] += p * key[d];
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+// The AVX-512 loops, for head sizes that are a multiple of 16 up to 256: each score one vector
+// dot product reduced once (the plain loops' reductions added the 16 lanes one after another), and
+// the weighted values summed in registers, 16 dimensions of up to 4 query heads at a time (the
+// plain loops stored and reloaded every sum at every slot). Measured alone at the default model's
+// shapes (9 query heads on 3 KV heads of 64), 16 rows at position 64 of 128 slots: 155 → 105 µs in
+// fp32, 157 → 97 µs in bf16; 16 rows at 500 of 1,024: 1,569 → 940 µs in fp32.
+constexpr int64_t FAST_DIM = 256;
+
+inline __m512 attn_load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 attn_load16(const at::BFloat16* p) {
+    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Dimensions 16·c … 16·c + 15 of heads g … g + H - 1's weighted values.
+template <int H, typename T>
+inline void weigh_values(const float* scores, int64_t n, const T* vbase, int64_t vs, int64_t c, int64_t dim,
+                         int64_t g, float* acc) {
+    __m512 sums[H];
+    for (int h = 0; h < H; ++h) sums[h] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+        const __m512 v = attn_load16(vbase + t * vs + 16 * c);
+        for (int h = 0; h < H; ++h) sums[h] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(g + h) * n + t]), v, sums[h]);
+    }
+    for (int h = 0; h < H; ++h) _mm512_storeu_ps(acc + (g + h) * dim + 16 * c, sums[h]);
+}
+
+template <typename T>
+void attend_vectors(const float* query, const T* kbase, int64_t ks, const T* vbase, int64_t vs, int64_t n,
+                    int64_t dim, int64_t g0, int64_t g1, float* scores, float* total, float* acc) {
+    const int64_t chunks = dim / 16;
+    __m512 key[FAST_DIM / 16];
+    for (int64_t t = 0; t < n; ++t) {
+        const T* krow = kbase + t * ks;
+        for (int64_t c = 0; c < chunks; ++c) key[c] = attn_load16(krow + 16 * c);
+        for (int64_t g = g0; g < g1; ++g) {
+            const float* qg = query + g * dim;
+            __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), key[0]);
+            for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), key[c], dot);
+            scores[g * n + t] = _mm512_reduce_add_ps(dot);
+        }
+    }
+    softmax_numerators(scores, n, g0, g1, total);
+    for (int64_t c = 0; c < chunks; ++c) {
+        int64_t g = g0;
+        for (; g + 4 <= g1; g += 4) weigh_values<4>(scores, n, vbase, vs, c, dim, g, acc);
+        for (; g + 2 <= g1; g += 2) weigh_values<2>(scores, n, vbase, vs, c, dim, g, acc);
+        for (; g < g1; ++g) weigh_values<1>(scores, n, vbase, vs, c, dim, g, acc);
+    }
+}
+#endif
+
 template <typename T>
 void attend_rows_impl(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                       const int64_t* positions, double scale, torch::Tensor& out) {
@@ -46,51 +148,36 @@ void attend_rows_impl(const torch::Tensor& q, const torch::Tensor& keys, const t
     const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2);
     const int64_t vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2);
     const float s = static_cast<float>(scale);
-    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    // A task: one (row, KV head) and a share of its query heads. Few pairs (one sequence: 3 KV
+    // heads on the default model, for 2 threads) are split by query heads so that the threads
+    // get even shares; a head's result is the same whichever share computed it.
+    const int64_t pairs = batch * kv_heads;
+    const int64_t parts = std::min(group, (4 * at::get_num_threads() + pairs - 1) / pairs);
+    const int64_t share = (group + parts - 1) / parts;
+#if defined(__AVX512F__)
+    const bool vectors = dim % 16 == 0 && dim <= FAST_DIM;
+#endif
+    at::parallel_for(0, pairs * parts, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> query(group * dim), acc(group * dim), key(dim), total(group), scores;
         for (int64_t task = begin; task < end; ++task) {
-            const int64_t b = task / kv_heads, h = task % kv_heads, n = positions[b] + 1;
+            const int64_t pair = task / parts, b = pair / kv_heads, h = pair % kv_heads, n = positions[b] + 1;
+            const int64_t g0 = task % parts * share, g1 = std::min(group, g0 + share);
+            if (g0 >= g1) continue;
             const T* qrow = qp + (b * q.size(1) + h * group) * dim;  // q is [B, H, 1, D], contiguous
-            for (int64_t i = 0; i < group * dim; ++i) query[i] = static_cast<float>(qrow[i]) * s;
+            for (int64_t i = g0 * dim; i < g1 * dim; ++i) query[i] = static_cast<float>(qrow[i]) * s;
             scores.resize(group * n);
             const T* kbase = kp + b * ks0 + h * ks1;
-            for (int64_t t = 0; t < n; ++t) {
-                const T* krow = kbase + t * ks2;
-                for (int64_t d = 0; d < dim; ++d) key[d] = static_cast<float>(krow[d]);
-                for (int64_t g = 0; g < group; ++g) {
-                    const float* qg = query.data() + g * dim;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < dim; ++d) dot += qg[d] * key[d];
-                    scores[g * n + t] = dot;
-                }
-            }
-            std::fill(acc.begin(), acc.end(), 0.0f);
-            for (int64_t g = 0; g < group; ++g) {
-                float* sg = scores.data() + g * n;
-                float top = sg[0];
-                for (int64_t t = 1; t < n; ++t) top = std::max(top, sg[t]);
-                float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < n; ++t) {
-                    sg[t] = exp_nonpositive(sg[t] - top);
-                    sum += sg[t];
-                }
-                total[g] = sum;
-            }
             const T* vbase = vp + b * vs0 + h * vs1;
-            for (int64_t t = 0; t < n; ++t) {
-                const T* vrow = vbase + t * vs2;
-                for (int64_t d = 0; d < dim; ++d) key[d] = static_cast<float>(vrow[d]);
-                for (int64_t g = 0; g < group; ++g) {
-                    const float p = scores[g * n + t];
-                    float* a = acc.data() + g * dim;
-#pragma omp simd
-                    for (int64_t d = 0; d < dim; ++d) a[d] += p * key[d];
-                }
-            }
+#if defined(__AVX512F__)
+            if (vectors)
+                attend_vectors(query.data(), kbase, ks2, vbase, vs2, n, dim, g0, g1, scores.data(), total.data(),
+                               acc.data());
+            else
+#endif
+                attend_plain(query.data(), kbase, ks2, vbase, vs2, n, dim, g0, g1, key.data(), scores.data(),
+                             total.data(), acc.data());
             T* orow = op + (b * q.size(1) + h * group) * dim;
-            for (int64_t g = 0; g < group; ++g) {
+            for (int64_t g = g0; g < g1; ++g) {
                 const float inv = 1.0f / total[g];
                 for (int64_t d = 0; d < dim; ++d) orow[g * dim + d] = static_cast<T>(acc[g * dim + d] * inv);
             }
