@@ -110,6 +110,17 @@ if _USERS_PROFILE[1] is not None:
 os.environ["INFERENCE_WORKBENCH_HARDWARE_PROFILE"] = str(_SESSION_PROFILE)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``alone`` measure the machine's load: beside another test process (pytest -n)
+    they would measure that one. The README's test command runs them after the others, alone."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        skip = pytest.mark.skip(reason="measures the machine's load: run it without -n (the README's test command "
+                                       "runs it alone after the others)")
+        for item in items:
+            if item.get_closest_marker("alone"):
+                item.add_marker(skip)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Fail the run if anything wrote into the user's history folder, profile or cache meanwhile."""
     shutil.rmtree(_SESSION_DATA, ignore_errors=True)

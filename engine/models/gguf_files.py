@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,15 +150,49 @@ def convert_gguf(gguf_path: Path, out_dir: Path, reporter: ProgressReporter,
 
     Written to a temporary sibling and renamed, so an interrupted conversion leaves nothing half-done.
     """
+    gguf_path = Path(gguf_path)
+    summary = summarize_gguf(gguf_path)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _one_conversion(out_dir, reporter) as waited:
+        if waited and is_converted(out_dir):  # another process converted it while this one waited
+            return out_dir
+        reporter.report("convert", 0, 0, f"Reading {gguf_path.name} ({summary.file_type})")
+        for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # left by a killed conversion
+            shutil.rmtree(stale, ignore_errors=True)
+        return _convert(gguf_path, out_dir, reporter, summary, extra_provenance)
+
+
+@contextmanager
+def _one_conversion(out_dir: Path, reporter: ProgressReporter):
+    """Hold the lock file beside ``out_dir`` while converting into it: one conversion of a folder
+    at a time across processes (two windows opened at once on a first run, two test workers).
+    Without it the second removed the first's temporary folder as a killed conversion's and the
+    first failed. Yields whether it had to wait (the other may have finished the work); checks
+    for a cancel while waiting."""
+    from filelock import FileLock, Timeout  # lazy: only conversions need it
+
+    lock = FileLock(str(out_dir.parent / f".{out_dir.name}.lock"))
+    waited = False
+    while True:
+        try:
+            lock.acquire(timeout=0.1)
+            break
+        except Timeout:
+            if not waited:
+                reporter.report("convert", 0, 0, f"Waiting for another process converting into {out_dir.name}")
+            waited = True
+            reporter.check()
+    try:
+        yield waited
+    finally:
+        lock.release()
+
+
+def _convert(gguf_path: Path, out_dir: Path, reporter: ProgressReporter, summary,
+             extra_provenance: dict | None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_path = Path(gguf_path)
-    summary = summarize_gguf(gguf_path)
-    reporter.report("convert", 0, 0, f"Reading {gguf_path.name} ({summary.file_type})")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # left by a killed conversion
-        shutil.rmtree(stale, ignore_errors=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     try:
         with reporting(reporter):

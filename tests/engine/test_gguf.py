@@ -91,3 +91,53 @@ def test_loading_a_corrupt_gguf_says_so_and_leaves_no_cache(tmp_path, isolated_c
 def test_missing_gguf(tmp_path):
     with pytest.raises(ModelNotFoundError):
         summarize_gguf(tmp_path / "absent.gguf")
+
+
+@pytest.mark.parametrize("outcome", ["the other finishes", "cancelled while waiting"])
+def test_a_conversion_waits_for_another_into_the_same_folder(small_gguf, isolated_cache, monkeypatch, outcome):
+    """Two processes converting one GGUF at once (two windows opened on a first run, two test
+    workers): the second waits on the folder's lock file, saying so, instead of removing the
+    first's work in progress as a killed conversion's; it then takes the first's result without
+    converting again, or stops at once when cancelled while it waits."""
+    import threading
+
+    from filelock import FileLock
+
+    from engine.base.cancel import CancelToken
+    from engine.base.errors import CancelledError
+    from engine.models import gguf_files
+    from engine.progress import ProgressReporter
+
+    out_dir = isolated_cache / "converted" / "small"
+    out_dir.parent.mkdir(parents=True)
+    other = out_dir.parent / ".small.tmp-1"  # the other process's conversion under way
+    other.mkdir()
+    monkeypatch.setattr(gguf_files, "_convert", lambda *a: pytest.fail("converted again"))
+    waiting, cancel, result = threading.Event(), CancelToken(), []
+
+    def seen(progress):
+        if progress.message.startswith("Waiting for another process"):
+            waiting.set()
+
+    def convert():
+        try:
+            result.append(gguf_files.convert_gguf(small_gguf, out_dir, ProgressReporter(seen, cancel)))
+        except CancelledError as exc:
+            result.append(exc)
+
+    lock = FileLock(str(out_dir.parent / ".small.lock"))
+    with lock:
+        thread = threading.Thread(target=convert)
+        thread.start()
+        assert waiting.wait(30)
+        assert other.is_dir()  # not taken for a killed conversion's
+        if outcome == "cancelled while waiting":
+            cancel.cancel()
+            thread.join(30)
+            assert isinstance(result[0], CancelledError) and not out_dir.exists()
+            return
+        other.rename(out_dir)  # the other process finishes
+        (out_dir / gguf_files.PROVENANCE).write_text("{}")
+        (out_dir / "config.json").write_text("{}")
+    thread.join(30)
+    assert result == [out_dir] and gguf_files.is_converted(out_dir)

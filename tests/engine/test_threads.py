@@ -42,6 +42,7 @@ def _measured(deadline_s: float, until) -> "threads.ThreadChoice | None":
     return choice
 
 
+@pytest.mark.alone
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or torch.get_num_threads() < 2,
                     reason="needs two CPUs and two PyTorch threads")
 def test_a_busy_core_elsewhere_takes_a_thread_away_and_gives_it_back(monkeypatch):
