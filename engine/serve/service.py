@@ -343,18 +343,19 @@ class CoreService:
             self._fail_all(exc)
             return
         now = self._now()
-        step = None
-        for event in events:
-            if isinstance(event, StepCompleted):
-                step = event
-            else:
-                self._deliver(event, now)
-        states = self._states() if self._listeners else ()
+        step = next((event for event in events if isinstance(event, StepCompleted)), None)
+        # the step's cache figures first, then its events: a caller who sees a request finished
+        # (in_flight 0) reads the cache after its end (its blocks freed), never the step before's
         with self._lock:
             self._waiting = len(self.core.waiting)
             self._kv = step.kv_cache_bytes if step is not None else 0
             if step is not None:
                 self._blocks = (step.kv_blocks_used, step.kv_blocks_kept, step.kv_blocks_total)
+        for event in events:
+            if not isinstance(event, StepCompleted):
+                self._deliver(event, now)
+        states = self._states() if self._listeners else ()
+        with self._lock:
             self._lock.notify_all()
         if step is not None and self._listeners:
             self._tell(TrafficStep(step, states, self.settings.kv_budget_bytes, now))

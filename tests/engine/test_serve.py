@@ -174,9 +174,17 @@ def test_32_concurrent_streams_each_equal_their_solo_answer(server, http):
 
 
 def test_disconnect_mid_stream_cancels_and_frees_the_cache(server, http):
-    finished = []
-    stop_listening = server.service.listen(
-        lambda e: finished.append(e.event) if isinstance(e, RequestEvent) and isinstance(e.event, Finished) else None)
+    """The client leaves: the request is cancelled and its cache freed, and the service says so
+    already when the request's end is told (its cache figure was the step before's until the
+    step's events had all been delivered: a caller who saw in_flight 0 could read it)."""
+    finished, kv_at_finish = [], []
+
+    def heard(e):
+        if isinstance(e, RequestEvent) and isinstance(e.event, Finished):
+            finished.append(e.event)
+            kv_at_finish.append(server.service.kv_bytes())
+
+    stop_listening = server.service.listen(heard)
     try:
         body = chat(server, PROMPTS[3], max_tokens=200, ignore_eos=True, stream=True)
         with http.stream("POST", "/chat/completions", json=body) as r:
@@ -187,7 +195,7 @@ def test_disconnect_mid_stream_cancels_and_frees_the_cache(server, http):
         assert server.service.wait_until(lambda s: s.in_flight == 0, timeout=30)
     finally:
         stop_listening()
-    assert server.service.kv_bytes() == 0
+    assert server.service.kv_bytes() == 0 and kv_at_finish == [0]
     assert [f.reason for f in finished] == ["cancelled"]
     assert finished[0].tokens < 200
 
