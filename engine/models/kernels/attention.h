@@ -11,7 +11,6 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -83,7 +82,7 @@ void attend_plain(const float* query, const T* kbase, int64_t ks, const T* vbase
     }
 }
 
-#if defined(__AVX512F__)
+#ifdef WORKBENCH_AVX512  // q8_avx512.h's builds: its load16 reads fp32 or bf16
 // The AVX-512 loops, for head sizes that are a multiple of 16 up to 256: each score one vector
 // dot product reduced once (the plain loops' reductions added the 16 lanes one after another), and
 // the weighted values summed in registers, 16 dimensions of up to 4 query heads at a time (the
@@ -92,12 +91,6 @@ void attend_plain(const float* query, const T* kbase, int64_t ks, const T* vbase
 // fp32, 157 → 97 µs in bf16; 16 rows at 500 of 1,024: 1,569 → 940 µs in fp32.
 constexpr int64_t FAST_DIM = 256;
 
-inline __m512 attn_load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 attn_load16(const at::BFloat16* p) {
-    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 // Dimensions 16·c … 16·c + 15 of heads g … g + H - 1's weighted values.
 template <int H, typename T>
 inline void weigh_values(const float* scores, int64_t n, const T* vbase, int64_t vs, int64_t c, int64_t dim,
@@ -105,7 +98,7 @@ inline void weigh_values(const float* scores, int64_t n, const T* vbase, int64_t
     __m512 sums[H];
     for (int h = 0; h < H; ++h) sums[h] = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
-        const __m512 v = attn_load16(vbase + t * vs + 16 * c);
+        const __m512 v = load16(vbase + t * vs + 16 * c);
         for (int h = 0; h < H; ++h) sums[h] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(g + h) * n + t]), v, sums[h]);
     }
     for (int h = 0; h < H; ++h) _mm512_storeu_ps(acc + (g + h) * dim + 16 * c, sums[h]);
@@ -118,7 +111,7 @@ void attend_vectors(const float* query, const T* kbase, int64_t ks, const T* vba
     __m512 key[FAST_DIM / 16];
     for (int64_t t = 0; t < n; ++t) {
         const T* krow = kbase + t * ks;
-        for (int64_t c = 0; c < chunks; ++c) key[c] = attn_load16(krow + 16 * c);
+        for (int64_t c = 0; c < chunks; ++c) key[c] = load16(krow + 16 * c);
         for (int64_t g = g0; g < g1; ++g) {
             const float* qg = query + g * dim;
             __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), key[0]);
@@ -154,7 +147,7 @@ void attend_rows_impl(const torch::Tensor& q, const torch::Tensor& keys, const t
     const int64_t pairs = batch * kv_heads;
     const int64_t parts = std::min(group, (4 * at::get_num_threads() + pairs - 1) / pairs);
     const int64_t share = (group + parts - 1) / parts;
-#if defined(__AVX512F__)
+#ifdef WORKBENCH_AVX512
     const bool vectors = dim % 16 == 0 && dim <= FAST_DIM;
 #endif
     at::parallel_for(0, pairs * parts, 1, [&](int64_t begin, int64_t end) {
@@ -168,7 +161,7 @@ void attend_rows_impl(const torch::Tensor& q, const torch::Tensor& keys, const t
             scores.resize(group * n);
             const T* kbase = kp + b * ks0 + h * ks1;
             const T* vbase = vp + b * vs0 + h * vs1;
-#if defined(__AVX512F__)
+#ifdef WORKBENCH_AVX512
             if (vectors)
                 attend_vectors(query.data(), kbase, ks2, vbase, vs2, n, dim, g0, g1, scores.data(), total.data(),
                                acc.data());

@@ -22,6 +22,8 @@
 
 #include "q8_common.h"
 
+#define WORKBENCH_AVX512  // attention.h's vector loops use load16 below
+
 namespace {
 
 constexpr bool Q8_OFFSET = true;

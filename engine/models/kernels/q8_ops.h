@@ -8,7 +8,8 @@
 //   amx_allowed()                                       whether this process may use the tiles
 //   amx_tiles(M, groups, tile)                          the walk over AMX tiles of 16 rows × 16 columns
 //   q8_amx<FULL>(…), q4_amx<FULL>(…)                    one such tile (FULL: 16 rows, else fewer)
-// It also defines the batched decode step's attention (attention.h).
+// It also defines the batched decode step's attention (attention.h: with its AVX-512 loops where
+// the file is built on q8_avx512.h, WORKBENCH_AVX512).
 // Included once, last, by each kernel file (one of which a process loads).
 
 #pragma once
