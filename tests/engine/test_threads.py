@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from engine.generation import threads
 from engine.generation.threads import adapt, choose
 
 
@@ -28,6 +29,20 @@ def test_a_fixed_count_wins(monkeypatch):
         assert adapt(force=True) is None and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_time_the_hypervisor_took_is_no_other_process(monkeypatch):
+    """Steal time (a shared host running something else on our virtual CPUs) counts as neither
+    ours nor another process's: a quiet machine on a busy host keeps its threads."""
+    import psutil
+    from collections import namedtuple
+
+    times = namedtuple("scputimes", "user nice system idle iowait irq softirq steal guest guest_nice")
+    sample = [times(10.0, 0, 1.0, 50.0, 0.5, 0, 0, 2.0, 0.3, 0), times(20.0, 0, 2.0, 40.0, 0, 0, 0, 3.0, 0, 0)]
+    monkeypatch.setattr(psutil, "cpu_times", lambda percpu: sample)
+    # busy: user + system (+ nice, irq, softirq) per CPU; idle, iowait, steal and guest time are not
+    assert threads._busy_seconds([0, 1]) == pytest.approx(11.0 + 22.0)
+    assert threads._busy_seconds([0, 2]) is None  # a CPU the kernel didn't report: no figure
 
 
 def _measured(deadline_s: float, until) -> "threads.ThreadChoice | None":
