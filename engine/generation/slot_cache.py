@@ -3,6 +3,7 @@ one static tensor per layer, run by the lean decoder (engine/models/fast.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.models.fast import (MAX_COMPILED_CAPACITY, MIN_CAPACITY, FastDecoder, _bucket, _decode_batch, _decode_rows,
@@ -26,6 +27,8 @@ class SlotCache:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.slots = self.capacity = 0
+        self._views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._inputs: dict[int, tuple[np.ndarray, torch.Tensor, np.ndarray, torch.Tensor]] = {}
         self._resize(slots, _bucket(capacity))
 
     @torch.inference_mode()  # every cache tensor an inference tensor, wherever it grows
@@ -38,6 +41,7 @@ class SlotCache:
         for old, new in zip(self.keys + self.values, keys + values):
             new[:used, :, :longest] = old[:used, :, :longest]
         self.keys, self.values = keys, values
+        self._views.clear()
         if capacity != self.capacity:
             self.cos, self.sin = _rotary_tables(d, capacity)
         self.slots, self.capacity = slots, capacity
@@ -103,13 +107,8 @@ class SlotCache:
         batch = slots[-1] + 1  # the first ``batch`` slots: a view, no gather (a row not decoding
         # writes a throwaway entry at its next free position, which its own next write replaces)
         self._room(max(self.lengths[:batch]) + 1)
-        feed = [0] * batch
-        for i, slot in zip(order, slots):
-            feed[slot] = tokens[i]
-        ids = torch.tensor(feed, dtype=torch.long, device=self.d.device).view(batch, 1)
-        positions = torch.tensor(self.lengths[:batch], device=self.d.device)
-        rows = slice(0, batch)
-        keys, values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
+        ids, positions = self._step_inputs(batch, order, slots, tokens)
+        keys, values = self._batch_views(batch)
         d = self.d
         compiled = (torch.get_num_threads() == d.compiled_threads and self.capacity <= MAX_COMPILED_CAPACITY)
         if batch == 1:  # one sequence: the single-sequence step (compiled when ready), no mask over idle slots
@@ -131,6 +130,38 @@ class SlotCache:
         for i, slot in zip(order, slots):
             out[i] = logits[slot]
         return out
+
+    def _batch_views(self, batch: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's keys and values of the first ``batch`` slots: views made once per
+        batch size and cache (a step right after the model's weights streamed through the CPU's
+        caches made 60 fresh views in ~0.13 ms of a ~10 ms step)."""
+        views = self._views.get(batch)
+        if views is None:
+            rows = slice(0, batch)
+            views = self._views[batch] = ([k[rows] for k in self.keys], [v[rows] for v in self.values])
+        return views
+
+    def _step_inputs(self, batch: int, order: list[int], slots: list[int],
+                     tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's token ids [batch, 1] and positions [batch]: tensors kept per batch size
+        and filled through numpy (two new tensors per step took ~60 µs). A slot not decoding
+        gets token 0 at its next free position (see :meth:`decode`)."""
+        if self.d.device.type != "cpu":
+            feed = [0] * batch
+            for i, slot in zip(order, slots):
+                feed[slot] = tokens[i]
+            return (torch.tensor(feed, dtype=torch.long, device=self.d.device).view(batch, 1),
+                    torch.tensor(self.lengths[:batch], device=self.d.device))
+        kept = self._inputs.get(batch)
+        if kept is None:
+            ids, positions = np.zeros((batch, 1), dtype=np.int64), np.zeros(batch, dtype=np.int64)
+            kept = self._inputs[batch] = (ids, torch.from_numpy(ids), positions, torch.from_numpy(positions))
+        ids, ids_tensor, positions, positions_tensor = kept
+        ids[:, 0] = 0
+        for i, slot in zip(order, slots):
+            ids[slot, 0] = tokens[i]
+        positions[:] = self.lengths[:batch]
+        return ids_tensor, positions_tensor
 
     def prefix_cache_reason(self) -> str | None:
         return None

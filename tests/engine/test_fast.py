@@ -156,6 +156,47 @@ def test_fused_layers_leave_the_model_itself_working(long_models, arch, precisio
     assert int(ours.argmax()) == int(theirs.argmax())
 
 
+def test_decoding_through_a_growing_cache_equals_a_cache_sized_up_front(long_models):
+    """The slot cache keeps its step's views and input tensors between steps: when it grows
+    (more slots, more capacity) they must be the new tensors', or a step writes keys nobody
+    reads again. Two sequences decoded from a 64-token cache past 64 tokens, a third joining
+    on the way, against each sequence alone in a cache big enough from the start."""
+    loaded = load_model(LoadRequest(str(long_models["llama"]), "fp32-fast", "cpu"))
+    prompts = [loaded.encode(GenerationRequest(p, mode="raw")) for p in (PROMPT, "a", PROMPT * 2)]
+
+    def alone(ids: list[int], steps: int) -> list[torch.Tensor]:
+        cache = SlotCache(loaded.fast, slots=1, capacity=256)
+        cache.add(0, 256)
+        out = [cache.prefill(0, torch.tensor([ids]))]
+        for _ in range(steps):
+            out.append(cache.decode([0], [int(out[-1].argmax())])[0])
+        return out
+
+    with torch.inference_mode():
+        cache = SlotCache(loaded.fast, slots=1)
+        assert cache.capacity == 64
+        last: dict[int, torch.Tensor] = {}
+        got: dict[int, list[torch.Tensor]] = {0: [], 1: [], 2: []}
+        for seq in (0, 1):
+            cache.add(seq, len(prompts[seq]))
+            last[seq] = cache.prefill(seq, torch.tensor([prompts[seq]]))
+            got[seq].append(last[seq])
+        for step in range(80):
+            if step == 30:  # a third sequence: more slots than the cache has
+                cache.add(2, len(prompts[2]))
+                last[2] = cache.prefill(2, torch.tensor([prompts[2]]))
+                got[2].append(last[2])
+            seqs = sorted(last)
+            logits = cache.decode(seqs, [int(last[s].argmax()) for s in seqs])
+            for seq, row in zip(seqs, logits):
+                last[seq] = row
+                got[seq].append(row)
+        assert cache.capacity > 64 and cache.slots >= 3
+        for seq, rows in got.items():
+            for ours, theirs in zip(rows, alone(prompts[seq], len(rows) - 1)):
+                assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
 def batched_answers(loaded, prompts: list[str], tokens: int) -> list[list[int]]:
     """Each prompt's greedy tokens, all decoded together through the engine core."""
     from engine.base.events import BatchFinished
