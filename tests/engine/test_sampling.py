@@ -133,3 +133,22 @@ def test_stop_strings_are_found_and_held_back_in_one_place():
     assert trimmer.add("y ST") == "y "
     assert trimmer.add("OP and more") == ""  # the stop string and what follows never go out
     assert trimmer.final("stop_string", "STOP") == "Hello STAy "
+
+
+def test_row_totals_are_torchs_argmax_and_logsumexp_and_say_when_a_row_is_not_finite():
+    from engine.generation.sampling import row_totals
+
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.randn(4, 5000, generator=generator) * 10
+    scores[1, 17] = scores[1, 4000] = 80.0  # a tie: the first index, as torch.argmax and numpy take it
+    scores[2] -= 1e4  # far from zero: the maximum is taken out before exponentiating
+    picked, totals = row_totals(scores.numpy())
+    assert picked == torch.argmax(scores, dim=-1).tolist() and picked[1] == 17
+    assert totals == pytest.approx(torch.logsumexp(scores.double(), dim=-1).tolist(), rel=1e-6)
+    for bad in (float("nan"), float("inf")):
+        broken = scores.clone()
+        broken[3, 9] = bad
+        _, totals = row_totals(broken.numpy())
+        assert math.isfinite(totals[0]) and not math.isfinite(totals[3])
+    _, totals = row_totals(torch.full((1, 8), float("-inf")).numpy())  # nothing possible: no total
+    assert not math.isfinite(totals[0])
