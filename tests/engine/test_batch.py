@@ -72,6 +72,23 @@ def test_sampled_batch_is_each_sequence_sampled_alone(loaded_llama):
     assert [s.token_ids for s in final.sequences] == [alone(loaded_llama, r) for r in requests]
 
 
+def test_a_batch_works_out_no_alternatives_it_never_shows(loaded_llama, monkeypatch):
+    """A batch's steps carry tokens and texts, not each token's top alternatives: asked for
+    them (the request's default), the batch still never computes them, and its tokens are the
+    same as alone."""
+    from engine.generation import core
+
+    def no(*args, **kwargs):
+        raise AssertionError("a batch computed top alternatives")
+
+    requests = [GenerationRequest(p, mode="raw", max_new_tokens=6, ignore_eos=True) for p in PROMPTS[:2]]
+    assert requests[0].top_alternatives > 0
+    expected = [alone(loaded_llama, r) for r in requests]
+    monkeypatch.setattr(core, "top_scores", no)
+    _, final = batched(loaded_llama, requests)
+    assert [s.token_ids for s in final.sequences] == expected and all(s.reason == "length" for s in final.sequences)
+
+
 def test_stop_strings_apply_per_sequence(default_fp32):
     base = GenerationRequest("x", max_new_tokens=30, stop=("microservices",))
     requests = [GenerationRequest("Explain microservices in simple terms."), GenerationRequest("Count to five.")]
