@@ -170,10 +170,15 @@ def row_totals(scores) -> tuple[list[int], list[float]]:
     Right after a decode step the scores sit in the caches of the threads that computed them:
     one pass over a 49,152-score row took ~0.12 ms there (against ~0.01 ms hot), and
     torch.logsumexp plus an argmax, three passes, ~0.41 ms of an int8-fast token's ~11 ms.
+    Several rows (a batched step): torch.logsumexp, whose threads take rows each (16 rows of
+    the default model's scores: 1.5 ms against 2.35 ms in one thread, from cold caches).
     A row with NaN or infinite scores gets a non-finite total (its request ends with an error)."""
     import numpy as np
+    import torch
 
     picked = scores.argmax(axis=1)
+    if len(scores) > 1:
+        return picked.tolist(), torch.logsumexp(torch.from_numpy(scores), dim=-1).tolist()
     top = scores[np.arange(len(scores)), picked]
     with np.errstate(invalid="ignore", over="ignore"):
         shifted = scores - top[:, None]

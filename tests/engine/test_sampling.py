@@ -142,13 +142,16 @@ def test_row_totals_are_torchs_argmax_and_logsumexp_and_say_when_a_row_is_not_fi
     scores = torch.randn(4, 5000, generator=generator) * 10
     scores[1, 17] = scores[1, 4000] = 80.0  # a tie: the first index, as torch.argmax and numpy take it
     scores[2] -= 1e4  # far from zero: the maximum is taken out before exponentiating
-    picked, totals = row_totals(scores.numpy())
+    picked, totals = row_totals(scores.numpy())  # several rows (torch's logsumexp) and each alone (numpy's)
     assert picked == torch.argmax(scores, dim=-1).tolist() and picked[1] == 17
     assert totals == pytest.approx(torch.logsumexp(scores.double(), dim=-1).tolist(), rel=1e-6)
+    for i in range(4):
+        assert row_totals(scores[i:i + 1].numpy()) == ([picked[i]], [pytest.approx(totals[i], rel=1e-6)])
     for bad in (float("nan"), float("inf")):
         broken = scores.clone()
         broken[3, 9] = bad
         _, totals = row_totals(broken.numpy())
         assert math.isfinite(totals[0]) and not math.isfinite(totals[3])
+        assert not math.isfinite(row_totals(broken[3:].numpy())[1][0])
     _, totals = row_totals(torch.full((1, 8), float("-inf")).numpy())  # nothing possible: no total
     assert not math.isfinite(totals[0])
