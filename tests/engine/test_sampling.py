@@ -147,6 +147,7 @@ def test_row_totals_are_torchs_argmax_and_logsumexp_and_say_when_a_row_is_not_fi
     assert totals == pytest.approx(torch.logsumexp(scores.double(), dim=-1).tolist(), rel=1e-6)
     for i in range(4):
         assert row_totals(scores[i:i + 1].numpy()) == ([picked[i]], [pytest.approx(totals[i], rel=1e-6)])
+    assert row_totals(scores.numpy(), picks=False) == (None, totals)  # no greedy row: no argmax pass
     for bad in (float("nan"), float("inf")):
         broken = scores.clone()
         broken[3, 9] = bad
