@@ -358,7 +358,8 @@ class EngineCore:
                 choices = sample_batch([r.sampler for r in ready], torch.cat(rows) if len(rows) > 1 else rows[0],
                                        counts, [r.seen.all() for r in ready],
                                        [proposals.get(r.rid, NOTHING).tokens for r in ready],
-                                       [proposals.get(r.rid, NOTHING).probs for r in ready])
+                                       [proposals.get(r.rid, NOTHING).probs for r in ready],
+                                       top=max(r.request.top_alternatives for r in ready))
         memory = self.probe.sample()
         now = time.perf_counter()
         chosen = {r.rid: choice for r, choice in zip(ready, choices)}
@@ -522,10 +523,10 @@ class EngineCore:
                 yield replace(verified, elapsed_s=now - r.arrived)
         share = (now - began) / max(1, len(choice.tokens))
         guessing = self.proposer.lookahead > 0  # its tokens say whether a guess made them
-        for j, (token, scores, log_total) in enumerate(choice.tokens):
+        for j, (token, scores, log_total, largest) in enumerate(choice.tokens):
             later = len(choice.tokens) - 1 - j
             yield from self._token(r, token, scores, log_total, now, memory, guessed=j < choice.accepted if guessing
-                                   else None, latency=share, unused=share * later, ahead=later)
+                                   else None, latency=share, unused=share * later, ahead=later, largest=largest)
             if r not in self.running:  # it stopped at this token
                 return
             if later and r.cancel.cancelled and not r.output.pending:
@@ -537,7 +538,7 @@ class EngineCore:
 
     def _token(self, r: _Request, token: int, scores, log_total: float, now: float, memory,
                guessed: bool | None = None, latency: float = 0.0, unused: float = 0.0,
-               ahead: int = 0) -> Iterator[GenerationEvent]:
+               ahead: int = 0, largest=None) -> Iterator[GenerationEvent]:
         """``token``, chosen after ``scores`` (whose log-normaliser is ``log_total``), for ``r``:
         its events, and its end if it stops here.
 
@@ -545,7 +546,9 @@ class EngineCore:
         the time since submission (queueing and prompt), a later token's its share of the step
         that made it (what the consumer does between steps is not the model's time), plus
         ``unused`` if the request stops here (the time of a step's tokens it won't emit).
-        ``ahead``: tokens after this one that the step already put in the cache (accepted guesses)."""
+        ``ahead``: tokens after this one that the step already put in the cache (accepted guesses);
+        ``largest``: the scores' largest few (ids, scores), best first, where the sampler took
+        them for the batch (else the alternatives are searched for here)."""
         loaded, request = self.loaded, r.request
         n_prompt = len(r.prompt)
         if not r.tokens:
@@ -559,9 +562,15 @@ class EngineCore:
         top_k = request.top_alternatives
         alternatives = ()
         if top_k:
-            ids, values = top_scores(scores, top_k)
+            if largest is not None and len(largest[0]) >= top_k:
+                ids, values = largest[0][:top_k], largest[1][:top_k]
+            else:
+                ids, values = top_scores(scores, top_k)
             alternatives = tuple(Alternative(i, loaded.token_text(i), v - log_total) for i, v in zip(ids, values))
-        chosen = float(scores[token]) - log_total
+        if largest is not None and largest[0] and largest[0][0] == token:  # greedy's: the largest, read already
+            chosen = largest[1][0] - log_total
+        else:
+            chosen = float(scores[token]) - log_total
         r.tokens.append(token)
         r.seen.append(token)
         piece, reason, stop_string = r.output.add(token, r.cancel)

@@ -73,17 +73,19 @@ def make_sampler(params: SamplingParams, device: "torch.device | str" = "cpu") -
 @dataclass(frozen=True)
 class Choice:
     """What one decode step gives one request: the tokens to emit, each with the target's scores
-    before it and their log-normaliser (logprobs), the number of the draft's guesses accepted
-    (they come first), and ``finite``: false when the scores after the emitted tokens were NaN/inf
-    (the request ends there with an error)."""
+    before it, their log-normaliser (logprobs) and their largest few where the sampler took them
+    (``(ids, scores)``, best first, else ``None``: the token's alternatives, :func:`row_totals`),
+    the number of the draft's guesses accepted (they come first), and ``finite``: false when the scores after the
+    emitted tokens were NaN/inf (the request ends there with an error)."""
 
-    tokens: list[tuple[int, "torch.Tensor", float]]  # noqa: F821
+    tokens: list[tuple[int, "torch.Tensor", float, "object"]]  # noqa: F821
     accepted: int = 0
     finite: bool = True
 
 
 def choose(sampler: RequestSampler, rows: "torch.Tensor", log_totals: list[float], seen: "torch.Tensor",  # noqa: F821
-           drafted: tuple[int, ...] = (), draft_probs: tuple = (), picked: list[int] | None = None) -> Choice:
+           drafted: tuple[int, ...] = (), draft_probs: tuple = (), picked: list[int] | None = None,
+           largest: list | None = None) -> Choice:
     """The tokens a request gets from the target's scores ``rows`` ([1 + guesses, vocab], float):
     after its last token and after each of the draft's guesses ``drafted``. Without guesses, the
     next token; with them, speculative decoding's verification: greedy keeps the guesses the
@@ -91,7 +93,8 @@ def choose(sampler: RequestSampler, rows: "torch.Tensor", log_totals: list[float
     min(1, p(d)/q(d)) and draws a rejection's replacement from max(0, p − q) (Leviathan et al.,
     2023), so either way the answer is distributed as the target's own; then the target's own
     next token (a correction, or a bonus after all guesses). ``seen``: the request's ids so far
-    (repetition penalty); ``picked``: the argmax of each row, where already taken for the batch."""
+    (repetition penalty); ``picked``: the argmax of each row, where already taken for the batch;
+    ``largest``: each row's largest few (:func:`row_totals`), passed on with its token."""
     import torch
 
     n = len(drafted)
@@ -127,67 +130,87 @@ def choose(sampler: RequestSampler, rows: "torch.Tensor", log_totals: list[float
     finite = math.isfinite(log_totals[accepted])  # checked before sampling: a sampler given NaN fails without saying why
     if own is None and finite:
         own = pick(accepted)
-    tokens = [(token, rows[j], log_totals[j]) for j, token in enumerate(drafted[:accepted])]
+    def most(j: int):
+        return largest[j] if largest is not None else None
+
+    tokens = [(token, rows[j], log_totals[j], most(j)) for j, token in enumerate(drafted[:accepted])]
     if finite:
-        tokens.append((own, rows[accepted], log_totals[accepted]))
+        tokens.append((own, rows[accepted], log_totals[accepted], most(accepted)))
     return Choice(tokens, accepted, finite)
 
 
 def sample_batch(samplers: list[RequestSampler], rows: "torch.Tensor", counts: list[int],  # noqa: F821
                  seen: list["torch.Tensor"], drafted: list[tuple[int, ...]],  # noqa: F821
-                 draft_probs: list[tuple]) -> list["Choice | Exception"]:
+                 draft_probs: list[tuple], top: int = 0) -> list["Choice | Exception"]:
     """The sampler over a step's batch: ``rows`` [Σ counts, vocab] are the target's scores, the
-    next ``counts[i]`` of them request ``i``'s (1 + its guesses). The log-normalisers of every row
-    and the argmax of every row that greedy requests need are taken in one pass each; then each
-    request's tokens (:func:`choose`). A request whose sampling raises gets its exception in its
+    next ``counts[i]`` of them request ``i``'s (1 + its guesses). The log-normalisers of every row,
+    the argmax of every row that greedy requests need and, where the kernels take them, the ``top``
+    largest scores of every row (the alternatives the tokens' events show) are taken for the whole
+    batch (:func:`row_totals`); then each request's tokens (:func:`choose`). A request whose sampling raises gets its exception in its
     place: it ends alone."""
     import torch
 
     scores = rows.float()
     if scores.device.type == "cpu":
-        argmaxes, log_totals = row_totals(scores.numpy(), picks=any(s.plain_greedy for s in samplers))
+        argmaxes, log_totals, largest = row_totals(scores, picks=any(s.plain_greedy for s in samplers), top=top)
     else:
         log_totals = torch.logsumexp(scores, dim=-1).tolist()
         argmaxes = torch.argmax(scores, dim=-1).tolist() if any(s.plain_greedy for s in samplers) else None
+        largest = None
     out: list[Choice | Exception] = []
     start = 0
     for i, sampler in enumerate(samplers):
         end = start + counts[i]
         try:
             out.append(choose(sampler, scores[start:end], log_totals[start:end], seen[i], drafted[i], draft_probs[i],
-                              argmaxes[start:end] if argmaxes is not None else None))
+                              argmaxes[start:end] if argmaxes is not None else None,
+                              largest[start:end] if largest is not None else None))
         except Exception as exc:
             out.append(exc)
         start = end
     return out
 
 
-def row_totals(scores, picks: bool = True) -> tuple[list[int] | None, list[float]]:
-    """Each row's argmax (the first largest score; ``None`` for several rows unless ``picks``)
-    and log-normaliser (log Σ exp), for CPU scores ([rows, vocab] float32, numpy). One row: the
-    argmax first, then the row less its maximum, exponentiated and summed where it lies in this
-    core's cache.
+def row_totals(scores: "torch.Tensor", picks: bool = True,  # noqa: F821
+               top: int = 0) -> tuple[list[int] | None, list[float], list | None]:
+    """Each row's argmax (the first largest score; without the kernels, ``None`` for several rows
+    unless ``picks``), its log-normaliser (log Σ exp) and, where the kernels take them, its ``top``
+    largest scores (``[(ids, scores)]`` per row, best first, the lower id first among equals;
+    ``None`` where the kernels aren't loaded or ``top`` is 0), for CPU scores ([rows, vocab]
+    float32). A row with NaN or infinite scores gets a non-finite total (its request ends with an
+    error).
 
-    Right after a decode step the scores sit in the caches of the threads that computed them:
-    one pass over a 49,152-score row took ~0.12 ms there (against ~0.01 ms hot), and
-    torch.logsumexp plus an argmax, three passes, ~0.41 ms of an int8-fast token's ~11 ms.
-    Several rows (a batched step): torch.logsumexp, whose threads take rows each (16 rows of
-    the default model's scores: 1.5 ms against 2.35 ms in one thread, from cold caches).
-    A row with NaN or infinite scores gets a non-finite total (its request ends with an error)."""
+    Where the int8 kernels are loaded, their ``row_totals`` (kernels/scores.h): one parallel pass
+    in which each thread reads the scores its own core's cache holds from the step, the same for
+    a row alone or in a batch, bit for bit. Right after a decode step a 49,152-score row lies half
+    in each core's cache: one numpy pass over it took ~0.12 ms there (~0.01 ms hot); the three
+    passes the totals took in numpy ~0.29 ms of an int8-fast token's ~11 ms, and the search of
+    the token's five likeliest alternatives (decoding.top_scores) ~0.25–0.4 ms more.
+
+    Elsewhere, one row: the argmax first, then the row less its maximum, exponentiated and
+    summed in numpy. Several rows: torch.logsumexp, whose threads take rows each (16 rows of the
+    default model's scores: 1.5 ms against 2.35 ms in one thread, from cold caches)."""
     import numpy as np
     import torch
 
-    if len(scores) > 1:
-        totals = torch.logsumexp(torch.from_numpy(scores), dim=-1).tolist()
-        return (scores.argmax(axis=1).tolist() if picks else None), totals
-    picked = scores.argmax(axis=1)
-    top = scores[np.arange(len(scores)), picked]
-    with np.errstate(invalid="ignore", over="ignore"):
-        shifted = scores - top[:, None]
-        np.exp(shifted, out=shifted)
-        totals = np.log(shifted.sum(axis=1)) + top
-    return picked.tolist(), totals.tolist()
+    from engine.models import kernels  # lazy: the kernels' module, loaded by a fast precision or not at all
 
+    if kernels.loaded() is not None and scores.is_contiguous() and scores.shape[-1] >= max(top, 1):
+        totals, values, ids = torch.ops.workbench.row_totals(scores, max(top, 1))
+        ids_list = ids.tolist()
+        largest = [(i[:top], v[:top]) for i, v in zip(ids_list, values.tolist())] if top else None
+        return [i[0] for i in ids_list], totals.tolist(), largest
+    if len(scores) > 1:
+        totals = torch.logsumexp(scores, dim=-1).tolist()
+        return (scores.numpy().argmax(axis=1).tolist() if picks else None), totals, None
+    values = scores.numpy()
+    picked = values.argmax(axis=1)
+    best = values[np.arange(len(values)), picked]
+    with np.errstate(invalid="ignore", over="ignore"):
+        shifted = values - best[:, None]
+        np.exp(shifted, out=shifted)
+        totals = np.log(shifted.sum(axis=1)) + best
+    return picked.tolist(), totals.tolist(), None
 
 def distribution(params: SamplingParams, logits: "torch.Tensor", seen: "torch.Tensor") -> "torch.Tensor":  # noqa: F821
     """The probabilities the sampler draws from (after penalty, temperature and filters), for

@@ -152,7 +152,7 @@ def test_layers_fuse_into_one_call_and_keep_their_own(kind):
 @pytest.mark.parametrize("precision", ["int8-fast", "int4-fast"])
 def test_a_batched_answer_through_the_core_is_the_request_alone(tiny_llama, precision):
     """Each row's activations are quantized on their own: four requests decoded together (and
-    read in the same steps) give each one's solo tokens."""
+    read in the same steps) give each one's solo tokens, logprobs and alternatives."""
     from engine.base.events import TokenGenerated
     from engine.base.request import GenerationRequest
     from engine.base.sampling import SamplingParams
@@ -167,15 +167,67 @@ def test_a_batched_answer_through_the_core_is_the_request_alone(tiny_llama, prec
         rids = [core.submit(r) for r in requests]
         tokens = {rid: [] for rid in rids}
         for event in core.run():
-            if isinstance(event, TokenGenerated):
-                tokens[event.request_id].append(event.token_id)
+            if isinstance(event, TokenGenerated):  # its logprob and alternatives too: the sampler's pass is per row
+                tokens[event.request_id].append((event.token_id, event.logprob, event.top_alternatives))
         return [tokens[rid] for rid in rids]
 
     requests = [GenerationRequest(text, mode="raw", sampling=SamplingParams(temperature=0.0), max_new_tokens=12,
                                   ignore_eos=True) for text in CORPUS[:4]]
     together = answers(EngineCore(loaded, CoreSettings(max_batch=8)), requests)
     alone = [answers(EngineCore(loaded, CoreSettings(max_batch=1)), [r])[0] for r in requests]
-    assert together == alone and all(len(t) == 12 for t in together)
+    assert all(len(t) == 12 for t in together)
+    assert [[token for token, _, _ in t] for t in together] == [[token for token, _, _ in a] for a in alone]
+    # the batched step's scores are the solo step's to float rounding (its norms and attention run
+    # as other kernels): the same logprobs to 1e-5, the same alternatives in the same order
+    for t, a in zip(together, alone):
+        for (_, logprob, others), (_, solo_logprob, solo_others) in zip(t, a):
+            assert logprob == pytest.approx(solo_logprob, abs=1e-5)
+            assert [o.token_id for o in others] == [o.token_id for o in solo_others]
+
+
+def test_row_totals_are_each_rows_logsumexp_and_largest_few_alone_or_in_a_batch(monkeypatch):
+    """The sampler's pass over a step's scores (kernels/scores.h): each row's log Σ exp, argmax
+    and k largest (best first, the lower id first among equals, as decoding.top_scores), the same
+    bits for a row alone, in a batch and at any thread count; NaN or +inf makes a row's total
+    non-finite and leaves the other rows alone (−inf is a token that can't come)."""
+    import math
+
+    from engine.generation.decoding import top_scores
+    from engine.generation.sampling import row_totals
+
+    generator = torch.Generator().manual_seed(5)
+    scores = torch.randn(5, 10007, generator=generator) * 10  # two whole chunks of 4,096 and a part one
+    scores[1, 17] = scores[1, 9000] = scores[1, 9001] = 80.0  # ties across chunks: the lower ids first
+    scores[2] -= 1e4  # far from zero: each chunk's largest is taken out before exponentiating
+    scores[3, 10006] = 90.0  # the largest in the part chunk's last lane
+    picked, totals, largest = row_totals(scores, top=20)
+    assert picked == torch.argmax(scores, dim=-1).tolist() and picked[1] == 17 and picked[3] == 10006
+    assert totals == pytest.approx(torch.logsumexp(scores.double(), dim=-1).tolist(), rel=1e-6)
+    for i in range(5):
+        assert largest[i] == top_scores(scores[i], 20)  # ids and scores, exactly
+    assert largest[1][0][:3] == [17, 9000, 9001]
+    alone = [row_totals(scores[i:i + 1].clone(), top=20) for i in range(5)]
+    assert [a[1][0] for a in alone] == totals and [a[2][0] for a in alone] == largest  # bit for bit
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert row_totals(scores, top=20) == (picked, totals, largest)
+    finally:
+        torch.set_num_threads(threads)
+    assert row_totals(scores, top=3)[2] == [(ids[:3], values[:3]) for ids, values in largest]
+    assert row_totals(scores)[2] is None  # no alternatives asked for: none handed on
+    for bad in (float("nan"), float("inf")):
+        broken = scores.clone()
+        broken[4, 5000] = bad
+        _, broken_totals, _ = row_totals(broken, top=5)
+        assert broken_totals[:4] == totals[:4] and not math.isfinite(broken_totals[4])
+    ruled_out = scores.clone()
+    ruled_out[4, 5000] = float("-inf")  # a token that can't come: nothing wrong with the row
+    assert row_totals(ruled_out)[1][4] == pytest.approx(torch.logsumexp(ruled_out[4].double(), -1).item(), rel=1e-6)
+    assert not math.isfinite(row_totals(torch.full((1, 8), float("-inf")))[1][0])  # no token can come
+    assert row_totals(torch.tensor([[2.0, 3.0, 3.0, 1.0]]), top=4)[2] == [([1, 2, 0, 3], [3.0, 3.0, 2.0, 1.0])]
+    monkeypatch.setattr(kernels, "loaded", lambda: None)  # without them: the same numbers, searched for elsewhere
+    assert row_totals(scores, top=20)[:2] == (picked, pytest.approx(totals, rel=1e-6))
 
 
 ATTENTION_SHAPES = [(16, 9, 3, 128, 64), (1, 9, 3, 64, 64), (5, 8, 8, 300, 32), (3, 4, 1, 64, 128), (2, 2, 2, 1, 16),
@@ -283,7 +335,7 @@ def arithmetic_tests_with(choice: kernels.Isa) -> subprocess.Popen:
     the tests leave the user's cache alone)."""
     env = {name: value for name, value in os.environ.items() if name != kernels.DIR_ENV}
     return subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "block_arithmetic or softmax_over"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "block_arithmetic or softmax_over or row_totals"],
         env={**env, kernels.ISA_ENV: choice.name}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -135,24 +135,28 @@ def test_stop_strings_are_found_and_held_back_in_one_place():
     assert trimmer.final("stop_string", "STOP") == "Hello STAy "
 
 
-def test_row_totals_are_torchs_argmax_and_logsumexp_and_say_when_a_row_is_not_finite():
+def test_row_totals_are_torchs_argmax_and_logsumexp_and_say_when_a_row_is_not_finite(monkeypatch):
+    """Without the int8 kernels (their pass: test_kernels.py): numpy for one row, torch for several."""
     from engine.generation.sampling import row_totals
+    from engine.models import kernels
 
+    monkeypatch.setattr(kernels, "loaded", lambda: None)
     generator = torch.Generator().manual_seed(3)
     scores = torch.randn(4, 5000, generator=generator) * 10
     scores[1, 17] = scores[1, 4000] = 80.0  # a tie: the first index, as torch.argmax and numpy take it
     scores[2] -= 1e4  # far from zero: the maximum is taken out before exponentiating
-    picked, totals = row_totals(scores.numpy())  # several rows (torch's logsumexp) and each alone (numpy's)
+    picked, totals, largest = row_totals(scores, top=5)  # several rows (torch's logsumexp) and each alone (numpy's)
     assert picked == torch.argmax(scores, dim=-1).tolist() and picked[1] == 17
     assert totals == pytest.approx(torch.logsumexp(scores.double(), dim=-1).tolist(), rel=1e-6)
+    assert largest is None  # the alternatives are searched for per token (decoding.top_scores)
     for i in range(4):
-        assert row_totals(scores[i:i + 1].numpy()) == ([picked[i]], [pytest.approx(totals[i], rel=1e-6)])
-    assert row_totals(scores.numpy(), picks=False) == (None, totals)  # no greedy row: no argmax pass
+        assert row_totals(scores[i:i + 1]) == ([picked[i]], [pytest.approx(totals[i], rel=1e-6)], None)
+    assert row_totals(scores, picks=False) == (None, totals, None)  # no greedy row: no argmax pass
     for bad in (float("nan"), float("inf")):
         broken = scores.clone()
         broken[3, 9] = bad
-        _, totals = row_totals(broken.numpy())
+        _, totals, _ = row_totals(broken)
         assert math.isfinite(totals[0]) and not math.isfinite(totals[3])
-        assert not math.isfinite(row_totals(broken[3:].numpy())[1][0])
-    _, totals = row_totals(torch.full((1, 8), float("-inf")).numpy())  # nothing possible: no total
+        assert not math.isfinite(row_totals(broken[3:])[1][0])
+    _, totals, _ = row_totals(torch.full((1, 8), float("-inf")))  # nothing possible: no total
     assert not math.isfinite(totals[0])

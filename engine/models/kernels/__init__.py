@@ -37,7 +37,8 @@ class Isa:
 
 
 _HERE = Path(__file__).parent
-HEADERS = (_HERE / "q8_common.h", _HERE / "q8_ops.h", _HERE / "q8_avx512.h", _HERE / "attention.h")
+HEADERS = (_HERE / "q8_common.h", _HERE / "q8_ops.h", _HERE / "q8_avx512.h", _HERE / "attention.h",
+           _HERE / "scores.h")
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma")
 _AVX512_CFLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
                   "-mfma")

@@ -9,12 +9,14 @@
 //   amx_tiles(M, groups, tile)                          the walk over AMX tiles of 16 rows × 16 columns
 //   q8_amx<FULL>(…), q4_amx<FULL>(…)                    one such tile (FULL: 16 rows, else fewer)
 // It also defines the batched decode step's attention (attention.h: with its AVX-512 loops where
-// the file is built on q8_avx512.h, WORKBENCH_AVX512).
+// the file is built on q8_avx512.h, WORKBENCH_AVX512) and each row of scores' log-normaliser and
+// largest few (scores.h).
 // Included once, last, by each kernel file (one of which a process loads).
 
 #pragma once
 
 #include "attention.h"
+#include "scores.h"
 
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
     TORCH_CHECK(w.dim() == 5 && w.size(2) == 8 && w.size(3) == 16 && w.size(4) == 4 && w.scalar_type() == at::kChar &&
@@ -82,10 +84,12 @@ TORCH_LIBRARY(workbench, m) {
     m.def("q8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
     m.def("q4_linear(Tensor x, Tensor w, Tensor d, Tensor mins) -> Tensor");
     m.def("attend_rows(Tensor q, Tensor keys, Tensor values, Tensor positions, float scale) -> Tensor");
+    m.def("row_totals(Tensor scores, int k) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(workbench, CPU, m) {
     m.impl("q8_linear", &q8_linear);
     m.impl("q4_linear", &q4_linear);
     m.impl("attend_rows", &attend_rows);
+    m.impl("row_totals", &row_totals);
 }
