@@ -75,8 +75,8 @@ class Choice:
     """What one decode step gives one request: the tokens to emit, each with the target's scores
     before it, their log-normaliser (logprobs) and their largest few where the sampler took them
     (``(ids, scores)``, best first, else ``None``: the token's alternatives, :func:`row_totals`),
-    the number of the draft's guesses accepted (they come first), and ``finite``: false when the scores after the
-    emitted tokens were NaN/inf (the request ends there with an error)."""
+    the number of the draft's guesses accepted (they come first), and ``finite``: false when the
+    scores after the emitted tokens were NaN/inf (the request ends there with an error)."""
 
     tokens: list[tuple[int, "torch.Tensor", float, "object"]]  # noqa: F821
     accepted: int = 0
@@ -130,6 +130,7 @@ def choose(sampler: RequestSampler, rows: "torch.Tensor", log_totals: list[float
     finite = math.isfinite(log_totals[accepted])  # checked before sampling: a sampler given NaN fails without saying why
     if own is None and finite:
         own = pick(accepted)
+
     def most(j: int):
         return largest[j] if largest is not None else None
 
@@ -146,8 +147,8 @@ def sample_batch(samplers: list[RequestSampler], rows: "torch.Tensor", counts: l
     next ``counts[i]`` of them request ``i``'s (1 + its guesses). The log-normalisers of every row,
     the argmax of every row that greedy requests need and, where the kernels take them, the ``top``
     largest scores of every row (the alternatives the tokens' events show) are taken for the whole
-    batch (:func:`row_totals`); then each request's tokens (:func:`choose`). A request whose sampling raises gets its exception in its
-    place: it ends alone."""
+    batch (:func:`row_totals`); then each request's tokens (:func:`choose`). A request whose
+    sampling raises gets its exception in its place: it ends alone."""
     import torch
 
     scores = rows.float()
@@ -177,8 +178,8 @@ def row_totals(scores: "torch.Tensor", picks: bool = True,  # noqa: F821
     unless ``picks``), its log-normaliser (log Σ exp) and, where the kernels take them, its ``top``
     largest scores (``[(ids, scores)]`` per row, best first, the lower id first among equals;
     ``None`` where the kernels aren't loaded or ``top`` is 0), for CPU scores ([rows, vocab]
-    float32). A row with NaN or infinite scores gets a non-finite total (its request ends with an
-    error).
+    float32). A row with NaN or +inf among its scores, or nothing but −inf, gets a non-finite
+    total (its request ends with an error); a −inf score is a token that can't come.
 
     Where the int8 kernels are loaded, their ``row_totals`` (kernels/scores.h): one parallel pass
     in which each thread reads the scores its own core's cache holds from the step, the same for
