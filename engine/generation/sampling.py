@@ -149,15 +149,8 @@ def sample_batch(samplers: list[RequestSampler], rows: "torch.Tensor", counts: l
     largest scores of every row (the alternatives the tokens' events show) are taken for the whole
     batch (:func:`row_totals`); then each request's tokens (:func:`choose`). A request whose
     sampling raises gets its exception in its place: it ends alone."""
-    import torch
-
     scores = rows.float()
-    if scores.device.type == "cpu":
-        argmaxes, log_totals, largest = row_totals(scores, picks=any(s.plain_greedy for s in samplers), top=top)
-    else:
-        log_totals = torch.logsumexp(scores, dim=-1).tolist()
-        argmaxes = torch.argmax(scores, dim=-1).tolist() if any(s.plain_greedy for s in samplers) else None
-        largest = None
+    argmaxes, log_totals, largest = row_totals(scores, picks=any(s.plain_greedy for s in samplers), top=top)
     out: list[Choice | Exception] = []
     start = 0
     for i, sampler in enumerate(samplers):
@@ -177,8 +170,8 @@ def row_totals(scores: "torch.Tensor", picks: bool = True,  # noqa: F821
     """Each row's argmax (the first largest score; without the kernels, ``None`` for several rows
     unless ``picks``), its log-normaliser (log Σ exp) and, where the kernels take them, its ``top``
     largest scores (``[(ids, scores)]`` per row, best first, the lower id first among equals;
-    ``None`` where the kernels aren't loaded or ``top`` is 0), for CPU scores ([rows, vocab]
-    float32). A row with NaN or +inf among its scores, or nothing but −inf, gets a non-finite
+    ``None`` where the kernels don't take them or ``top`` is 0), for scores [rows, vocab] (float32,
+    on any device). A row with NaN or +inf among its scores, or nothing but −inf, gets a non-finite
     total (its request ends with an error); a −inf score is a token that can't come.
 
     Where the int8 kernels are loaded, their ``row_totals`` (kernels/scores.h): one parallel pass
@@ -188,22 +181,26 @@ def row_totals(scores: "torch.Tensor", picks: bool = True,  # noqa: F821
     passes the totals took in numpy ~0.29 ms of an int8-fast token's ~11 ms, and the search of
     the token's five likeliest alternatives (decoding.top_scores) ~0.25–0.4 ms more.
 
-    Elsewhere, one row: the argmax first, then the row less its maximum, exponentiated and
-    summed in numpy. Several rows: torch.logsumexp, whose threads take rows each (16 rows of the
-    default model's scores: 1.5 ms against 2.35 ms in one thread, from cold caches)."""
+    Elsewhere, one CPU row: the argmax first, then the row less its maximum, exponentiated and
+    summed in numpy. Several rows, or a GPU's: torch.logsumexp, whose CPU threads take rows each
+    (16 rows of the default model's scores: 1.5 ms against 2.35 ms in one thread, from cold
+    caches)."""
     import numpy as np
     import torch
 
     from engine.models import kernels  # lazy: the kernels' module, loaded by a fast precision or not at all
 
-    if kernels.loaded() is not None and scores.is_contiguous() and scores.shape[-1] >= max(top, 1):
+    cpu = scores.device.type == "cpu"
+    if cpu and kernels.loaded() is not None and scores.is_contiguous() and scores.shape[-1] >= max(top, 1):
         totals, values, ids = torch.ops.workbench.row_totals(scores, max(top, 1))
         ids_list = ids.tolist()
         largest = [(i[:top], v[:top]) for i, v in zip(ids_list, values.tolist())] if top else None
         return [i[0] for i in ids_list], totals.tolist(), largest
-    if len(scores) > 1:
+    if len(scores) > 1 or not cpu:
         totals = torch.logsumexp(scores, dim=-1).tolist()
-        return (scores.numpy().argmax(axis=1).tolist() if picks else None), totals, None
+        if not picks:
+            return None, totals, None
+        return (scores.numpy().argmax(axis=1) if cpu else torch.argmax(scores, dim=-1)).tolist(), totals, None
     values = scores.numpy()
     picked = values.argmax(axis=1)
     best = values[np.arange(len(values)), picked]
