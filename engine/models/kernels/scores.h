@@ -55,23 +55,6 @@ struct Largest {
 };
 
 #ifdef WORKBENCH_AVX512
-// exp_nonpositive (attention.h) on 16 lanes: the same steps.
-inline __m512 exp_nonpositive16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f)),
-                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f),
-                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x));
-    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00138888892f), _mm512_set1_ps(0.00833333377f));
-    p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.0416666679f));
-    p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.166666672f));
-    p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
 // Scores x[0 … n) (ids first …): the largest, Σ e^(x − largest), whether all are usable (no NaN,
 // no +inf; a score of −inf is a token that can't come), and the k largest into most.
 inline void chunk_totals(const float* x, int64_t n, int64_t first, Largest& most, float& top, float& sum,
