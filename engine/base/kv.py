@@ -34,6 +34,9 @@ class KVLayout:
 
     def tokens_held(self, tokens: int) -> int:
         """Token slots held over all layers after ``tokens`` tokens went through."""
+        full = self.windows.count(None)
+        if full == len(self.windows):  # no sliding window, the common case (asked per token of a step)
+            return tokens * full
         return sum(tokens if w is None else min(tokens, w - 1) for w in self.windows)
 
     def bytes_for(self, tokens: int, element_bytes: int, batch: int = 1) -> int:
