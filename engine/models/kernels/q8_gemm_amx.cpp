@@ -84,6 +84,12 @@ void amx_tiles(int64_t M, int64_t groups, Tile&& tile) {
     });
 }
 
+// GCC's tile intrinsics are asm statements that name no memory, so the compiler would be free to
+// move the reads of a tile store's products before it, or the stores of unpacked weights after
+// the tile load that reads them: a barrier on each side of every tile load and store of memory
+// the code also touches (its cost, measured: none).
+inline void memory_barrier() { asm volatile("" ::: "memory"); }
+
 // The loop both kinds share, a block of 32 inputs at a time: weights(b, set) gives block b's B
 // tile (set: which of two buffers, for a kind that unpacks), dot(set) multiplies set's tiles,
 // scale(b, products) adds block b's int32 products into the fp32 sums. Pipelined: block b+1's
@@ -94,15 +100,18 @@ inline void amx_blocks(const uint8_t* a, int64_t K, Weights&& weights, Dot&& dot
     const int64_t blocks = K / BLOCK;
     alignas(64) int32_t products[TILE_ROWS][16];
     auto issue = [&](int64_t b, auto set) {  // the tile numbers are literals in GCC's intrinsics
+        const void* block = weights(b, decltype(set)::value);
+        memory_barrier();
         if constexpr (decltype(set)::value == 0) {
             _tile_loadd(0, a + b * BLOCK, K);
-            _tile_loadd(2, weights(b, 0), 64);
+            _tile_loadd(2, block, 64);
             _tile_zero(4);
         } else {
             _tile_loadd(1, a + b * BLOCK, K);
-            _tile_loadd(3, weights(b, 1), 64);
+            _tile_loadd(3, block, 64);
             _tile_zero(5);
         }
+        memory_barrier();
         dot(set);
     };
     const std::integral_constant<int, 0> even;
@@ -110,11 +119,15 @@ inline void amx_blocks(const uint8_t* a, int64_t K, Weights&& weights, Dot&& dot
     issue(0, even);
     for (int64_t b = 0; b < blocks; b += 2) {
         if (b + 1 < blocks) issue(b + 1, odd);
+        memory_barrier();
         _tile_stored(4, products, 64);
+        memory_barrier();
         scale(b, products);
         if (b + 1 < blocks) {
             if (b + 2 < blocks) issue(b + 2, even);
+            memory_barrier();
             _tile_stored(5, products, 64);
+            memory_barrier();
             scale(b + 1, products);
         }
     }
