@@ -210,6 +210,7 @@ def row_totals(scores: "torch.Tensor", picks: bool = True,  # noqa: F821
         totals = np.log(shifted.sum(axis=1)) + best
     return picked.tolist(), totals.tolist(), None
 
+
 def distribution(params: SamplingParams, logits: "torch.Tensor", seen: "torch.Tensor") -> "torch.Tensor":  # noqa: F821
     """The probabilities the sampler draws from (after penalty, temperature and filters), for
     speculative sampling, which needs them for target and draft alike. Greedy: one-hot."""
