@@ -172,31 +172,15 @@ inline void weigh_pieces(const float* scores, int64_t n, const T* vbase, int64_t
     }
 }
 
-// Heads g0 … g1 - 1's scores over slots 0 … n - 1: CH pieces of 16 a key (the head size's), each
-// key read once into registers. With the count of pieces known only at run time, GCC copied every
-// key into a stack array with a call to memcpy (4.6% of a 16-row int8-fast step in perf, as much
-// as the scoring itself), so the common head sizes get their own copy and the rest read each
-// piece where it lies, once per query head (from L1).
+// Heads g0 … g1 - 1's scores over slots 0 … n - 1, each key's pieces of 16 read where they lie
+// (from L1 after the first head). A copy of the key in a stack array sized at run time had GCC
+// call memcpy for every slot (4.6% of a 16-row int8-fast step in perf, as much as the scoring
+// itself). CH: the pieces a key has, where known at compile time (the common head sizes, whose
+// loops unroll); 0: ``dim`` / 16 at run time.
 template <int CH, typename T>
 inline void score_slots(const float* query, const T* kbase, int64_t ks, int64_t n, int64_t dim, int64_t g0,
                         int64_t g1, float* scores) {
-    for (int64_t t = 0; t < n; ++t) {
-        const T* krow = kbase + t * ks;
-        __m512 key[CH];
-        for (int c = 0; c < CH; ++c) key[c] = load16(krow + 16 * c);
-        for (int64_t g = g0; g < g1; ++g) {
-            const float* qg = query + g * dim;
-            __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), key[0]);
-            for (int c = 1; c < CH; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), key[c], dot);
-            scores[g * n + t] = _mm512_reduce_add_ps(dot);
-        }
-    }
-}
-
-template <typename T>
-inline void score_slots_any(const float* query, const T* kbase, int64_t ks, int64_t n, int64_t dim, int64_t g0,
-                            int64_t g1, float* scores) {
-    const int64_t chunks = dim / 16;
+    const int64_t chunks = CH ? CH : dim / 16;
     for (int64_t t = 0; t < n; ++t) {
         const T* krow = kbase + t * ks;
         for (int64_t g = g0; g < g1; ++g) {
@@ -216,7 +200,7 @@ void attend_vectors(const float* query, const T* kbase, int64_t ks, const T* vba
     switch (chunks) {
         case 4: score_slots<4>(query, kbase, ks, n, dim, g0, g1, scores); break;
         case 8: score_slots<8>(query, kbase, ks, n, dim, g0, g1, scores); break;
-        default: score_slots_any(query, kbase, ks, n, dim, g0, g1, scores); break;
+        default: score_slots<0>(query, kbase, ks, n, dim, g0, g1, scores); break;
     }
     softmax_numerators16(scores, n, g0, g1, total);
     int64_t g = g0;
