@@ -231,11 +231,13 @@ def test_row_totals_are_each_rows_logsumexp_and_largest_few_alone_or_in_a_batch(
 
 
 ATTENTION_SHAPES = [(16, 9, 3, 128, 64), (1, 9, 3, 64, 64), (5, 8, 8, 300, 32), (3, 4, 1, 64, 128), (2, 2, 2, 1, 16),
-                    (2, 7, 1, 70, 32), (3, 4, 2, 50, 24)]
+                    (2, 7, 1, 70, 32), (2, 6, 1, 40, 32), (3, 4, 2, 50, 24)]
 """(rows, query heads, KV heads, cache slots, head size): the default model's GQA at 16 rows and
 at one (its query heads split between the threads), plain multi-head attention, one KV head for
-four queries, a one-slot cache, seven queries per KV head (the vector loops' blocks of 4, 2 and 1
-heads), and a head size that isn't a multiple of 16 (the plain loops)."""
+four queries, a one-slot cache, seven and six queries per KV head (the vector loops' blocks of 4
+and 3, 4 and 2 heads; 1 in plain multi-head), and a head size that isn't a multiple of 16 (the
+plain loops). Positions fall anywhere in the cache, so the scores' last 16 slots are mostly a
+partial group."""
 
 
 @pytest.mark.parametrize("rows,heads,kv_heads,capacity,dim", ATTENTION_SHAPES)
