@@ -308,7 +308,9 @@ class ModelPanel(QWidget):
         values = {
             "Model": info.name,
             "Format": info.original_format,
-            "Precision": f"{info.precision} (compute {info.compute_dtype})",
+            "Precision": f"{info.precision} (compute {info.compute_dtype}"
+                         + (f", KV cache {info.kv_dtype})" if info.kv_dtype and info.kv_dtype != info.compute_dtype
+                            else ")"),
             "Device": info.device,
             "Hardware": info.device_name,
             "Weights": format_bytes(info.weights_bytes),

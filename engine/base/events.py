@@ -74,6 +74,9 @@ class Loaded:
     original_format: str = ""
     """e.g. ``GGUF Q4_1`` or ``safetensors BF16``."""
     has_chat_template: bool = True
+    kv_dtype: str = ""
+    """The dtype the KV cache keeps (``kv_bytes_per_token`` counts it); empty: ``compute_dtype``'s
+    (a record from before the two could differ)."""
 
 
 @dataclass(frozen=True, slots=True)

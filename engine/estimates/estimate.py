@@ -226,7 +226,7 @@ def predict(config, precision: str, device: str = "cpu", context_tokens: int = 2
     count = count_parameters(config)
     weights = weights_bytes(count, precision, device.split(":")[0])
     layout = kv_layout(config)
-    element = dtype_bytes(get_precision(precision).compute_dtype(device.split(":")[0]))
+    element = dtype_bytes(get_precision(precision).kv_dtype(device.split(":")[0]))
     per_token = layout.bytes_per_token(element) if layout else None
     kv = layout.bytes_for(context_tokens, element) if layout else 0
     try:

@@ -172,8 +172,8 @@ def export_step(d):
 
     capacity = 512
     shape = (1, d.kv_heads, capacity, d.head_dim)
-    keys = [torch.zeros(shape, dtype=d.dtype, device=d.device) for _ in d.layers]
-    values = [torch.zeros(shape, dtype=d.dtype, device=d.device) for _ in d.layers]
+    keys = [torch.zeros(shape, dtype=d.kv_dtype, device=d.device) for _ in d.layers]
+    values = [torch.zeros(shape, dtype=d.kv_dtype, device=d.device) for _ in d.layers]
     cos, sin = _rotary_tables(d, capacity)
     ids = torch.zeros((1, 1), dtype=torch.long, device=d.device)
     position = torch.zeros(1, dtype=torch.long, device=d.device)
@@ -190,8 +190,8 @@ def export_rows(d):
 
     capacity, batch = 512, EXAMPLE_ROWS
     shape = (batch, d.kv_heads, capacity, d.head_dim)
-    keys = [torch.zeros(shape, dtype=d.dtype, device=d.device) for _ in d.layers]
-    values = [torch.zeros(shape, dtype=d.dtype, device=d.device) for _ in d.layers]
+    keys = [torch.zeros(shape, dtype=d.kv_dtype, device=d.device) for _ in d.layers]
+    values = [torch.zeros(shape, dtype=d.kv_dtype, device=d.device) for _ in d.layers]
     cos, sin = _rotary_tables(d, capacity)
     ids = torch.zeros((batch, 1), dtype=torch.long, device=d.device)
     positions = torch.arange(batch, dtype=torch.long, device=d.device)

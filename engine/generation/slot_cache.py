@@ -35,8 +35,8 @@ class SlotCache:
     def _resize(self, slots: int, capacity: int) -> None:
         d = self.d
         shape = (slots, d.kv_heads, capacity, d.head_dim)
-        keys = [torch.zeros(shape, dtype=d.dtype, device=d.device) for _ in d.layers]
-        values = [torch.zeros(shape, dtype=d.dtype, device=d.device) for _ in d.layers]
+        keys = [torch.zeros(shape, dtype=d.kv_dtype, device=d.device) for _ in d.layers]
+        values = [torch.zeros(shape, dtype=d.kv_dtype, device=d.device) for _ in d.layers]
         used, longest = min(len(self.lengths), self.slots), max(self.lengths, default=0)
         for old, new in zip(self.keys + self.values, keys + values):
             new[:used, :, :longest] = old[:used, :, :longest]

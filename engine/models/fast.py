@@ -112,8 +112,11 @@ class FastDecoder:
         table = next(self.embed.parameters(), None)
         table = table if table is not None else next(self.embed.buffers())  # blocks shared with the head
         self.dtype, self.device = table.dtype, table.device
+        self.kv_dtype = self.dtype
+        """What the KV cache keeps keys and values in (the precision's ``kv_dtype``)."""
         if has_int8_activations(model):
             self.dtype = torch.float32  # int8 activations: the rest computes in fp32, as llama.cpp's does
+            self.kv_dtype = torch.float16  # and the cache is fp16, as llama.cpp's F16 cache
         self.compiled = None
         """The compiled decode step, once engine/generation/compiled_step.py has made it ready:
         called as :func:`_decode_step` is, for any cache size."""
@@ -198,7 +201,8 @@ def _forward(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_laye
         q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
         keys[:, :, start:end] = k
         values[:, :, start:end] = v
-        attended = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
+        attended = F.scaled_dot_product_attention(q, keys[:, :, :end].to(q.dtype), values[:, :, :end].to(q.dtype),
+                                                  attn_mask=mask,
                                                   is_causal=causal, scale=layer.scaling,
                                                   enable_gqa=d.kv_heads != d.heads)
         hidden = _rest_of_layer(d, layer, hidden, attended)
@@ -214,6 +218,8 @@ def chunk_logits(d: FastDecoder, ids: torch.Tensor, keep: int) -> torch.Tensor:
     hidden = d.embed(ids).to(d.dtype)
     for layer in d.layers:
         q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
+        if d.kv_dtype != k.dtype:  # what a cache would have kept (a step reads them from it)
+            k, v = k.to(d.kv_dtype).to(k.dtype), v.to(d.kv_dtype).to(v.dtype)
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scaling,
                                                   enable_gqa=d.kv_heads != d.heads)
         hidden = _rest_of_layer(d, layer, hidden, attended)
@@ -249,8 +255,8 @@ def _decode_step(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_
     hidden = d.embed(ids).to(d.dtype)
     for layer, keys, values in zip(d.layers, keys_per_layer, values_per_layer):
         q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
-        keys.index_copy_(2, position, k)
-        values.index_copy_(2, position, v)
+        keys.index_copy_(2, position, k.to(keys.dtype))
+        values.index_copy_(2, position, v.to(values.dtype))
         if d.step_attention:
             attended = torch.ops.workbench.attend_rows(q, keys, values, position, layer.scaling)
         else:
@@ -295,8 +301,8 @@ def _rows_attention_inputs(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, 
                            positions: torch.Tensor) -> torch.Tensor:
     """A batched step's queries, each row's new key and value written at its own position."""
     q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
-    keys[rows, :, positions] = k[:, :, 0]
-    values[rows, :, positions] = v[:, :, 0]
+    keys[rows, :, positions] = k[:, :, 0].to(keys.dtype)
+    values[rows, :, positions] = v[:, :, 0].to(values.dtype)
     return q
 
 

@@ -330,7 +330,7 @@ def _describe(model, tokenizer, resolved: sources.ResolvedModel, precision: Prec
               layout: KVLayout | None, load_s: float) -> Loaded:
     config = model.config
     text = config.get_text_config(decoder=True)
-    compute = precision.compute_dtype(device.type)
+    compute, kv = precision.compute_dtype(device.type), precision.kv_dtype(device.type)
     heads = int(text.num_attention_heads)
     return Loaded(
         name=resolved.name,
@@ -350,7 +350,8 @@ def _describe(model, tokenizer, resolved: sources.ResolvedModel, precision: Prec
         head_dim=layout.head_dim if layout else int(getattr(text, "head_dim", None) or text.hidden_size // heads),
         vocab_size=int(text.vocab_size),
         compute_dtype=compute,
-        kv_bytes_per_token=layout.bytes_per_token(dtype_bytes(compute)) if layout else None,
+        kv_bytes_per_token=layout.bytes_per_token(dtype_bytes(kv)) if layout else None,
         original_format=resolved.original_format,
         has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+        kv_dtype=kv,
     )

@@ -35,8 +35,13 @@ class Precision:
         """Raise :class:`UnsupportedPrecisionError` if ``device_type`` can't run this precision."""
 
     def compute_dtype(self, device_type: str) -> str:
-        """The dtype activations (and so the KV cache) use, as a torch dtype name."""
+        """The dtype activations use, as a torch dtype name."""
         raise NotImplementedError
+
+    def kv_dtype(self, device_type: str) -> str:
+        """The dtype the KV cache keeps keys and values in: the activations' unless a precision
+        says otherwise."""
+        return self.compute_dtype(device_type)
 
     def load_kwargs(self, device_type: str) -> dict:
         """Keyword arguments for ``from_pretrained``."""
@@ -126,9 +131,15 @@ class FastPrecision(Precision):
         if self.scheme in ("int8", "int4"):
             from engine.models.kernels import expected  # lazy: it reads /proc/cpuinfo
 
-            # int8 activations (engine/models/kernels): the rest computes, and caches K/V, in fp32
+            # int8 activations (engine/models/kernels): the rest computes in fp32
             return "float32" if expected() else "bfloat16"
         return "bfloat16"
+
+    def kv_dtype(self, device_type: str) -> str:
+        compute = self.compute_dtype(device_type)
+        # int8 activations: keys and values kept in fp16, as llama.cpp's F16 cache (half of fp32's
+        # bytes, read by every token's attention; its 11-bit significand where bf16 has 8)
+        return "float16" if self.scheme in ("int8", "int4") and compute == "float32" else compute
 
     def load_kwargs(self, device_type: str) -> dict:
         import torch

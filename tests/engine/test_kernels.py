@@ -241,17 +241,19 @@ partial group."""
 
 
 @pytest.mark.parametrize("rows,heads,kv_heads,capacity,dim", ATTENTION_SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_is_each_rows_softmax_over_its_own_cache(rows, heads, kv_heads, capacity, dim, dtype):
+@pytest.mark.parametrize("dtype,cache", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                         (torch.float32, torch.float16)])
+def test_attention_is_each_rows_softmax_over_its_own_cache(rows, heads, kv_heads, capacity, dim, dtype, cache):
     """The batched step's attention: each row over its slots up to its own position (what lies
     beyond is never read: NaN there changes nothing), the query heads of a KV head sharing it,
-    and a row's result bit for bit the same alone as in the batch."""
+    and a row's result bit for bit the same alone as in the batch; over a cache of the queries'
+    type, or fp16 under fp32 queries (the quantized precisions' cache), computed in fp32."""
     from engine.models.fast import _attend_one
 
     generator = torch.Generator().manual_seed(rows * capacity + dim)
     q = torch.randn(rows, heads, 1, dim, generator=generator).to(dtype)
-    keys = torch.randn(rows, kv_heads, capacity, dim, generator=generator).to(dtype)
-    values = torch.randn(rows, kv_heads, capacity, dim, generator=generator).to(dtype)
+    keys = torch.randn(rows, kv_heads, capacity, dim, generator=generator).to(cache)
+    values = torch.randn(rows, kv_heads, capacity, dim, generator=generator).to(cache)
     positions = torch.randint(0, capacity, (rows,), generator=generator)
     positions[0] = capacity - 1
     positions[-1] = 0 if rows > 1 else positions[-1]
@@ -279,6 +281,8 @@ def test_attention_refuses_what_it_cannot_read():
         torch.ops.workbench.attend_rows(torch.randn(2, 3, 1, 16), cache, cache, torch.tensor([3, 4]), 0.25)
     with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
         torch.ops.workbench.attend_rows(q.bfloat16(), cache, cache, torch.tensor([3, 4]), 0.25)
+    with pytest.raises(RuntimeError, match="float32 q over a float16 cache"):  # not bf16 queries over it
+        torch.ops.workbench.attend_rows(q.bfloat16(), cache.half(), cache.half(), torch.tensor([3, 4]), 0.25)
 
 
 @pytest.mark.parametrize("precision", ["fp32-fast", "int8-fast"])

@@ -247,14 +247,15 @@ void attend_vectors(const float* query, const T* kbase, int64_t ks, const T* vba
 }
 #endif
 
-template <typename T>
+// T: the queries' and the result's type; C: the cache's (the same, or fp16 under fp32 queries).
+template <typename T, typename C>
 void attend_rows_impl(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                       const int64_t* positions, double scale, torch::Tensor& out) {
     const int64_t batch = keys.size(0), kv_heads = keys.size(1), dim = keys.size(3);
     const int64_t group = q.size(1) / kv_heads;
     const T* qp = q.data_ptr<T>();
-    const T* kp = keys.data_ptr<T>();
-    const T* vp = values.data_ptr<T>();
+    const C* kp = keys.data_ptr<C>();
+    const C* vp = values.data_ptr<C>();
     T* op = out.data_ptr<T>();
     const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2);
     const int64_t vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2);
@@ -277,8 +278,8 @@ void attend_rows_impl(const torch::Tensor& q, const torch::Tensor& keys, const t
             const T* qrow = qp + (b * q.size(1) + h * group) * dim;  // q is [B, H, 1, D], contiguous
             for (int64_t i = g0 * dim; i < g1 * dim; ++i) query[i] = static_cast<float>(qrow[i]) * s;
             scores.resize(group * n);
-            const T* kbase = kp + b * ks0 + h * ks1;
-            const T* vbase = vp + b * vs0 + h * vs1;
+            const C* kbase = kp + b * ks0 + h * ks1;
+            const C* vbase = vp + b * vs0 + h * vs1;
 #ifdef WORKBENCH_AVX512
             if (vectors)
                 attend_vectors(query.data(), kbase, ks2, vbase, vs2, n, dim, g0, g1, scores.data(), total.data(),
@@ -296,17 +297,20 @@ void attend_rows_impl(const torch::Tensor& q, const torch::Tensor& keys, const t
     });
 }
 
-// q [B, H, 1, D]; keys and values [B, KV heads, capacity, D] (the last dimension contiguous);
-// positions [B] int64: row b attends to its slots 0…positions[b]. Returns [B, H, 1, D].
+// q [B, H, 1, D]; keys and values [B, KV heads, capacity, D] (the last dimension contiguous), of
+// q's type or fp16 under fp32 queries (the quantized precisions' cache, as llama.cpp's F16);
+// positions [B] int64: row b attends to its slots 0…positions[b]. Returns [B, H, 1, D], q's type.
 torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                           const torch::Tensor& positions, double scale) {
     TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && keys.dim() == 4 && values.sizes() == keys.sizes(),
                 "attend_rows: q [B, H, 1, D], keys and values [B, KV heads, capacity, D]");
     TORCH_CHECK(q.size(0) == keys.size(0) && q.size(3) == keys.size(3) && q.size(1) % keys.size(1) == 0,
                 "attend_rows: q's rows, head size and heads must match the cache's");
-    TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type() &&
-                    (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
-                "attend_rows: q, keys and values all float32 or all bfloat16");
+    TORCH_CHECK(keys.scalar_type() == values.scalar_type() &&
+                    (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+                    (keys.scalar_type() == q.scalar_type() ||
+                     (q.scalar_type() == at::kFloat && keys.scalar_type() == at::kHalf)),
+                "attend_rows: q, keys and values all float32 or all bfloat16, or float32 q over a float16 cache");
     TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "attend_rows: the cache's last dimension contiguous");
     TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == q.size(0),
                 "attend_rows: positions, int64 [B]");
@@ -316,8 +320,9 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& keys, con
     for (int64_t b = 0; b < pc.size(0); ++b)
         TORCH_CHECK(pp[b] >= 0 && pp[b] < keys.size(2), "attend_rows: a position outside the cache");
     auto out = torch::empty({q.size(0), q.size(1), 1, q.size(3)}, q.options());
-    if (q.scalar_type() == at::kFloat) attend_rows_impl<float>(qc, keys, values, pp, scale, out);
-    else attend_rows_impl<at::BFloat16>(qc, keys, values, pp, scale, out);
+    if (keys.scalar_type() == at::kHalf) attend_rows_impl<float, at::Half>(qc, keys, values, pp, scale, out);
+    else if (q.scalar_type() == at::kFloat) attend_rows_impl<float, float>(qc, keys, values, pp, scale, out);
+    else attend_rows_impl<at::BFloat16, at::BFloat16>(qc, keys, values, pp, scale, out);
     return out;
 }
 

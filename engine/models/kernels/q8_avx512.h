@@ -34,6 +34,9 @@ inline __m512 load16(const at::BFloat16* p) {
     __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+inline __m512 load16(const at::Half* p) {  // the quantized precisions' KV cache (AVX-512F's vcvtph2ps)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, bool offset, bool with_sums, QuantizedRows& out) {
