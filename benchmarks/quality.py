@@ -3,14 +3,14 @@ text (llama.cpp's method, ctx 512), KL divergence from fp32 (mean, 99th percenti
 tokens whose top choice stays fp32's, weights bytes, decode tok/s, and how long each took.
 
 fp32 runs first and is kept as the reference (top 512 log-probabilities per token and the rest's
-mass); one precision (``--exact``, int8-fast by default) is also measured against fp32 loaded
+mass); one precision or more (``--exact``, int8-fast by default) is also measured against fp32 loaded
 beside it with every probability, to say how much keeping the top 512 changes the figure, and
 served (``--served``, int8-fast by default) by this workbench's server on a loopback port and
 scored from the prompt log-probabilities it returns (its top 20), as a served model is measured:
 the same perplexity, and how low the served KL's lower bound reads against the figure here.
 
     python benchmarks/contention.py   # first, if another program may be running
-    python benchmarks/quality.py [--precisions fp32,bf16,...] [--chunks N] [--exact int8-fast] [--served int8-fast]
+    python benchmarks/quality.py [--precisions fp32,bf16,...] [--chunks N] [--exact int8-fast,...] [--served int8-fast]
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, help="score the first N chunks only (default: the whole text)")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--exact", default="int8-fast", help="also measured against fp32 with every probability "
-                                                             "('' to skip)")
+                                                             "(comma-separated precisions; '' to skip)")
     parser.add_argument("--served", default="int8-fast", help="also served and scored through the API ('' to skip)")
     args = parser.parse_args()
     _, text = quality.read_text(None)
@@ -74,7 +74,7 @@ def main() -> None:
         tokens = quality.text_tokens(loaded, text)
         report, kept = quality.measure(loaded, tokens, "quality-text.txt", args.ctx, args.chunks, reference)
         exact = None
-        if precision == args.exact and reference_model is not None:
+        if precision in args.exact.split(",") and reference_model is not None:
             exact, _ = quality.measure(loaded, tokens, "quality-text.txt", args.ctx, args.chunks, reference_model)
         speed = decode_speed(loaded)
         rows.append((precision, report, speed, exact))
