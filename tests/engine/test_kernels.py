@@ -185,6 +185,27 @@ def test_a_batched_answer_through_the_core_is_the_request_alone(tiny_llama, prec
             assert [o.token_id for o in others] == [o.token_id for o in solo_others]
 
 
+@pytest.mark.parametrize("precision", ["int8-fast", "int4-fast"])
+def test_the_quantized_precisions_keep_keys_and_values_in_fp16(tiny_llama, precision):
+    """As llama.cpp's F16 cache: the load says so (compute in fp32, the cache in fp16, 2 bytes a
+    value in the prediction), the cache holds fp16, and every token's KV figure is what it holds."""
+    from engine.base.events import TokenGenerated
+    from engine.base.request import GenerationRequest
+    from engine.generation.generate import generate
+    from engine.generation.slot_cache import SlotCache
+    from engine.models.loading import LoadRequest, load_model
+
+    loaded = load_model(LoadRequest(str(tiny_llama), precision, "cpu"))
+    info = loaded.info
+    assert (info.compute_dtype, info.kv_dtype) == ("float32", "float16")
+    assert info.kv_bytes_per_token == 2 * info.num_layers * info.num_kv_heads * info.head_dim * 2
+    assert {k.dtype for k in SlotCache(loaded.fast).keys + SlotCache(loaded.fast).values} == {torch.float16}
+    request = GenerationRequest("one two three", mode="raw", max_new_tokens=6, ignore_eos=True)
+    tokens = [e for e in generate(loaded, request) if isinstance(e, TokenGenerated)]
+    assert len(tokens) == 6 and tokens[-1].kv_cache_bytes > 0
+    assert all(t.kv_cache_bytes == t.kv_cache_bytes_predicted for t in tokens)
+
+
 def test_row_totals_are_each_rows_logsumexp_and_largest_few_alone_or_in_a_batch(monkeypatch):
     """The sampler's pass over a step's scores (kernels/scores.h): each row's log Σ exp, argmax
     and k largest (best first, the lower id first among equals, as decoding.top_scores), the same
