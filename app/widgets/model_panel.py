@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import QSettings, Signal
+from PySide6.QtCore import QSettings, Qt, Signal
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
     QFileDialog,
     QFormLayout,
+    QGridLayout,
     QGroupBox,
     QHBoxLayout,
     QLabel,
@@ -123,14 +124,16 @@ class ModelPanel(QWidget):
         buttons.addWidget(self.unload_button)
         buttons.addWidget(self.cancel_button)
         facts_box = QGroupBox("Loaded model")
-        facts = QFormLayout(facts_box)
+        facts = QGridLayout(facts_box)
+        facts.setColumnStretch(1, 1)
         self.facts: dict[str, QLabel] = {}
-        for name in _FACTS:
+        for row, name in enumerate(_FACTS):
             label = QLabel("—")
             label.setObjectName("factValue")
             label.setWordWrap(True)
             self.facts[name] = label
-            facts.addRow(name, label)
+            facts.addWidget(QLabel(name), row, 0, Qt.AlignLeft | Qt.AlignTop)
+            facts.addWidget(label, row, 1)
         for combo in (self.source, self.precision, self.device):
             _compact(combo)
         self.source.currentIndexChanged.connect(lambda *_: self.source.setToolTip(
@@ -308,9 +311,7 @@ class ModelPanel(QWidget):
         values = {
             "Model": info.name,
             "Format": info.original_format,
-            "Precision": f"{info.precision} (compute {info.compute_dtype}"
-                         + (f", KV cache {info.kv_dtype})" if info.kv_dtype and info.kv_dtype != info.compute_dtype
-                            else ")"),
+            "Precision": f"{info.precision} (compute {info.compute_dtype})",
             "Device": info.device,
             "Hardware": info.device_name,
             "Weights": format_bytes(info.weights_bytes),
@@ -319,7 +320,8 @@ class ModelPanel(QWidget):
             "Parameters": f"{format_count(info.parameters)} ({info.parameters:,})",
             "Context": f"{info.context_length:,} tokens" if info.context_length else "unknown",
             "Layers · KV heads · head dim": f"{info.num_layers} · {info.num_kv_heads} · {info.head_dim}",
-            "KV per token": format_bytes(info.kv_bytes_per_token),
+            "KV per token": format_bytes(info.kv_bytes_per_token)  # and what the cache keeps
+                            + (f" ({info.kv_dtype or info.compute_dtype})" if info.kv_bytes_per_token else ""),
         }
         self._show_facts(values)
 

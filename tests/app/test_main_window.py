@@ -26,6 +26,7 @@ def test_load_shows_the_facts(qtbot, window, tiny_llama):
     assert facts["Parameters"].text().endswith(f"({info.parameters:,})")
     assert facts["Architecture"].toolTip() == "LlamaForCausalLM (llama)"
     assert "tokens" in facts["Context"].text() and facts["Precision"].text().startswith("fp32")
+    assert facts["KV per token"].toolTip().endswith(" (float32)")  # its bytes, and what the cache keeps
     assert window.prompt.generate_button.isEnabled()
     assert window.status["device"].text() == "device: cpu"
 
