@@ -160,3 +160,18 @@ def test_row_totals_are_torchs_argmax_and_logsumexp_and_say_when_a_row_is_not_fi
         assert not math.isfinite(row_totals(broken[3:])[1][0])
     _, totals, _ = row_totals(torch.full((1, 8), float("-inf")))  # nothing possible: no total
     assert not math.isfinite(totals[0])
+
+
+def test_seen_tokens_hold_the_prompt_and_every_answer_token_as_they_grow():
+    """The ids the repetition penalty reads: the prompt, then each token appended, past the room
+    first given (it doubles), as one int64 tensor; the tensor handed out before a token was
+    appended still holds what it held."""
+    from engine.generation.decoding import SeenTokens
+
+    seen = SeenTokens([5, 6, 7], room=2, device="cpu")
+    before = seen.all()
+    answer = list(range(100, 111))
+    for token in answer:
+        seen.append(token)
+    assert seen.all().dtype == torch.long and seen.all().tolist() == [5, 6, 7, *answer]
+    assert before.tolist() == [5, 6, 7] and seen.last().tolist() == [[110]]
