@@ -75,8 +75,12 @@ class Loaded:
     """e.g. ``GGUF Q4_1`` or ``safetensors BF16``."""
     has_chat_template: bool = True
     kv_dtype: str = ""
-    """The dtype the KV cache keeps (``kv_bytes_per_token`` counts it); empty: ``compute_dtype``'s
-    (a record from before the two could differ)."""
+    """The dtype the KV cache keeps (``kv_bytes_per_token`` counts it); left empty (a record from
+    before the two could differ), ``compute_dtype``."""
+
+    def __post_init__(self) -> None:
+        if not self.kv_dtype:
+            object.__setattr__(self, "kv_dtype", self.compute_dtype)
 
 
 @dataclass(frozen=True, slots=True)

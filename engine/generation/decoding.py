@@ -78,36 +78,23 @@ def failed_event(request_id: int, message: str, tokens: int = 0, prompt_tokens: 
 class SeenTokens:
     """Prompt and answer ids in one tensor (for the repetition penalty and the next input),
     grown by doubling so ``max_new_tokens`` can be large without a large allocation. On the
-    CPU the tensor shares a numpy array's memory, which takes each new id without a tensor
+    CPU each new id is set through the tensor's numpy view of the same memory, without a tensor
     operation (setting a tensor element cost ~20 µs a token in a decode step's cold caches)."""
 
     def __init__(self, prompt_ids: list[int], room: int, device) -> None:
         import torch
 
-        size = len(prompt_ids) + max(1, room)
-        self._array = None
-        if torch.device(device).type == "cpu":
-            import numpy as np
-
-            self._array = np.empty(size, dtype=np.int64)
-            self._array[: len(prompt_ids)] = prompt_ids
-            self._data = torch.from_numpy(self._array)
-        else:
-            self._data = torch.empty(size, dtype=torch.long, device=device)
-            self._data[: len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
+        self._data = torch.empty(len(prompt_ids) + max(1, room), dtype=torch.long, device=device)
+        self._data[: len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
+        self._array = self._data.numpy() if self._data.device.type == "cpu" else None
         self.count = len(prompt_ids)
 
     def append(self, token: int) -> None:
         import torch
 
         if self.count == self._data.numel():
-            if self._array is not None:
-                import numpy as np
-
-                self._array = np.concatenate([self._array, np.empty_like(self._array)])
-                self._data = torch.from_numpy(self._array)
-            else:
-                self._data = torch.cat([self._data, torch.empty_like(self._data)])
+            self._data = torch.cat([self._data, torch.empty_like(self._data)])
+            self._array = self._data.numpy() if self._array is not None else None
         if self._array is not None:
             self._array[self.count] = token
         else:

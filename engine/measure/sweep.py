@@ -85,8 +85,7 @@ def ceiling_for(loaded, batch: int, context: int, profile: hardware.Hardware | N
     if that profile isn't measured yet."""
     try:
         profile = profile or profile_for(loaded)
-        kv_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
-            loaded.info.kv_dtype or loaded.info.compute_dtype, "fp32")
+        kv_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(loaded.info.kv_dtype, "fp32")
         result = estimate(loaded.model.config, profile, loaded.info.precision, kv_dtype, context, batch)
         return result.decode_tokens_per_s_ceiling
     except Exception:

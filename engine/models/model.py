@@ -26,7 +26,7 @@ class LoadedModel:
         self.device = device
         self.precision = precision
         self.kv_layout = layout
-        self.kv_element_bytes = dtype_bytes(info.kv_dtype or info.compute_dtype)
+        self.kv_element_bytes = dtype_bytes(info.kv_dtype)
         self.supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.eos_ids = _eos_ids(model, tokenizer)
         self._token_texts: dict[int, str] = {}

@@ -199,7 +199,8 @@ def test_the_quantized_precisions_keep_keys_and_values_in_fp16(tiny_llama, preci
     info = loaded.info
     assert (info.compute_dtype, info.kv_dtype) == ("float32", "float16")
     assert info.kv_bytes_per_token == 2 * info.num_layers * info.num_kv_heads * info.head_dim * 2
-    assert {k.dtype for k in SlotCache(loaded.fast).keys + SlotCache(loaded.fast).values} == {torch.float16}
+    cache = SlotCache(loaded.fast)
+    assert {k.dtype for k in cache.keys + cache.values} == {torch.float16}
     request = GenerationRequest("one two three", mode="raw", max_new_tokens=6, ignore_eos=True)
     tokens = [e for e in generate(loaded, request) if isinstance(e, TokenGenerated)]
     assert len(tokens) == 6 and tokens[-1].kv_cache_bytes > 0
