@@ -116,6 +116,7 @@ inline void q8_tile(const int8_t* w, const at::Half* ws, const QuantizedRows& xq
         for (int t = 0; t < 8; ++t) {
             __m512i wv[TN];
             for (int j = 0; j < TN; ++j) {
+                fetch_line_ahead(w + (((g0 + j) * blocks + b) * 8 + t) * 64);
                 wv[j] = _mm512_loadu_si512(w + (((g0 + j) * blocks + b) * 8 + t) * 64);
                 taken[j] = _mm512_dpbusd_epi32(taken[j], ones, wv[j]);
             }
@@ -154,6 +155,7 @@ inline void q4_tile(const uint8_t* w, const at::Half* d, const at::Half* mins, c
         for (int v = 0; v < 4; ++v) {
             __m512i lo[TN], hi[TN];
             for (int j = 0; j < TN; ++j) {
+                fetch_line_ahead(w + (((g0 + j) * blocks + b) * 4 + v) * 64);
                 const __m512i packed = _mm512_loadu_si512(w + (((g0 + j) * blocks + b) * 4 + v) * 64);
                 lo[j] = _mm512_and_si512(packed, nibble);
                 hi[j] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);

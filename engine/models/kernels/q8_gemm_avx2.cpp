@@ -114,6 +114,7 @@ inline void q8_tile(const int8_t* w, const at::Half* ws, const QuantizedRows& xq
             }
             for (int j = 0; j < TN; ++j)
                 for (int h = 0; h < 2; ++h) {
+                    if (h == 0) fetch_line_ahead(w + (((g0 + j) * blocks + b) * 8 + t) * 64);
                     const __m256i wv = load32(w + (((g0 + j) * blocks + b) * 8 + t) * 64 + 32 * h);
                     for (int i = 0; i < TM; ++i) {
                         const __m256i pairs = _mm256_maddubs_epi16(xabs[i], _mm256_sign_epi8(wv, xb[i]));
@@ -159,6 +160,7 @@ inline void q4_tile(const uint8_t* w, const at::Half* d, const at::Half* mins, c
             }
             for (int j = 0; j < TN; ++j)
                 for (int h = 0; h < 2; ++h) {
+                    if (h == 0) fetch_line_ahead(w + (((g0 + j) * blocks + b) * 4 + v) * 64);
                     const __m256i packed = load32(w + (((g0 + j) * blocks + b) * 4 + v) * 64 + 32 * h);
                     const __m256i lo = _mm256_and_si256(packed, nibble);
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
