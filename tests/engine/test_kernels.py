@@ -291,6 +291,11 @@ def test_attention_is_each_rows_softmax_over_its_own_cache(rows, heads, kv_heads
     alone = [torch.ops.workbench.attend_rows(q[r:r + 1], keys[r:r + 1], values[r:r + 1], positions[r:r + 1],
                                              dim ** -0.5) for r in range(rows)]
     assert torch.equal(torch.cat(alone), out)
+    # as a step passes them: the queries a slice of the rotated queries and keys, rows apart
+    rotated = torch.cat([q, torch.full((rows, kv_heads, 1, dim), float("nan"), dtype=dtype)], dim=1)
+    sliced = rotated[:, :heads]
+    assert rows == 1 or not sliced.is_contiguous()
+    assert torch.equal(torch.ops.workbench.attend_rows(sliced, keys, values, positions, dim ** -0.5), out)
 
 
 def test_attention_refuses_what_it_cannot_read():

@@ -275,7 +275,7 @@ void attend_rows_impl(const torch::Tensor& q, const torch::Tensor& keys, const t
             const int64_t pair = task / parts, b = pair / kv_heads, h = pair % kv_heads, n = positions[b] + 1;
             const int64_t g0 = task % parts * share, g1 = std::min(group, g0 + share);
             if (g0 >= g1) continue;
-            const T* qrow = qp + (b * q.size(1) + h * group) * dim;  // q is [B, H, 1, D], contiguous
+            const T* qrow = qp + b * q.stride(0) + h * group * dim;  // a row's heads lie side by side
             for (int64_t i = g0 * dim; i < g1 * dim; ++i) query[i] = static_cast<float>(qrow[i]) * s;
             scores.resize(group * n);
             const C* kbase = kp + b * ks0 + h * ks1;
@@ -314,7 +314,10 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& keys, con
     TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "attend_rows: the cache's last dimension contiguous");
     TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == q.size(0),
                 "attend_rows: positions, int64 [B]");
-    auto qc = q.contiguous();
+    // a batched step's queries are a slice of the rotated queries and keys ([B, heads + KV heads, 1,
+    // D]): rows apart, each row's heads side by side, read as they lie (a copy was 0.15 ms of a
+    // 16-row int8-fast step)
+    auto qc = q.stride(3) == 1 && q.stride(1) == q.size(3) ? q : q.contiguous();
     auto pc = positions.contiguous();
     const int64_t* pp = pc.data_ptr<int64_t>();
     for (int64_t b = 0; b < pc.size(0); ++b)
