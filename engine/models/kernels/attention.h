@@ -200,13 +200,26 @@ inline __m512 sums16(const __m512 (&d)[16]) {
 // key's pieces of 16 are read where they lie, from L1 after the first head (a copy in a stack
 // array sized at run time had GCC call memcpy for every slot). CH: the pieces a key has, where
 // known at compile time (the common head sizes, whose loops unroll); 0: ``dim`` / 16 at run time.
+// ahead: fetch the next 16 keys and these 16 slots' values into L1 while the scores are computed
+// (in a batched step each (row, KV head) reads its own keys and values from memory: whole
+// 16-row int8-fast steps 1.02-1.06× faster, alternating, 4 runs near positions 30 and 300; one
+// row, whose task is split by query heads and whose stream the hardware follows, 0.99×: not asked).
 template <int CH, typename T>
-inline void score_slots(const float* query, const T* kbase, int64_t ks, int64_t n, int64_t dim, int64_t g0,
-                        int64_t g1, float* scores) {
+inline void score_slots(const float* query, const T* kbase, int64_t ks, const T* vbase, int64_t vs, int64_t n,
+                        int64_t dim, int64_t g0, int64_t g1, bool ahead, float* scores) {
     const int64_t chunks = CH ? CH : dim / 16;
+    const int64_t row = dim * static_cast<int64_t>(sizeof(T));
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
         const int64_t count = std::min<int64_t>(16, n - t0);
         const T* k0 = kbase + t0 * ks;
+        if (ahead) {  // the next 16 keys, and the values these 16 slots will weigh
+            for (int64_t j = 16; j < std::min<int64_t>(32, n - t0); ++j)
+                for (int64_t l = 0; l < row; l += 64)
+                    _mm_prefetch(reinterpret_cast<const char*>(k0 + j * ks) + l, _MM_HINT_T0);
+            for (int64_t j = 0; j < count; ++j)
+                for (int64_t l = 0; l < row; l += 64)
+                    _mm_prefetch(reinterpret_cast<const char*>(vbase + (t0 + j) * vs) + l, _MM_HINT_T0);
+        }
         for (int64_t g = g0; g < g1; ++g) {
             const float* qg = query + g * dim;
             auto dot = [&](int j) {  // slot t0 + j's score, as 16 lanes to sum
@@ -231,12 +244,12 @@ inline void score_slots(const float* query, const T* kbase, int64_t ks, int64_t 
 
 template <typename T>
 void attend_vectors(const float* query, const T* kbase, int64_t ks, const T* vbase, int64_t vs, int64_t n,
-                    int64_t dim, int64_t g0, int64_t g1, float* scores, float* total, float* acc) {
+                    int64_t dim, int64_t g0, int64_t g1, bool ahead, float* scores, float* total, float* acc) {
     const int64_t chunks = dim / 16;
     switch (chunks) {
-        case 4: score_slots<4>(query, kbase, ks, n, dim, g0, g1, scores); break;
-        case 8: score_slots<8>(query, kbase, ks, n, dim, g0, g1, scores); break;
-        default: score_slots<0>(query, kbase, ks, n, dim, g0, g1, scores); break;
+        case 4: score_slots<4>(query, kbase, ks, vbase, vs, n, dim, g0, g1, ahead, scores); break;
+        case 8: score_slots<8>(query, kbase, ks, vbase, vs, n, dim, g0, g1, ahead, scores); break;
+        default: score_slots<0>(query, kbase, ks, vbase, vs, n, dim, g0, g1, ahead, scores); break;
     }
     softmax_numerators16(scores, n, g0, g1, total);
     int64_t g = g0;
@@ -282,8 +295,8 @@ void attend_rows_impl(const torch::Tensor& q, const torch::Tensor& keys, const t
             const C* vbase = vp + b * vs0 + h * vs1;
 #ifdef WORKBENCH_AVX512
             if (vectors)
-                attend_vectors(query.data(), kbase, ks2, vbase, vs2, n, dim, g0, g1, scores.data(), total.data(),
-                               acc.data());
+                attend_vectors(query.data(), kbase, ks2, vbase, vs2, n, dim, g0, g1, parts == 1, scores.data(),
+                               total.data(), acc.data());
             else
 #endif
                 attend_plain(query.data(), kbase, ks2, vbase, vs2, n, dim, g0, g1, key.data(), scores.data(),
