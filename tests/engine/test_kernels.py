@@ -89,6 +89,29 @@ def test_q4_is_the_block_arithmetic_and_each_row_its_own(rows, cols, outs):
     assert (y.double() - exact).norm() / exact.norm() < 0.15  # 4 bits: Q4_1's error
 
 
+@pytest.mark.parametrize("rows", [1, 3, 16, 21])
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_block_arithmetic_of_a_row_with_nan_or_inf_is_not_finite_and_its_own(rows, kind, bad):
+    """A NaN or an infinity among a row's activations makes every output of that row non-finite
+    (the engine's check of the scores then ends that request with an error), wherever it lies in
+    its block of 32, and leaves the other rows as they were. (Quantizing had dropped a NaN: its
+    block's largest magnitude skipped it, and the row's outputs came out finite.)"""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(48, 576, generator=generator)
+    packed = pack_q8(*q8_blocks(weight)) if kind == "q8" else pack_q4(*q4_blocks(weight))
+    product = getattr(torch.ops.workbench, f"{kind}_linear")
+    x = torch.randn(rows, 576, generator=generator)
+    clean = product(x, *packed)
+    for at in (0, 5, 17, 31, 575):  # first and second half of a block, first and last block
+        spoiled = x.clone()
+        spoiled[rows // 2, at] = bad
+        y = product(spoiled, *packed)
+        assert not torch.isfinite(y[rows // 2]).any(), at
+        others = [r for r in range(rows) if r != rows // 2]
+        assert torch.equal(y[others], clean[others])
+
+
 def test_the_thread_count_changes_nothing():
     generator = torch.Generator().manual_seed(3)
     weight, x = torch.randn(300, 576, generator=generator), torch.randn(17, 576, generator=generator)

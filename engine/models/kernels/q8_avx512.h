@@ -51,7 +51,8 @@ void quantize_rows(const T* x, int64_t M, int64_t K, bool offset, bool with_sums
             const T* src = x + m * K + b * BLOCK;
             __m512 lo = load16(src), hi = load16(src + 16);
             __m512 amax = _mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi));
-            const float top = _mm512_reduce_max_ps(amax);
+            float top = _mm512_reduce_max_ps(amax);
+            if (_mm512_cmp_ps_mask(lo, hi, _CMP_UNORD_Q)) top = NAN_SCALE;  // max skips a NaN: keep it
             const float scale = top / 127.0f;
             const float inv = top > 0.0f ? 127.0f / top : 0.0f;
             const __m512 vinv = _mm512_set1_ps(inv);

@@ -12,12 +12,19 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t BLOCK = 32;
+
+// The scale of a block of activations holding a NaN: NaN, so that every output of its row is NaN
+// (the engine's check of the scores then ends that request with an error) where the block's
+// codes alone would have made finite nonsense of it; an infinity gives an infinite scale, codes
+// 0 and NaN products (0 · ∞) by itself.
+constexpr float NAN_SCALE = std::numeric_limits<float>::quiet_NaN();
 
 // One row of activations, quantized per block of 32: codes (q + 128 for an unsigned side, or q
 // itself for a signed one), each block's scale, and (q4) each block's sum of q · scale.

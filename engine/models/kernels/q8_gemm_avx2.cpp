@@ -53,12 +53,14 @@ void quantize_rows(const T* x, int64_t M, int64_t K, bool offset, bool with_sums
             const int64_t m = i / blocks, b = i % blocks;
             const T* src = x + m * K + b * BLOCK;
             __m256 v[4];
-            __m256 amax = _mm256_setzero_ps();
+            __m256 amax = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
             for (int k = 0; k < 4; ++k) {
                 v[k] = load8(src + 8 * k);
                 amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+                unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v[k], v[k], _CMP_UNORD_Q));
             }
-            const float top = max8(amax);
+            float top = max8(amax);
+            if (_mm256_movemask_ps(unordered)) top = NAN_SCALE;  // max skips a NaN: keep it
             const float scale = top / 127.0f;
             const float inv = top > 0.0f ? 127.0f / top : 0.0f;
             const __m256 vinv = _mm256_set1_ps(inv);
