@@ -223,7 +223,9 @@ def request_body(model: str, prompt: Prompt, plan: LoadPlan, running_usage: bool
 
 async def send(client, model: str, prompt: Prompt, plan: LoadPlan, result: RequestResult, origin: float,
                running_usage: bool = False) -> None:
-    """One streamed request, its figures written into ``result`` as they arrive."""
+    """One streamed request, its figures written into ``result`` as they arrive; not sent at all
+    if its moment comes at or after the plan's deadline (an open loop's arrival whose sleep ran
+    late on a busy machine, a closed loop's next request)."""
     import httpx
     from httpx_sse import SSEError, aconnect_sse
 
@@ -231,6 +233,8 @@ async def send(client, model: str, prompt: Prompt, plan: LoadPlan, result: Reque
     reader = StreamReader()
     path, body = request_body(model, prompt, plan, running_usage)
     sent = time.perf_counter()
+    if sent - origin >= plan.max_duration_s:
+        return
     result.start_s = sent - origin
     result.sent = True
     last = None

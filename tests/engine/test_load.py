@@ -168,6 +168,31 @@ def test_an_open_loop_sends_nothing_after_its_deadline():
     assert (s.completed + s.cut, s.errored, s.not_sent) == (sent, 0, 20 - sent) and s.not_sent > 0
 
 
+def test_an_arrival_whose_sleep_runs_late_past_the_deadline_is_not_sent(monkeypatch):
+    """On a busy machine the open loop's sleep to the next arrival can end after the deadline it
+    checked before sleeping: that request is then not sent (it had been, after the deadline)."""
+    import asyncio
+
+    from engine.load import generator
+    from tests.serving import ThirdPartyServer
+
+    class LateSleep:  # the generator's asyncio, its sleeps 0.6 s longer
+        def __getattr__(self, name):
+            return getattr(asyncio, name)
+
+        @staticmethod
+        async def sleep(delay):
+            await asyncio.sleep(delay + 0.6)
+
+    monkeypatch.setattr(generator, "asyncio", LateSleep())
+    with ThirdPartyServer() as fake:
+        plan = LoadPlan(url=fake.url, rates=(4.0,), requests=20, max_tokens=4, max_duration_s=0.5).validated()
+        (setting,) = LoadRunner(plan, PROMPTS).run()
+        sent = fake.requests
+    assert [r.start_s < 0.5 for r in setting.results if r.sent] == [True] * sent
+    assert setting.summary.not_sent == 20 - sent and sent >= 1
+
+
 def test_load_command_writes_json_without_the_key(server, tmp_path, capsys):
     from engine.cli import main
 
