@@ -321,6 +321,23 @@ def test_attention_is_each_rows_softmax_over_its_own_cache(rows, heads, kv_heads
     assert torch.equal(torch.ops.workbench.attend_rows(sliced, keys, values, positions, dim ** -0.5), out)
 
 
+@pytest.mark.parametrize("dtype,cache", [(torch.float32, torch.float32), (torch.float32, torch.float16)])
+def test_attention_softmax_over_a_nan_is_nan_for_that_row_alone(dtype, cache):
+    """A NaN in a key a row reads makes that row's result NaN for the query heads sharing the key
+    (the vector softmax had clamped the NaN score to e^-87: a weight of ~0, a finite answer), and
+    leaves the other rows, and the row's other KV heads, as they were."""
+    generator = torch.Generator().manual_seed(11)
+    q = torch.randn(5, 8, 1, 64, generator=generator).to(dtype)
+    keys = torch.randn(5, 2, 40, 64, generator=generator).to(cache)
+    values = torch.randn(5, 2, 40, 64, generator=generator).to(cache)
+    positions = torch.tensor([39, 20, 30, 5, 17])
+    clean = torch.ops.workbench.attend_rows(q, keys, values, positions, 0.125)
+    keys[2, 1, 12, 7] = float("nan")
+    out = torch.ops.workbench.attend_rows(q, keys, values, positions, 0.125)
+    assert torch.isnan(out[2, 4:]).all()  # KV head 1's query heads
+    assert torch.equal(out[2, :4], clean[2, :4]) and torch.equal(out[[0, 1, 3, 4]], clean[[0, 1, 3, 4]])
+
+
 def test_attention_refuses_what_it_cannot_read():
     q, cache = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 8, 16)
     with pytest.raises(RuntimeError, match="a position outside the cache"):
