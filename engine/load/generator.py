@@ -141,7 +141,7 @@ class LoadRunner:
 
         async def one(i: int) -> None:
             await send(client, model, order[i], plan, results[i], start, running_usage=server.kind == "vllm")
-            if self.on_request:
+            if self.on_request and results[i].sent:  # (one due after the deadline is not sent)
                 self.on_request(label, results[i])
 
         work: list[asyncio.Task] = []

@@ -185,12 +185,14 @@ def test_an_arrival_whose_sleep_runs_late_past_the_deadline_is_not_sent(monkeypa
             await asyncio.sleep(delay + 0.6)
 
     monkeypatch.setattr(generator, "asyncio", LateSleep())
+    reported = []
     with ThirdPartyServer() as fake:
         plan = LoadPlan(url=fake.url, rates=(4.0,), requests=20, max_tokens=4, max_duration_s=0.5).validated()
-        (setting,) = LoadRunner(plan, PROMPTS).run()
+        (setting,) = LoadRunner(plan, PROMPTS, on_request=lambda label, r: reported.append(r)).run()
         sent = fake.requests
     assert [r.start_s < 0.5 for r in setting.results if r.sent] == [True] * sent
     assert setting.summary.not_sent == 20 - sent and sent >= 1
+    assert len(reported) == sent and all(r.sent for r in reported)  # the window counts what was sent
 
 
 def test_load_command_writes_json_without_the_key(server, tmp_path, capsys):
