@@ -209,16 +209,15 @@ inline void score_slots(const float* query, const T* kbase, int64_t ks, const T*
                         int64_t dim, int64_t g0, int64_t g1, bool ahead, float* scores) {
     const int64_t chunks = CH ? CH : dim / 16;
     const int64_t row = dim * static_cast<int64_t>(sizeof(T));
+    auto fetch = [row](const T* slot) {
+        for (int64_t l = 0; l < row; l += 64) _mm_prefetch(reinterpret_cast<const char*>(slot) + l, _MM_HINT_T0);
+    };
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
         const int64_t count = std::min<int64_t>(16, n - t0);
         const T* k0 = kbase + t0 * ks;
         if (ahead) {  // the next 16 keys, and the values these 16 slots will weigh
-            for (int64_t j = 16; j < std::min<int64_t>(32, n - t0); ++j)
-                for (int64_t l = 0; l < row; l += 64)
-                    _mm_prefetch(reinterpret_cast<const char*>(k0 + j * ks) + l, _MM_HINT_T0);
-            for (int64_t j = 0; j < count; ++j)
-                for (int64_t l = 0; l < row; l += 64)
-                    _mm_prefetch(reinterpret_cast<const char*>(vbase + (t0 + j) * vs) + l, _MM_HINT_T0);
+            for (int64_t j = 16; j < std::min<int64_t>(32, n - t0); ++j) fetch(k0 + j * ks);
+            for (int64_t j = 0; j < count; ++j) fetch(vbase + (t0 + j) * vs);
         }
         for (int64_t g = g0; g < g1; ++g) {
             const float* qg = query + g * dim;
