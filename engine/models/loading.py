@@ -147,7 +147,7 @@ def _load(request: LoadRequest, reporter: ProgressReporter, precision: Precision
         reporter.report("warmup", 0, 1, "Warming up (one short forward pass)")
         _warm_up(model, device)
         layout = kv_layout(model.config)
-        info = _describe(model, tokenizer, resolved, precision, device, layout, time.perf_counter() - start)
+        info = _describe(model, tokenizer, resolved, precision, device, layout, time.perf_counter() - start, fast)
     except BaseException as exc:
         model = None
         error = _typed_load_error(exc, resolved.name, precision.name, device)
@@ -327,10 +327,13 @@ def weights_bytes(model) -> int:
 
 
 def _describe(model, tokenizer, resolved: sources.ResolvedModel, precision: Precision, device,
-              layout: KVLayout | None, load_s: float) -> Loaded:
+              layout: KVLayout | None, load_s: float, fast=None) -> Loaded:
     config = model.config
     text = config.get_text_config(decoder=True)
-    compute, kv = precision.compute_dtype(device.type), precision.kv_dtype(device.type)
+    if fast is not None:  # what its decoder computes and caches in, decided once, from the model it got
+        compute, kv = (str(dtype).removeprefix("torch.") for dtype in (fast.dtype, fast.kv_dtype))
+    else:
+        compute, kv = precision.compute_dtype(device.type), precision.kv_dtype(device.type)
     heads = int(text.num_attention_heads)
     return Loaded(
         name=resolved.name,

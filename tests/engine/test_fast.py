@@ -316,6 +316,24 @@ def test_a_package_built_from_other_weights_is_refused(long_models, isolated_cac
     assert compiled_step.package_path(llama.fast, 1) != compiled_step.package_path(llama.fast, 2)
 
 
+def test_the_model_info_names_the_dtypes_its_decoder_runs(long_models, monkeypatch):
+    """The int8 kernels expected here (the CPU has their flags) but not there when the layers were
+    quantized (a failed compile): the layers multiply with PyTorch's weight-only kernels in bf16,
+    and the info the window shows says bf16 for the activations and the cache, not the fp32 and
+    fp16 that the kernels would have meant."""
+    from engine.models import kernels
+
+    monkeypatch.setattr(kernels, "expected", lambda: True)
+    monkeypatch.setattr(kernels, "kernels", lambda: False)
+    loaded = load_model(LoadRequest(str(long_models["llama"]), "int8-fast", "cpu"))
+    assert loaded.fast.dtype == torch.bfloat16 and loaded.fast.kv_dtype == torch.bfloat16
+    assert (loaded.info.compute_dtype, loaded.info.kv_dtype) == ("bfloat16", "bfloat16")
+    per_element = loaded.info.kv_bytes_per_token // (2 * loaded.info.num_layers * loaded.info.num_kv_heads
+                                                     * loaded.info.head_dim)
+    assert per_element == 2
+    assert SlotCache(loaded.fast).per_token_bytes == loaded.info.kv_bytes_per_token
+
+
 def test_a_failed_build_leaves_the_eager_step(tmp_path, byte_tokenizer, isolated_cache):
     """The weights on disk changed after loading: the child process, which loads them again,
     refuses to build a step for other weights than the parent's, and says so."""
