@@ -37,8 +37,8 @@ constexpr int64_t AHEAD_BYTES = 4096, FAR_AHEAD_BYTES = 16384;
 
 template <bool FAR>
 inline void fetch_ahead(const void* block, int bytes) {
-    const char* p = static_cast<const char*>(block);  // past the weights' end: harmless
-    for (int l = 0; l < bytes; l += 64) {             // (a prefetch never faults)
+    const char* p = static_cast<const char*>(block);
+    for (int l = 0; l < bytes; l += 64) {  // past the weights' end: harmless (a prefetch never faults)
         _mm_prefetch(p + AHEAD_BYTES + l, _MM_HINT_T0);
         if constexpr (FAR) _mm_prefetch(p + FAR_AHEAD_BYTES + l, _MM_HINT_T1);
     }
