@@ -114,15 +114,17 @@ inline void q8_tile(const int8_t* w, const at::Half* ws, const QuantizedRows& xq
                 xb[i] = broadcast4(xq.codes.data() + (m0 + i) * K + b * BLOCK + 4 * t);
                 xabs[i] = _mm256_sign_epi8(xb[i], xb[i]);
             }
-            for (int j = 0; j < TN; ++j)
+            for (int j = 0; j < TN; ++j) {
+                const int8_t* line = w + (((g0 + j) * blocks + b) * 8 + t) * 64;
+                fetch_line_ahead(line);
                 for (int h = 0; h < 2; ++h) {
-                    if (h == 0) fetch_line_ahead(w + (((g0 + j) * blocks + b) * 8 + t) * 64);
-                    const __m256i wv = load32(w + (((g0 + j) * blocks + b) * 8 + t) * 64 + 32 * h);
+                    const __m256i wv = load32(line + 32 * h);
                     for (int i = 0; i < TM; ++i) {
                         const __m256i pairs = _mm256_maddubs_epi16(xabs[i], _mm256_sign_epi8(wv, xb[i]));
                         dots[i][j][h] = _mm256_add_epi32(dots[i][j][h], _mm256_madd_epi16(pairs, ones));
                     }
                 }
+            }
         }
         for (int j = 0; j < TN; ++j)
             for (int h = 0; h < 2; ++h) {
@@ -160,10 +162,11 @@ inline void q4_tile(const uint8_t* w, const at::Half* d, const at::Half* mins, c
                 x0[i] = broadcast4(x);
                 x1[i] = broadcast4(x + 4);
             }
-            for (int j = 0; j < TN; ++j)
+            for (int j = 0; j < TN; ++j) {
+                const uint8_t* line = w + (((g0 + j) * blocks + b) * 4 + v) * 64;
+                fetch_line_ahead(line);
                 for (int h = 0; h < 2; ++h) {
-                    if (h == 0) fetch_line_ahead(w + (((g0 + j) * blocks + b) * 4 + v) * 64);
-                    const __m256i packed = load32(w + (((g0 + j) * blocks + b) * 4 + v) * 64 + 32 * h);
+                    const __m256i packed = load32(line + 32 * h);
                     const __m256i lo = _mm256_and_si256(packed, nibble);
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
                     for (int i = 0; i < TM; ++i)
@@ -171,6 +174,7 @@ inline void q4_tile(const uint8_t* w, const at::Half* d, const at::Half* mins, c
                                                           _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0[i]),
                                                                            _mm256_maddubs_epi16(hi, x1[i])));
                 }
+            }
         }
         for (int j = 0; j < TN; ++j)
             for (int h = 0; h < 2; ++h) {
