@@ -92,10 +92,10 @@ void amx_tiles(int64_t M, int64_t groups, Tile&& tile) {
     });
 }
 
-// GCC's tile intrinsics are asm statements that name no memory, so the compiler would be free to
-// move the reads of a tile store's products before it, or the stores of unpacked weights after
-// the tile load that reads them: a barrier on each side of every tile load and store of memory
-// the code also touches (its cost, measured: none).
+// GCC's tile loads are asm statements that name no memory (its tile store clobbers all memory,
+// which keeps the products' reads after it), so the compiler would be free to move the stores of
+// unpacked weights after the tile load that reads them: a barrier on each side of every tile load
+// and store of memory the code also touches (its cost, measured: none, since RowSums).
 inline void memory_barrier() { asm volatile("" ::: "memory"); }
 
 // The loop both kinds share, a block of 32 inputs at a time: weights(b, set) gives block b's B
