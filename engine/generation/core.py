@@ -443,8 +443,11 @@ class EngineCore:
                                       self.loaded.info.context_length, len(r.prompt))
             r.seen = SeenTokens(r.prompt, min(r.request.max_new_tokens, 4096), device)
         # alone, the cache is sized for the whole answer at once (no copies as it grows);
-        # in a batch every slot shares the capacity, so it grows only as far as needed
-        self.runner.add(r.rid, r.longest if self.settings.max_batch == 1 else len(r.feed) + 1)
+        # in a batch every slot shares the capacity: the whole answer where that stays small
+        if self.settings.max_batch == 1:
+            self.runner.add(r.rid, r.longest)
+        else:
+            self.runner.add(r.rid, len(r.feed) + 1, hoped=r.longest)
         r.in_runner = True
         self.proposer.add(r.rid, r.request, r.longest)
         if r.hit:

@@ -41,7 +41,7 @@ class ReferenceBatchRunner:
         self.mask = None
         """[rows, width]: 1 where a row has a real token, 0 for its padding."""
 
-    def add(self, seq: int, tokens: int = 0) -> None:
+    def add(self, seq: int, tokens: int = 0, hoped: int = 0) -> None:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)

@@ -102,10 +102,10 @@ def _inject_prefill(monkeypatch, core, victim):
 def _inject_admission(monkeypatch, core, victim):
     real = core.runner.add
 
-    def add(seq, tokens=0):
+    def add(seq, tokens=0, **hopes):
         if seq == victim.rid:
             raise Boom("admission failed")
-        return real(seq, tokens)
+        return real(seq, tokens, **hopes)
     monkeypatch.setattr(core.runner, "add", add)
 
 

@@ -200,6 +200,84 @@ def test_decoding_through_a_growing_cache_equals_a_cache_sized_up_front(long_mod
                 assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
+def test_sequences_leaving_in_any_order_leave_the_others_answers_as_alone(long_models):
+    """A sequence that leaves frees its slot before the next step: the last running sequence
+    moves into a freed slot below it (its keys copied), freed slots at the end just go. Four
+    sequences; the second and the last leave, a fifth joins, then all leave together: every
+    answer equals its sequence's alone, and nothing is left holding a slot."""
+    loaded = load_model(LoadRequest(str(long_models["llama"]), "fp32-fast", "cpu"))
+    prompts = [loaded.encode(GenerationRequest(p, mode="raw")) for p in (PROMPT, "a", PROMPT * 2, "b c", "d")]
+
+    def alone(ids: list[int], steps: int) -> list[torch.Tensor]:
+        cache = SlotCache(loaded.fast, slots=1, capacity=256)
+        cache.add(0, 256)
+        out = [cache.prefill(0, torch.tensor([ids]))]
+        for _ in range(steps):
+            out.append(cache.decode([0], [int(out[-1].argmax())])[0])
+        return out
+
+    with torch.inference_mode():
+        cache = SlotCache(loaded.fast, slots=1)
+        last: dict[int, torch.Tensor] = {}
+        got: dict[int, list[torch.Tensor]] = {seq: [] for seq in range(5)}
+
+        def join(seq: int) -> None:
+            cache.add(seq, len(prompts[seq]))
+            last[seq] = cache.prefill(seq, torch.tensor([prompts[seq]]))
+            got[seq].append(last[seq])
+
+        def steps(n: int) -> None:
+            for _ in range(n):
+                seqs = sorted(last)
+                for seq, row in zip(seqs, cache.decode(seqs, [int(last[s].argmax()) for s in seqs])):
+                    last[seq] = row
+                    got[seq].append(row)
+
+        def leave(*seqs: int) -> None:
+            for seq in seqs:
+                cache.remove(seq)
+                del last[seq]
+
+        for seq in range(4):
+            join(seq)
+        steps(5)
+        leave(1, 3)  # a slot below a running sequence, and the last slot
+        assert len(cache) == 2
+        steps(5)
+        assert sorted(cache.slot_of.values()) == [0, 1]  # packed: the third moved into the second's slot
+        join(4)
+        assert cache.slot_of[4] == 2
+        steps(5)
+        leave(2, 0, 4)
+        cache.add(5, 1)
+        assert cache.slot_of == {5: 0} and cache.lengths == [0]
+        for seq in range(5):
+            rows = got[seq]
+            assert len(rows) > 1
+            for ours, theirs in zip(rows, alone(prompts[seq], len(rows) - 1)):
+                assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_a_batch_reserves_whole_answers_while_they_stay_small(long_models, monkeypatch):
+    """A batch's request gets room for its whole answer at admission (no copy of every slot's
+    cache mid-answer) while all slots at that capacity stay within RESERVE_BYTES; past that, only
+    what it needs now."""
+    from engine.generation import slot_cache
+
+    loaded = load_model(LoadRequest(str(long_models["llama"]), "fp32-fast", "cpu"))
+    cache = SlotCache(loaded.fast, slots=4)
+    monkeypatch.setattr(slot_cache, "RESERVE_BYTES", 4 * 512 * cache.per_token_bytes)
+    cache.add(0, 10, hoped=300)
+    assert cache.capacity == 512  # 4 slots × 512: just within
+    cache.add(1, 10, hoped=600)  # 4 slots × 1,024: past it
+    assert cache.capacity == 512
+    for seq in range(2, 5):  # a fifth slot: 8 slots × 512 is past it too, the capacity stays
+        cache.add(seq, 10, hoped=300)
+    assert (cache.slots, cache.capacity) == (8, 512)
+    cache.add(5, 700)  # what a sequence needs now it always gets
+    assert cache.capacity == 1024
+
+
 def batched_answers(loaded, prompts: list[str], tokens: int) -> list[list[int]]:
     """Each prompt's greedy tokens, all decoded together through the engine core."""
     from engine.base.events import BatchFinished
