@@ -38,14 +38,21 @@ inline __m512 load16(const at::Half* p) {  // the quantized precisions' KV cache
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, bool offset, bool with_sums, QuantizedRows& out) {
-    const int64_t blocks = K / BLOCK;
+// Room in out for M rows of K activations.
+inline void quantized_room(int64_t M, int64_t K, bool with_sums, QuantizedRows& out) {
     out.codes.resize(M * K);
-    out.scales.resize(M * blocks);
-    if (with_sums) out.sums.resize(M * blocks);
+    out.scales.resize(M * (K / BLOCK));
+    if (with_sums) out.sums.resize(M * (K / BLOCK));
+}
+
+// Blocks begin … end - 1 of the activations (block i: row i / (K / 32), its (i % (K / 32))th 32),
+// into out (sized by quantized_room).
+template <typename T>
+void quantize_blocks(const T* x, int64_t K, bool offset, bool with_sums, QuantizedRows& out, int64_t begin,
+                     int64_t end) {
+    const int64_t blocks = K / BLOCK;
     const __m512 sign = _mm512_set1_ps(-0.0f);
-    at::parallel_for(0, M * blocks, 64, [&](int64_t begin, int64_t end) {
+    {
         for (int64_t i = begin; i < end; ++i) {
             const int64_t m = i / blocks, b = i % blocks;
             const T* src = x + m * K + b * BLOCK;
@@ -73,6 +80,14 @@ void quantize_rows(const T* x, int64_t M, int64_t K, bool offset, bool with_sums
             }
             out.scales[i] = scale;
         }
+    }
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, bool offset, bool with_sums, QuantizedRows& out) {
+    quantized_room(M, K, with_sums, out);
+    at::parallel_for(0, M * (K / BLOCK), 64, [&](int64_t begin, int64_t end) {
+        quantize_blocks(x, K, offset, with_sums, out, begin, end);
     });
 }
 

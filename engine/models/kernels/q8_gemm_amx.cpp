@@ -16,6 +16,7 @@
 
 #include "q8_avx512.h"
 
+#include <omp.h>
 #include <sys/syscall.h>
 #include <utility>
 #include <unistd.h>
@@ -73,23 +74,40 @@ bool amx_allowed() {
     return allowed;
 }
 
-// Every 16-row × 16-column tile: whole tiles of 16 rows, then the rows left (fewer, with their
-// own configuration); split across threads by columns.
+// Every 16-row × 16-column tile of column groups begin … end - 1: whole tiles of 16 rows, then
+// the rows left (fewer, with their own configuration).
 template <typename Tile>
-void amx_tiles(int64_t M, int64_t groups, Tile&& tile) {
-    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-        const int64_t whole = M / TILE_ROWS * TILE_ROWS;
-        if (whole) {
-            configure(TILE_ROWS);
-            for (int64_t m0 = 0; m0 < whole; m0 += TILE_ROWS)
-                for (int64_t g = begin; g < end; ++g) tile(std::true_type{}, m0, TILE_ROWS, g);
-        }
-        if (M > whole) {
-            configure(static_cast<int>(M - whole));
-            for (int64_t g = begin; g < end; ++g) tile(std::false_type{}, whole, static_cast<int>(M - whole), g);
-        }
-        _tile_release();
-    });
+void amx_columns(int64_t M, int64_t begin, int64_t end, Tile&& tile) {
+    const int64_t whole = M / TILE_ROWS * TILE_ROWS;
+    if (whole) {
+        configure(TILE_ROWS);
+        for (int64_t m0 = 0; m0 < whole; m0 += TILE_ROWS)
+            for (int64_t g = begin; g < end; ++g) tile(std::true_type{}, m0, TILE_ROWS, g);
+    }
+    if (M > whole) {
+        configure(static_cast<int>(M - whole));
+        for (int64_t g = begin; g < end; ++g) tile(std::false_type{}, whole, static_cast<int>(M - whole), g);
+    }
+    _tile_release();
+}
+
+// A product's activations quantized (quantize(begin, end): blocks begin … end - 1 of its items),
+// then its tiles, in one parallel region: each thread quantizes its share of the blocks, waits
+// at a barrier for the others', and takes its share of the columns. Two regions (a fork and a
+// join each) had cost ~1.5 µs more per product, 121 products a decode step: the whole model's
+// products at 16 rows 1.03× faster (q8; q4 1.03×), at 24 and 512 rows 1.01×, alternating in one
+// process. Nested in another parallel region, the team is this thread alone.
+template <typename Quantize, typename Tile>
+void amx_tiles(int64_t M, int64_t groups, int64_t items, Quantize&& quantize, Tile&& tile) {
+    const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups)));
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t per = (items + n - 1) / n, share = (groups + n - 1) / n;
+        quantize(std::min(items, t * per), std::min(items, (t + 1) * per));
+#pragma omp barrier
+        amx_columns(M, std::min(groups, t * share), std::min(groups, (t + 1) * share), tile);
+    }
 }
 
 // GCC's tile loads are asm statements that name no memory (its tile store clobbers all memory,

@@ -6,7 +6,10 @@
 //                                                       16 columns; groups for a single row)
 // and, where it defines WORKBENCH_AMX (q8_gemm_amx.cpp), for products of at least AMX_ROWS rows:
 //   amx_allowed()                                       whether this process may use the tiles
-//   amx_tiles(M, groups, tile)                          the walk over AMX tiles of 16 rows × 16 columns
+//   quantized_room(…), quantize_blocks(…)               quantize_rows's two halves: room, then a
+//                                                       range of blocks (q8_avx512.h)
+//   amx_tiles(M, groups, items, quantize, tile)         the activations' blocks quantized, then the
+//                                                       walk over AMX tiles of 16 rows × 16 columns
 //   q8_amx<FULL>(…), q4_amx<FULL>(…)                    one such tile (FULL: 16 rows, else fewer)
 // It also defines the batched decode step's attention (attention.h: with its AVX-512 loops where
 // the file is built on q8_avx512.h, WORKBENCH_AVX512) and each row of scores' log-normaliser and
@@ -33,10 +36,12 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& w, const to
     by_dtype(x, y, [&](const auto* xp, auto* yp) {
 #ifdef WORKBENCH_AMX
         if (M >= AMX_ROWS && amx_allowed()) {  // signed activations: AMX multiplies signed by signed
-            quantize_rows(xp, M, K, false, false, xq);
-            amx_tiles(M, groups, [&](auto full, int64_t m0, int rows, int64_t g) {
-                q8_amx<decltype(full)::value>(wp, sp, xq, m0, rows, g, K, N, yp);
-            });
+            quantized_room(M, K, false, xq);
+            amx_tiles(M, groups, M * (K / BLOCK),
+                      [&](int64_t begin, int64_t end) { quantize_blocks(xp, K, false, false, xq, begin, end); },
+                      [&](auto full, int64_t m0, int rows, int64_t g) {
+                          q8_amx<decltype(full)::value>(wp, sp, xq, m0, rows, g, K, N, yp);
+                      });
             return;
         }
 #endif
@@ -64,15 +69,18 @@ torch::Tensor q4_linear(const torch::Tensor& x, const torch::Tensor& w, const to
     const at::Half* dp = d.data_ptr<at::Half>();
     const at::Half* mp = mins.data_ptr<at::Half>();
     by_dtype(x, y, [&](const auto* xp, auto* yp) {
-        quantize_rows(xp, M, K, false, true, xq);
 #ifdef WORKBENCH_AMX
         if (M >= AMX_ROWS && amx_allowed()) {
-            amx_tiles(M, groups, [&](auto full, int64_t m0, int rows, int64_t g) {
-                q4_amx<decltype(full)::value>(wp, dp, mp, xq, m0, rows, g, K, N, yp);
-            });
+            quantized_room(M, K, true, xq);
+            amx_tiles(M, groups, M * (K / BLOCK),
+                      [&](int64_t begin, int64_t end) { quantize_blocks(xp, K, false, true, xq, begin, end); },
+                      [&](auto full, int64_t m0, int rows, int64_t g) {
+                          q4_amx<decltype(full)::value>(wp, dp, mp, xq, m0, rows, g, K, N, yp);
+                      });
             return;
         }
 #endif
+        quantize_rows(xp, M, K, false, true, xq);
         tiles<ROW_TILE, COL_TILE, ROW1_COL_TILE>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
             q4_tile<decltype(tm)::value, decltype(tn)::value>(wp, dp, mp, xq, m0, g0, K, N, yp);
         });
