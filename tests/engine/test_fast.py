@@ -159,6 +159,16 @@ def test_fused_layers_leave_the_model_itself_working(long_models, arch, precisio
     assert int(ours.argmax()) == int(theirs.argmax())
 
 
+def _greedy_alone(loaded, ids: list[int], steps: int) -> list[torch.Tensor]:
+    """A sequence's scores decoded greedily alone, in a slot cache big enough from the start."""
+    cache = SlotCache(loaded.fast, slots=1, capacity=256)
+    cache.add(0, 256)
+    out = [cache.prefill(0, torch.tensor([ids]))]
+    for _ in range(steps):
+        out.append(cache.decode([0], [int(out[-1].argmax())])[0])
+    return out
+
+
 def test_decoding_through_a_growing_cache_equals_a_cache_sized_up_front(long_models):
     """The slot cache keeps its step's views and input tensors between steps: when it grows
     (more slots, more capacity) they must be the new tensors', or a step writes keys nobody
@@ -166,14 +176,6 @@ def test_decoding_through_a_growing_cache_equals_a_cache_sized_up_front(long_mod
     on the way, against each sequence alone in a cache big enough from the start."""
     loaded = load_model(LoadRequest(str(long_models["llama"]), "fp32-fast", "cpu"))
     prompts = [loaded.encode(GenerationRequest(p, mode="raw")) for p in (PROMPT, "a", PROMPT * 2)]
-
-    def alone(ids: list[int], steps: int) -> list[torch.Tensor]:
-        cache = SlotCache(loaded.fast, slots=1, capacity=256)
-        cache.add(0, 256)
-        out = [cache.prefill(0, torch.tensor([ids]))]
-        for _ in range(steps):
-            out.append(cache.decode([0], [int(out[-1].argmax())])[0])
-        return out
 
     with torch.inference_mode():
         cache = SlotCache(loaded.fast, slots=1)
@@ -196,7 +198,7 @@ def test_decoding_through_a_growing_cache_equals_a_cache_sized_up_front(long_mod
                 got[seq].append(row)
         assert cache.capacity > 64 and cache.slots >= 3
         for seq, rows in got.items():
-            for ours, theirs in zip(rows, alone(prompts[seq], len(rows) - 1)):
+            for ours, theirs in zip(rows, _greedy_alone(loaded, prompts[seq], len(rows) - 1)):
                 assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
@@ -207,14 +209,6 @@ def test_sequences_leaving_in_any_order_leave_the_others_answers_as_alone(long_m
     answer equals its sequence's alone, and nothing is left holding a slot."""
     loaded = load_model(LoadRequest(str(long_models["llama"]), "fp32-fast", "cpu"))
     prompts = [loaded.encode(GenerationRequest(p, mode="raw")) for p in (PROMPT, "a", PROMPT * 2, "b c", "d")]
-
-    def alone(ids: list[int], steps: int) -> list[torch.Tensor]:
-        cache = SlotCache(loaded.fast, slots=1, capacity=256)
-        cache.add(0, 256)
-        out = [cache.prefill(0, torch.tensor([ids]))]
-        for _ in range(steps):
-            out.append(cache.decode([0], [int(out[-1].argmax())])[0])
-        return out
 
     with torch.inference_mode():
         cache = SlotCache(loaded.fast, slots=1)
@@ -254,7 +248,7 @@ def test_sequences_leaving_in_any_order_leave_the_others_answers_as_alone(long_m
         for seq in range(5):
             rows = got[seq]
             assert len(rows) > 1
-            for ours, theirs in zip(rows, alone(prompts[seq], len(rows) - 1)):
+            for ours, theirs in zip(rows, _greedy_alone(loaded, prompts[seq], len(rows) - 1)):
                 assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
