@@ -228,7 +228,8 @@ inline void score_slots(const float* query, const T* kbase, int64_t ks, const T*
         }
         if (once)
             for (int64_t j = 0; j < count; ++j)
-                for (int64_t c = 0; c < chunks; ++c) _mm512_store_ps(keys32 + (j * chunks + c) * 16, load16(k0 + j * ks + 16 * c));
+                for (int64_t c = 0; c < chunks; ++c)
+                    _mm512_store_ps(keys32 + (j * chunks + c) * 16, load16(k0 + j * ks + 16 * c));
         for (int64_t g = g0; g < g1; ++g) {
             const float* qg = query + g * dim;
             auto dot = [&](int j) {  // slot t0 + j's score, as 16 lanes to sum
