@@ -12,9 +12,9 @@ from engine.models.fast import (MAX_COMPILED_CAPACITY, MIN_CAPACITY, FastDecoder
 RESERVE_BYTES = 256 << 20
 """How much cache a batch may hold ahead of need. Every slot shares one capacity, so a batch's
 request gets room for its whole answer at admission only while all slots at that capacity stay
-under this (otherwise the cache doubles as it fills). Growing mid-answer stalls one step for every
-row: at 16 rows of int8-fast near position 64, a ~10 ms step became ~20 ms (47 MB of fresh,
-zeroed memory and the copy into it)."""
+under this (otherwise the cache doubles as it fills), and when more slots would pass it, room
+held ahead goes. Growing mid-answer stalls one step for every row: at 16 rows of int8-fast near
+position 64, a ~10 ms step became ~20 ms (47 MB of fresh, zeroed memory and the copy into it)."""
 
 
 class SlotCache:
@@ -54,12 +54,20 @@ class SlotCache:
             self.cos, self.sin = _rotary_tables(d, capacity)
         self.slots, self.capacity = slots, capacity
 
-    def _room(self, tokens: int) -> None:
-        """Room for every running sequence, and for ``tokens`` tokens in a slot."""
+    def _slots_for(self, sequences: int) -> int:
+        """The slots the cache grows to for ``sequences`` (doubling)."""
         slots = self.slots
-        while slots < len(self.lengths):
+        while slots < sequences:
             slots *= 2
+        return slots
+
+    def _room(self, tokens: int) -> None:
+        """Room for every running sequence, and for ``tokens`` tokens in a slot. When the slots
+        grow past :data:`RESERVE_BYTES`, room held ahead of need (:meth:`add`'s ``hoped``) goes."""
+        slots = self._slots_for(len(self.lengths))
         capacity = self.capacity if tokens <= self.capacity else _bucket(tokens)
+        if slots != self.slots and slots * capacity * self.per_token_bytes > RESERVE_BYTES:
+            capacity = min(capacity, _bucket(max(max(self.lengths, default=0) + 1, tokens)))
         if (slots, capacity) != (self.slots, self.capacity):
             self._resize(slots, capacity)
 
@@ -69,18 +77,21 @@ class SlotCache:
 
     def add(self, seq: int, tokens: int = 1, hoped: int = 0) -> None:
         """A slot for ``seq``, with room for ``tokens``, and for ``hoped`` (its whole answer) where
-        that keeps the cache within :data:`RESERVE_BYTES`; past that it grows as it fills."""
+        that keeps the cache within :data:`RESERVE_BYTES` and the steps' attention reads each row
+        only up to its position (the kernels'; else a single sequence's step attends over the whole
+        capacity, so room would cost time); past that it grows as it fills."""
         self._pack()
         self.slot_of[seq] = len(self.lengths)
         self.lengths.append(0)
         tokens, hoped = min(max(tokens, 1), 1 << 16), min(hoped, 1 << 16)
-        slots = max(self.slots, 1 << (len(self.lengths) - 1).bit_length())
-        if hoped > tokens and slots * _bucket(hoped) * self.per_token_bytes <= RESERVE_BYTES:
+        slots = self._slots_for(len(self.lengths))
+        if (hoped > tokens and self.d.rows_attention
+                and slots * _bucket(hoped) * self.per_token_bytes <= RESERVE_BYTES):
             tokens = hoped
         self._room(tokens)
 
     def remove(self, seq: int) -> None:
-        """Free ``seq``'s slot (packed before the next step: see :meth:`_pack`)."""
+        """Free ``seq``'s slot (packed before the next :meth:`add` or :meth:`decode`: see :meth:`_pack`)."""
         self._left.add(self.slot_of.pop(seq))
 
     @torch.inference_mode()
@@ -98,11 +109,11 @@ class SlotCache:
                 self._left.discard(last)
             else:
                 hole = min(self._left)
-                self._left.discard(hole)
                 length = self.lengths[last]
                 for tensor in self.keys + self.values:
                     tensor[hole, :, :length] = tensor[last, :, :length]
                 self.slot_of[holder[last]], self.lengths[hole] = hole, length
+                self._left.discard(hole)
             self.lengths.pop()
 
     def length(self, seq: int) -> int:

@@ -254,22 +254,33 @@ def test_sequences_leaving_in_any_order_leave_the_others_answers_as_alone(long_m
 
 def test_a_batch_reserves_whole_answers_while_they_stay_small(long_models, monkeypatch):
     """A batch's request gets room for its whole answer at admission (no copy of every slot's
-    cache mid-answer) while all slots at that capacity stay within RESERVE_BYTES; past that, only
-    what it needs now."""
+    cache mid-answer) while all slots at that capacity stay within RESERVE_BYTES, and only where
+    the steps' attention reads each row up to its position; more slots than that give the room
+    held ahead back; what a sequence needs now it always gets."""
     from engine.generation import slot_cache
 
     loaded = load_model(LoadRequest(str(long_models["llama"]), "fp32-fast", "cpu"))
+    monkeypatch.setattr(loaded.fast, "rows_attention", False)
+    cache = SlotCache(loaded.fast, slots=4)
+    cache.add(0, 10, hoped=300)
+    assert cache.capacity == 64  # a whole-cache attention: room would cost every step time
+    monkeypatch.setattr(loaded.fast, "rows_attention", True)
     cache = SlotCache(loaded.fast, slots=4)
     monkeypatch.setattr(slot_cache, "RESERVE_BYTES", 4 * 512 * cache.per_token_bytes)
     cache.add(0, 10, hoped=300)
     assert cache.capacity == 512  # 4 slots × 512: just within
     cache.add(1, 10, hoped=600)  # 4 slots × 1,024: past it
     assert cache.capacity == 512
-    for seq in range(2, 5):  # a fifth slot: 8 slots × 512 is past it too, the capacity stays
+    ids = loaded.encode(GenerationRequest(PROMPT, mode="raw"))
+    with torch.inference_mode():
+        cache.prefill(1, torch.tensor([ids]))
+    keys = cache.block_kv(1, 0, len(ids))[0].clone()
+    for seq in range(2, 5):  # a fifth slot: 8 slots × 512 is past it, the room held ahead goes
         cache.add(seq, 10, hoped=300)
-    assert (cache.slots, cache.capacity) == (8, 512)
+    assert (cache.slots, cache.capacity) == (8, 64) and cache.length(1) == len(ids)
     cache.add(5, 700)  # what a sequence needs now it always gets
-    assert cache.capacity == 1024
+    assert (cache.slots, cache.capacity) == (8, 1024) and cache.length(1) == len(ids)
+    assert torch.equal(cache.block_kv(1, 0, len(ids))[0], keys)  # its keys kept through both
 
 
 def batched_answers(loaded, prompts: list[str], tokens: int) -> list[list[int]]:
