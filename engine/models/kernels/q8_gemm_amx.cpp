@@ -96,7 +96,9 @@ void amx_columns(int64_t M, int64_t begin, int64_t end, Tile&& tile) {
 // at a barrier for the others', and takes its share of the columns. Two regions (a fork and a
 // join each) had cost ~1.5 µs more per product, 121 products a decode step: the whole model's
 // products at 16 rows 1.03× faster (q8; q4 1.03×), at 24 and 512 rows 1.01×, alternating in one
-// process. Nested in another parallel region, the team is this thread alone.
+// process. Nothing in the region may throw (an exception can't leave it: no checks in there).
+// Nested in another parallel region the team is this thread alone, by OpenMP's default of one
+// active level (the operators are called from Python, never from a parallel region).
 template <typename Quantize, typename Tile>
 void amx_tiles(int64_t M, int64_t groups, int64_t items, Quantize&& quantize, Tile&& tile) {
     const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups)));
