@@ -22,6 +22,19 @@ _REPLACEMENT = "\ufffd"
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
+def _plain_backend(tokenizer):
+    """The Rust tokenizer that ``tokenizer.decode`` hands every call to unchanged (a fast tokenizer
+    whose ``_decode`` is transformers' own and cleans up no spaces), or ``None``. Called directly,
+    a decode costs ~0.5 µs instead of ~1.8 (two a token, for every sequence of a step)."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers: always through the tokenizer
+        return None
+    if getattr(type(tokenizer), "_decode", None) is not TokenizersBackend._decode:
+        return None
+    return getattr(tokenizer, "backend_tokenizer", None)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
@@ -31,8 +44,11 @@ class IncrementalDetokenizer:
         self._read = 0  # tokens before this have all their text emitted
         self._partial = 0  # characters of the unread tokens' text emitted already
         self._hold_spaces = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        self._backend = _plain_backend(tokenizer) if not self._hold_spaces else None
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=False)
         return self._tokenizer.decode(ids)
 
     def _is_byte_token(self, token_id: int) -> bool:

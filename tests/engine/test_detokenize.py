@@ -80,3 +80,21 @@ def test_random_ids_with_space_cleanup(cleanup_tokenizer):
     for _ in range(300):
         ids = [rng.randrange(len(cleanup_tokenizer)) for _ in range(rng.randrange(1, 25))]
         assert "".join(pieces_for(cleanup_tokenizer, ids)) == cleanup_tokenizer.decode(ids), ids
+
+
+def test_a_tokenizer_with_its_own_decode_is_asked(byte_tokenizer):
+    """The detokenizer calls the Rust tokenizer directly only where ``decode`` would hand it the
+    ids unchanged; a tokenizer class with its own ``_decode`` is asked itself."""
+    import copy
+
+    tokenizer = copy.deepcopy(byte_tokenizer)
+    base = type(tokenizer)
+
+    class Shouting(base):
+        def _decode(self, token_ids, **kwargs):
+            return base._decode(self, token_ids, **kwargs).upper()
+
+    tokenizer.__class__ = Shouting
+    ids = tokenizer("one two three")["input_ids"]
+    assert tokenizer.decode(ids) == "ONE TWO THREE"
+    assert "".join(pieces_for(tokenizer, ids)) == "ONE TWO THREE"
