@@ -66,10 +66,14 @@ class SlotCache:
         grow past :data:`RESERVE_BYTES`, room held ahead of need (:meth:`add`'s ``hoped``) goes."""
         slots = self._slots_for(len(self.lengths))
         capacity = self.capacity if tokens <= self.capacity else _bucket(tokens)
-        if slots != self.slots and slots * capacity * self.per_token_bytes > RESERVE_BYTES:
+        if slots != self.slots and not self._within_reserve(slots, capacity):
             capacity = min(capacity, _bucket(max(max(self.lengths, default=0) + 1, tokens)))
         if (slots, capacity) != (self.slots, self.capacity):
             self._resize(slots, capacity)
+
+    def _within_reserve(self, slots: int, capacity: int) -> bool:
+        """Whether a cache of ``slots`` × ``capacity`` stays within :data:`RESERVE_BYTES`."""
+        return slots * capacity * self.per_token_bytes <= RESERVE_BYTES
 
     @property
     def per_token_bytes(self) -> int:
@@ -85,8 +89,7 @@ class SlotCache:
         self.lengths.append(0)
         tokens, hoped = min(max(tokens, 1), 1 << 16), min(hoped, 1 << 16)
         slots = self._slots_for(len(self.lengths))
-        if (hoped > tokens and self.d.rows_attention
-                and slots * _bucket(hoped) * self.per_token_bytes <= RESERVE_BYTES):
+        if hoped > tokens and self.d.rows_attention and self._within_reserve(slots, _bucket(hoped)):
             tokens = hoped
         self._room(tokens)
 

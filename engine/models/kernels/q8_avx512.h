@@ -52,34 +52,32 @@ void quantize_blocks(const T* x, int64_t K, bool offset, bool with_sums, Quantiz
                      int64_t end) {
     const int64_t blocks = K / BLOCK;
     const __m512 sign = _mm512_set1_ps(-0.0f);
-    {
-        for (int64_t i = begin; i < end; ++i) {
-            const int64_t m = i / blocks, b = i % blocks;
-            const T* src = x + m * K + b * BLOCK;
-            __m512 lo = load16(src), hi = load16(src + 16);
-            __m512 amax = _mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi));
-            float top = _mm512_reduce_max_ps(amax);
-            if (_mm512_cmp_ps_mask(lo, hi, _CMP_UNORD_Q)) top = NAN_SCALE;  // max skips a NaN: keep it
-            const float scale = top / 127.0f;
-            const float inv = top > 0.0f ? 127.0f / top : 0.0f;
-            const __m512 vinv = _mm512_set1_ps(inv);
-            __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vinv));  // round to nearest even
-            __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vinv));
-            if (with_sums) {
-                out.sums[i] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
-            }
-            uint8_t* dst = out.codes.data() + m * K + b * BLOCK;
-            if (offset) {
-                const __m512i bias = _mm512_set1_epi32(128);
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtusepi32_epi8(_mm512_add_epi32(qlo, bias)));
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16),
-                                 _mm512_cvtusepi32_epi8(_mm512_add_epi32(qhi, bias)));
-            } else {
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qlo));
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qhi));
-            }
-            out.scales[i] = scale;
+    for (int64_t i = begin; i < end; ++i) {
+        const int64_t m = i / blocks, b = i % blocks;
+        const T* src = x + m * K + b * BLOCK;
+        __m512 lo = load16(src), hi = load16(src + 16);
+        __m512 amax = _mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi));
+        float top = _mm512_reduce_max_ps(amax);
+        if (_mm512_cmp_ps_mask(lo, hi, _CMP_UNORD_Q)) top = NAN_SCALE;  // max skips a NaN: keep it
+        const float scale = top / 127.0f;
+        const float inv = top > 0.0f ? 127.0f / top : 0.0f;
+        const __m512 vinv = _mm512_set1_ps(inv);
+        __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vinv));  // round to nearest even
+        __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vinv));
+        if (with_sums) {
+            out.sums[i] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
         }
+        uint8_t* dst = out.codes.data() + m * K + b * BLOCK;
+        if (offset) {
+            const __m512i bias = _mm512_set1_epi32(128);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtusepi32_epi8(_mm512_add_epi32(qlo, bias)));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16),
+                             _mm512_cvtusepi32_epi8(_mm512_add_epi32(qhi, bias)));
+        } else {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qlo));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qhi));
+        }
+        out.scales[i] = scale;
     }
 }
 
