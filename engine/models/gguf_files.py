@@ -199,7 +199,7 @@ def _convert(gguf_path: Path, out_dir: Path, reporter: ProgressReporter, summary
             reporter.report("tokenizer", 0, 0, "Converting the GGUF tokenizer")
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
             model = AutoModelForCausalLM.from_pretrained(
-                str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+                str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, use_kernels=False
             )
             reporter.report("save", 0, 0, "Saving a safetensors copy for fast loads")
             # The GGUF "quantizer" only marks where the weights came from; they are plain

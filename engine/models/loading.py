@@ -135,10 +135,13 @@ def _load(request: LoadRequest, reporter: ProgressReporter, precision: Precision
         tokenizer = AutoTokenizer.from_pretrained(str(resolved.folder), trust_remote_code=request.trust_remote_code)
         reporter.check()
         with reporting(reporter):
+            # use_kernels=False: transformers (5.x) otherwise swaps layers for kernels it downloads
+            # from the hub ("hub kernels") on CUDA: code the user never chose, a load that fails
+            # offline (seen on a lent H200), and figures that would no longer be PyTorch's.
             model = AutoModelForCausalLM.from_pretrained(
                 str(resolved.folder), config=config, device_map=str(device),
                 use_safetensors=resolved.use_safetensors, trust_remote_code=request.trust_remote_code,
-                **precision.load_kwargs(device.type),
+                use_kernels=False, **precision.load_kwargs(device.type),
             )
         model.eval()
         if resolved.source == "default" and getattr(model, "generation_config", None) is not None:

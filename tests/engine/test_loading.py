@@ -36,6 +36,21 @@ def test_every_precision_loads_and_generates_on_cpu(tiny_llama, precision):
     assert len(tokens) == 4
 
 
+def test_no_hub_kernels_are_swapped_in(tiny_llama, monkeypatch):
+    """transformers 5 swaps layers for kernels downloaded from the hub unless told not to. On a lent
+    H200, offline, that failed every load ('not available in the local cache'), and without the
+    `kernels` package it refused them all; the engine asks for none, so both loads work."""
+    import transformers.modeling_utils
+
+    monkeypatch.setattr(transformers.modeling_utils, "is_kernels_available", lambda: False)
+    loaded = load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"))
+    assert loaded.model.use_kernels is False
+    tokens = [e for e in generate(loaded, GenerationRequest("fox", mode="raw", max_new_tokens=3, ignore_eos=True))
+              if isinstance(e, TokenGenerated)]
+    assert len(tokens) == 3
+    loaded.close()
+
+
 def test_weights_bytes_and_parameters(tiny_llama):
     fp32 = load_model(LoadRequest(str(tiny_llama), "fp32", "cpu"))
     bf16 = load_model(LoadRequest(str(tiny_llama), "bf16", "cpu"))
