@@ -174,7 +174,7 @@ def main() -> int:
         roofline = row["weights_bytes"] * row["ours_tok_s"] / bandwidth
         generate = f"{row['generate_tok_s']:.1f}" if row["generate_tok_s"] else "—"
         cpu = f"{row['cpu_tok_s']:.1f}" if row["cpu_tok_s"] else "—"
-        print(f"{row['precision']:<11} {row['ours_tok_s']:>7.1f} {generate:>9} {cpu:>7} {roofline:>8.0%}   "
+        print(f"{row['precision']:<11} {row['ours_tok_s']:>7.1f} {generate:>9} {cpu:>7} {roofline:>8.2%}   "
               f"{_mib(row['weights_bytes']):>10} ({_mib(row['weights_predicted'])}){'':>5} "
               f"{_mib(row['kv_bytes']):>8} ({_mib(row['kv_predicted'])}){'':>2} {_mib(row['allocated']):>10} "
               f"{_mib(row['reserved']):>9} {_mib(row['peak']):>8} {_mib(row['device_used']):>10}")
