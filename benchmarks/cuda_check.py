@@ -4,9 +4,11 @@ For each precision on the device, the default model is loaded once and then, int
 round after round, our engine and transformers' ``generate`` each make N greedy tokens of the
 same prompt. Printed per precision:
 
-- decode tok/s, ours and ``generate``'s (median of the per-token times over all rounds), and
-  the same engine on the CPU where ``--cpu-precisions`` names one (the issue's "against the same
-  steps on the CPU");
+- decode tok/s (median of the per-token times over all rounds): ours (on CUDA a lone request's
+  decode step is captured once as a CUDA graph and replayed: engine/generation/runners.py), the
+  same engine with that step eager, ``generate``'s, and the same engine on the CPU where
+  ``--cpu-precisions`` names one (the issue's "against the same steps on the CPU"); which step
+  ran, and for how many tokens the greedy answers of the captured and the eager step agree;
 - the share of the device's memory-bandwidth roofline the weights stream at (weights bytes ×
   tok/s ÷ bandwidth): the bandwidth measured here (a reduction over a tensor far bigger than
   the caches) and the datasheet's where resources/hardware.json knows the device;
@@ -40,7 +42,9 @@ from engine.measure.bench import versions
 from engine.models.loading import LoadRequest, load_model
 from engine.base.request import GenerationRequest
 from engine_vs_transformers import theirs  # benchmarks/ is on the path when run as a script
-from engine.generation.generate import generate
+from engine.generation.core import EngineCore
+from engine.generation.generate import alone, generate
+from engine.generation.runners import ReferenceBatchRunner
 
 PROMPT = "Explain microservices in simple terms."
 GPU_PRECISIONS = ("fp16", "bf16", "int8", "nf4", "bf16-fast", "int8-fast", "int4-fast")
@@ -80,10 +84,29 @@ def datasheet(device: torch.device):
     return None
 
 
-def _ours(loaded, request) -> tuple[list[float], TokenGenerated, Finished]:
-    events = list(generate(loaded, request))
+def _ours(loaded, request, core=None) -> tuple[list[float], TokenGenerated, Finished]:
+    events = list(generate(loaded, request, core=core))
     tokens = [e for e in events if isinstance(e, TokenGenerated)]
     return [t.latency_s for t in tokens[1:]], tokens[-1], events[-1]
+
+
+def _cores(loaded) -> tuple[EngineCore | None, EngineCore | None]:
+    """Two kept cores for the reference path (None, None on the fast path): the engine's own runner
+    (on CUDA a lone request's decode step is captured once as a CUDA graph and replayed) and one
+    whose steps stay eager, for the same steps side by side."""
+    if loaded.fast is not None:
+        return None, None
+    eager = ReferenceBatchRunner(loaded.model, loaded.supports_logits_to_keep, graphs=False)
+    return EngineCore(loaded, alone()), EngineCore(loaded, alone(), runner=eager)
+
+
+def _step_kind(core) -> str:
+    if core is None:
+        return "fast path"
+    runner = core.runner
+    if getattr(runner, "graph", None) is not None and runner.graph.graph is not None:
+        return f"CUDA graph ({runner.graph.capacity} slots)"
+    return f"eager ({runner.graph_error})" if getattr(runner, "graph_error", None) else "eager"
 
 
 def check(name: str, device: str, tokens: int, rounds: int, cpu_too: bool) -> dict:
@@ -106,21 +129,33 @@ def check(name: str, device: str, tokens: int, rounds: int, cpu_too: bool) -> di
     if name.endswith("-fast") and loaded.fast is not None:
         report = compile_decoder(loaded.fast)
         row["compile_s"], row["compile_error"] = report.seconds, report.error
-    ours, theirs_steps, on_cpu = [], [], []
+    ours, eager_steps, theirs_steps, on_cpu = [], [], [], []
     last = final = None
-    _ours(loaded, request)  # warm: the allocator and kernels settle before anything is timed
+    core, eager_core = _cores(loaded)
+    _ours(loaded, request, core)  # warm: the allocator and kernels settle (and the step is captured)
+    answers = {}
     for _ in range(rounds):
-        steps, last, final = _ours(loaded, request)
+        steps, last, final = _ours(loaded, request, core)
         ours += steps
+        answers["ours"] = final.token_ids
+        if eager_core is not None:
+            steps, _, eager_final = _ours(loaded, request, eager_core)
+            eager_steps += steps
+            answers["eager"] = eager_final.token_ids
         if loaded.fast is None:  # generate runs the same weights only on the reference path
             theirs_steps += theirs(loaded, config, ids, tokens)[1]
         if cpu is not None:
             on_cpu += _ours(cpu, request)[0]
+    if "eager" in answers:
+        a, b = answers["ours"], answers["eager"]
+        row["same_tokens"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    row["step"] = _step_kind(core)
     predicted_weights = weights_bytes(count_parameters(config_for("default")), name, loaded.device.type)
     predicted_kv = loaded.predicted_kv_bytes(ids.shape[1] + tokens - 1)
     memory = last.memory
     row.update(
         ours_tok_s=1 / statistics.median(ours),
+        eager_tok_s=1 / statistics.median(eager_steps) if eager_steps else None,
         generate_tok_s=1 / statistics.median(theirs_steps) if theirs_steps else None,
         cpu_tok_s=1 / statistics.median(on_cpu) if on_cpu else None,
         weights_bytes=loaded.info.weights_bytes, weights_predicted=predicted_weights,
@@ -164,9 +199,10 @@ def main() -> int:
         print(f"{precision} …", flush=True)
         rows.append(check(precision, args.device, args.tokens, args.rounds, precision in cpu_names))
     print(f"\n{args.tokens} greedy tokens × {args.rounds} rounds, interleaved; decode tok/s = 1 / median per-token time")
-    print(f"{'precision':<11} {'ours':>7} {'generate':>9} {'on CPU':>7} {'roofline':>9}   "
+    print(f"{'precision':<11} {'ours':>7} {'eager':>7} {'generate':>9} {'on CPU':>7} {'roofline':>9}   "
           f"{'weights MiB (predicted)':>24} {'KV MiB (predicted)':>19} {'allocated':>10} {'reserved':>9} "
           f"{'peak':>8} {'NVML used':>10}")
+    tokens = args.tokens
     for row in rows:
         if "refused" in row:
             print(f"{row['precision']:<11} refused: {row['refused']}")
@@ -174,10 +210,13 @@ def main() -> int:
         roofline = row["weights_bytes"] * row["ours_tok_s"] / bandwidth
         generate = f"{row['generate_tok_s']:.1f}" if row["generate_tok_s"] else "—"
         cpu = f"{row['cpu_tok_s']:.1f}" if row["cpu_tok_s"] else "—"
-        print(f"{row['precision']:<11} {row['ours_tok_s']:>7.1f} {generate:>9} {cpu:>7} {roofline:>8.2%}   "
+        eager = f"{row['eager_tok_s']:.1f}" if row.get("eager_tok_s") else "—"
+        print(f"{row['precision']:<11} {row['ours_tok_s']:>7.1f} {eager:>7} {generate:>9} {cpu:>7} {roofline:>8.2%}   "
               f"{_mib(row['weights_bytes']):>10} ({_mib(row['weights_predicted'])}){'':>5} "
               f"{_mib(row['kv_bytes']):>8} ({_mib(row['kv_predicted'])}){'':>2} {_mib(row['allocated']):>10} "
               f"{_mib(row['reserved']):>9} {_mib(row['peak']):>8} {_mib(row['device_used']):>10}")
+        same = f"; greedy tokens equal to the eager step's: {row['same_tokens']} of {tokens}" if "same_tokens" in row else ""
+        print(f"{'':<11} decode step: {row['step']}{same}")
         if row.get("compile_error"):
             print(f"{'':<11} compile failed: {row['compile_error']}")
         if row.get("cpu_refused"):

@@ -28,12 +28,22 @@ class ReferenceBatchRunner:
     ``rollback`` (speculation): every request keeps its own cache, whose sliding-window layers
     keep what they would drop until :meth:`crop` says how much of it stays."""
 
-    def __init__(self, model, supports_logits_to_keep: bool = True, rollback: bool = False) -> None:
+    def __init__(self, model, supports_logits_to_keep: bool = True, rollback: bool = False,
+                 graphs: bool = False) -> None:
         self.model = model
         self.keeps_logits = supports_logits_to_keep
         self.rollback = rollback
         self.caches: dict[int, object] = {}
         self.lengths: dict[int, int] = {}
+        self.wanted: dict[int, int] = {}
+        """The tokens each request may come to hold (its prompt and longest answer), from :meth:`add`."""
+        self.graphs = graphs
+        """Whether a lone request decodes through a captured step (:class:`GraphStep`, CUDA)."""
+        self.graph: GraphStep | None = None
+        self.graph_error: str | None = None
+        """Why the captured step is off after a failed capture (the step runs eager then)."""
+        self.capture = getattr(getattr(model, "device", None), "type", None) == "cuda"
+        """Capture the static step as a CUDA graph (else it runs eager: tests on a CPU)."""
         self.group = None
         """The batched cache of the requests decoding together (``None`` until two do)."""
         self.rows: list[int] = []
@@ -47,16 +57,51 @@ class ReferenceBatchRunner:
         cache = DynamicCache(config=self.model.config)
         if self.rollback:
             cache.activate_past_recording()
-        self.caches[seq], self.lengths[seq] = cache, 0
+        self.caches[seq], self.lengths[seq], self.wanted[seq] = cache, 0, max(tokens, hoped)
 
     def remove(self, seq: int) -> None:
-        del self.caches[seq], self.lengths[seq]
+        if self.graph is not None and self.graph.seq == seq:
+            self.graph.seq = None
+        del self.caches[seq], self.lengths[seq], self.wanted[seq]
         if seq in self.rows:
             self._leave(seq)
+
+    def _settle(self, seq: int) -> None:
+        """``seq``'s cache back in its own DynamicCache, where the captured step held it."""
+        if self.graph is not None and self.graph.seq == seq:
+            self.graph.unload(self.caches[seq], self.lengths[seq])
+
+    def _graph_decode(self, seq: int, token: int) -> "torch.Tensor | None":
+        """The scores after ``token`` for ``seq`` alone through the captured step (``None``
+        where it is off: the caller runs the eager step)."""
+        if not self.graphs or self.rollback:
+            return None
+        length = self.lengths[seq]
+        need = max(self.wanted.get(seq, 0), length + 1)
+        try:
+            if self.graph is None or self.graph.capacity < need:
+                if self.graph is not None and self.graph.seq is not None:
+                    self._settle(self.graph.seq)
+                self.graph = None  # its static cache freed before a larger one is made
+                self.graph = GraphStep(self.model, _capacity(need), self.keeps_logits, self.capture)
+            if self.graph.seq != seq:
+                if self.graph.seq is not None:
+                    self._settle(self.graph.seq)
+                self.graph.load(seq, self.caches[seq], length)
+        except Exception as exc:  # a step that can't be captured (or no memory for it) runs eager
+            if self.graph is not None and self.graph.seq is not None:
+                self.graph.seq = None  # loading failed part-way: seq's own cache is still whole
+            self.graph, self.graphs = None, False
+            self.graph_error = f"{type(exc).__name__}: {exc}"
+            return None
+        logits = self.graph.step(token)
+        self.lengths[seq] += 1
+        return logits
 
     def prefill(self, seq: int, ids: "torch.Tensor", rows: int = 1) -> "torch.Tensor":
         """Put ``ids`` ([1, n]) into ``seq``'s cache; the scores after the last of them
         ([vocab]), or after each of the last ``rows`` ([rows, vocab])."""
+        self._settle(seq)
         keep = {"logits_to_keep": rows} if self.keeps_logits else {}
         logits = self.model(input_ids=ids, cache=self.caches[seq], use_cache=True, **keep).logits[0]
         self.lengths[seq] += ids.shape[1]
@@ -66,6 +111,10 @@ class ReferenceBatchRunner:
         import torch
 
         device = self.model.device
+        if len(seqs) == 1 and seqs[0] not in self.rows:
+            logits = self._graph_decode(seqs[0], tokens[0])
+            if logits is not None:
+                return logits.unsqueeze(0)
         if self.rollback or (len(seqs) == 1 and seqs[0] not in self.rows):
             rows = [self.prefill(seq, torch.tensor([[token]], device=device)) for seq, token in zip(seqs, tokens)]
             return torch.stack(rows)
@@ -91,6 +140,7 @@ class ReferenceBatchRunner:
         """Move ``seq``'s own cache into the batched one, both left-padded to the longer."""
         import torch
 
+        self._settle(seq)
         cache, length = self.caches[seq], self.lengths[seq]
         self.caches[seq] = None
         device = self.model.device
@@ -135,6 +185,8 @@ class ReferenceBatchRunner:
 
     def kv_bytes(self, seq: int) -> int:
         """Bytes of ``seq``'s own tokens in the cache (a batched row's padding is not its)."""
+        if self.graph is not None and self.graph.seq == seq:
+            return self.graph.held_bytes(self.lengths[seq])
         if seq not in self.rows:
             return cache_bytes(self.caches[seq])
         length, total = self.lengths[seq], 0
@@ -157,6 +209,7 @@ class ReferenceBatchRunner:
         """A copy of ``seq``'s keys and values of tokens ``start…end``: [layers, 1, KV heads, n, dim] each."""
         import torch
 
+        self._settle(seq)
         if seq not in self.rows:
             layers = self.caches[seq].layers
             keys = [layer.keys[:, :, start:end] for layer in layers]
@@ -172,6 +225,7 @@ class ReferenceBatchRunner:
         """Put ``blocks`` (from :meth:`block_kv`, in order) at the start of ``seq``'s new cache."""
         import torch
 
+        self._settle(seq)
         keys = torch.cat([k for k, _ in blocks], dim=3)
         values = torch.cat([v for _, v in blocks], dim=3)
         cache = self.caches[seq]
@@ -190,8 +244,102 @@ class ReferenceBatchRunner:
     def crop(self, seq: int, length: int) -> None:
         """Forget ``seq``'s tokens after the first ``length``; sliding-window layers trim back to
         their window (so this is called even when nothing is forgotten)."""
+        self._settle(seq)
         self.caches[seq].crop(-(self.lengths[seq] - length))
         self.lengths[seq] = min(self.lengths[seq], length)
+
+
+GRAPH_MIN_CAPACITY = 256
+"""The smallest static cache of a captured step (tokens); larger ones double from it."""
+
+
+def _capacity(tokens: int) -> int:
+    capacity = GRAPH_MIN_CAPACITY
+    while capacity < tokens:
+        capacity *= 2
+    return capacity
+
+
+class GraphStep:
+    """A lone request's decode step captured once as a CUDA graph over a static cache of
+    ``capacity`` tokens (transformers' StaticCache, whose position is a tensor on the device),
+    then replayed for every token: one launch where the eager step launches each layer's kernels
+    one by one from Python. On a lent H200 the default model's eager decode took 22-24 ms a token,
+    bound by those launches, for 0.065 ms of weights to read. The request's cache is copied in
+    when it starts decoding (:meth:`load`) and back into its own DynamicCache whenever anything
+    else needs it (:meth:`unload`). ``capture=False`` runs the same static step eager (a CPU has no
+    graphs: the tests check the copies and positions with it)."""
+
+    def __init__(self, model, capacity: int, keeps_logits: bool = True, capture: bool = True) -> None:
+        import torch
+        from transformers import StaticCache
+
+        self.model, self.capacity, self.seq = model, capacity, None
+        self.keep = {"logits_to_keep": 1} if keeps_logits else {}
+        self.cache = StaticCache(config=model.config, max_cache_len=capacity)
+        self.ids = torch.zeros((1, 1), dtype=torch.long, device=model.device)
+        self.graph = self.out = None
+        if not capture:
+            self._forward()  # the cache's layers made (they are made at their first update)
+            return
+        device = model.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm: the cache's layers made, the libraries' handles and workspaces set up
+                self._forward()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.out = self._forward()
+        self.graph = graph
+
+    def _forward(self) -> "torch.Tensor":
+        return self.model(input_ids=self.ids, cache=self.cache, use_cache=True, **self.keep).logits
+
+    def load(self, seq: int, cache, length: int) -> None:
+        """Copy ``seq``'s ``length`` tokens from its DynamicCache in; its next token goes after them."""
+        for static, layer in zip(self.cache.layers, cache.layers):
+            static.keys[:, :, :length].copy_(layer.keys[:, :, -length:])
+            static.values[:, :, :length].copy_(layer.values[:, :, -length:])
+            static.cumulative_length.fill_(length)
+        self.seq = seq
+
+    def unload(self, cache, length: int) -> None:
+        """The held request's ``length`` tokens back into its DynamicCache ``cache``."""
+        for static, layer in zip(self.cache.layers, cache.layers):
+            layer.keys = static.keys[:, :, :length].clone()
+            layer.values = static.values[:, :, :length].clone()
+        self.seq = None
+
+    def held_bytes(self, length: int) -> int:
+        """Bytes of the held request's ``length`` tokens (as its own cache would hold them)."""
+        return sum(2 * layer.keys.shape[1] * length * layer.keys.shape[3] * layer.keys.element_size()
+                   for layer in self.cache.layers)
+
+    def step(self, token: int) -> "torch.Tensor":
+        """The scores after ``token`` ([vocab]; a copy: the graph's output is overwritten next step)."""
+        self.ids.fill_(token)
+        if self.graph is None:
+            return self._forward()[0, -1]
+        self.graph.replay()
+        return self.out[0, -1].clone()
+
+
+def graphs_apply(model) -> bool:
+    """Whether :class:`GraphStep` runs ``model``'s lone decode: on CUDA, unquantized weights
+    (bitsandbytes' kernels are left eager), no sliding-window layers (a static cache of those
+    wraps around), unless ``INFERENCE_WORKBENCH_NO_CUDA_GRAPHS`` is set."""
+    import os
+
+    from transformers import DynamicCache
+
+    device = getattr(model, "device", None)
+    if getattr(device, "type", None) != "cuda" or os.environ.get("INFERENCE_WORKBENCH_NO_CUDA_GRAPHS"):
+        return False
+    if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
+        return False
+    return not any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=model.config).layers)
 
 
 def _left_pad(tensor: "torch.Tensor", width: int) -> "torch.Tensor":
@@ -211,7 +359,7 @@ def runner_for(model, fast=None, supports_logits_to_keep: bool = True, rollback:
         from engine.generation.slot_cache import SlotCache  # lazy: importing it loads numpy, torch
 
         return SlotCache(fast)
-    return ReferenceBatchRunner(model, supports_logits_to_keep, rollback)
+    return ReferenceBatchRunner(model, supports_logits_to_keep, rollback, graphs=graphs_apply(model))
 
 
 def batch_runner_for(loaded: "LoadedModel", rollback: bool = False):
