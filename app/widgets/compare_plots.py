@@ -91,7 +91,7 @@ class ComparePlots:
                  "from here)" if served else None)
         if self._notes.get(panel.plot.objectName()) != title:
             self._notes[panel.plot.objectName()] = title
-            panel.plot.setTitle(title, size="8pt")
+            panel.set_title(title, size="8pt")
 
     def _draw_kv(self, lanes) -> None:
         self._served_note(self.kv, lanes)

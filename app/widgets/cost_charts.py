@@ -245,7 +245,7 @@ class CostCharts(QWidget):
         title = f"on {gpus} GPUs, as planned" if gpus > 1 else None  # short: a narrow chart clips it
         if self._money_title != title:
             self._money_title = title
-            self.money_plot.plot.setTitle(title, size="9pt")
+            self.money_plot.set_title(title)
         usd_curve = self._curve("usd", self.money_plot, pen=_pen(COLOURS["ceiling"], width=2))
         if profile.usd_per_hour and fits.any():
             usd = gpus * profile.usd_per_hour / (ceiling * 3600) * 1e6

@@ -19,8 +19,8 @@ import math
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import Qt
-from PySide6.QtGui import QPalette
+from PySide6.QtCore import QEvent, Qt
+from PySide6.QtGui import QFont, QFontMetrics, QPalette
 from PySide6.QtWidgets import QGraphicsView, QLabel, QVBoxLayout, QWidget
 
 from app.glossary import linked, open_glossary
@@ -87,6 +87,8 @@ class PlotPanel(QWidget):
         self._unit = ""
         self._unavailable: str | None = None
         self._note = None
+        self._title: tuple[str, str] | None = None  # (text, size) asked for
+        self._shown_title: str | None = None
         self.caption = QLabel(caption)
         self.caption.setWordWrap(True)
         self.caption.setTextFormat(Qt.RichText)
@@ -98,6 +100,50 @@ class PlotPanel(QWidget):
         layout.setContentsMargins(2, 2, 2, 2)
         layout.addWidget(self.plot, 1)
         layout.addWidget(self.caption)
+        self.plot.installEventFilter(self)  # its title is cut again to each new width
+
+    def set_title(self, title: str | None, size: str = "9pt") -> None:
+        """The plot's title (``None``: none), cut to the plot's width with "…" and whole in the
+        plot's tooltip. pyqtgraph lays a title out on one line and makes the plot at least as wide:
+        a long one (the latency plot's "… steps above the view, longest …", a comparison's served
+        lanes) had widened the plot past its dock, out of sight, the last tokens with it."""
+        self._title = None if title is None else (title, size)
+        self._show_title()
+
+    def eventFilter(self, watched, event) -> bool:
+        if watched is self.plot and self._title is not None:
+            if event.type() == QEvent.Resize:
+                self._show_title(event.size().width())  # before the view has its new size
+            elif event.type() == QEvent.Show:
+                self._show_title()
+        return super().eventFilter(watched, event)
+
+    @property
+    def full_title(self) -> str | None:
+        """The whole title asked for (what the plot shows may be cut short, with "…")."""
+        return None if self._title is None else self._title[0]
+
+    def _show_title(self, width: int | None = None) -> None:
+        if self._title is None:
+            if self._shown_title is not None:
+                self._shown_title = None
+                self.plot.setTitle(None)
+            self.plot.setToolTip("")
+            return
+        title, size = self._title
+        if width is None and not self.plot.isVisible():  # no width yet: cut when shown
+            width = 1 << 20
+        font = QFont(self.font())
+        font.setPointSizeF(float(size.removesuffix("pt")))
+        axis = self.item.getAxis("left")  # the title sits over the plot area, right of this axis
+        width = self.plot.viewport().width() if width is None else width
+        room = width - (axis.width() if axis.isVisible() else 0) - 12
+        shown = QFontMetrics(font).elidedText(title, Qt.ElideRight, max(40, int(room)))
+        if shown != self._shown_title:
+            self._shown_title = shown
+            self.plot.setTitle(shown, size=size)
+            self.item.titleLabel.setMinimumWidth(0)  # never what widens the plot
+        self.plot.setToolTip(title if shown != title else "")
 
     def set_unavailable(self, reason: str | None) -> None:
         """Grey the plot out with ``reason`` over it (a figure this run can't have: a server's KV
@@ -328,7 +374,7 @@ class LivePlots:
             if buffer.count else None
         if self._titles.get(panel) != title:  # a title change re-lays-out the plot
             self._titles[panel] = title
-            panel.plot.setTitle(title, size="9pt")
+            panel.set_title(title)
 
     def _set_mode(self, served: bool) -> None:
         """Local figures, or a server's: the KV and memory plots change what they hold and say."""
@@ -352,7 +398,7 @@ class LivePlots:
         else:
             if self._titles.get(self.memory) is not None:  # the server's slots, said over its requests only
                 self._titles[self.memory] = None
-                self.memory.plot.setTitle(None)
+                self.memory.set_title(None)
             for panel in (self.kv, self.memory):
                 legend, sentence = self._modes[panel]
                 panel._legend = list(legend)
@@ -396,7 +442,7 @@ class LivePlots:
         title = None if slots is None else f"its slots: {slots.slots_busy} of {slots.slots_total} busy (/slots)"
         if self._titles.get(self.memory) != title:
             self._titles[self.memory] = title
-            self.memory.plot.setTitle(title, size="9pt")
+            self.memory.set_title(title)
         elapsed = buffer.column("elapsed_s")
         self.memory.fit(max(float(at[-1]), float(elapsed[-1]) if buffer.count else 0.0), top, "requests")
 

@@ -119,7 +119,7 @@ def test_a_model_past_one_gpu_gets_a_plan_and_the_vllm_command(qtbot, costs_wind
     # the $ chart prices the plan's 4 GPUs, as the numbers do (it said "does not fit at any batch")
     price = w.plan.usd_per_million_tokens
     assert price and f"${price:,.2f} per 1M tokens" in text
-    assert not w.charts._money_note.isVisible() and "4 GPUs" in w.charts.money_plot.item.titleLabel.text
+    assert not w.charts._money_note.isVisible() and "4 GPUs" in w.charts.money_plot.full_title
     x, y = w.charts._curves["usd"].getData()
     assert x[0] == 0 and 10 ** y[0] == pytest.approx(price, rel=1e-6)  # batch 1, as the plan
     # context ticks read as context lengths are said: 2k, 8k, 32k (not 2.05k, 8.19k, 32.8k)

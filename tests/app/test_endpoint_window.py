@@ -122,7 +122,7 @@ def test_a_local_lane_and_an_endpoint_lane_agree_token_for_token(qtbot, compare,
     rows = table_text(compare)
     assert any("served at" in cell for cell in rows[1]) and "100.0%" in rows[1]
     assert lane.output.toPlainText() == compare.lanes[0].output.toPlainText()
-    assert "lane 2: served" in compare.plots.kv.plot.getPlotItem().titleLabel.text
+    assert "lane 2: served" in compare.plots.kv.full_title
     written = compare.export(tmp_path / "run.json")
     saved = (tmp_path / "run.json").read_text()
     assert "the-key" not in saved and tmp_path / "run.json" in written
@@ -229,7 +229,7 @@ def test_a_servers_slots_leave_the_memory_plot_with_it(qtbot, window, tiny_llama
     served.extend([replace(t, memory=replace(t.memory, device="remote")) for t in window.run.tokens])
     title = window.plots.memory.plot.getPlotItem().titleLabel
     window.plots.refresh(served)
-    assert title.isVisible() and title.text == "its slots: 1 of 2 busy (/slots)"
+    assert title.isVisible() and window.plots.memory.full_title == "its slots: 1 of 2 busy (/slots)"
     generate(qtbot, window, PROMPT, max_tokens=4)  # a later local run
     assert not title.isVisible() and window.plots.point_counts()["memory"] == 4
 

@@ -230,8 +230,38 @@ def test_one_latency_spike_does_not_flatten_the_plot(qtbot):
     plots.refresh(buffer)
     _, top = plots.latency.item.viewRange()[1]
     assert 56 < top <= 200  # the ~50 ms steps fill the view, not a sliver at its bottom
-    title = plots.latency.item.titleLabel.text
+    title = plots.latency.full_title
     assert "1 step above the view" in title and "longest 2.00 s" in title  # seconds, not "2,000 ms"
+
+
+def test_a_long_title_never_widens_a_plot_past_its_dock(qtbot):
+    """pyqtgraph lays a title out on one line and makes the plot at least as wide: the latency
+    plot's note of a spike once widened it past a narrow dock, out of sight, its last tokens with
+    it. The title is cut to the plot's width ("…"), whole in the tooltip, whole again when wide."""
+    from PySide6.QtWidgets import QApplication
+
+    from app.widgets.live_plots import LivePlots
+    from engine.runs import Run
+
+    latency = [0.2] + [0.05 + 0.001 * (i % 7) for i in range(99)]
+    latency[60] = 2.0
+    buffer = Run.from_series({"latency_s": latency, "elapsed_s": list(range(100)), "kv_bytes": [1024.0] * 100})
+    plots = LivePlots()
+    panel = plots.latency
+    qtbot.addWidget(panel)
+    panel.resize(250, 400)
+    panel.show()
+    qtbot.waitExposed(panel)
+    plots.refresh(buffer)
+    whole = panel.full_title
+    assert "1 step above the view" in whole
+    QApplication.processEvents()  # the plot's layout, as the next paint would have it
+    assert panel.item.geometry().width() <= panel.plot.viewport().width() + 1
+    shown = panel.item.titleLabel.text
+    assert shown.endswith("…") and whole.startswith(shown[:-1]) and panel.plot.toolTip() == whole
+    panel.resize(900, 400)
+    qtbot.waitUntil(lambda: panel.item.titleLabel.text == whole)
+    assert panel.plot.toolTip() == ""
 
 
 def test_fetch_dialog_time_left():
@@ -324,7 +354,7 @@ def test_one_burst_of_tokens_does_not_flatten_the_speed_plot(qtbot):
     plots.refresh(buffer)
     _, top = plots.speed.item.viewRange()[1]
     assert 20 < top <= 100  # the ~20 tok/s steps fill the view
-    title = plots.speed.item.titleLabel.text
+    title = plots.speed.full_title
     assert "1 step above the view" in title and "fastest 12,500 tok/s" in title
 
 

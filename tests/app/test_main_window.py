@@ -58,7 +58,7 @@ def test_text_grows_token_by_token_and_plots_hold_a_point_per_token(qtbot, windo
     assert counts == {"speed": 199, "latency": 199, "kv_predicted": 200, "kv_measured_dots": 40, "memory": 200}
     dots_x, _ = window.plots._kv_measured.getOriginalDataset()
     assert dots_x[-1] == 199
-    assert window.plots.speed.plot.getPlotItem().titleLabel.text.startswith("time to first token")
+    assert window.plots.speed.full_title.startswith("time to first token")
     # redraws came from the timer: at most one a tick (and the final one), not one per token
     # (a busy machine slows the tokens, not the timer: ticks may outnumber tokens there)
     assert window.plots.redraws - redraws_before <= len(lengths) + 1
