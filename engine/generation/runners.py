@@ -290,7 +290,8 @@ class GraphStep:
                 self._forward()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: another model's thread (a side-by-side comparison) keeps working during the capture
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.out = self._forward()
         self.graph = graph
 
