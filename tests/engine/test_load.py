@@ -121,22 +121,25 @@ def test_a_setting_cut_by_its_deadline_counts_the_requests_never_sent_apart(serv
     printed = capsys.readouterr().out
     (setting,) = json.loads(out.read_text())["settings"]
     s = setting["summary"]
-    assert s["failed"] == 2, printed  # the request each of the two users had in flight, cut
+    # the request each user had in flight, cut: two, or one where a user was between requests
+    # at the deadline (seen once in a CI run: its last answer just in, its next not yet sent)
+    cut = s["cut"]
+    assert cut in (1, 2) and s["failed"] == cut, printed
     assert code == (0 if s["completed"] else 1)
-    assert (s["errored"], s["cut"], s["cut_by"]) == (0, 2, "the deadline")
-    assert s["not_sent"] == 1000 - s["completed"] - 2 > 0 and s["errors"] == []
+    assert (s["errored"], s["cut_by"]) == (0, "the deadline")
+    assert s["not_sent"] == 1000 - s["completed"] - cut > 0 and s["errors"] == []
     assert Counter(r["outcome"] for r in setting["requests"]) == Counter(
-        {"completed": s["completed"], "cut": 2, "not sent": s["not_sent"]})  # none completed on a busy machine
+        {"completed": s["completed"], "cut": cut, "not sent": s["not_sent"]})  # none completed on a busy machine
     for r in setting["requests"]:
         if r["outcome"] == "cut":
             assert r["error"] == "cut by the deadline: in flight at 0.5 s" and r["sent"]
         elif r["outcome"] == "not sent":
             assert r["error"] is None and not r["sent"]
-    assert f"not sent {s['not_sent']} · failed 2: errored 0, cut by the deadline 2" in printed
-    assert "failed 1000" not in printed and f"failed {s['not_sent'] + 2}" not in printed
+    assert f"not sent {s['not_sent']} · failed {cut}: errored 0, cut by the deadline {cut}" in printed
+    assert "failed 1000" not in printed and f"failed {s['not_sent'] + cut}" not in printed
     (row,) = csv.DictReader(table.open())
     assert (row["failed"], row["errored"], row["cut"], row["cut_by"], row["not_sent"]) == (
-        "2", "0", "2", "the deadline", str(s["not_sent"]))
+        str(cut), "0", str(cut), "the deadline", str(s["not_sent"]))
     assert server.service.wait_until(lambda s: s.in_flight == 0, timeout=30)  # cancelled requests left the core
 
 
