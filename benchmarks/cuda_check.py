@@ -103,10 +103,10 @@ def _cores(loaded) -> tuple[EngineCore | None, EngineCore | None]:
 def _step_kind(core) -> str:
     if core is None:
         return "fast path"
-    runner = core.runner
-    if getattr(runner, "graph", None) is not None and runner.graph.graph is not None:
+    runner = core.runner  # the reference runner (the fast path has no core here)
+    if runner.graph is not None and runner.graph.graph is not None:
         return f"CUDA graph ({runner.graph.capacity} slots)"
-    return f"eager ({runner.graph_error})" if getattr(runner, "graph_error", None) else "eager"
+    return f"eager ({runner.graph_error})" if runner.graph_error else "eager"
 
 
 def check(name: str, device: str, tokens: int, rounds: int, cpu_too: bool) -> dict:

@@ -131,12 +131,11 @@ class PlotPanel(QWidget):
             self.plot.setToolTip("")
             return
         title, size = self._title
-        if width is None and not self.plot.isVisible():  # no width yet: cut when shown
-            width = 1 << 20
+        if width is None:  # not shown yet: no width to cut to (it is cut when shown)
+            width = self.plot.viewport().width() if self.plot.isVisible() else 1 << 20
         font = QFont(self.font())
         font.setPointSizeF(float(size.removesuffix("pt")))
         axis = self.item.getAxis("left")  # the title sits over the plot area, right of this axis
-        width = self.plot.viewport().width() if width is None else width
         room = width - (axis.width() if axis.isVisible() else 0) - 12
         shown = QFontMetrics(font).elidedText(title, Qt.ElideRight, max(40, int(room)))
         if shown != self._shown_title:

@@ -42,8 +42,6 @@ class ReferenceBatchRunner:
         self.graph: GraphStep | None = None
         self.graph_error: str | None = None
         """Why the captured step is off after a failed capture (the step runs eager then)."""
-        self.capture = getattr(getattr(model, "device", None), "type", None) == "cuda"
-        """Capture the static step as a CUDA graph (else it runs eager: tests on a CPU)."""
         self.group = None
         """The batched cache of the requests decoding together (``None`` until two do)."""
         self.rows: list[int] = []
@@ -83,15 +81,15 @@ class ReferenceBatchRunner:
                 if self.graph is not None and self.graph.seq is not None:
                     self._settle(self.graph.seq)
                 self.graph = None  # its static cache freed before a larger one is made
-                self.graph = GraphStep(self.model, _capacity(need), self.keeps_logits, self.capture)
+                # captured on CUDA; elsewhere (tests on a CPU) the same static step runs eager
+                self.graph = GraphStep(self.model, _capacity(need), self.keeps_logits,
+                                       capture=self.model.device.type == "cuda")
             if self.graph.seq != seq:
                 if self.graph.seq is not None:
                     self._settle(self.graph.seq)
                 self.graph.load(seq, self.caches[seq], length)
         except Exception as exc:  # a step that can't be captured (or no memory for it) runs eager
-            if self.graph is not None and self.graph.seq is not None:
-                self.graph.seq = None  # loading failed part-way: seq's own cache is still whole
-            self.graph, self.graphs = None, False
+            self.graph, self.graphs = None, False  # a load that failed part-way: seq's own cache is still whole
             self.graph_error = f"{type(exc).__name__}: {exc}"
             return None
         logits = self.graph.step(token)
@@ -184,17 +182,13 @@ class ReferenceBatchRunner:
                 layer.keys, layer.values = layer.keys[:, :, -held:], layer.values[:, :, -held:]
 
     def kv_bytes(self, seq: int) -> int:
-        """Bytes of ``seq``'s own tokens in the cache (a batched row's padding is not its)."""
+        """Bytes of ``seq``'s own tokens in the cache (a batched row's padding, or the static
+        cache's unused slots, are not its)."""
         if self.graph is not None and self.graph.seq == seq:
-            return self.graph.held_bytes(self.lengths[seq])
+            return _tokens_bytes(self.graph.cache.layers, self.lengths[seq])
         if seq not in self.rows:
             return cache_bytes(self.caches[seq])
-        length, total = self.lengths[seq], 0
-        for layer in self.group.layers:
-            keys = layer.keys
-            held = min(length, layer.sliding_window - 1) if getattr(layer, "is_sliding", False) else length
-            total += 2 * held * keys.shape[1] * keys.shape[3] * keys.element_size()
-        return total
+        return _tokens_bytes(self.group.layers, self.lengths[seq])
 
     def prefix_cache_reason(self) -> str | None:
         """Why this model's blocks can't be kept for reuse (``None``: they can)."""
@@ -313,11 +307,6 @@ class GraphStep:
             layer.values = static.values[:, :, :length].clone()
         self.seq = None
 
-    def held_bytes(self, length: int) -> int:
-        """Bytes of the held request's ``length`` tokens (as its own cache would hold them)."""
-        return sum(2 * layer.keys.shape[1] * length * layer.keys.shape[3] * layer.keys.element_size()
-                   for layer in self.cache.layers)
-
     def step(self, token: int) -> "torch.Tensor":
         """The scores after ``token`` ([vocab]; a copy: the graph's output is overwritten next step)."""
         self.ids.fill_(token)
@@ -341,6 +330,17 @@ def graphs_apply(model) -> bool:
     if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
         return False
     return not any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=model.config).layers)
+
+
+def _tokens_bytes(layers, length: int) -> int:
+    """Bytes of a row's ``length`` tokens in ``layers`` (a sliding-window layer holds at most its
+    window's), whatever the tensors' width: a batched cache's padding, a static cache's free slots."""
+    total = 0
+    for layer in layers:
+        keys = layer.keys
+        held = min(length, layer.sliding_window - 1) if getattr(layer, "is_sliding", False) else length
+        total += 2 * held * keys.shape[1] * keys.shape[3] * keys.element_size()
+    return total
 
 
 def _left_pad(tensor: "torch.Tensor", width: int) -> "torch.Tensor":
