@@ -37,6 +37,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -235,7 +237,7 @@ def load_package(d, path: Path, weights: str):
     from torch.export.pt2_archive._package import PT2ArchiveReader
     from torch.export.pt2_archive.constants import AOTINDUCTOR_DIR, WEIGHTS_DIR
 
-    runner = torch._inductor.aoti_load_package(str(path))
+    runner = _load_runner(path)
     built_from = runner.get_metadata().get("weights")
     if built_from != weights:
         raise ValueError(f"the package was built from other weights ({built_from}, these are {weights})")
@@ -256,6 +258,67 @@ def load_package(d, path: Path, weights: str):
     runner.load_constants(constants, check_full_update=True, user_managed=True)
     os.utime(path)  # recently used: kept when old packages are pruned
     return _LoadedStep(runner, constants)
+
+
+_loading = threading.Lock()
+"""One package loads at a time in this process: :func:`_load_runner` tells its own extraction
+folders from others' by what appeared while it loaded."""
+_EXTRACTED = re.compile(r"aotinductor_\w{6}")
+
+
+def _load_runner(path: Path):
+    """``torch._inductor.aoti_load_package(path)``, without the folder it leaves behind.
+
+    PyTorch's loader extracts the package into a fresh ``aotinductor_XXXXXX`` folder of the
+    temporary directory (~4 MB for the default model) and removes it only in its destructor, so
+    a process that is killed or crashes, or a load that fails, leaves it there for good: this
+    machine's /tmp held 224 of them (822 MB) after a few days of test runs, and a user's /tmp is
+    often memory. Once loaded, the runner reads nothing more from it (its library is mapped, the
+    weights are the model's own tensors), so the folders it maps are removed now; a load that
+    fails takes the folders holding this package that appeared while it ran. Linux names a
+    process's mapped files in /proc/self/maps; elsewhere the destructor alone cleans up."""
+    import tempfile
+
+    temp = Path(os.environ.get("TMPDIR") or tempfile.gettempdir())  # where the loader extracts
+    with _loading:
+        before = set(temp.glob("aotinductor_*"))
+        try:
+            runner = torch._inductor.aoti_load_package(str(path))
+        except BaseException:
+            import zipfile
+
+            try:
+                with zipfile.ZipFile(path) as archive:
+                    root = archive.namelist()[0].split("/", 1)[0]
+            except (OSError, zipfile.BadZipFile, IndexError):
+                root = None
+            for folder in set(temp.glob("aotinductor_*")) - before:
+                if root and (folder / root).exists():
+                    shutil.rmtree(folder, ignore_errors=True)
+            raise
+        for folder in _mapped_extractions():
+            shutil.rmtree(folder, ignore_errors=True)
+    return runner
+
+
+def _mapped_extractions() -> set[Path]:
+    """The loader's extraction folders that hold a file this process has mapped (and that still
+    exist): the folders of the packages it loaded."""
+    try:
+        maps = Path("/proc/self/maps").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return set()
+    folders = set()
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or fields[5].endswith(" (deleted)"):
+            continue
+        parts = Path(fields[5]).parts
+        for i, part in enumerate(parts):
+            if _EXTRACTED.fullmatch(part):
+                folders.add(Path(*parts[:i + 1]))
+                break
+    return {folder for folder in folders if folder.is_dir()}
 
 
 class _LoadedStep:

@@ -307,7 +307,27 @@ def calls_attend_rows(package) -> bool:
                    for info in z.infolist() if info.filename.endswith((".cpp", ".json")))
 
 
-def test_the_compiled_decode_step_gives_the_same_tokens(long_models, isolated_cache, monkeypatch):
+def live_extractions() -> list[str]:
+    """Files this process has mapped from a package loader's ``aotinductor_*`` folder that are still on disk."""
+    from pathlib import Path
+
+    paths = {line.split(maxsplit=5)[5].strip() for line in Path("/proc/self/maps").read_text().splitlines()
+             if "aotinductor_" in line and len(line.split(maxsplit=5)) == 6}
+    return [p for p in paths if not p.endswith("(deleted)") and Path(p).exists()]
+
+
+KILLED_AFTER_LOADING = """
+import os, signal, sys
+from engine.generation.compiled_step import compile_decoder
+from engine.models.loading import LoadRequest, load_model
+loaded = load_model(LoadRequest(sys.argv[1], "fp32-fast", "cpu"))
+report = compile_decoder(loaded.fast)
+print("loaded" if report.error is None and not report.built and loaded.fast.compiled else report, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_the_compiled_decode_step_gives_the_same_tokens(long_models, isolated_cache, monkeypatch, tmp_path):
     """Built by a child process into the user cache, loaded here: the eager step's tokens, for
     every cache size (the capacity is a dynamic dimension of one build), at its own thread count
     only; a later load of the same weights loads the package instead of building it. The
@@ -377,6 +397,20 @@ def test_the_compiled_decode_step_gives_the_same_tokens(long_models, isolated_ca
     cached = compile_decoder(again.fast)
     assert cached.error is None and not cached.built and not cached.rows_built and cached.package == report.package
     assert run(again, request)[1].token_ids == eager.token_ids
+    # the loader's extraction folders are gone once loaded (it still runs, above), so a process
+    # killed after loading leaves nothing in the temporary directory (it had left ~4 MB a package)
+    import os
+    import subprocess
+    import sys
+
+    if sys.platform.startswith("linux"):
+        assert live_extractions() == []
+        temp = tmp_path / "temp"
+        temp.mkdir()
+        killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_LOADING, str(long_models["llama"])],
+                                env={**os.environ, "TMPDIR": str(temp)}, capture_output=True, text=True, timeout=300)
+        assert killed.returncode == -9 and killed.stdout.strip() == "loaded", killed.stderr[-2000:]
+        assert [p.name for p in temp.iterdir() if p.name.startswith("aotinductor_")] == []
     # a damaged package is refused, removed, and the eager step goes on
     with open(report.package, "r+b") as f:
         f.truncate(4096)
