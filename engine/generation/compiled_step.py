@@ -401,6 +401,12 @@ def _child(request, threads: int, paths: dict[str, str], weights: str, conn) -> 
         import psutil
 
         psutil.Process().nice(19 if os.name == "posix" else psutil.IDLE_PRIORITY_CLASS)
+        # the weights exported as the tensors they were loaded as: views of one huge-page
+        # mapping (engine/models/huge_pages.py) export as offsets into a storage the package
+        # can't hold (its load asked for 45 TB); the parent's views take their place on loading
+        from engine.models import huge_pages
+
+        os.environ[huge_pages.DISABLE_ENV] = "1"
         first = Path(next(iter(paths.values())))
         first.parent.mkdir(parents=True, exist_ok=True)
         log = open(first.with_suffix(".log"), "w")  # inductor's autotuning tables, not the app's terminal

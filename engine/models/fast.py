@@ -22,6 +22,7 @@ import copy
 import threading
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 from engine.models.quantize import fuse_rows, has_int8_activations
 
@@ -139,6 +140,15 @@ class FastDecoder:
         loads them again to build the compiled step."""
         self._stop_compile = threading.Event()
         self._compile_thread: threading.Thread | None = None
+        self.huge_page_bytes = 0
+        """The weights' bytes on huge pages (engine/models/huge_pages.py: int8-fast and int4-fast
+        on Linux), 0 where they stay in ordinary pages."""
+
+    def modules(self) -> list[nn.Module]:
+        """Every module whose weights a step reads: the model's, and the fused q/k/v and gate/up
+        layers (which are not the model's submodules)."""
+        fused = [part for layer in self.layers for part in (layer.qkv, layer.gate_up) if part is not None]
+        return [*self.model.modules(), *(m for part in fused for m in part.modules())]
 
 
 def _rotary_tables(d: "FastDecoder", capacity: int) -> tuple[torch.Tensor, torch.Tensor]:

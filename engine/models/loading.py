@@ -200,7 +200,12 @@ def _prepare_fast(model, precision: Precision, name: str, reporter: ProgressRepo
             # fast decoder casts the looked-up rows; this makes transformers' own forward, which
             # teacher forcing and speculation use, do the same)
             model.get_input_embeddings().register_forward_hook(_fp32_output)
-    return fast.FastDecoder(model)
+    decoder = fast.FastDecoder(model)
+    if has_int8_activations(model) and decoder.device.type == "cpu":
+        from engine.models.huge_pages import move_to_huge_pages
+
+        decoder.huge_page_bytes = move_to_huge_pages(decoder.modules())
+    return decoder
 
 
 def _fp32_output(module, args, output):

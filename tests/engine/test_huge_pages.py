@@ -1,0 +1,77 @@
+"""The int8-activation precisions' weights on huge pages (engine/models/huge_pages.py)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.base.request import GenerationRequest
+from engine.generation.generate import generate
+from engine.models import huge_pages
+from engine.models.loading import LoadRequest, load_model
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(huge_pages.mmap, "MADV_HUGEPAGE"),
+                                reason="huge pages are advised on Linux only")
+
+
+def advised_for_huge_pages(address: int) -> bool:
+    """Whether the mapping holding ``address`` is advised for huge pages (smaps' VmFlags "hg")."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("VmFlags:"):
+            return "hg" in line.split()[1:]
+    return False
+
+
+def weights(decoder) -> list[torch.Tensor]:
+    return [t for m in decoder.modules() for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+
+
+def answer(loaded) -> list[int]:
+    return list(generate(loaded, GenerationRequest("The quick brown fox", mode="raw", max_new_tokens=12,
+                                                   ignore_eos=True)))[-1].token_ids
+
+
+@pytest.mark.parametrize("precision", ["int8-fast", "int4-fast"])
+def test_quantized_weights_move_to_huge_pages_and_answer_the_same(tiny_models, precision, monkeypatch):
+    from engine.models import kernels
+
+    if not kernels.kernels():
+        pytest.skip(f"the int8 kernels don't load here: {kernels.unavailable()}")
+    folder = str(tiny_models["llama"])
+    monkeypatch.setenv(huge_pages.DISABLE_ENV, "1")
+    plain = load_model(LoadRequest(folder, precision, "cpu"))
+    assert plain.fast.huge_page_bytes == 0
+    assert not any(advised_for_huge_pages(t.data_ptr()) for t in weights(plain.fast))
+    monkeypatch.delenv(huge_pages.DISABLE_ENV)
+    moved = load_model(LoadRequest(folder, precision, "cpu"))
+    tensors = weights(moved.fast)
+    before = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in weights(plain.fast)}
+    assert sum(before.values()) <= moved.fast.huge_page_bytes < sum(before.values()) + 64 * len(before)
+    assert all(advised_for_huge_pages(t.data_ptr()) for t in tensors)
+    # one mapping, the values unchanged, views still views: q/k/v's weights lie inside the fused one
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    for mine, theirs in zip(weights(moved.fast), weights(plain.fast)):
+        assert mine.shape == theirs.shape and mine.stride() == theirs.stride() and torch.equal(mine, theirs)
+    layer = moved.fast.layers[0]
+    fused = layer.qkv._buffers[next(iter(layer.qkv._buffers))]
+    part = layer.projections[0]._buffers[next(iter(layer.projections[0]._buffers))]
+    assert part.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    assert answer(moved) == answer(plain)
+
+
+def test_dense_precisions_stay_where_they_are(tiny_models):
+    loaded = load_model(LoadRequest(str(tiny_models["llama"]), "fp32-fast", "cpu"))
+    assert loaded.fast.huge_page_bytes == 0
+    assert not any(advised_for_huge_pages(t.data_ptr()) for t in weights(loaded.fast))
+
+
+def test_a_buffer_is_zeroed_aligned_and_advised():
+    buffer = huge_pages.huge_page_buffer(3 * huge_pages.HUGE_PAGE + 5)
+    assert buffer.numel() == 3 * huge_pages.HUGE_PAGE + 5 and buffer.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert int(buffer.count_nonzero()) == 0 and advised_for_huge_pages(buffer.data_ptr() + buffer.numel() - 1)
