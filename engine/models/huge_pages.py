@@ -10,9 +10,10 @@ a huge page of their own. So once the fast decoder is built, its weights are cop
 anonymous mapping advised for huge pages, each tensor becoming a view of its copy (tensors that
 shared memory, such as q/k/v's views of their fused weight, still share it).
 
-Measured alternating in one process (two int8-fast models of the default model, one moved,
-64-token decodes from position 40, 8-10 rounds, 2-core AMX machine; `/tmp/exp/ab_arena.py` in
-the issue's note): one sequence 1.065-1.086× faster, 16 sequences 1.062-1.066×. Only the
+Measured by ``benchmarks/huge_pages.py`` (the default model loaded twice in one process, one
+moved, 64-token decodes alternating round by round; 2-core AMX machine, 5 runs): int8-fast
+1.04-1.07× as fast at 16 sequences, 0.98-1.09× at one (that host's noise is as large as the
+difference); int4-fast 1.05× at both (one run). Only the
 int8-activation precisions (int8-fast, int4-fast) move: their products are the workbench's own
 kernels, which read any strided view; the dense precisions' compiled steps multiply packed
 copies of their weights that the compiled package itself holds.
