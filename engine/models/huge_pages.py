@@ -34,7 +34,6 @@ from torch import nn
 HUGE_PAGE = 2 << 20
 """x86-64's transparent huge page: 2 MiB."""
 DISABLE_ENV = "INFERENCE_WORKBENCH_NO_HUGE_PAGES"
-_ALIGN = 64
 
 
 def available() -> bool:
@@ -43,14 +42,21 @@ def available() -> bool:
 
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of zeroed memory as a uint8 tensor, from an anonymous private mapping whose
-    2 MiB-aligned part is advised for huge pages. The mapping lives as long as a view of it does."""
+    """``nbytes`` of zeroed memory as a uint8 tensor (its storage exactly ``nbytes``), starting
+    on a 2 MiB boundary of an anonymous private mapping whose whole 2 MiB pages are advised for
+    huge pages (the tail stays in ordinary pages: a huge page there would hold up to 2 MiB of
+    nothing). The mapping lives as long as a view of it does."""
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds a reference to the mapping
-    skip = -raw.data_ptr() % HUGE_PAGE
-    advised = min(len(mapping) - skip, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
-    mapping.madvise(mmap.MADV_HUGEPAGE, skip, advised)
-    return raw[skip:skip + nbytes]
+    skip = -torch.frombuffer(mapping, dtype=torch.uint8).data_ptr() % HUGE_PAGE
+    whole = nbytes // HUGE_PAGE * HUGE_PAGE
+    if whole:
+        mapping.madvise(mmap.MADV_HUGEPAGE, skip, whole)
+    return torch.frombuffer(memoryview(mapping)[skip:skip + nbytes], dtype=torch.uint8)  # holds the mapping
+
+
+def _alignment(size: int) -> int:
+    """The largest power of two, up to 64, that divides ``size``."""
+    return min(size & -size, 64) if size else 64
 
 
 def move_to_huge_pages(modules: Iterable[nn.Module]) -> int:
@@ -77,13 +83,16 @@ def move_to_huge_pages(modules: Iterable[nn.Module]) -> int:
         storage = owner[2].untyped_storage()
         storages.setdefault(storage.data_ptr(), []).append(owner)
         sizes[storage.data_ptr()] = storage.nbytes()
-    total = sum(-(-size // _ALIGN) * _ALIGN for size in sizes.values())
+    del owners, storage  # the lists per storage are the only references left here
+    total = sum(sizes.values())
     if not total:
         return 0
     arena = huge_page_buffer(total)
     offset = 0
     with torch.no_grad():
-        for key in list(storages):
+        # the most aligned sizes first (a cache line's multiples, then the scales' 32 bytes…):
+        # each lands aligned as it was, with no padding, so the weights take the bytes they did
+        for key in sorted(storages, key=lambda k: -_alignment(sizes[k])):
             users = storages.pop(key)
             size = sizes[key]
             place = arena[offset:offset + size]
@@ -96,5 +105,5 @@ def move_to_huge_pages(modules: Iterable[nn.Module]) -> int:
                 table[name] = nn.Parameter(view, requires_grad=tensor.requires_grad) \
                     if isinstance(tensor, nn.Parameter) else view
             del users
-            offset += -(-size // _ALIGN) * _ALIGN
+            offset += size
     return total

@@ -318,8 +318,10 @@ def live_extractions() -> list[str]:
 
 KILLED_AFTER_LOADING = """
 import os, signal, sys
+import torch
 from engine.generation.compiled_step import compile_decoder
 from engine.models.loading import LoadRequest, load_model
+torch.set_num_threads(int(sys.argv[2]))  # the parent's count (a test worker's may differ from a fresh process's)
 loaded = load_model(LoadRequest(sys.argv[1], "fp32-fast", "cpu"))
 report = compile_decoder(loaded.fast)
 print("loaded" if report.error is None and not report.built and loaded.fast.compiled else report, flush=True)
@@ -407,7 +409,8 @@ def test_the_compiled_decode_step_gives_the_same_tokens(long_models, isolated_ca
         assert live_extractions() == []
         temp = tmp_path / "temp"
         temp.mkdir()
-        killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_LOADING, str(long_models["llama"])],
+        killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_LOADING, str(long_models["llama"]),
+                                 str(torch.get_num_threads())],
                                 env={**os.environ, "TMPDIR": str(temp)}, capture_output=True, text=True, timeout=300)
         assert killed.returncode == -9 and killed.stdout.strip() == "loaded", killed.stderr[-2000:]
         assert [p.name for p in temp.iterdir() if p.name.startswith("aotinductor_")] == []

@@ -37,13 +37,22 @@ def answer(loaded) -> list[int]:
                                                    ignore_eos=True)))[-1].token_ids
 
 
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory, byte_tokenizer):
+    """A llama whose quantized weights span a few huge pages (int8 ~15 MiB, int4 ~8; the tiny ones hold ~0.2)."""
+    from tests.tiny import build_model_folder
+
+    return build_model_folder(tmp_path_factory.mktemp("wide") / "llama", "llama", byte_tokenizer, hidden_size=256,
+                              intermediate_size=2048, num_hidden_layers=8)
+
+
 @pytest.mark.parametrize("precision", ["int8-fast", "int4-fast"])
-def test_quantized_weights_move_to_huge_pages_and_answer_the_same(tiny_models, precision, monkeypatch):
+def test_quantized_weights_move_to_huge_pages_and_answer_the_same(wide_llama, precision, monkeypatch):
     from engine.models import kernels
 
     if not kernels.kernels():
         pytest.skip(f"the int8 kernels don't load here: {kernels.unavailable()}")
-    folder = str(tiny_models["llama"])
+    folder = str(wide_llama)
     monkeypatch.setenv(huge_pages.DISABLE_ENV, "1")
     plain = load_model(LoadRequest(folder, precision, "cpu"))
     assert plain.fast.huge_page_bytes == 0
@@ -52,10 +61,16 @@ def test_quantized_weights_move_to_huge_pages_and_answer_the_same(tiny_models, p
     moved = load_model(LoadRequest(folder, precision, "cpu"))
     tensors = weights(moved.fast)
     before = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in weights(plain.fast)}
-    assert sum(before.values()) <= moved.fast.huge_page_bytes < sum(before.values()) + 64 * len(before)
-    assert all(advised_for_huge_pages(t.data_ptr()) for t in tensors)
-    # one mapping, the values unchanged, views still views: q/k/v's weights lie inside the fused one
+    # the same bytes (no padding: the weights' measured size stays the predicted one), in one
+    # storage of exactly that size, from a 2 MiB boundary; its whole huge pages advised, the tail not
+    assert moved.fast.huge_page_bytes == sum(before.values()) == moved.info.weights_bytes == plain.info.weights_bytes
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert tensors[0].untyped_storage().nbytes() == moved.fast.huge_page_bytes
+    base = tensors[0].untyped_storage().data_ptr()
+    whole = moved.fast.huge_page_bytes // huge_pages.HUGE_PAGE * huge_pages.HUGE_PAGE
+    assert base % huge_pages.HUGE_PAGE == 0 and whole >= 2 * huge_pages.HUGE_PAGE
+    assert all(advised_for_huge_pages(t.data_ptr()) == (t.data_ptr() < base + whole) for t in tensors)
+    # the values unchanged, views still views: q/k/v's weights lie inside the fused one
     for mine, theirs in zip(weights(moved.fast), weights(plain.fast)):
         assert mine.shape == theirs.shape and mine.stride() == theirs.stride() and torch.equal(mine, theirs)
     layer = moved.fast.layers[0]
@@ -65,8 +80,8 @@ def test_quantized_weights_move_to_huge_pages_and_answer_the_same(tiny_models, p
     assert answer(moved) == answer(plain)
 
 
-def test_dense_precisions_stay_where_they_are(tiny_models):
-    loaded = load_model(LoadRequest(str(tiny_models["llama"]), "fp32-fast", "cpu"))
+def test_dense_precisions_stay_where_they_are(wide_llama):
+    loaded = load_model(LoadRequest(str(wide_llama), "fp32-fast", "cpu"))
     assert loaded.fast.huge_page_bytes == 0
     assert not any(advised_for_huge_pages(t.data_ptr()) for t in weights(loaded.fast))
 
@@ -74,4 +89,7 @@ def test_dense_precisions_stay_where_they_are(tiny_models):
 def test_a_buffer_is_zeroed_aligned_and_advised():
     buffer = huge_pages.huge_page_buffer(3 * huge_pages.HUGE_PAGE + 5)
     assert buffer.numel() == 3 * huge_pages.HUGE_PAGE + 5 and buffer.data_ptr() % huge_pages.HUGE_PAGE == 0
-    assert int(buffer.count_nonzero()) == 0 and advised_for_huge_pages(buffer.data_ptr() + buffer.numel() - 1)
+    assert buffer.untyped_storage().nbytes() == buffer.numel() and int(buffer.count_nonzero()) == 0
+    last_whole = buffer.data_ptr() + 3 * huge_pages.HUGE_PAGE
+    assert advised_for_huge_pages(buffer.data_ptr()) and advised_for_huge_pages(last_whole - 1)
+    assert not advised_for_huge_pages(last_whole)  # the 5 bytes' page: a huge page there would be ~2 MiB of nothing
