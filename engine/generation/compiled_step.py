@@ -254,10 +254,33 @@ def load_package(d, path: Path, weights: str):
             if file not in files:
                 files[file] = torch.load(io.BytesIO(reader.read_bytes(WEIGHTS_DIR + file)), weights_only=True)
             constants[name] = files[file].as_strided(shape, stride, offset)
-    # the runner keeps pointers, not references: the tensors stay alive with the step
-    runner.load_constants(constants, check_full_update=True, user_managed=True)
+    # the runner keeps pointers: the tensors stay alive with the step. It is handed aliases that
+    # own nothing (see _borrowed), so that what it keeps of them once it is gone pins no memory
+    runner.load_constants({name: _borrowed(t) for name, t in constants.items()}, check_full_update=True,
+                          user_managed=True)
     os.utime(path)  # recently used: kept when old packages are pruned
     return _LoadedStep(runner, constants)
+
+
+def _borrowed(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s memory under a tensor that doesn't own it (same dtype, shape, strides and
+    address; its storage is a ctypes array over that memory).
+
+    PyTorch's AOTI runner keeps a reference to every tensor handed to ``load_constants(…,
+    user_managed=True)`` that it never lets go, even after the runner is destroyed (PyTorch
+    2.13): every load of a compiled fast precision pinned the model's weights for the rest of
+    the process, so unloading a model (a Compare lane, a precision switch) gave none of its
+    weights back (measured: +195 MiB a load and unload of int8-fast, after ``malloc_trim``). Handed
+    borrowed aliases, the runner pins only those; the step keeps the real tensors alive as
+    long as the runner may read them."""
+    import ctypes
+
+    storage = tensor.untyped_storage()
+    if not storage.nbytes():
+        return tensor
+    memory = (ctypes.c_byte * storage.nbytes()).from_address(storage.data_ptr())
+    raw = torch.frombuffer(memory, dtype=torch.uint8)  # holds the ctypes array, which owns nothing
+    return raw.view(tensor.dtype).as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
 
 
 _loading = threading.Lock()

@@ -399,6 +399,17 @@ def test_the_compiled_decode_step_gives_the_same_tokens(long_models, isolated_ca
     cached = compile_decoder(again.fast)
     assert cached.error is None and not cached.built and not cached.rows_built and cached.package == report.package
     assert run(again, request)[1].token_ids == eager.token_ids
+    # unloading gives the weights back: the runner holds none of the model's tensors (it had kept
+    # every tensor handed to it, so each load and unload of a compiled model pinned its weights)
+    import gc
+    import weakref
+
+    ours = {id(t) for m in again.fast.modules() for t in (*m._parameters.values(), *m._buffers.values())}
+    handed = [weakref.ref(t) for t in again.fast.compiled.constants.values() if id(t) in ours]
+    assert handed
+    del again
+    gc.collect()
+    assert [ref for ref in handed if ref() is not None] == []
     # the loader's extraction folders are gone once loaded (it still runs, above), so a process
     # killed after loading leaves nothing in the temporary directory (it had left ~4 MB a package)
     import os
