@@ -121,10 +121,11 @@ def test_a_setting_cut_by_its_deadline_counts_the_requests_never_sent_apart(serv
     printed = capsys.readouterr().out
     (setting,) = json.loads(out.read_text())["settings"]
     s = setting["summary"]
-    # the request each user had in flight, cut: two, or one where a user was between requests
-    # at the deadline (seen once in a CI run: its last answer just in, its next not yet sent)
+    # the request each user had in flight, cut: two, one where a user was between requests at
+    # the deadline (seen once in a CI run: its last answer just in, its next not yet sent), or
+    # none where both were (seen once with a busy loop on one of the two cores)
     cut = s["cut"]
-    assert cut in (1, 2) and s["failed"] == cut, printed
+    assert cut in (0, 1, 2) and s["failed"] == cut, printed
     assert code == (0 if s["completed"] else 1)
     assert (s["errored"], s["cut_by"]) == (0, "the deadline")
     assert s["not_sent"] == 1000 - s["completed"] - cut > 0 and s["errors"] == []
@@ -135,7 +136,10 @@ def test_a_setting_cut_by_its_deadline_counts_the_requests_never_sent_apart(serv
             assert r["error"] == "cut by the deadline: in flight at 0.5 s" and r["sent"]
         elif r["outcome"] == "not sent":
             assert r["error"] is None and not r["sent"]
-    assert f"not sent {s['not_sent']} · failed {cut}: errored 0, cut by the deadline {cut}" in printed
+    if cut:
+        assert f"not sent {s['not_sent']} · failed {cut}: errored 0, cut by the deadline {cut}" in printed
+    else:  # nothing failed: the not-sent count alone
+        assert f"not sent {s['not_sent']}\n" in printed and "failed" not in printed
     assert "failed 1000" not in printed and f"failed {s['not_sent'] + cut}" not in printed
     (row,) = csv.DictReader(table.open())
     assert (row["failed"], row["errored"], row["cut"], row["cut_by"], row["not_sent"]) == (
