@@ -59,15 +59,13 @@ def _alignment(size: int) -> int:
     return min(size & -size, 64) if size else 64
 
 
-def move_to_huge_pages(modules: Iterable[nn.Module]) -> int:
-    """Copy every CPU parameter and buffer of ``modules`` into one :func:`huge_page_buffer`, each
-    becoming a view of its copy with the same shape, strides and offset; tensors sharing storage
-    keep sharing it. One storage at a time, so the old copy goes as soon as its last tensor has
-    moved (memory grows by one storage, not by the whole model). Returns the bytes moved: 0
-    where :func:`available` is false or there is nothing to move."""
-    if not available():
-        return 0
-    owners: list[tuple[nn.Module, str, torch.Tensor]] = []
+def _by_storage(modules: Iterable[nn.Module]) -> tuple[dict[int, list[tuple[nn.Module, str, torch.Tensor]]],
+                                                       dict[int, int]]:
+    """The CPU parameters and buffers of ``modules`` as (module, name, tensor), grouped by the
+    address of their storage, and each storage's bytes. (A function of its own: its loop
+    variables, which would hold the last tensor, go when it returns.)"""
+    storages: dict[int, list[tuple[nn.Module, str, torch.Tensor]]] = {}
+    sizes: dict[int, int] = {}
     seen: set[int] = set()
     for module in modules:
         if id(module) in seen:
@@ -76,14 +74,21 @@ def move_to_huge_pages(modules: Iterable[nn.Module]) -> int:
         for table in (module._parameters, module._buffers):
             for name, tensor in table.items():
                 if tensor is not None and tensor.device.type == "cpu" and tensor.numel():
-                    owners.append((module, name, tensor))
-    storages: dict[int, list[tuple[nn.Module, str, torch.Tensor]]] = {}
-    sizes: dict[int, int] = {}
-    for owner in owners:
-        storage = owner[2].untyped_storage()
-        storages.setdefault(storage.data_ptr(), []).append(owner)
-        sizes[storage.data_ptr()] = storage.nbytes()
-    del owners, storage  # the lists per storage are the only references left here
+                    storage = tensor.untyped_storage()
+                    storages.setdefault(storage.data_ptr(), []).append((module, name, tensor))
+                    sizes[storage.data_ptr()] = storage.nbytes()
+    return storages, sizes
+
+
+def move_to_huge_pages(modules: Iterable[nn.Module]) -> int:
+    """Copy every CPU parameter and buffer of ``modules`` into one :func:`huge_page_buffer`, each
+    becoming a view of its copy with the same shape, strides and offset; tensors sharing storage
+    keep sharing it. One storage at a time, so the old copy goes as soon as its last tensor has
+    moved (memory grows by one storage, not by the whole model). Returns the bytes moved: 0
+    where :func:`available` is false or there is nothing to move."""
+    if not available():
+        return 0
+    storages, sizes = _by_storage(modules)
     total = sum(sizes.values())
     if not total:
         return 0
@@ -104,6 +109,6 @@ def move_to_huge_pages(modules: Iterable[nn.Module]) -> int:
                 table = module._parameters if name in module._parameters else module._buffers
                 table[name] = nn.Parameter(view, requires_grad=tensor.requires_grad) \
                     if isinstance(tensor, nn.Parameter) else view
-            del users
+            del users, tensor  # the old storage's last references here
             offset += size
     return total
