@@ -509,9 +509,13 @@ class Tour(QDialog):
             measured = ("No answer measured yet (step 2 makes one)." if not speed else
                         f"The last answer: <b>{format_rate(speed)}</b>, {speed / c.tokens_per_s:.0%} of the ceiling "
                         "(the rest of each step goes to arithmetic and overheads, not to reading memory).")
+            skipped = (f" (of the {format_bytes(c.weights_bytes)} of weights, {format_bytes(c.weights_read_bytes)}: "
+                       "a token looks up only one row of the input embedding table; then the KV cache)"
+                       if c.weights_bytes and c.weights_read_bytes and c.weights_read_bytes < c.weights_bytes else "")
             self._done("bandwidth", f"this machine reads <b>{c.bandwidth_bytes_per_s / 1e9:,.1f} GB/s</b> "
-                                    f"({html.escape(c.source)}); each token reads {format_bytes(c.bytes_per_token)}, "
-                                    f"so one request can make at most <b>{format_rate(c.tokens_per_s)}</b>. {measured}")
+                                    f"({html.escape(c.source)}); each token reads {format_bytes(c.bytes_per_token)}"
+                                    f"{skipped}, so one request can make at most <b>{format_rate(c.tokens_per_s)}</b>. "
+                                    f"{measured}")
 
         self._submit(CeilingJob(context), show)
 

@@ -40,7 +40,7 @@ import torch
 from engine.generation.compiled_step import compile_decoder
 from engine.measure.bench import versions
 from engine.base.events import TokenGenerated
-from engine.models.loading import LoadRequest, load_model
+from engine.models.loading import LoadRequest, load_model, weights_read_bytes
 from engine.base.request import GenerationRequest
 from engine_vs_transformers import _Clock  # benchmarks/ is on the path when run as a script
 from engine.generation.generate import generate
@@ -171,14 +171,7 @@ def read_per_token(loaded) -> int:
     """The weight bytes one decode token reads: all of them, less an input embedding table the
     head doesn't share (the quantized precisions keep one beside their quantized head; a token
     reads one row of it). llama.cpp's files tie the two, so the head reads the table whole."""
-    embed, head = loaded.model.get_input_embeddings(), loaded.model.get_output_embeddings()
-    if embed is None or head is None:
-        return loaded.info.weights_bytes
-    shared = {t.data_ptr() for t in (*head.parameters(), *head.buffers())}
-    own = {t.data_ptr(): t for t in (*embed.parameters(), *embed.buffers()) if t.data_ptr() not in shared}
-    table = sum(t.numel() * t.element_size() for t in own.values())
-    row = sum(t[0].numel() * t.element_size() for t in own.values() if t.dim() == 2)
-    return loaded.info.weights_bytes - table + row
+    return weights_read_bytes(loaded.model, loaded.info.weights_bytes)
 
 
 def make_engine(name: str, tokens: int):

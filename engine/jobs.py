@@ -198,6 +198,10 @@ class Ceiling:
     """How the bandwidth was found (measured when, how)."""
     tokens_per_s: float | None
     """The cost model's ceiling: bandwidth ÷ bytes read per token (weights, then the KV cache)."""
+    weights_bytes: int | None = None
+    """The loaded weights' bytes, and of them what a token reads (all but an input embedding
+    table only looked up, a row a token: engine.models.loading.weights_read_bytes)."""
+    weights_read_bytes: int | None = None
 
     @property
     def bytes_per_token(self) -> float | None:
@@ -215,9 +219,13 @@ class CeilingJob:
     def run(self, ctx: JobContext) -> Ceiling:
         if ctx.model.model is None:
             raise EngineError("A model served elsewhere runs on its server's memory: load one here.")
+        from engine.models.loading import weights_read_bytes
+
         profile = profile_for(ctx.model)
+        weights = ctx.model.info.weights_bytes
         return Ceiling(profile.bandwidth_bytes_per_s, (profile.sources or {}).get("bandwidth_bytes_per_s", ""),
-                       ceiling_for(ctx.model, 1, max(1, self.context), profile))
+                       ceiling_for(ctx.model, 1, max(1, self.context), profile), weights,
+                       weights_read_bytes(ctx.model.model, weights))
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """The cost model: memory, the decode speed ceiling, and money, from a config and a hardware profile.
 
-Decoding one step of a batch of B sequences reads every weight once and each sequence's KV
-cache, and does about 2·N FLOPs per sequence (N parameters) plus the attention over the
-context. So, per step:
+Decoding one step of a batch of B sequences reads every weight once (but an input embedding
+table no head reads whole, of which each sequence reads one row) and each sequence's KV cache,
+and does about 2·N FLOPs per sequence (N parameters) plus the attention over the context. So,
+per step:
 
-    memory time  = (weight bytes + B × KV bytes) / bandwidth
+    memory time  = (weight bytes read + B × KV bytes) / bandwidth
     compute time = B × FLOPs per token / peak FLOP/s
 
 The step takes at least the larger of the two: tok/s ceiling = B / max(memory time, compute
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from engine.estimates.estimate import ParameterCount, count_parameters, weights_bytes
+from engine.estimates.estimate import ParameterCount, count_parameters, read_bytes, weights_bytes
 from engine.base.errors import InvalidRequestError
 from engine.estimates.hardware import Hardware
 from engine.base.kv import kv_layout
@@ -44,6 +45,19 @@ def all_weights_bytes(count: ParameterCount, precision: str, device_type: str = 
     return weights_bytes(count, key, device_type)
 
 
+def all_read_bytes(count: ParameterCount, precision: str, device_type: str = "cuda", batch: int = 1) -> int:
+    """Weight bytes a decode step of ``batch`` sequences reads (:func:`read_bytes`), for any
+    precision :func:`all_weights_bytes` takes (a GGUF's table at the format's bits per weight)."""
+    key = precision.lower()
+    if key in GGUF_BITS:
+        whole = all_weights_bytes(count, key, device_type)
+        if not count.embedding or count.tied:  # llama.cpp's tied head reads the table whole
+            return whole
+        return whole - int(count.embedding * GGUF_BITS[key] / 8) + int(batch * count.embedding_dim * GGUF_BITS[key] / 8)
+    all_weights_bytes(count, key, device_type)  # the same check of the name
+    return read_bytes(count, key, device_type, batch)
+
+
 @dataclass(frozen=True)
 class Estimate:
     model: str
@@ -54,6 +68,8 @@ class Estimate:
     hardware: str
     parameters: int
     weights_bytes: int
+    weights_read_bytes: int
+    """Of the weights, what one decode step reads (all but a table only looked up: ``all_read_bytes``)."""
     kv_bytes_per_token: int | None
     kv_bytes_total: int
     activation_bytes: int
@@ -87,7 +103,9 @@ def estimate(config, hardware: Hardware, precision: str = "bf16", kv_dtype: str 
         raise InvalidRequestError("context and batch must be at least 1.")
     text = config.get_text_config(decoder=True)
     count = count or count_parameters(config)
-    weights = all_weights_bytes(count, precision, "cpu" if hardware.kind == "cpu" else "cuda")
+    device_type = "cpu" if hardware.kind == "cpu" else "cuda"
+    weights = all_weights_bytes(count, precision, device_type)
+    read = all_read_bytes(count, precision, device_type, batch)
     layout = kv_layout(config)
     element = KV_DTYPES[kv_dtype]
     per_token = int(layout.bytes_per_token(1) * element) if layout else None
@@ -97,15 +115,20 @@ def estimate(config, hardware: Hardware, precision: str = "bf16", kv_dtype: str 
     total = weights + kv_total + activation
     heads = int(text.num_attention_heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-    # 2 FLOPs per weight, and attention: q·k and p·v over the context, 2 FLOPs each
+    # 2 FLOPs per weight a token multiplies by (not an untied input table's: a lookup), and
+    # attention: q·k and p·v over the context, 2 FLOPs each
     attention = 4 * int(text.num_hidden_layers) * heads * head_dim * context
-    flops = 2.0 * count.total + attention
-    memory_time = (weights + kv_total) / hardware.bandwidth_bytes_per_s
+    flops = 2.0 * (count.total - (0 if count.tied else count.embedding)) + attention
+    memory_time = (read + kv_total) / hardware.bandwidth_bytes_per_s
     memory_rate = batch / memory_time
     compute_rate = hardware.bf16_flops / flops
     ceiling = min(memory_rate, compute_rate)
-    denominator = flops / hardware.bf16_flops - kv_per_sequence / hardware.bandwidth_bytes_per_s
-    ridge = (weights / hardware.bandwidth_bytes_per_s) / denominator if denominator > 0 else None
+    # read(B) = every step's bytes + B × a table row: equal times where B × (FLOPs / peak − each
+    # sequence's bytes / bandwidth) = every step's bytes / bandwidth
+    fixed = all_read_bytes(count, precision, device_type, 0)
+    per_sequence = kv_per_sequence + all_read_bytes(count, precision, device_type, 1) - fixed
+    denominator = flops / hardware.bf16_flops - per_sequence / hardware.bandwidth_bytes_per_s
+    ridge = (fixed / hardware.bandwidth_bytes_per_s) / denominator if denominator > 0 else None
     fits = total <= hardware.memory_bytes
     # no price without a price per hour (this machine has none), and none for a setup that doesn't fit
     usd = (hardware.usd_per_hour / (ceiling * 3600) * 1e6) if hardware.usd_per_hour and fits else None
@@ -113,7 +136,7 @@ def estimate(config, hardware: Hardware, precision: str = "bf16", kv_dtype: str 
     training = 6.0 * count.total * training_tokens if training_tokens else None
     return Estimate(
         model=model, precision=precision, kv_dtype=kv_dtype, context=context, batch=batch, hardware=hardware.id,
-        parameters=count.total, weights_bytes=weights, kv_bytes_per_token=per_token, kv_bytes_total=kv_total,
+        parameters=count.total, weights_bytes=weights, weights_read_bytes=read, kv_bytes_per_token=per_token, kv_bytes_total=kv_total,
         activation_bytes=activation, total_bytes=total, device_memory_bytes=hardware.memory_bytes,
         fits=fits, flops_per_token=flops, memory_bound_tokens_per_s=memory_rate,
         compute_bound_tokens_per_s=compute_rate, decode_tokens_per_s_ceiling=ceiling,

@@ -116,7 +116,7 @@ def plan_tensor_parallel(config, hardware: Hardware, precision: str = "bf16", kv
         activation = -(-(one.activation_bytes + prefill_activation_bytes(text)) // n)
         total = weights + kv + activation + RUNTIME_BYTES
         allreduce = int(layers * 2 * 2 * (n - 1) / n * hidden * ALLREDUCE_BYTES)
-        memory_time = (weights + kv) / hardware.bandwidth_bytes_per_s
+        memory_time = (-(-one.weights_read_bytes // n) + kv) / hardware.bandwidth_bytes_per_s
         link = getattr(hardware, "interconnect_bytes_per_s", None)
         link_time = (batch * allreduce / link + layers * 2 * ALLREDUCE_LATENCY_S if link and n > 1
                      else (0.0 if n == 1 else None))

@@ -334,6 +334,23 @@ def weights_bytes(model) -> int:
     return total
 
 
+def weights_read_bytes(model, weights: int | None = None) -> int:
+    """Of the weights (:func:`weights_bytes`, or ``weights``), the bytes one decode token reads:
+    all of them but the input embedding's own tensors (those no head shares), of which a token
+    reads one row. Measured from the loaded modules, where the cost model's ``read_bytes``
+    predicts it from the config."""
+    weights = weights_bytes(model) if weights is None else weights
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embed is None:
+        return weights
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    shared = {t.data_ptr() for t in (*head.parameters(), *head.buffers())} if head is not None else set()
+    own = {t.data_ptr(): t for t in (*embed.parameters(), *embed.buffers()) if t.data_ptr() not in shared}
+    table = sum(t.numel() * t.element_size() for t in own.values())
+    row = sum(t[0].numel() * t.element_size() for t in own.values() if t.dim() == 2)
+    return weights - table + row
+
+
 def _describe(model, tokenizer, resolved: sources.ResolvedModel, precision: Precision, device,
               layout: KVLayout | None, load_s: float, fast=None) -> Loaded:
     config = model.config

@@ -82,6 +82,9 @@ def test_every_step_shows_the_figure_it_names(qtbot, toured):
     ceiling = window.plots.ceiling
     assert ceiling and window.plots._ceiling.isVisible()
     assert f"at most {format_rate(ceiling)}" in figure
+    # the tiny model's head is untied: a token reads less than the weights, and the step says why
+    assert f"of the {format_bytes(window.loaded.weights_bytes)} of weights" in figure
+    assert "only one row of the input embedding table" in figure
     assert f"The last answer: {format_rate(event.decode_tokens_per_s)}" in figure
     assert outlined(tour) is window.plots.speed
     # 6 Batching: the Batching window's own sweep, set visibly to the tour's sizes

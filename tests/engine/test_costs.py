@@ -37,7 +37,10 @@ def test_shipped_configs_match_the_model_cards(hub_id, billions):
 
 def test_memory_bound_ceiling_and_money(llama8b):
     e = costs.estimate(llama8b, FLAT, "bf16", "bf16", context=1000, batch=2)
-    step_bytes = e.weights_bytes + 2 * 1000 * 131_072
+    # a step reads every weight but the untied input table (128256 × 4096 in bf16), of which each
+    # of the 2 sequences looks up one row: 16,060,522,496 − 1,050,673,152 + 2 × 8,192
+    assert e.weights_read_bytes == 15_009_865_728
+    step_bytes = e.weights_read_bytes + 2 * 1000 * 131_072
     assert e.memory_bound_tokens_per_s == pytest.approx(2 / (step_bytes / 1e12))
     assert e.bound == "memory" and e.decode_tokens_per_s_ceiling == e.memory_bound_tokens_per_s
     assert e.per_request_tokens_per_s == pytest.approx(e.decode_tokens_per_s_ceiling / 2)
@@ -46,9 +49,25 @@ def test_memory_bound_ceiling_and_money(llama8b):
     assert e.wh_per_million_tokens == pytest.approx(500 * 1e6 / e.decode_tokens_per_s_ceiling / 3600)
 
 
+def test_a_tied_table_is_read_by_its_head():
+    """SmolLM2's head is its input table: a step reads it whole, except under int8-fast and
+    int4-fast, whose head is a quantized copy beside the bf16 table (what fast_path.py measures)."""
+    config = config_for("HuggingFaceTB/SmolLM2-135M-Instruct")
+    cpu = Hardware(id="cpu", name="test", kind="cpu", memory_bytes=2 ** 34, bandwidth_bytes_per_s=2e10, bf16_flops=1e12,
+                   usd_per_hour=None, watts=None)
+    bf16 = costs.estimate(config, cpu, "bf16", "bf16", context=64)
+    assert bf16.weights_read_bytes == bf16.weights_bytes
+    assert bf16.flops_per_token == 2.0 * bf16.parameters + 4 * 30 * 9 * 64 * 64  # the head's product counts once
+    int8 = costs.estimate(config, cpu, "int8-fast", "bf16", context=64)
+    assert int8.weights_bytes - int8.weights_read_bytes == 2 * 49152 * 576 - 2 * 576
+    assert int8.memory_bound_tokens_per_s == pytest.approx(2e10 / (int8.weights_read_bytes + 64 * 30 * 2 * 3 * 64 * 2))
+
+
 def test_compute_bound_beyond_the_ridge(llama8b):
     short = costs.estimate(llama8b, FLAT, "bf16", "bf16", context=16, batch=1)
     assert short.ridge_batch is not None and short.ridge_batch > 1
+    # an untied table is looked up, not multiplied: 2 FLOPs per other weight, plus the attention
+    assert short.flops_per_token == 2.0 * (short.parameters - 128256 * 4096) + 4 * 32 * 32 * 128 * 16
     before = costs.estimate(llama8b, FLAT, "bf16", "bf16", context=16, batch=int(short.ridge_batch * 0.8))
     after = costs.estimate(llama8b, FLAT, "bf16", "bf16", context=16, batch=int(short.ridge_batch * 1.25) + 1)
     assert (before.bound, after.bound) == ("memory", "compute")

@@ -1,7 +1,7 @@
 import pytest
 
-from engine.estimates.estimate import config_for, count_parameters, predict, weights_bytes
-from engine.models.loading import LoadRequest, load_model
+from engine.estimates.estimate import config_for, count_parameters, predict, read_bytes, weights_bytes
+from engine.models.loading import LoadRequest, load_model, weights_read_bytes
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "nf4"])
@@ -11,10 +11,16 @@ def test_predicted_weights_match_what_loads(tiny_llama, precision):
     assert count.total == loaded.info.parameters
     buffers = sum(b.numel() * b.element_size() for b in loaded.model.buffers())
     predicted = weights_bytes(count, precision) + buffers
+    # the tiny model's head is untied: a token reads all but its input table, less one row
+    read = weights_read_bytes(loaded.model, loaded.info.weights_bytes)
+    table = count.embedding * loaded.model.get_input_embeddings().weight.element_size()
+    assert not count.tied and read == loaded.info.weights_bytes - table + table // count.embedding * count.embedding_dim
     if precision == "int8":  # LLM.int8 also keeps the indices of outlier columns it met
         assert loaded.info.weights_bytes == pytest.approx(predicted, rel=1e-3)
+        assert read == pytest.approx(read_bytes(count, precision) + buffers, rel=1e-3)
     else:
         assert loaded.info.weights_bytes == predicted
+        assert read == read_bytes(count, precision) + buffers
 
 
 def test_tied_embeddings_count_once(tiny_llama):
@@ -24,6 +30,28 @@ def test_tied_embeddings_count_once(tiny_llama):
     untied = count_parameters(config).total
     config.tie_word_embeddings = True
     assert untied - count_parameters(config).total == config.vocab_size * config.hidden_size
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "nf4", "fp32-fast", "bf16-fast", "int8-fast", "int4-fast"])
+def test_a_tied_table_is_read_whole_unless_a_quantized_copy_heads_the_model(tmp_path, byte_tokenizer, precision):
+    """A tied head reads the embedding table whole at every token, so a step reads all the
+    weights; the fast path's int8 / int4 give the head a quantized copy of its own, after which
+    the table is only looked up: predicted from the config, measured from the loaded modules."""
+    from tests.tiny import build_model_folder
+
+    folder = build_model_folder(tmp_path / "tied", "llama", byte_tokenizer, tie_word_embeddings=True)
+    count = count_parameters(config_for(str(folder)))
+    loaded = load_model(LoadRequest(str(folder), precision, "cpu"))
+    measured = weights_read_bytes(loaded.model, loaded.info.weights_bytes)
+    predicted = read_bytes(count, precision)
+    whole = weights_bytes(count, precision)
+    assert count.tied and measured - predicted == loaded.info.weights_bytes - whole  # the rotary buffer
+    if precision in ("int8-fast", "int4-fast"):
+        assert predicted == whole - 2 * count.embedding + 2 * count.embedding_dim  # the bf16 table, less a row
+    else:
+        assert predicted == whole
+    assert read_bytes(count, precision, batch=3) - predicted == (2 * (predicted - read_bytes(count, precision, batch=0))
+                                                               if predicted < whole else 0)
 
 
 def test_config_sources(tiny_llama, tmp_path, isolated_cache):

@@ -14,6 +14,7 @@ from engine.estimates.parallel import plan_tensor_parallel
 # parameters: 2 × 128256 × 8192 (embeddings, head) + 80 × (2 × 8192² + 2 × 8192 × 1024 + 3 × 8192 × 28672
 # + 2 × 8192) + 8192 = 70,553,706,496
 WEIGHTS = 2 * 70_553_706_496  # bf16
+READ = WEIGHTS - 2 * 128256 * 8192 + 2 * 8192  # a token reads one row of the untied input table: 139,006,083,072
 KV = 2 * 80 * 8 * 128 * 2 * 32768  # K and V, 80 layers, 8 heads of 128, bf16, 32k tokens: 10 GiB
 DECODE_ACTIVATION = (4 * 8192 + 2 * 28672) * 2 + 4 * 128256 + 4 * 64 * 32768
 PREFILL_ACTIVATION = 8192 * (4 * 8192 + 2 * 28672) * 2
@@ -56,7 +57,7 @@ def test_interconnect_and_ceiling_by_hand(plan):
     assert four.allreduce_bytes_per_token == 3_932_160
     link = 450e9  # NVLink, one direction
     assert four.interconnect_time_s == pytest.approx(3_932_160 / link + 160 * 5e-6)
-    memory = (-(-WEIGHTS // 4) + KV // 4) / 3.35e12
+    memory = (-(-READ // 4) + KV // 4) / 3.35e12
     assert four.memory_time_s == pytest.approx(memory)
     assert four.bound == "memory"
     assert four.decode_tokens_per_s_ceiling == pytest.approx(1 / (memory + four.interconnect_time_s))
@@ -99,9 +100,10 @@ def test_a_load_point_is_a_share_of_the_ceiling_of_its_gpu_count():
 
     config = config_for("meta-llama/Llama-3.1-70B")
     h100 = hardware.get("h100-sxm")
-    # 16 requests of 2,048 tokens on 4 GPUs: weights/4 + 16 × KV(2048)/4 read once a step, and 16 × the link time
+    # 16 requests of 2,048 tokens on 4 GPUs: the weights read/4 (16 rows of the input table) + 16 × KV(2048)/4
+    # read once a step, and 16 × the link time
     kv = 2 * 80 * 8 * 128 * 2 * 2048
-    memory = (-(-WEIGHTS // 4) + 16 * kv // 4) / 3.35e12
+    memory = (-(-(READ + 15 * 2 * 8192) // 4) + 16 * kv // 4) / 3.35e12
     link = 16 * 3_932_160 / 450e9 + 160 * 5e-6
     compute = 16 * plan_tensor_parallel(config, h100, "bf16", "bf16", 2048, 16).options[0].compute_time_s / 4
     assert ceiling_for(config, h100, "bf16", "bf16", 2048, 16, gpus=4) == pytest.approx(
