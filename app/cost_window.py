@@ -3,6 +3,8 @@ piece of hardware, and put the measured runs on the same charts."""
 
 from __future__ import annotations
 
+import html
+
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtCore import Qt, QTimer, Signal, Slot
 from PySide6.QtWidgets import (
@@ -49,6 +51,7 @@ class CostWindow(QMainWindow):
         self._count = None
         self._configs: dict[str, tuple] = {}  # model ref -> (config or None, its parameter count)
         self._reading: set[str] = set()  # refs whose config is being read off the GUI thread
+        self._read_errors: dict[str, BaseException] = {}  # a read that failed: said once, read again next time
         self.background = Background(self)
         self.estimate: costs.Estimate | None = None
         self.records: list[RunRecord] = []
@@ -211,15 +214,24 @@ class CostWindow(QMainWindow):
         if ref in self._configs:
             self._config, self._count = self._configs[ref]
             return True
+        if ref in self._read_errors:
+            return True
         if ref not in self._reading:
             self._reading.add(ref)
             self.background.submit(lambda: _read_config(ref), lambda found: self._config_read(ref, found),
-                                   lambda exc: self._config_read(ref, (None, None)))
+                                   lambda exc: self._config_failed(ref, exc))
         return False
 
     def _config_read(self, ref: str, found: tuple) -> None:
         self._reading.discard(ref)
         self._configs[ref] = found
+        self.schedule_update()
+
+    def _config_failed(self, ref: str, exc: BaseException) -> None:
+        """Reading the config raised: not the same as a config this machine lacks, so it isn't
+        kept as one; the next update reads it again."""
+        self._reading.discard(ref)
+        self._read_errors[ref] = exc
         self.schedule_update()
 
     @Slot()
@@ -235,6 +247,13 @@ class CostWindow(QMainWindow):
             if self.model_ref() in self._reading:
                 waiting.append(f"reading the config of {self.model_ref()}")
             self.numbers.setText("<i>" + "; ".join(waiting).capitalize() + "…</i>")
+            return
+        error = self._read_errors.pop(self.model_ref(), None)
+        if error is not None:
+            self.estimate = None
+            self.numbers.setText(f"<span style='color:#c0392b'>Could not read the config of {self.model_ref()!r}: "
+                                 f"{html.escape(str(error))}. Change any setting to read it again.</span>")
+            self.updated.emit()
             return
         config = self._config
         if config is None:

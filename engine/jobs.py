@@ -20,6 +20,7 @@ from engine.base.errors import EngineError
 from engine.base.events import BatchStep, Finished
 from engine.base.request import GenerationRequest
 from engine.generation.generate import generate, kept_core
+from engine.models.loading import weights_read_bytes
 from engine.models.model import LoadedModel
 from engine.measure.sweep import ceiling_for, profile_for, record_points, run_sweep
 from engine.generation.speculative import load_draft, parse_draft
@@ -219,8 +220,6 @@ class CeilingJob:
     def run(self, ctx: JobContext) -> Ceiling:
         if ctx.model.model is None:
             raise EngineError("A model served elsewhere runs on its server's memory: load one here.")
-        from engine.models.loading import weights_read_bytes
-
         profile = profile_for(ctx.model)
         weights = ctx.model.info.weights_bytes
         return Ceiling(profile.bandwidth_bytes_per_s, (profile.sources or {}).get("bandwidth_bytes_per_s", ""),

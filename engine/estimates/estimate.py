@@ -35,6 +35,7 @@ from engine.base.kv import kv_layout
 from engine.storage.paths import resource_dir
 from engine.models.precision import get_precision, dtype_bytes
 from engine.models.load_lock import exclusive
+from engine.imports import heavy_imports
 from engine.models.kernels import cpu_flags, expected as kernels_expected
 from engine.endpoint.source import is_endpoint
 from engine.models import default_model, sources
@@ -72,6 +73,7 @@ class ParameterCount:
 
 def count_parameters(config) -> ParameterCount:
     """Exact counts from the model built on the meta device (tied weights counted once)."""
+    heavy_imports()
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
@@ -182,8 +184,8 @@ def config_for(ref: str):
 
     if is_endpoint(ref):
         return None
+    heavy_imports()
     from transformers import AutoConfig
-
 
     try:
         kind, value = sources.classify(ref)
@@ -225,6 +227,7 @@ def shipped_models() -> list[str]:
 
 def shipped_config(hub_id: str):
     """The shipped config of a hub id, or None."""
+    heavy_imports()
     from transformers import AutoConfig
 
     data = _shipped(hub_id.replace("/", "--", 1))

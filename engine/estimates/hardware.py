@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from engine.imports import heavy_imports
 from engine.storage.paths import cache_dir, resource_dir
 from engine.base.errors import InvalidRequestError
 from engine.models.devices import _cpu_model
@@ -94,8 +95,8 @@ def get(profile_id: str) -> Hardware:
 
 
 def _fingerprint() -> str:
+    heavy_imports()
     import torch
-
 
     return f"{_cpu_model()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}"
 
@@ -139,6 +140,7 @@ def this_machine(measure: bool = False) -> Hardware:
 def measure_cpu() -> dict:
     """Read bandwidth (a reduction over a tensor far bigger than the caches) and bf16 matmul
     FLOP/s with the threads torch uses. A few seconds."""
+    heavy_imports()
     import torch
 
     data = torch.ones(128 * 1024 * 1024, dtype=torch.float32)  # 512 MiB

@@ -16,6 +16,7 @@ from engine.models import sources, default_model
 from engine.base.cancel import CancelToken
 from engine.models.devices import device_name, resolve_device
 from engine import heap
+from engine.imports import heavy_imports
 from engine.base.errors import (
     CorruptModelError, EngineError, NotAModelError, OutOfMemoryError, UnsafeCheckpointError, is_out_of_memory,
     UnsupportedPrecisionError)
@@ -60,9 +61,7 @@ def load_model(request: LoadRequest, progress: Callable[[LoadProgress], None] | 
     precision = get_precision(request.precision)
     preflight(request, precision)  # what the header rules out is said before seconds of imports
     reporter.report("imports", 0, 0, "Importing torch and transformers")
-    with heap.settling():  # the modules imported live as long as the process (engine/heap.py)
-        import torch  # noqa: F401
-        from transformers import AutoModelForCausalLM, modeling_utils  # noqa: F401  (lazy: the heavy part)
+    heavy_imports()  # one thread at a time (engine/imports.py)
 
     device = resolve_device(request.device)
     precision.check_device(device.type)

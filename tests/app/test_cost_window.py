@@ -86,6 +86,30 @@ def test_an_unknown_model_says_so(qtbot, costs_window):
     assert "No config" in costs_window.numbers.text()
 
 
+def test_a_config_read_that_fails_is_said_and_read_again(qtbot, costs_window, monkeypatch):
+    """A read that raises (transformers half-imported by another thread did) is not a config this
+    machine lacks: the window says what failed, keeps nothing, and the next update reads again."""
+    import app.cost_window as cost_window
+
+    read = cost_window._read_config
+    calls = []
+
+    def failing_once(ref):
+        calls.append(ref)
+        if len(calls) == 1:
+            raise ImportError("cannot import name 'AutoConfig' from 'transformers'")
+        return read(ref)
+
+    monkeypatch.setattr(cost_window, "_read_config", failing_once)
+    costs_window.set_model("meta-llama/Llama-3.1-8B", "bf16")
+    qtbot.waitUntil(lambda: "Could not read" in costs_window.numbers.text(), timeout=60_000)
+    assert "cannot import name" in costs_window.numbers.text() and costs_window.estimate is None
+    settle(qtbot, costs_window)  # any change: read again, and this time it works
+    qtbot.waitUntil(lambda: costs_window.estimate is not None, timeout=120_000)
+    assert calls == ["meta-llama/Llama-3.1-8B"] * 2 and costs_window.estimate.parameters == 8_030_261_248
+    assert "Could not read" not in costs_window.numbers.text()
+
+
 def test_the_window_shows_before_its_charts_are_made(qtbot, tmp_path, monkeypatch, isolated_cache):
     """Each chart takes ~20 ms to make: they are made one per event-loop turn after the window opens."""
     from app.main import create_app

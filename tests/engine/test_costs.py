@@ -149,7 +149,8 @@ def test_estimate_cli(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
-    for key in ("parameters", "weights_bytes", "kv_bytes_per_token", "kv_bytes_total", "activation_bytes", "total_bytes",
+    for key in ("parameters", "weights_bytes", "weights_read_bytes", "kv_bytes_per_token", "kv_bytes_total",
+                "activation_bytes", "total_bytes",
                 "fits", "decode_tokens_per_s_ceiling", "bound", "usd_per_million_tokens", "wh_per_million_tokens",
                 "training_breakeven_tokens"):
         assert key in data
