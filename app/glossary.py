@@ -71,7 +71,8 @@ TERMS: dict[str, tuple[str, str, str]] = {
                       "View → Compare → Quality: the table, the bytes-vs-KLD chart, the text coloured by it."),
     "bandwidth": ("Memory-bandwidth ceiling",
                   "A decode step must read all the weights (and the KV cache) once, so tokens/second can't "
-                  "exceed bandwidth ÷ bytes read. Most single-user speed is this limit, not arithmetic.",
+                  "exceed bandwidth ÷ bytes read. Most single-user speed is this limit, not arithmetic. (An "
+                  "input embedding table that no head reads whole is the exception: a token looks up one row.)",
                   "The Cost explorer's decode ceiling; the Batching sweep's dashed ceiling."),
     "roofline": ("Roofline",
                  "Speed is the lower of two roofs: memory bandwidth (small batches) and arithmetic (large "
