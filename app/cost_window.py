@@ -341,8 +341,7 @@ class CostWindow(QMainWindow):
         rows = [
             ("Parameters", f"{format_count(e.parameters)} ({e.parameters:,})"),
             ("Weights", f"{format_bytes(e.weights_bytes)} in {e.precision}"
-                        + (f"; a decode step reads {format_bytes(e.weights_read_bytes)} of them (all but the input "
-                           "embedding table: each token looks up one row of it)"
+                        + (f"; a decode step reads {format_bytes(e.weights_read_bytes)} of them ({costs.TABLE_LOOKUP})"
                            if e.weights_read_bytes < e.weights_bytes else "")),
             ("KV cache", f"{format_bytes(e.kv_bytes_per_token)} per token ({e.kv_dtype}); "
                          f"{format_bytes(e.kv_bytes_total)} for {e.batch} × {e.context:,} tokens"),

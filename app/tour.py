@@ -511,7 +511,7 @@ class Tour(QDialog):
                         "(the rest of each step goes to arithmetic and overheads, not to reading memory).")
             skipped = (f" (of the {format_bytes(c.weights_bytes)} of weights, {format_bytes(c.weights_read_bytes)}: "
                        "a token looks up only one row of the input embedding table; then the KV cache)"
-                       if c.weights_bytes and c.weights_read_bytes and c.weights_read_bytes < c.weights_bytes else "")
+                       if c.weights_read_bytes < c.weights_bytes else "")
             self._done("bandwidth", f"this machine reads <b>{c.bandwidth_bytes_per_s / 1e9:,.1f} GB/s</b> "
                                     f"({html.escape(c.source)}); each token reads {format_bytes(c.bytes_per_token)}"
                                     f"{skipped}, so one request can make at most <b>{format_rate(c.tokens_per_s)}</b>. "

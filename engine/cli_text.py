@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from engine.estimates.costs import TABLE_LOOKUP
 from engine.units import format_bytes, format_count, format_rate, format_seconds
 
 
@@ -123,12 +124,6 @@ def compare_table(rows: list) -> str:
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
 
 
-def read_note(e) -> str:
-    """Why a step reads less than the weights, where it does."""
-    return (" (all but the input embedding table: a token looks up one row of it)"
-            if e.weights_read_bytes < e.weights_bytes else "")
-
-
 def estimate_summary(e, hw) -> str:
     ridge = ("never at this context: each sequence's KV reads grow as fast as its compute"
              if e.ridge_batch is None else f"compute-bound from batch {e.ridge_batch:,.0f}")
@@ -141,7 +136,8 @@ def estimate_summary(e, hw) -> str:
         f"{format_bytes(e.activation_bytes)} = {format_bytes(e.total_bytes)} → {'fits' if e.fits else 'does NOT fit'}",
         f"decode     ceiling {e.decode_tokens_per_s_ceiling:,.1f} tok/s in all ({e.per_request_tokens_per_s:,.1f} per request), "
         f"{e.bound}-bound; {ridge}",
-        f"           a step reads {format_bytes(e.weights_read_bytes)} of the weights{read_note(e)} + the KV cache",
+        f"           a step reads {format_bytes(e.weights_read_bytes)} of the weights"
+        + (f" ({TABLE_LOOKUP})" if e.weights_read_bytes < e.weights_bytes else "") + " + the KV cache",
         f"prefill    {e.context} tokens ≈ {format_seconds(e.prefill_s)} at peak FLOP/s",
     ]
     if e.usd_per_million_tokens is not None:

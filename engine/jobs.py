@@ -199,10 +199,10 @@ class Ceiling:
     """How the bandwidth was found (measured when, how)."""
     tokens_per_s: float | None
     """The cost model's ceiling: bandwidth ÷ bytes read per token (weights, then the KV cache)."""
-    weights_bytes: int | None = None
+    weights_bytes: int
     """The loaded weights' bytes, and of them what a token reads (all but an input embedding
     table only looked up, a row a token: engine.models.loading.weights_read_bytes)."""
-    weights_read_bytes: int | None = None
+    weights_read_bytes: int
 
     @property
     def bytes_per_token(self) -> float | None:

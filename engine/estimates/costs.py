@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from engine.estimates.estimate import ParameterCount, count_parameters, read_bytes, weights_bytes
+from engine.estimates.estimate import ParameterCount, count_parameters, looked_up_bytes, weights_bytes
 from engine.base.errors import InvalidRequestError
 from engine.estimates.hardware import Hardware
 from engine.base.kv import kv_layout
@@ -45,17 +45,20 @@ def all_weights_bytes(count: ParameterCount, precision: str, device_type: str = 
     return weights_bytes(count, key, device_type)
 
 
-def all_read_bytes(count: ParameterCount, precision: str, device_type: str = "cuda", batch: int = 1) -> int:
-    """Weight bytes a decode step of ``batch`` sequences reads (:func:`read_bytes`), for any
-    precision :func:`all_weights_bytes` takes (a GGUF's table at the format's bits per weight)."""
+def all_looked_up_bytes(count: ParameterCount, precision: str) -> tuple[int, int]:
+    """:func:`looked_up_bytes` for any precision :func:`all_weights_bytes` takes: a GGUF's table
+    at the format's bits per weight, looked up only where untied (llama.cpp's tied head reads it
+    whole)."""
     key = precision.lower()
-    if key in GGUF_BITS:
-        whole = all_weights_bytes(count, key, device_type)
-        if not count.embedding or count.tied:  # llama.cpp's tied head reads the table whole
-            return whole
-        return whole - int(count.embedding * GGUF_BITS[key] / 8) + int(batch * count.embedding_dim * GGUF_BITS[key] / 8)
-    all_weights_bytes(count, key, device_type)  # the same check of the name
-    return read_bytes(count, key, device_type, batch)
+    if key not in GGUF_BITS:
+        return looked_up_bytes(count, key)
+    if not count.embedding or count.tied:
+        return 0, 0
+    return int(count.embedding * GGUF_BITS[key] / 8), int(count.embedding_dim * GGUF_BITS[key] / 8)
+
+
+TABLE_LOOKUP = "all but the input embedding table: each token looks up one row of it"
+"""Why a step reads less than the weights, where it does (the CLI and the cost explorer say it)."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ class Estimate:
     parameters: int
     weights_bytes: int
     weights_read_bytes: int
-    """Of the weights, what one decode step reads (all but a table only looked up: ``all_read_bytes``)."""
+    """Of the weights, what one decode step reads (all but a table only looked up: ``all_looked_up_bytes``)."""
     kv_bytes_per_token: int | None
     kv_bytes_total: int
     activation_bytes: int
@@ -105,7 +108,8 @@ def estimate(config, hardware: Hardware, precision: str = "bf16", kv_dtype: str 
     count = count or count_parameters(config)
     device_type = "cpu" if hardware.kind == "cpu" else "cuda"
     weights = all_weights_bytes(count, precision, device_type)
-    read = all_read_bytes(count, precision, device_type, batch)
+    table, row = all_looked_up_bytes(count, precision)
+    read = weights - table + batch * row  # each sequence looks up its own row
     layout = kv_layout(config)
     element = KV_DTYPES[kv_dtype]
     per_token = int(layout.bytes_per_token(1) * element) if layout else None
@@ -123,12 +127,10 @@ def estimate(config, hardware: Hardware, precision: str = "bf16", kv_dtype: str 
     memory_rate = batch / memory_time
     compute_rate = hardware.bf16_flops / flops
     ceiling = min(memory_rate, compute_rate)
-    # read(B) = every step's bytes + B × a table row: equal times where B × (FLOPs / peak − each
-    # sequence's bytes / bandwidth) = every step's bytes / bandwidth
-    fixed = all_read_bytes(count, precision, device_type, 0)
-    per_sequence = kv_per_sequence + all_read_bytes(count, precision, device_type, 1) - fixed
-    denominator = flops / hardware.bf16_flops - per_sequence / hardware.bandwidth_bytes_per_s
-    ridge = (fixed / hardware.bandwidth_bytes_per_s) / denominator if denominator > 0 else None
+    # a step reads weights − table once and a row and a KV cache per sequence: the two times are
+    # equal where B × (FLOPs / peak − (row + KV) / bandwidth) = (weights − table) / bandwidth
+    denominator = flops / hardware.bf16_flops - (kv_per_sequence + row) / hardware.bandwidth_bytes_per_s
+    ridge = ((weights - table) / hardware.bandwidth_bytes_per_s) / denominator if denominator > 0 else None
     fits = total <= hardware.memory_bytes
     # no price without a price per hour (this machine has none), and none for a setup that doesn't fit
     usd = (hardware.usd_per_hour / (ceiling * 3600) * 1e6) if hardware.usd_per_hour and fits else None

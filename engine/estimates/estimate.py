@@ -131,31 +131,26 @@ def weights_bytes(count: ParameterCount, precision: str, device_type: str = "cpu
     return count.linear // 2 + absmax * blocks + 16 * 4 * count.linear_layers + 2 * count.other
 
 
-def looked_up_table(count: ParameterCount, precision: str) -> bool:
-    """Whether the input embedding table is only looked up, a row per token, with no head reading
-    it whole: untied from the head, or tied to one that the fast path's int8 / int4 quantize into
-    a copy of their own (the table stays bf16 beside it)."""
-    if not count.embedding:
-        return False
-    return not count.tied or get_precision(precision).name in ("int8-fast", "int4-fast")
-
-
-def table_element_bytes(precision: str) -> int:
-    """Bytes of one input-embedding weight as ``precision`` loads it (see the module docstring)."""
-    return 4 if get_precision(precision).name in ("fp32", "fp32-fast") else 2
+def looked_up_bytes(count: ParameterCount, precision: str) -> tuple[int, int]:
+    """The input embedding table's bytes and one row's, where the table is only looked up, a row
+    per token, with no head reading it whole: untied from the head, or tied to one that the fast
+    path's int8 / int4 quantize into a copy of their own (the table stays bf16 beside it).
+    ``(0, 0)`` where a head reads it whole."""
+    name = get_precision(precision).name
+    if not count.embedding or (count.tied and name not in ("int8-fast", "int4-fast")):
+        return 0, 0
+    element = 4 if name in ("fp32", "fp32-fast") else 2  # as the module docstring says each loads it
+    return element * count.embedding, element * count.embedding_dim
 
 
 def read_bytes(count: ParameterCount, precision: str, device_type: str = "cpu", batch: int = 1,
                int8_blocks: bool | None = None) -> int:
     """Weight bytes one decode step of ``batch`` sequences reads: all of them (:func:`weights_bytes`)
-    but an input embedding table that is only looked up (:func:`looked_up_table`), of which each
+    but an input embedding table that is only looked up (:func:`looked_up_bytes`), of which each
     sequence reads one row. On a model with an untied 128k vocabulary that is ~6.5% of an 8B
     model's bytes; under int8-fast the default model's bf16 table is 28% of its weights."""
-    weights = weights_bytes(count, precision, device_type, int8_blocks)
-    if not looked_up_table(count, precision):
-        return weights
-    element = table_element_bytes(precision)
-    return weights - element * count.embedding + batch * element * count.embedding_dim
+    table, row = looked_up_bytes(count, precision)
+    return weights_bytes(count, precision, device_type, int8_blocks) - table + batch * row
 
 
 @dataclass(frozen=True)

@@ -333,12 +333,11 @@ def weights_bytes(model) -> int:
     return total
 
 
-def weights_read_bytes(model, weights: int | None = None) -> int:
-    """Of the weights (:func:`weights_bytes`, or ``weights``), the bytes one decode token reads:
-    all of them but the input embedding's own tensors (those no head shares), of which a token
-    reads one row. Measured from the loaded modules, where the cost model's ``read_bytes``
-    predicts it from the config."""
-    weights = weights_bytes(model) if weights is None else weights
+def weights_read_bytes(model, weights: int) -> int:
+    """Of the weights (``weights``: :func:`weights_bytes`, as the model info keeps it), the bytes
+    one decode token reads: all of them but the input embedding's own tensors (those no head
+    shares), of which a token reads one row. Measured from the loaded modules, where the cost
+    model's ``read_bytes`` predicts it from the config."""
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embed is None:
         return weights
