@@ -93,7 +93,7 @@ def count_parameters(config) -> ParameterCount:
     head = model.get_output_embeddings()
     embed = model.get_input_embeddings()
     tied = head is not None and embed is not None and head.weight is embed.weight
-    table = getattr(embed, "weight", None) if embed is not None else None
+    table = getattr(embed, "weight", None)
     return ParameterCount(total=total, linear=linear, linear_rows=rows, linear_layers=layers,
                           head=head.weight.numel() if head is not None else 0,
                           head_rows=head.weight.shape[0] if head is not None else 0, tied=tied,

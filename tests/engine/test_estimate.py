@@ -1,6 +1,6 @@
 import pytest
 
-from engine.estimates.estimate import config_for, count_parameters, predict, read_bytes, weights_bytes
+from engine.estimates.estimate import config_for, count_parameters, looked_up_bytes, predict, read_bytes, weights_bytes
 from engine.models.loading import LoadRequest, load_model, weights_read_bytes
 
 
@@ -46,12 +46,13 @@ def test_a_tied_table_is_read_whole_unless_a_quantized_copy_heads_the_model(tmp_
     predicted = read_bytes(count, precision)
     whole = weights_bytes(count, precision)
     assert count.tied and measured - predicted == loaded.info.weights_bytes - whole  # the rotary buffer
+    table, row = looked_up_bytes(count, precision)
     if precision in ("int8-fast", "int4-fast"):
-        assert predicted == whole - 2 * count.embedding + 2 * count.embedding_dim  # the bf16 table, less a row
+        assert (table, row) == (2 * count.embedding, 2 * count.embedding_dim)  # the bf16 table, and a row of it
     else:
-        assert predicted == whole
-    assert read_bytes(count, precision, batch=3) - predicted == (2 * (predicted - read_bytes(count, precision, batch=0))
-                                                               if predicted < whole else 0)
+        assert (table, row) == (0, 0)
+    assert predicted == whole - table + row
+    assert read_bytes(count, precision, batch=3) == whole - table + 3 * row  # a row per sequence
 
 
 def test_config_sources(tiny_llama, tmp_path, isolated_cache):
