@@ -138,7 +138,8 @@ def estimate(config, hardware: Hardware, precision: str = "bf16", kv_dtype: str 
     training = 6.0 * count.total * training_tokens if training_tokens else None
     return Estimate(
         model=model, precision=precision, kv_dtype=kv_dtype, context=context, batch=batch, hardware=hardware.id,
-        parameters=count.total, weights_bytes=weights, weights_read_bytes=read, kv_bytes_per_token=per_token, kv_bytes_total=kv_total,
+        parameters=count.total, weights_bytes=weights, weights_read_bytes=read, kv_bytes_per_token=per_token,
+        kv_bytes_total=kv_total,
         activation_bytes=activation, total_bytes=total, device_memory_bytes=hardware.memory_bytes,
         fits=fits, flops_per_token=flops, memory_bound_tokens_per_s=memory_rate,
         compute_bound_tokens_per_s=compute_rate, decode_tokens_per_s_ceiling=ceiling,
