@@ -143,16 +143,6 @@ def looked_up_bytes(count: ParameterCount, precision: str) -> tuple[int, int]:
     return element * count.embedding, element * count.embedding_dim
 
 
-def read_bytes(count: ParameterCount, precision: str, device_type: str = "cpu", batch: int = 1,
-               int8_blocks: bool | None = None) -> int:
-    """Weight bytes one decode step of ``batch`` sequences reads: all of them (:func:`weights_bytes`)
-    but an input embedding table that is only looked up (:func:`looked_up_bytes`), of which each
-    sequence reads one row. On a model with an untied 128k vocabulary that is ~6.5% of an 8B
-    model's bytes; under int8-fast the default model's bf16 table is 28% of its weights."""
-    table, row = looked_up_bytes(count, precision)
-    return weights_bytes(count, precision, device_type, int8_blocks) - table + batch * row
-
-
 @dataclass(frozen=True)
 class MemoryPrediction:
     weights_bytes: int

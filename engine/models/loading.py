@@ -337,7 +337,7 @@ def weights_read_bytes(model, weights: int) -> int:
     """Of the weights (``weights``: :func:`weights_bytes`, as the model info keeps it), the bytes
     one decode token reads: all of them but the input embedding's own tensors (those no head
     shares), of which a token reads one row. Measured from the loaded modules, where the cost
-    model's ``read_bytes`` predicts it from the config."""
+    model predicts it from the config (``costs.estimate``'s ``weights_read_bytes``)."""
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embed is None:
         return weights
