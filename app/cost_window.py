@@ -310,8 +310,9 @@ class CostWindow(QMainWindow):
         return [("Shared prefix", f"{min(prefix, e.context):,} tokens held once instead of {e.batch}×: KV "
                                   f"{format_bytes(shared)} instead of {format_bytes(unshared)}, "
                                   f"{format_bytes(saved)} saved ({saved / unshared:.0%}) in a paged cache "
-                                  "that shares blocks (vLLM, SGLang); the workbench copies a cached prefix "
-                                  "(saving its compute, not its memory)")]
+                                  "that shares blocks (vLLM, SGLang, and the workbench's *-fast precisions); "
+                                  "its reference precisions copy a cached prefix (saving its compute, not its "
+                                  "memory)")]
 
     def _points(self, config, profile) -> list[RunRecord]:
         """Measured runs of this model (same parameter count), precision and hardware; plain decoding

@@ -45,11 +45,17 @@ TERMS: dict[str, tuple[str, str, str]] = {
     "kv-cache": ("KV cache",
                  "The keys and values every layer computed for the tokens so far, kept so each new token "
                  "attends to them without recomputing. Bytes = 2 × layers × KV heads × head dim × bytes per "
-                 "number, per token, per request.",
-                 "The KV cache plot: measured dots on the predicted line."),
+                 "number, per token, per request. Servers keep it in a pool of fixed blocks (16 tokens "
+                 "here, as vLLM): a request holds the blocks its tokens fill, so its last one is partly "
+                 "empty, and nothing is reserved for the longest answer it might give.",
+                 "The KV cache plot: measured blocks held against the predicted line; the Traffic view's "
+                 "KV plot and block counts; /metrics' vllm:kv_cache_usage_perc."),
     "prefix-cache": ("Prefix cache",
-                     "Kept KV of prompt blocks already computed, reused by a later prompt that begins with "
-                     "the same tokens (a system prompt, a chat's history): its TTFT drops to the new part's.",
+                     "Full KV blocks already computed, remembered by a hash of their tokens and of every "
+                     "token before them, reused by a later prompt that begins with the same tokens (a system "
+                     "prompt, a chat's history): its TTFT drops to the new part's. On the *-fast precisions "
+                     "the blocks are shared in place (sixteen requests behind one system prompt hold it "
+                     "once); the reference precisions copy them in.",
                      "The status bar's 'prompt N (M cached)'; the KV plot's green shading; the Traffic view's ◆."),
     "weights": ("Weights",
                 "The model's learned numbers. Their memory is parameters × bytes per parameter: 8 billion at "

@@ -318,6 +318,10 @@ class MainWindow(QMainWindow):
         request = self.generation_panel.request_for(text, self.transcript.history())
         if max_new_tokens is not None:
             request = replace(request, max_new_tokens=max_new_tokens)
+        if request.mode == "chat" and request.history and self.transcript.mode == "chat" \
+                and request.system_prompt == self.transcript.system_prompt:
+            # the next turn continues from the tokens the model read and wrote, not their text again
+            request = replace(request, continues=self.transcript.continues())
         if request.mode == "raw":
             self.transcript.clear()
         self.transcript.mode = request.mode
@@ -465,7 +469,7 @@ class MainWindow(QMainWindow):
 
             served = f" · {served_line(asdict(self.run.answered))}"
         cached = ""
-        if event.cached_tokens:  # the conversation so far was in the prefix cache: copied, not computed
+        if event.cached_tokens:  # the conversation so far was in the prefix cache: found, not computed
             cached = (f", {event.cached_tokens} of {event.prompt_tokens} prompt tokens from the cache; "
                       f"TTFT {format_seconds(event.ttft_s)}")
         if event.prefix_cache_bytes and event.cached_tokens:  # what keeping them costs, beside what it saved

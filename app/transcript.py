@@ -80,6 +80,17 @@ class Transcript:
             messages.pop()
         return tuple(messages)
 
+    def continues(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The last exchange as the model read and wrote it (its prompt's ids, its answer's), for
+        the next chat request to continue from (``None``: no finished answer to continue)."""
+        answered = [turn for turn in self.turns if turn.role == "assistant" and turn.tokens]
+        if not answered:
+            return None
+        finished = answered[-1].finished
+        if finished is None or finished.reason == "error" or not finished.prompt_ids or not finished.token_ids:
+            return None
+        return tuple(finished.prompt_ids), tuple(finished.token_ids)
+
     def last_answer(self) -> str:
         for turn in reversed(self.turns):
             if turn.role == "assistant":

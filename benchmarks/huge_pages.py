@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.preemption import cpu_flags  # noqa: E402
 from engine.generation.compiled_step import compile_decoder  # noqa: E402
-from engine.generation.slot_cache import SlotCache  # noqa: E402
+from engine.generation.paged_cache import PagedCache  # noqa: E402
 from engine.models import huge_pages  # noqa: E402
 from engine.models.loading import LoadRequest, load_model  # noqa: E402
 
@@ -64,7 +64,7 @@ def main() -> None:
     with torch.inference_mode():
         for name, loaded in names.items():
             for rows in (1, 16):
-                cache = caches[name, rows] = SlotCache(loaded.fast)
+                cache = caches[name, rows] = PagedCache(loaded.fast)
                 for seq in range(rows):
                     cache.add(seq, args.start + 65)
                     cache.prefill(seq, ids)

@@ -47,8 +47,8 @@ def add_parsers(sub, precisions) -> None:
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
     serve.add_argument("--api-key", help="clients must send 'Authorization: Bearer KEY' (default: none)")
     serve.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default: %(default)s)")
-    serve.add_argument("--kv-budget", help="KV-cache bytes the running requests may hold, e.g. 2GiB (default: "
-                       "half the free memory; 90%% of a GPU's)")
+    serve.add_argument("--kv-budget", help="KV-cache bytes the running requests and the prefix cache may hold "
+                       "together, e.g. 2GiB (default: a quarter of the free memory, at most 4 GiB; 90%% of a GPU's)")
     serve.add_argument("--token-budget", type=int, default=128,
                        help="tokens per step: a decode token per running request, the rest prompt chunks "
                             "(default: %(default)s)")

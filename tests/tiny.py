@@ -123,3 +123,13 @@ def write_gguf(path: Path, arch: str = "llama", name: str = "small", more=None) 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def kv_held_ok(loaded, measured: int, predicted: int, requests: int = 1) -> bool:
+    """A KV figure against the config's prediction: the reference precisions' caches hold exactly
+    the predicted bytes; the fast path's block pool whole 16-token blocks, at least the tokens'
+    bytes and under two blocks more per request (a partly filled last one, the next token's)."""
+    if loaded.fast is None:
+        return measured == predicted
+    block = 16 * loaded.info.kv_bytes_per_token
+    return measured % block == 0 and predicted <= measured < predicted + 2 * block * requests

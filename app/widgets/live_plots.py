@@ -269,9 +269,11 @@ class LivePlots:
             "latency", "Time each decode step took: one forward pass through the whole model per "
             "token. Spikes are the machine doing something else.", "latency (ms)", "token")
         self.kv = PlotPanel(
-            "kv", "KV-cache bytes held after each token: measured from the cache tensors (dots) "
-            "and predicted from the config: 2 × layers × KV heads × head dim × bytes (line). Shaded: "
-            "the prompt's part copied from the prefix cache (earlier turns), not computed.",
+            "kv", "KV-cache bytes held after each token (dots): on a *-fast precision the whole "
+            "16-token blocks of the pool this request holds, on the others its cache tensors' bytes, "
+            "read from the tensors; and predicted from the config: 2 × layers × KV heads × head dim × "
+            "bytes (line). Shaded: the prompt's part found in the prefix cache (earlier turns), not "
+            "computed: read in place on *-fast, copied in on the others.",
             "KV cache", "token")
         self.memory = PlotPanel(
             "memory", "Memory while generating: process RSS (and device memory on a GPU) against "

@@ -94,8 +94,9 @@ class ServerPanel(QWidget):
         self.max_batch.setToolTip("Requests decoded together; more wait in the queue.")
         self.kv_budget = QLineEdit("auto")
         self.kv_budget.setToolTip("KV-cache bytes the running requests and the prefix cache may hold together, "
-                                  "e.g. 2GiB (auto: half the free memory, 90% of a GPU's). Counted in blocks of 16 "
-                                  "tokens, taken as requests grow; when they run out the newest is preempted.")
+                                  "e.g. 2GiB (auto: a quarter of the free memory, at most 4 GiB; 90% of a GPU's). One "
+                                  "pool of 16-token blocks that grows to it only as requests need; when they run "
+                                  "out the newest request is preempted.")
         self.prefix_caching = QCheckBox("Prefix caching")
         self.prefix_caching.setChecked(True)
         self.prefix_caching.setToolTip("Keep the KV of computed prompt blocks for later requests that begin the same "

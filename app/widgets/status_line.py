@@ -68,7 +68,7 @@ def _prompt_tip(run: Run) -> str:
     p, f = run.prefilled, run.finished
     if p is None:
         return ""
-    tip = (f"{p.prompt_tokens} prompt tokens; {p.cached_tokens} of them copied from the prefix cache (the KV of "
+    tip = (f"{p.prompt_tokens} prompt tokens; {p.cached_tokens} of them found in the prefix cache (the KV of "
            "earlier turns), the rest computed" if p.cached_tokens else f"{p.prompt_tokens} prompt tokens, all computed")
     if f is not None and f.prefix_cache_bytes:
         tip += f". The prefix cache keeps {format_bytes(f.prefix_cache_bytes)} for later prompts."

@@ -190,12 +190,18 @@ class Finished:
     error: str | None = None
     """``reason == "error"``: what went wrong (the engine core ends one request, not the others)."""
     cached_tokens: int = 0
-    """Prompt tokens copied from the prefix cache at its first admission."""
+    """Prompt tokens found in the prefix cache at its first admission (not computed)."""
     preemptions: int = 0
     """Times it was preempted (its cache freed, later computed again) for lack of KV blocks."""
     prefix_cache_bytes: int | None = None
     """Bytes the core's prefix cache keeps once this request's blocks are in it (measured);
     ``None``: no prefix cache."""
+    prompt_ids: tuple[int, ...] = field(repr=False, default=())
+    """The prompt's token ids as the model read them (a chat's next turn continues from them
+    and ``token_ids``: :attr:`~engine.base.request.GenerationRequest.continues`)."""
+    continued: bool | None = None
+    """A chat turn asked to continue from the last exchange's tokens: whether it did (``False``:
+    the template can't be split that way, so the history's text was tokenized again); ``None``: not asked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,14 +328,20 @@ class StepCompleted:
     prefix_query_tokens: int = 0
     """Prompt tokens looked up in the prefix cache in this step (0 when it is off)."""
     kv_blocks_used: int = 0
-    """KV blocks the running requests hold (engine/generation/kv_manager.py)."""
+    """KV blocks the running requests hold, a shared block once (engine/generation/kv_manager.py)."""
     kv_blocks_kept: int = 0
-    """Blocks kept in the prefix cache."""
+    """Cached blocks no running request holds (the prefix cache's, waiting for a request that
+    begins the same way)."""
     kv_kept_bytes: int = 0
-    """Bytes of the kept blocks' copies (beside ``kv_cache_bytes``, the running requests')."""
+    """Bytes of those cached blocks (beside ``kv_cache_bytes``, the running requests')."""
     kv_blocks_total: int | None = None
     """Blocks the KV budget holds (``None``: no budget)."""
     kv_block_tokens: int = 16
+    kv_blocks_shared: int = 0
+    """Held blocks more than one running request reads (a common prefix, held once)."""
+    kv_pool_bytes: int = 0
+    """The block pool's storage, read from its tensors (0 where the runner keeps a cache per
+    request instead: the reference runner)."""
 
 
 @dataclass(frozen=True, slots=True)

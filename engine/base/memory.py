@@ -169,9 +169,16 @@ def _mps_recommended_max() -> int | None:
         return None
 
 
+DEFAULT_KV_BUDGET_CAP = 4 << 30
+"""The most a server's KV pool may hold by default on a CPU (a desktop's memory is shared with
+everything else the user runs)."""
+
+
 def default_kv_budget(device) -> int:
-    """KV-cache bytes the running requests may hold together on ``device``: half the memory free
-    now (90% of a GPU's free memory), as vLLM sizes its cache from ``--gpu-memory-utilization``."""
+    """KV-cache bytes the running requests and the prefix cache may hold together on ``device``
+    (the block pool's budget; the pool grows to it only as requests need): a quarter of the memory
+    free now, at most :data:`DEFAULT_KV_BUDGET_CAP`, on a desktop's CPU; 90% of a GPU's free memory,
+    as vLLM sizes its cache from ``--gpu-memory-utilization``."""
     if getattr(device, "type", str(device)) == "cuda":
         import torch
 
@@ -179,4 +186,4 @@ def default_kv_budget(device) -> int:
         return int(free * 0.9)
     import psutil
 
-    return int(psutil.virtual_memory().available * 0.5)
+    return min(int(psutil.virtual_memory().available * 0.25), DEFAULT_KV_BUDGET_CAP)

@@ -44,6 +44,12 @@ class GenerationRequest:
     given the ones before it, its rank, and this many likeliest tokens beside it (0: the token's
     own only); the core then computes the whole prompt, never copying it from the prefix cache
     (:class:`~engine.base.events.PromptScored`). ``None``: not scored."""
+    continues: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    """The last exchange of ``history`` as the model read and wrote it: its prompt's token ids and
+    its answer's (chat mode). The prompt then continues from those very tokens, only the template's
+    new turn tokenized, instead of the history's text tokenized again (which can split differently
+    from how the model wrote it, and then the prefix cache finds nothing past the first change);
+    where the template can't be split that way the history is read as text (:func:`continued_ids`)."""
 
     def validated(self) -> "GenerationRequest":
         if not isinstance(self.prompt, str) or not self.prompt.strip():
@@ -71,6 +77,7 @@ class GenerationRequest:
             history=tuple(self.history), sampling=self.sampling.validated(), max_new_tokens=max_new,
             stop=stops, ignore_eos=bool(self.ignore_eos), top_alternatives=self.top_alternatives,
             reuse_prefix=bool(self.reuse_prefix), prompt_logprobs=self.prompt_logprobs,
+            continues=_ids_pair(self.continues),
         )
 
     def messages(self) -> list[dict[str, str]]:
@@ -82,12 +89,55 @@ class GenerationRequest:
         return out
 
 
+def _ids_pair(pair) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    if pair is None:
+        return None
+    try:
+        prompt, answer = pair
+        return tuple(int(i) for i in prompt), tuple(int(i) for i in answer)
+    except (TypeError, ValueError):
+        raise InvalidRequestError("continues must be two lists of token ids: the last prompt's and its answer's.") \
+            from None
+
+
+def continued_ids(tokenizer, request: GenerationRequest) -> list[int] | None:
+    """The chat prompt as the last exchange's tokens (``request.continues``) followed by the
+    template's tokens for the new turn; ``None`` where the template can't be split that way (it
+    renders the earlier turns otherwise once a new one follows, as templates that drop a past
+    answer's reasoning do). The template's text for the whole conversation must begin with its
+    text for the last prompt and the last answer; what follows is tokenized alone, less the
+    answer's own end-of-turn token where the model wrote it."""
+    if request.continues is None or not request.history or request.history[-1].role != "assistant":
+        return None
+    prompt_ids, answer_ids = request.continues
+    if not prompt_ids or not answer_ids:
+        return None
+    messages = request.messages()
+    before = tokenizer.apply_chat_template(messages[:-2], add_generation_prompt=True, tokenize=False)
+    whole = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    answer = request.history[-1].content
+    if not whole.startswith(before + answer):
+        return None
+    rest = whole[len(before) + len(answer):]
+    end = answer_ids[-1]
+    if end in set(tokenizer.all_special_ids):
+        written = tokenizer.decode([end])
+        if not rest.startswith(written):  # the model ended its turn with a token the template doesn't write there
+            return None
+        rest = rest[len(written):]
+    return [*prompt_ids, *answer_ids, *tokenizer(rest, add_special_tokens=False)["input_ids"]]
+
+
 def encode_prompt(tokenizer, request: GenerationRequest) -> list[int]:
-    """Token ids of the prompt: the chat template with a generation prompt, or the raw text."""
+    """Token ids of the prompt: the chat template with a generation prompt (continuing from the
+    last exchange's tokens where the request carries them), or the raw text."""
     if request.mode == "raw":
         return list(tokenizer(request.prompt)["input_ids"])
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("This model has no chat template: use raw mode to continue text instead.")
+    continued = continued_ids(tokenizer, request)
+    if continued is not None:
+        return continued
     encoded = tokenizer.apply_chat_template(request.messages(), add_generation_prompt=True,
                                             tokenize=True, return_dict=True)
     return list(encoded["input_ids"])

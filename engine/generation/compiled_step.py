@@ -50,6 +50,7 @@ from engine.models import fast, quantize
 from engine.storage.paths import cache_dir
 from engine.models.fast import (MAX_COMPILED_CAPACITY, MIN_CAPACITY, _rotary_tables, CPU_COMPILE_OPTIONS, _decode_rows,
                                 _decode_step)
+from engine.generation.kv_manager import BLOCK_TOKENS
 from engine.models.loading import load_model
 
 PACKAGES_KEPT = 4
@@ -59,6 +60,8 @@ STEP, ROWS = "step", "rows"
 """The two packages a decoder gets: the one-sequence step (:func:`engine.models.fast._decode_step`)
 and the batched step (:func:`engine.models.fast._decode_rows`, two sequences or more), which
 needs the kernels' attention; each named by its kind."""
+MAX_POOL_BLOCKS = 1 << 24
+"""The most blocks a pool the compiled steps read may have (the pool's size is a dynamic dimension)."""
 MAX_ROWS = 4096
 """The most sequences the compiled batched step is built for (the batch is a dynamic dimension)."""
 EXAMPLE_ROWS = 16
@@ -113,15 +116,15 @@ class StepModule(torch.nn.Module):
                                           if m is not None])
         object.__setattr__(self, "decoder", d)  # not a submodule: its modules are registered above
 
-    def forward(self, keys, values, cos, sin, ids, position):
-        return _decode_step(self.decoder, keys, values, cos, sin, ids, position)
+    def forward(self, keys, values, cos, sin, ids, position, table):
+        return _decode_step(self.decoder, keys, values, cos, sin, ids, position, table)
 
 
 class RowsModule(StepModule):
     """The batched decode step as a module for ``torch.export`` (the same weights' names)."""
 
-    def forward(self, keys, values, cos, sin, ids, positions):
-        return _decode_rows(self.decoder, keys, values, cos, sin, ids, positions)
+    def forward(self, keys, values, cos, sin, ids, positions, table):
+        return _decode_rows(self.decoder, keys, values, cos, sin, ids, positions, table)
 
 
 def _named_tensors(d) -> dict[str, torch.Tensor]:
@@ -169,41 +172,55 @@ def _failed(path: Path) -> Path:
     return path.with_suffix(".failed")
 
 
-def export_step(d):
-    """``torch.export`` of the decode step at a 512-token cache, the capacity left dynamic."""
-
-    capacity = 512
-    shape = (1, d.kv_heads, capacity, d.head_dim)
+def _example_pool(d, blocks: int = 64, block_tokens: int = BLOCK_TOKENS) -> tuple[list, list]:
+    shape = (blocks, d.kv_heads, block_tokens, d.head_dim)
     keys = [torch.zeros(shape, dtype=d.kv_dtype, device=d.device) for _ in d.layers]
     values = [torch.zeros(shape, dtype=d.kv_dtype, device=d.device) for _ in d.layers]
-    cos, sin = _rotary_tables(d, capacity)
+    return keys, values
+
+
+def _pool_dims(keys, values, rows=None) -> tuple:
+    """The dynamic dimensions of a step's inputs: the pool's blocks, the rotary tables' length, the
+    block table's width (and the batch's rows)."""
+    blocks = torch.export.Dim("blocks", min=2, max=MAX_POOL_BLOCKS)
+    rotary = torch.export.Dim("rotary", min=MIN_CAPACITY, max=MAX_COMPILED_CAPACITY)
+    width = torch.export.Dim("width", min=1, max=MAX_COMPILED_CAPACITY)
+    pool = {0: blocks}
+    if rows is None:
+        return ([pool] * len(keys), [pool] * len(values), {2: rotary}, {2: rotary}, None, None, {1: width})
+    return ([pool] * len(keys), [pool] * len(values), {2: rotary}, {2: rotary}, {0: rows}, {0: rows},
+            {0: rows, 1: width})
+
+
+def export_step(d):
+    """``torch.export`` of the one-sequence step over a 64-block pool, a 512-position rotary table
+    and an 8-block table, those sizes left dynamic."""
+
+    keys, values = _example_pool(d)
+    cos, sin = _rotary_tables(d, 512)
     ids = torch.zeros((1, 1), dtype=torch.long, device=d.device)
     position = torch.zeros(1, dtype=torch.long, device=d.device)
-    size = torch.export.Dim("capacity", min=MIN_CAPACITY, max=MAX_COMPILED_CAPACITY)
-    dynamic = ([{2: size}] * len(keys), [{2: size}] * len(values), {2: size}, {2: size}, None, None)
+    table = torch.arange(8, dtype=torch.long, device=d.device).view(1, 8)
     with torch.no_grad():
-        return torch.export.export(StepModule(d), (keys, values, cos.clone(), sin.clone(), ids, position),
-                                   dynamic_shapes=dynamic, strict=False)
+        return torch.export.export(StepModule(d), (keys, values, cos.clone(), sin.clone(), ids, position, table),
+                                   dynamic_shapes=_pool_dims(keys, values), strict=False)
 
 
 def export_rows(d):
-    """``torch.export`` of the batched step at :data:`EXAMPLE_ROWS` sequences and a 512-token
-    cache, the batch and the capacity left dynamic."""
+    """``torch.export`` of the batched step at :data:`EXAMPLE_ROWS` sequences, each with a 4-block
+    table over a 64-block pool, the batch, the pool, the tables' width and the rotary tables' length
+    left dynamic."""
 
-    capacity, batch = 512, EXAMPLE_ROWS
-    shape = (batch, d.kv_heads, capacity, d.head_dim)
-    keys = [torch.zeros(shape, dtype=d.kv_dtype, device=d.device) for _ in d.layers]
-    values = [torch.zeros(shape, dtype=d.kv_dtype, device=d.device) for _ in d.layers]
-    cos, sin = _rotary_tables(d, capacity)
+    keys, values = _example_pool(d)
+    batch = EXAMPLE_ROWS
+    cos, sin = _rotary_tables(d, 512)
     ids = torch.zeros((batch, 1), dtype=torch.long, device=d.device)
     positions = torch.arange(batch, dtype=torch.long, device=d.device)
-    size = torch.export.Dim("capacity", min=MIN_CAPACITY, max=MAX_COMPILED_CAPACITY)
+    table = torch.arange(batch * 4, dtype=torch.long, device=d.device).view(batch, 4)
     rows = torch.export.Dim("rows", min=2, max=MAX_ROWS)
-    cache = {0: rows, 2: size}
-    dynamic = ([cache] * len(keys), [cache] * len(values), {2: size}, {2: size}, {0: rows}, {0: rows})
     with torch.no_grad():
-        return torch.export.export(RowsModule(d), (keys, values, cos.clone(), sin.clone(), ids, positions),
-                                   dynamic_shapes=dynamic, strict=False)
+        return torch.export.export(RowsModule(d), (keys, values, cos.clone(), sin.clone(), ids, positions, table),
+                                   dynamic_shapes=_pool_dims(keys, values, rows), strict=False)
 
 
 def _partial(path: Path, pid: int) -> Path:
@@ -355,8 +372,8 @@ class _LoadedStep:
         self.runner, self.constants = runner, constants
         self._run = runner.loader.boxed_run
 
-    def __call__(self, d, keys, values, cos, sin, ids, position) -> torch.Tensor:
-        return self._run([*keys, *values, cos, sin, ids, position])[0]
+    def __call__(self, d, keys, values, cos, sin, ids, position, table) -> torch.Tensor:
+        return self._run([*keys, *values, cos, sin, ids, position, table])[0]
 
 
 def _prune(folder: Path, keep: Path) -> None:

@@ -17,7 +17,7 @@ events as a generation alone (:class:`Prefilled`, :class:`TokenGenerated`, :clas
 each with its ``request_id``); every step adds a :class:`StepCompleted` for the traffic plots.
 
 The forward passes belong to a runner (engine/generation/runners.py): the reference runner (transformers,
-one cache per request, one after another) or the fast path's slot cache (one batched step). A
+one cache per request, one after another) or the fast path's paged cache (the KV manager's block pool, one batched step). A
 proposer (engine/generation/proposer.py) may guess tokens for the decode pass to verify
 (speculative decoding); the sampler takes the whole step's batch at once
 (engine/generation/sampling.py).
@@ -36,7 +36,7 @@ from engine.base.cancel import CancelToken
 from engine.generation.decoding import (PREFILL_CHUNK, SeenTokens, failed_event, finished_event,
                                         top_scores)
 from engine.generation.output import OutputProcessor
-from engine.generation.kv_manager import BLOCK_TOKENS, KeptBlock, KVCacheManager
+from engine.generation.kv_manager import BLOCK_TOKENS, KVCacheManager
 from engine.generation.scheduler import Scheduler
 from engine.base.errors import EngineError, InvalidRequestError, is_out_of_memory, non_finite_message
 from engine.base.events import (Alternative, Finished, GenerationEvent, Preempted, Prefilled, PromptScored,
@@ -90,7 +90,7 @@ class _Request:
     """What the cache must hold before decoding (engine/generation/scheduler.py)."""
     computed: int = 0
     """Tokens in its cache."""
-    hit: list[KeptBlock] | None = None
+    hit: list[int] | None = None
     preemptions: int = 0
     cached_tokens: int = 0
     """Prompt tokens copied from the prefix cache at its first admission."""
@@ -113,6 +113,8 @@ class _Request:
     """With ``prompt_logprobs``: each prompt token's score so far (from the second token on)."""
     prompt_scored: bool = False
     """Its :class:`PromptScored` was sent (a recomputed prompt, after a preemption, isn't scored twice)."""
+    continued: bool | None = None
+    """Whether its chat prompt continued from the last exchange's tokens (``None``: not asked)."""
 
     @property
     def reuse_prefix(self) -> bool:
@@ -133,6 +135,9 @@ class EngineCore:
 
         self.loaded = loaded
         self.runner = runner if runner is not None else batch_runner_for(loaded)
+        self.paged = bool(getattr(self.runner, "paged", False))
+        """Whether the runner keeps the keys and values in the KV manager's pool (blocks shared in
+        place) rather than a cache of its own per request (cached blocks copied in and out)."""
         self._configure(settings or CoreSettings(), proposer=proposer)
         self.steps = 0
         self.probe = MemoryProbe(loaded.device)
@@ -159,9 +164,12 @@ class EngineCore:
             if blocks is None:
                 reason = "it needs a KV budget to evict kept blocks against"
         kv = KVCacheManager(per_token or None, blocks, settings.prefix_caching and reason is None,
-                            settings.block_tokens, sizer=lambda data: sum(t.nbytes for t in data))
+                            settings.block_tokens, sizer=lambda data: sum(t.nbytes for t in data),
+                            storage=self.runner if self.paged else None)
         if kept is not None:
             kv.adopt(kept)
+        if self.paged:
+            self.runner.bind(kv)
         self.proposer = proposer or Proposer()
         """What guesses tokens for the decode pass to verify (speculation), or the plain one: none."""
         lookahead = self.proposer.lookahead
@@ -227,8 +235,13 @@ class EngineCore:
             raise InvalidRequestError(f"This request needs {need:,} bytes of KV cache at its longest, over the whole "
                                       f"budget of {self.settings.kv_budget_bytes:,}: shorten it or raise the budget.")
         rid, self._next_id = self._next_id, self._next_id + 1
+        continued = None
+        if request.continues is not None and request.mode == "chat":
+            earlier = [*request.continues[0], *request.continues[1]]
+            continued = prompt[:len(earlier)] == earlier
         self.scheduler.add(_Request(rid, request, prompt, cancel or CancelToken(), longest,
-                                    time.perf_counter() if arrived is None else arrived, feed=prompt))
+                                    time.perf_counter() if arrived is None else arrived, feed=prompt,
+                                    continued=continued))
         return rid
 
     @property
@@ -236,11 +249,14 @@ class EngineCore:
         return not self.waiting and not self.running
 
     def kv_bytes(self) -> int:
-        """Bytes the cache holds for every running request (measured by the runner)."""
+        """Bytes the cache holds for every running request: the pool's held blocks (a shared one
+        once, each block's bytes read from the storage), or what a copying runner's caches hold."""
+        if self.paged:
+            return self.kv.block_bytes(self.kv.used_blocks) or 0
         return sum(self.runner.kv_bytes(r.rid) for r in self.running if r.in_runner)
 
     def kept_bytes(self) -> int:
-        """Bytes of the blocks kept in the prefix cache (measured: their copies' tensors)."""
+        """Bytes of the cached blocks no request holds (the pool's, or a copying runner's copies)."""
         return self.kv.kept_bytes
 
     def run(self) -> Iterator[GenerationEvent]:
@@ -305,7 +321,7 @@ class EngineCore:
                     self.proposer.prefill(r.rid, ids)
                     r.prefilled += size
                     r.computed += size
-                    self.kv.keep(r.feed, r.prefilled, self._copier(r))
+                    self.kv.keep(r.rid, r.feed, r.prefilled, None if self.paged else self._copier(r))
                     if r.prefilled == len(r.feed) and r.request.prompt_logprobs is not None and not r.prompt_scored:
                         scored.append(self._prompt_scored(r))
                 except Exception as exc:
@@ -385,7 +401,8 @@ class EngineCore:
             step_s=now - began, elapsed_s=now - self.start, memory=memory, preempted=len(plan.preempted),
             cached_tokens=cached, prefix_query_tokens=self.kv.queries - queried, kv_blocks_used=self.kv.used_blocks,
             kv_blocks_kept=self.kv.kept_blocks, kv_kept_bytes=self.kept_bytes(), kv_blocks_total=self.kv.total_blocks,
-            kv_block_tokens=self.kv.block_tokens)
+            kv_block_tokens=self.kv.block_tokens, kv_blocks_shared=self.kv.shared_blocks,
+            kv_pool_bytes=self.kv.pool_bytes()["storage"])
         self.steps += 1
 
     def _score_prompt(self, r: _Request, start: int, logits) -> None:
@@ -453,8 +470,11 @@ class EngineCore:
         if r.hit:
             import torch
 
-            self.runner.load_kv(r.rid, [block.data for block in r.hit])
             cached = len(r.hit) * self.kv.block_tokens  # the scheduler counted them as read
+            if self.paged:  # its table begins with them: read in place
+                self.runner.found(r.rid, cached)
+            else:
+                self.runner.load_kv(r.rid, [self.kv.copy_of(block) for block in r.hit])
             with torch.inference_mode():  # a draft reads the prefix (its own cache, no copy)
                 self.proposer.prefill(r.rid, torch.tensor([r.feed[:cached]], dtype=torch.long, device=device))
             if not r.tokens:  # its Prefilled is still to come (a first admission, or preempted in its prompt)
@@ -519,6 +539,7 @@ class EngineCore:
         the time of those it won't emit to the last)."""
         if proposal.tokens:
             keep = r.computed - (len(proposal.tokens) - choice.accepted)
+            self.kv.crop(r.rid, keep)
             self.runner.crop(r.rid, keep)
             r.computed = keep
             verified = self.proposer.settle(r.rid, proposal, choice.accepted, len(r.prompt) + len(r.tokens), verify_s)
@@ -599,10 +620,11 @@ class EngineCore:
         kv = 0
         if r.in_runner:
             if r.computed > in_cache and self.runner.rollback:  # it stopped part-way through a step's accepted guesses
+                self.kv.crop(r.rid, in_cache)
                 self.runner.crop(r.rid, in_cache)
                 r.computed = in_cache
             if reason != "error":
-                self.kv.keep(r.prompt + r.tokens, in_cache, self._copier(r))
+                self.kv.keep(r.rid, r.prompt + r.tokens, in_cache, None if self.paged else self._copier(r))
             kv = self.runner.kv_bytes(r.rid)
         self.scheduler.remove(r)
         if r.in_runner:
@@ -613,7 +635,8 @@ class EngineCore:
         event = finished_event(reason, r.tokens, r.latencies, len(r.prompt), r.arrived, self.probe, kv,
                                self.loaded.predicted_kv_bytes(in_cache), text, stop_string, **r.counts)
         return replace(event, request_id=r.rid, error=error, cached_tokens=r.cached_tokens, preemptions=r.preemptions,
-                       prefix_cache_bytes=self.kv.kept_bytes if self.kv.prefix_caching else None)
+                       prefix_cache_bytes=self.kv.kept_bytes if self.kv.prefix_caching else None,
+                       prompt_ids=tuple(r.prompt), continued=r.continued)
 
 
 def _failure(r: _Request, exc: Exception) -> str:

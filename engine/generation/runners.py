@@ -1,6 +1,7 @@
 """What runs the engine core's forward passes: the reference runner (transformers' own forward,
-one DynamicCache per request, every architecture) or the fast path's slot cache (engine/models/fast.py,
-one batched decode step). Both hold a cache per request (``add``/``remove``), read prompt chunks
+one DynamicCache per request, every architecture: cached prefix blocks are copied in and out) or
+the fast path's paged cache (engine/generation/paged_cache.py: the KV manager's block pool, blocks
+shared in place, one batched decode step). Both hold a cache per request (``add``/``remove``), read prompt chunks
 (``prefill``, which can return the scores after each of its last tokens: speculation verifies
 with it), decode one token for several requests (``decode``), report each request's KV bytes
 and roll a request back (``crop``, for speculation)."""
@@ -354,12 +355,12 @@ def _left_pad(tensor: "torch.Tensor", width: int) -> "torch.Tensor":
 
 
 def runner_for(model, fast=None, supports_logits_to_keep: bool = True, rollback: bool = False):
-    """An engine-core runner: the fast path's slot cache over ``fast`` (a ``FastDecoder``) where
+    """An engine-core runner: the fast path's paged cache over ``fast`` (a ``FastDecoder``) where
     there is one, else the reference runner over ``model``."""
     if fast is not None:
-        from engine.generation.slot_cache import SlotCache  # lazy: importing it loads numpy, torch
+        from engine.generation.paged_cache import PagedCache  # lazy: importing it loads numpy, torch
 
-        return SlotCache(fast)
+        return PagedCache(fast)
     return ReferenceBatchRunner(model, supports_logits_to_keep, rollback, graphs=graphs_apply(model))
 
 

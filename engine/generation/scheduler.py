@@ -8,7 +8,7 @@ the newest running request: its blocks are freed and it goes back to the front o
 to be computed again (its prompt and the tokens it has so far) when it is admitted again:
 vLLM's default, recompute. Then, if nobody was preempted, waiting requests are admitted while
 the batch has room and their tokens' blocks fit (a request's prompt found in the prefix cache
-is copied, not computed). Last, the step's token budget goes to a decode token for each
+is found, not computed). Last, the step's token budget goes to a decode token for each
 decoding request and the rest to prompt chunks, so a long prompt is read over several steps.
 """
 
@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.generation.kv_manager import KeptBlock, KVCacheManager
+from engine.generation.kv_manager import KVCacheManager
 
 
 class Scheduled(Protocol):
@@ -36,8 +36,9 @@ class Scheduled(Protocol):
     """The token its next decode step feeds (``None`` while ``feed`` is being read)."""
     computed: int
     """Tokens in its cache."""
-    hit: list[KeptBlock] | None
-    """Blocks found in the prefix cache at its admission, to be copied into its cache."""
+    hit: list[int] | None
+    """Blocks found in the prefix cache at its admission: the start of its block table (a copying
+    runner copies them into its cache)."""
     preemptions: int
     blocks_freed: int
     longest: int
@@ -131,8 +132,8 @@ class Scheduler:
                     continue
                 pending.update(keys[found:])
             self.waiting.remove(r)
-            r.hit = self.kv.lookup(r.feed, self._keys(r)) if self.kv.prefix_caching and r.reuse_prefix else []
-            r.prefilled = r.computed = len(r.hit) * self.kv.block_tokens  # copied in, not read
+            r.hit = self.kv.lookup(r.rid, r.feed, self._keys(r)) if self.kv.prefix_caching and r.reuse_prefix else []
+            r.prefilled = r.computed = len(r.hit) * self.kv.block_tokens  # found, not read
             self.kv.hold(r.rid, need)
             self.running.append(r)
             plan.admitted.append(r)

@@ -88,7 +88,7 @@ class Draft:
         """The fast path's decoder the draft runs on (its own, or a view of the target's), if any."""
 
     def runner(self):
-        """A fresh engine-core runner for the draft: the fast path's slot cache where the draft
+        """A fresh engine-core runner for the draft: the fast path's paged cache where the draft
         has one, else transformers' forward (caches that can roll back)."""
 
         return runner_for(self.model, self.fast, self.supports_logits_to_keep, rollback=True)

@@ -7,7 +7,7 @@ sequence has its own KV cache.
 
 Every prompt is a request of the engine core (engine/generation/core.py), all submitted together: the
 core reads the prompts, then decodes one token for every sequence per step in one forward
-pass (the fast path's slot cache, or transformers' forward over a left-padded batched cache),
+pass (the fast path's paged cache, or transformers' forward over a left-padded batched cache),
 so each sequence's greedy tokens equal those of running it alone. A finished sequence (end
 of sequence, stop string, its own limit) leaves the batch and its cache is freed at once.
 """

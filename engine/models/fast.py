@@ -8,7 +8,7 @@ arithmetic: norms, projections (optionally weight-only int8/int4, engine/models/
 rotary embedding, attention over a static cache written in place, the MLP, the head.
 
 It emits exactly the events of the reference path (the engine core, engine/generation/core.py, drives both
-through a runner: the slot cache, engine/generation/slot_cache.py, runs this decoder); fp32 and
+through a runner: the paged cache, engine/generation/paged_cache.py, runs this decoder); fp32 and
 bf16 give the reference path's greedy tokens (tested). The compiled step and the batched step attend in fp32 (:func:`_attend_one`), so
 in bf16 they round less than the reference path and may part from its tokens where it parts
 from fp32's (README: the fast path). A model it can't run is refused with a clear message (no silent fall-back),
@@ -29,14 +29,11 @@ from engine.models.quantize import fuse_rows, has_int8_activations
 from engine.models.precision import unsupported_type_reason
 
 MIN_CAPACITY = 64
-"""The smallest cache (slots per sequence). The compiled decode step attends over the whole cache,
-masked, so its size is what each token's attention reads: at 256 a short answer's fp32 keys and
-values cost 11.8 MB a token on the default model, 8% of int8-fast's weights. From 64, a request
-gets the power of two that holds its prompt and answer (a 10-token prompt and a 64-token answer:
-128 slots; engine/generation/slot_cache.py). int8-fast decode against llama.cpp's Q8_0, one run
-each on an AMX machine: 0.82 at 256, 0.92 at 64."""
+"""The shortest rotary table (positions) a cache starts with; it doubles from there as sequences
+grow (engine/generation/paged_cache.py)."""
 MAX_COMPILED_CAPACITY = 1 << 16
-"""The largest cache the compiled step is built for (its capacity is dynamic up to this)."""
+"""The most positions the compiled steps are built for (the rotary tables' length and the block
+tables' width are dynamic up to this)."""
 CPU_COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                        "size_asserts": False}
 """Inductor's options for the decode step on a CPU (engine/generation/compiled_step.py builds it
@@ -93,7 +90,7 @@ class _Layer:
 
 class FastDecoder:
     """Holds the model's modules (fusing some of them in place) and the compiled decode step;
-    the caches that run it are engine/generation/slot_cache.py's (the engine core's runner)."""
+    the cache that runs it is engine/generation/paged_cache.py's (the engine core's runner)."""
 
     def __init__(self, model) -> None:
         reason = unsupported_reason(model)
@@ -190,15 +187,39 @@ def _rest_of_layer(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, attended
     return hidden + layer.down(layer.act(gate) * up)
 
 
-def _forward(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_layer: list[torch.Tensor],
+def _slots(table: torch.Tensor, positions: torch.Tensor, block_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where positions live in the block pool: each row's block (``table`` [B, W] of the rows'
+    blocks) and the slot in it, for ``positions`` [B]."""
+    blocks = table.gather(1, torch.div(positions, block_tokens, rounding_mode="floor").unsqueeze(1)).squeeze(1)
+    return blocks, positions % block_tokens
+
+
+def gather_blocks(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of each row's cache from the pool: [B, KV heads, W × block tokens, dim]
+    for ``table`` [B, W] (the paths that attend without the kernels, and long prompt chunks)."""
+    batch, width = table.shape
+    blocks = pool.index_select(0, table.reshape(-1)).view(batch, width, *pool.shape[1:])
+    return blocks.transpose(1, 2).reshape(batch, pool.shape[1], width * pool.shape[2], pool.shape[3])
+
+
+def _forward(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: list[torch.Tensor], table: torch.Tensor,
              cos_table: torch.Tensor, sin_table: torch.Tensor, ids: torch.Tensor, start: int,
              rows: int = 1) -> torch.Tensor:
-    """One forward pass of ``ids`` at positions ``start…``: writes their keys and values into the
-    cache, returns the logits after the last one (the eager step, prefill and decode), or after
-    each of the last ``rows`` ([rows, vocab]: speculation's verify pass)."""
+    """One forward pass of ``ids`` ([1, n]) at positions ``start…`` of the sequence whose blocks
+    are ``table`` ([W], int64, enough for ``start + n`` tokens): writes their keys and values into
+    its blocks of the pool, returns the logits after the last one (prefill, and the eager decode
+    step), or after each of the last ``rows`` ([rows, vocab]: speculation's verify pass).
+
+    Attention reads a contiguous copy of the sequence's blocks (PyTorch's flash kernel, which
+    blocks its work over many queries, takes one span): a copy per layer and chunk, small beside
+    a chunk's matrix products; the decode steps read the blocks in place."""
     count = ids.shape[1]
     end = start + count
+    block_tokens = key_pools[0].shape[2]
     cos, sin = cos_table[:, :, start:end], sin_table[:, :, start:end]
+    positions = torch.arange(start, end, device=d.device)
+    blocks, slots = _slots(table.view(1, -1).expand(count, -1), positions, block_tokens)
+    used = table[:-(-end // block_tokens)].view(1, -1)
     mask, causal = None, False
     if count > 1 and start == 0:  # a prompt from the start: plainly causal, which PyTorch's flash
         # kernel computes without the blocks above the diagonal (half the work) and without a mask
@@ -207,12 +228,13 @@ def _forward(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_laye
     elif count > 1:  # a later chunk: each new token sees the cache and the new tokens up to itself
         mask = torch.ones(count, end, dtype=torch.bool, device=d.device).tril(diagonal=start)
     hidden = d.embed(ids).to(d.dtype)
-    for layer, keys, values in zip(d.layers, keys_per_layer, values_per_layer):
+    for layer, keys, values in zip(d.layers, key_pools, value_pools):
         q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
-        keys[:, :, start:end] = k
-        values[:, :, start:end] = v
-        attended = F.scaled_dot_product_attention(q, keys[:, :, :end].to(q.dtype), values[:, :, :end].to(q.dtype),
-                                                  attn_mask=mask,
+        keys[blocks, :, slots] = k[0].transpose(0, 1).to(keys.dtype)
+        values[blocks, :, slots] = v[0].transpose(0, 1).to(values.dtype)
+        mine_k = gather_blocks(keys, used)[:, :, :end]
+        mine_v = gather_blocks(values, used)[:, :, :end]
+        attended = F.scaled_dot_product_attention(q, mine_k.to(q.dtype), mine_v.to(q.dtype), attn_mask=mask,
                                                   is_causal=causal, scale=layer.scaling,
                                                   enable_gqa=d.kv_heads != d.heads)
         hidden = _rest_of_layer(d, layer, hidden, attended)
@@ -250,27 +272,30 @@ def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     return torch.matmul(probs, values.float()).reshape(batch, heads, 1, dim).to(q.dtype)
 
 
-def _decode_step(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_layer: list[torch.Tensor],
+def _decode_step(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: list[torch.Tensor],
                  cos_table: torch.Tensor, sin_table: torch.Tensor, ids: torch.Tensor,
-                 position: torch.Tensor) -> torch.Tensor:
-    """One decode step (one token at ``position``, a 1-element tensor) with every shape fixed by
-    the cache's capacity: attention runs over the whole cache with the unwritten slots masked
-    out. What the compiled step is exported from (engine/generation/compiled_step.py): the
-    capacity is its only varying size, a dynamic dimension of one build. With ``d.step_attention``
-    the attention is the kernels' (it reads the cache up to ``position`` only; measured eager on
-    the default model's layer shapes, 20-26 µs a layer against 72-79 µs for the matmuls)."""
-    capacity = keys_per_layer[0].shape[2]
+                 position: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """One decode step of one sequence (one token at ``position``, a 1-element tensor), its cache
+    the blocks ``table`` [1, W] names in the pool. What the compiled step is exported from
+    (engine/generation/compiled_step.py): the pool's blocks, the table's width and the rotary
+    tables' length are its varying sizes, dynamic dimensions of one build. With
+    ``d.step_attention`` the attention is the kernels' (it reads the blocks up to ``position``
+    only; measured eager on the default model's layer shapes, 20-26 µs a layer against 72-79 µs
+    for the matmuls); else two matmuls over a copy of the table's blocks, masked past ``position``."""
+    block_tokens = key_pools[0].shape[2]
     cos, sin = cos_table.index_select(2, position), sin_table.index_select(2, position)
-    mask = (torch.arange(capacity, device=position.device) <= position).view(1, 1, 1, capacity)
+    blocks, slots = _slots(table, position, block_tokens)
+    span = table.shape[1] * block_tokens
+    mask = (torch.arange(span, device=position.device) <= position).view(1, 1, 1, span)
     hidden = d.embed(ids).to(d.dtype)
-    for layer, keys, values in zip(d.layers, keys_per_layer, values_per_layer):
+    for layer, keys, values in zip(d.layers, key_pools, value_pools):
         q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
-        keys.index_copy_(2, position, k.to(keys.dtype))
-        values.index_copy_(2, position, v.to(values.dtype))
+        keys[blocks, :, slots] = k[:, :, 0].to(keys.dtype)
+        values[blocks, :, slots] = v[:, :, 0].to(values.dtype)
         if d.step_attention:
-            attended = torch.ops.workbench.attend_rows(q, keys, values, position, layer.scaling)
+            attended = torch.ops.workbench.attend_paged(q, keys, values, table, position, layer.scaling)
         else:
-            attended = _attend_one(q, keys, values, mask, layer.scaling)
+            attended = _attend_one(q, gather_blocks(keys, table), gather_blocks(values, table), mask, layer.scaling)
         hidden = _rest_of_layer(d, layer, hidden, attended)
     return d.head(d.norm(hidden))[0, -1]
 
@@ -307,31 +332,33 @@ def _row_tables(cos_table: torch.Tensor, sin_table: torch.Tensor,
 
 
 def _rows_attention_inputs(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor,
-                           sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
-                           positions: torch.Tensor) -> torch.Tensor:
-    """A batched step's queries, each row's new key and value written at its own position."""
+                           sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor,
+                           slots: torch.Tensor) -> torch.Tensor:
+    """A batched step's queries, each row's new key and value written into its block at its slot."""
     q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
-    keys[rows, :, positions] = k[:, :, 0].to(keys.dtype)
-    values[rows, :, positions] = v[:, :, 0].to(values.dtype)
+    keys[blocks, :, slots] = k[:, :, 0].to(keys.dtype)
+    values[blocks, :, slots] = v[:, :, 0].to(values.dtype)
     return q
 
 
-def _decode_batch(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_layer: list[torch.Tensor],
+def _decode_batch(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: list[torch.Tensor],
                   cos_table: torch.Tensor, sin_table: torch.Tensor, ids: torch.Tensor,
-                  positions: torch.Tensor) -> torch.Tensor:
-    """One decode step of B sequences at once: ``ids`` [B, 1], each at its own ``positions[b]``
-    in cache rows ``keys[b]`` (views of the first B slots). The projections and the MLP run on
-    all rows in one go; attention runs per group of rows of a similar length, each over its
+                  positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """One decode step of B sequences at once: ``ids`` [B, 1], each at its own ``positions[b]``,
+    its blocks ``table[b]``. The projections and the MLP run on all rows in one go; attention
+    runs over a copy of each row's blocks, per group of rows of a similar length, each over its
     own span with the unwritten positions masked out (a 2,000-token request in the batch costs
     only its own row the long attention). Returns the logits [B, vocab]. Where the kernels'
-    attention is loaded, :func:`_decode_rows` runs instead."""
-    capacity = keys_per_layer[0].shape[2]
-    cos, sin, rows = _row_tables(cos_table, sin_table, positions)
+    attention is loaded, :func:`_decode_rows` runs instead (it reads the blocks in place)."""
+    capacity = table.shape[1] * key_pools[0].shape[2]
+    cos, sin, _ = _row_tables(cos_table, sin_table, positions)
+    blocks, slots = _slots(table, positions, key_pools[0].shape[2])
     groups = [(selector, min(span, capacity), mask[..., :capacity])
               for selector, span, mask in _length_groups(positions.tolist(), positions.device)]
     hidden = d.embed(ids).to(d.dtype)
-    for layer, keys, values in zip(d.layers, keys_per_layer, values_per_layer):
-        q = _rows_attention_inputs(d, layer, hidden, cos, sin, keys, values, rows, positions)
+    for layer, key_pool, value_pool in zip(d.layers, key_pools, value_pools):
+        q = _rows_attention_inputs(d, layer, hidden, cos, sin, key_pool, value_pool, blocks, slots)
+        keys, values = gather_blocks(key_pool, table), gather_blocks(value_pool, table)
         attended = q.new_empty(q.shape) if len(groups) > 1 else None
         for selector, span, mask in groups:
             if isinstance(selector, slice):
@@ -352,27 +379,28 @@ def _decode_batch(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per
 
 
 def attention_op() -> bool:
-    """Whether the kernels' batched attention (``torch.ops.workbench.attend_rows``) is loaded:
-    with it a batched step reads each row's cache up to its own position (:func:`_decode_rows`)."""
+    """Whether the kernels' attention (``torch.ops.workbench.attend_paged``) is loaded: with it a
+    batched step reads each row's blocks in place up to its own position (:func:`_decode_rows`)."""
     from engine.models import kernels  # lazy: kernels imports torch's extension tools
 
     return kernels.loaded() is not None
 
 
-def _decode_rows(d: FastDecoder, keys_per_layer: list[torch.Tensor], values_per_layer: list[torch.Tensor],
+def _decode_rows(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: list[torch.Tensor],
                  cos_table: torch.Tensor, sin_table: torch.Tensor, ids: torch.Tensor,
-                 positions: torch.Tensor) -> torch.Tensor:
+                 positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """One decode step of B sequences, as :func:`_decode_batch`, with the kernels' attention
-    (:func:`attention_op`): each row attends over its own cache up to its own position, so no
-    grouping by length is needed and every shape is fixed by B and the cache's capacity. What
-    the compiled batched step is exported from (engine/generation/compiled_step.py: B and the
-    capacity its dynamic dimensions); it also runs eagerly where it isn't built yet. Returns the
-    logits [B, vocab]."""
-    cos, sin, rows = _row_tables(cos_table, sin_table, positions)
+    (:func:`attention_op`): each row attends over its own blocks, read in place through its row of
+    ``table``, up to its own position, so no grouping by length is needed and every shape is fixed
+    by B, the table's width and the pool. What the compiled batched step is exported from
+    (engine/generation/compiled_step.py: those its dynamic dimensions); it also runs eagerly where
+    it isn't built yet. Returns the logits [B, vocab]."""
+    cos, sin, _ = _row_tables(cos_table, sin_table, positions)
+    blocks, slots = _slots(table, positions, key_pools[0].shape[2])
     hidden = d.embed(ids).to(d.dtype)
-    for layer, keys, values in zip(d.layers, keys_per_layer, values_per_layer):
-        q = _rows_attention_inputs(d, layer, hidden, cos, sin, keys, values, rows, positions)
-        attended = torch.ops.workbench.attend_rows(q, keys, values, positions, layer.scaling)
+    for layer, keys, values in zip(d.layers, key_pools, value_pools):
+        q = _rows_attention_inputs(d, layer, hidden, cos, sin, keys, values, blocks, slots)
+        attended = torch.ops.workbench.attend_paged(q, keys, values, table, positions, layer.scaling)
         hidden = _rest_of_layer(d, layer, hidden, attended)
     return d.head(d.norm(hidden))[:, -1]
 

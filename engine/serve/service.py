@@ -92,7 +92,9 @@ class RequestState:
     blocks: int = 0
     """KV blocks it holds (engine/generation/kv_manager.py)."""
     cached_tokens: int = 0
-    """Prompt tokens it copied from the prefix cache."""
+    """Prompt tokens it found in the prefix cache."""
+    shared_blocks: int = 0
+    """Of its blocks, those other running requests hold too (a common prefix, held once)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -400,11 +402,12 @@ class CoreService:
     def _states(self) -> tuple[RequestState, ...]:
         core = self.core
         out = [RequestState(r.rid, "waiting", 0, len(r.tokens)) for r in core.waiting]
-        held = core.kv.held
+        tables, refs = core.kv.tables, core.kv.pool.refs
         for r in core.running:
             phase = "prefill" if r.prefilled < len(r.feed) else "decode"  # or computing again after a preemption
+            table = tables.get(r.rid, ())
             out.append(RequestState(r.rid, phase, core.runner.kv_bytes(r.rid) if r.in_runner else 0, len(r.tokens),
-                                    held.get(r.rid, 0), r.cached_tokens))
+                                    len(table), r.cached_tokens, sum(1 for b in table if refs[b] > 1)))
         return tuple(out)
 
     def _fail_all(self, exc: Exception) -> None:

@@ -39,8 +39,10 @@ class RequestTrack:
     kv_bytes: int = 0
     blocks: int = 0
     """KV blocks it holds now."""
+    shared_blocks: int = 0
+    """Of those, the blocks other running requests hold too."""
     cached_tokens: int = 0
-    """Prompt tokens it copied from the prefix cache."""
+    """Prompt tokens it found in the prefix cache."""
     preempted_s: list[float] = field(default_factory=list)
     """When it was preempted (its blocks taken back; it waited and was computed again)."""
     marks: list[tuple[str, float]] = field(default_factory=list)
@@ -95,7 +97,10 @@ class RequestTrack:
             parts.append(f"end-to-end {format_seconds(f.total_s)}, ended: {f.reason}")
         else:
             parts.append(f"{self.run.count} tokens so far, {self.phase}")
-        parts.append(f"KV cache {format_bytes(self.kv_bytes)}" + (f", {self.blocks} blocks" if self.blocks else ""))
+        held = f", {self.blocks} blocks" if self.blocks else ""
+        if self.shared_blocks:
+            held += f", {self.shared_blocks} of them shared with other requests (held once)"
+        parts.append(f"KV cache {format_bytes(self.kv_bytes)}{held}")
         return "\n".join(parts)
 
 
@@ -150,7 +155,7 @@ class TrafficLog:
             elif isinstance(inner, Preempted):
                 track.preempted_s.append(event.at_s)
                 track.mark("waiting", event.at_s)
-                track.kv_bytes = track.blocks = 0
+                track.kv_bytes = track.blocks = track.shared_blocks = 0
             elif isinstance(inner, Finished):
                 track.run.finish(inner)
                 track.finished, track.finished_s = inner, event.at_s
@@ -178,6 +183,7 @@ class TrafficLog:
                     if state.phase != "waiting":
                         track.admitted(event.at_s - step.step_s)
                     track.kv_bytes, track.blocks = state.kv_bytes, state.blocks
+                    track.shared_blocks = state.shared_blocks
                     track.cached_tokens = max(track.cached_tokens, state.cached_tokens)
                 if state.kv_bytes:
                     slot = self._slot_of.get(state.request_id)

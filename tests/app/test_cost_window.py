@@ -207,7 +207,7 @@ def test_a_shared_prefix_shows_what_sharing_its_blocks_saves_at_this_batch(qtbot
     xs, ys = w.charts._curves["kv-shared"].getData()
     _, batch_ys = w.charts._curves["kv-batch"].getData()
     assert len(xs) == len(CONTEXTS) and all(s <= b for s, b in zip(ys, batch_ys))
-    assert "copies a cached prefix" in text
+    assert "*-fast precisions" in text and "reference precisions copy a cached prefix" in text
 
 
 def test_the_precision_list_says_the_measured_quality(qtbot, costs_window, loaded_llama, tiny_llama):

@@ -307,22 +307,24 @@ def test_subcommands_run_the_cli_without_qt(isolated_cache):
     assert result.stdout.startswith("default")
 
 
-def test_a_chats_next_turn_copies_its_history_from_the_prefix_cache(qtbot, window, tiny_llama):
+def test_a_chats_next_turn_reads_its_history_from_the_prefix_cache(qtbot, window, tiny_llama):
     load(qtbot, window, tiny_llama)
     first = generate(qtbot, window, "Tell me what a key-value cache holds, please.", max_tokens=12)
     assert first.cached_tokens == 0
     assert "prefix cache" not in window.statusBar().currentMessage()  # nothing saved: no clause about it
     second = generate(qtbot, window, "And then?", max_tokens=6)
-    # the system prompt, the first question and its answer were kept: whole blocks of them come back
-    assert 16 <= second.cached_tokens < second.prompt_tokens
-    assert second.cached_tokens > first.prompt_tokens - 16
+    # the system prompt, the first question and its answer were kept: the turn continues from
+    # their tokens, so every whole block of them comes back (all but the answer's last token)
+    earlier = first.prompt_ids + first.token_ids
+    assert second.continued and second.prompt_ids[:len(earlier)] == earlier
+    assert second.cached_tokens == (len(earlier) - 1) // 16 * 16 and second.cached_tokens >= 16
     assert window.status["prompt"].text() == f"prompt {second.prompt_tokens} ({second.cached_tokens} cached)"
     assert f"{second.cached_tokens} of {second.prompt_tokens} prompt tokens from the cache" \
         in window.statusBar().currentMessage()
     per_token = window.loaded.kv_bytes_per_token  # what keeping them costs is said too, measured
     assert second.prefix_cache_bytes >= second.cached_tokens * per_token and second.prefix_cache_bytes % (16 * per_token) == 0
     assert "the prefix cache keeps" in window.statusBar().currentMessage()
-    assert f"{second.cached_tokens} of them copied from the prefix cache" in window.status["prompt"].toolTip()
+    assert f"{second.cached_tokens} of them found in the prefix cache" in window.status["prompt"].toolTip()
     assert "The prefix cache keeps" in window.status["prompt"].toolTip()
     assert f"{second.cached_tokens} of {second.prompt_tokens} prompt tokens from the cache" \
         in window.transcript.to_markdown()

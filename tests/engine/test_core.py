@@ -45,11 +45,15 @@ def drive(loaded, plan, settings=None, check_kv=True):
             if isinstance(event, TokenGenerated):
                 tokens[event.request_id].append(event.token_id)
                 if check_kv:
-                    assert event.kv_cache_bytes == event.kv_cache_bytes_predicted
+                    assert_kv(core, event.kv_cache_bytes, event.kv_cache_bytes_predicted, None)
             elif isinstance(event, Finished):
                 finals[event.request_id] = event
             elif isinstance(event, StepCompleted) and check_kv:
-                assert event.kv_cache_bytes == event.kv_cache_bytes_predicted
+                assert_kv(core, event.kv_cache_bytes, event.kv_cache_bytes_predicted, event)
+                if core.paged:  # the pool: held + cached + empty blocks = its storage, read from the tensors
+                    held = core.kv.pool_bytes()
+                    assert event.kv_cache_bytes == held["used"] == event.kv_blocks_used * core.kv.block_bytes(1)
+                    assert held["used"] + held["cached"] + held["free"] == held["storage"] == event.kv_pool_bytes
                 assert event.running == len(core.running) == len(core.runner)  # ended ones freed
                 # a request that ended (cancelled, finished) holds nothing from the next step on
                 assert event.kv_cache_bytes == sum(core.runner.kv_bytes(r.rid) for r in core.running)
@@ -57,6 +61,22 @@ def drive(loaded, plan, settings=None, check_kv=True):
         assert step < 500, "the core did not finish"
     assert core.kv_bytes() == 0 and core.kv.used_blocks == 0 and len(core.runner) == 0
     return [tokens[ids[i]] for i in range(len(plan))], [finals[ids[i]] for i in range(len(plan))]
+
+
+def assert_kv(core, measured, predicted, step):
+    """The reference runner's caches hold exactly the predicted bytes. The pool's requests hold
+    whole blocks: at least the computed tokens' bytes, and no more blocks than their prompt (held
+    at admission, read over several steps) or their tokens and the next one need."""
+    if not core.paged:
+        assert measured == predicted
+        return
+    block = core.kv.block_bytes(1)
+    assert measured % block == 0 and predicted <= measured
+    for r in core.running:
+        need = max(len(r.feed), r.computed) + 1 + core.scheduler.lookahead
+        assert len(core.kv.tables.get(r.rid, ())) <= core.kv.blocks_for(need)
+    if step is not None:  # a step's total (a token's event may be read after its request ended)
+        assert measured <= block * sum(len(t) for t in core.kv.tables.values())
 
 
 def random_plan(seed: int, count: int = 7, cancels: int = 2):
@@ -199,9 +219,10 @@ def test_the_default_model_through_the_core(default_fp32):
         assert tokens == (alone if cancel_at is None else alone[:len(tokens)])
 
 
-def test_the_fast_slot_cache_grows_and_moves_slots_correctly(byte_tokenizer, tmp_path):
-    """More requests than slots, prompts longer than the first capacity: the cache grows (in the
-    middle of a step) and finished requests hand their slots over, and answers stay solo."""
+def test_the_fast_pool_grows_as_requests_come_and_go(byte_tokenizer, tmp_path):
+    """More requests than the pool's first chunk of blocks holds, a prompt longer than its first
+    rotary table: the pool grows in the middle of a step, ended requests' blocks are taken again,
+    and answers stay solo."""
     from tests.tiny import build_model_folder
 
     folder = build_model_folder(tmp_path / "long", "llama", byte_tokenizer, max_position_embeddings=1024)

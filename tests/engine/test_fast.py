@@ -5,7 +5,7 @@ from engine.base.errors import UnsupportedPrecisionError
 from engine.estimates.estimate import config_for, count_parameters, weights_bytes
 from engine.base.events import Finished, Prefilled, TokenGenerated
 from engine.generation.compiled_step import compile_decoder, compile_in_background, stop_compiling
-from engine.generation.slot_cache import SlotCache
+from engine.generation.paged_cache import PagedCache
 from engine.models.loading import LoadRequest, load_model
 from engine.models.quantize import Int4WeightOnlyLinear, Int8WeightOnlyLinear, quantize_linears
 from engine.base.request import GenerationRequest
@@ -35,7 +35,7 @@ def test_fast_path_gives_the_reference_tokens_and_events(long_models, arch, prec
     reference = load_model(LoadRequest(str(long_models[arch]), precision, "cpu"))
     fast = load_model(LoadRequest(str(long_models[arch]), f"{precision}-fast", "cpu"))
     assert fast.fast is not None and reference.fast is None
-    # 600 prompt tokens: prefill in two chunks, and the static cache grows past its first 256 slots
+    # 600 prompt tokens: prefill in two chunks, and the pool grows past its first blocks
     request = GenerationRequest(PROMPT * 24, mode="raw", max_new_tokens=30, ignore_eos=True)
     ref_events, ref_final = run(reference, request)
     fast_events, fast_final = run(fast, request)
@@ -44,9 +44,14 @@ def test_fast_path_gives_the_reference_tokens_and_events(long_models, arch, prec
     ref_tokens = [e for e in ref_events if isinstance(e, TokenGenerated)]
     fast_tokens = [e for e in fast_events if isinstance(e, TokenGenerated)]
     assert [t.logprob for t in fast_tokens] == pytest.approx([t.logprob for t in ref_tokens], abs=2e-2)
-    # the cache slots in use are measured and equal the prediction, as on the reference path
-    assert all(t.kv_cache_bytes == t.kv_cache_bytes_predicted for t in fast_tokens)
-    assert fast_final.kv_cache_bytes == ref_final.kv_cache_bytes
+    # the reference path's cache holds the predicted bytes; the fast path's pool whole blocks of
+    # them (read from its storage), at most one partly filled and one taken for the next token
+    assert all(t.kv_cache_bytes == t.kv_cache_bytes_predicted for t in ref_tokens)
+    block = 16 * fast.info.kv_bytes_per_token
+    for event in [*fast_tokens, fast_final]:
+        assert event.kv_cache_bytes % block == 0
+        assert event.kv_cache_bytes_predicted <= event.kv_cache_bytes < event.kv_cache_bytes_predicted + 2 * block
+    assert ref_final.kv_cache_bytes == fast_final.kv_cache_bytes_predicted
     assert isinstance(fast_events[0], Prefilled) and isinstance(fast_final, Finished)
 
 
@@ -142,7 +147,7 @@ def test_unsupported_models_and_devices_are_refused_clearly(tiny_models):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("precision", ["fp32-fast", "int8-fast", "int4-fast"])
 def test_fused_layers_leave_the_model_itself_working(long_models, arch, precision):
-    """q/k/v and gate/up are fused for the fast path (engine/models/fast.py, here its slot cache), their
+    """q/k/v and gate/up are fused for the fast path (engine/models/fast.py, here its paged cache), their
     weights turned into views of the fused ones; transformers' own forward (batching, speculation, teacher forcing use it) must
     still compute the same thing."""
     loaded = load_model(LoadRequest(str(long_models[arch]), precision, "cpu"))
@@ -152,7 +157,7 @@ def test_fused_layers_leave_the_model_itself_working(long_models, arch, precisio
     loaded.fast.kv_dtype = loaded.fast.dtype
     with torch.inference_mode():
         theirs = loaded.model(input_ids=ids).logits[0, -1].float()
-        cache = SlotCache(loaded.fast)
+        cache = PagedCache(loaded.fast)
         cache.add(0, ids.shape[1])
         ours = cache.prefill(0, ids).float()
     assert torch.allclose(ours, theirs, atol=2e-2 * float(theirs.abs().max()))
@@ -160,8 +165,8 @@ def test_fused_layers_leave_the_model_itself_working(long_models, arch, precisio
 
 
 def _greedy_alone(loaded, ids: list[int], steps: int) -> list[torch.Tensor]:
-    """A sequence's scores decoded greedily alone, in a slot cache big enough from the start."""
-    cache = SlotCache(loaded.fast, slots=1, capacity=256)
+    """A sequence's scores decoded greedily alone, its pool big enough from the start."""
+    cache = PagedCache(loaded.fast)
     cache.add(0, 256)
     out = [cache.prefill(0, torch.tensor([ids]))]
     for _ in range(steps):
@@ -169,17 +174,16 @@ def _greedy_alone(loaded, ids: list[int], steps: int) -> list[torch.Tensor]:
     return out
 
 
-def test_decoding_through_a_growing_cache_equals_a_cache_sized_up_front(long_models):
-    """The slot cache keeps its step's views and input tensors between steps: when it grows
-    (more slots, more capacity) they must be the new tensors', or a step writes keys nobody
-    reads again. Two sequences decoded from a 64-token cache past 64 tokens, a third joining
-    on the way, against each sequence alone in a cache big enough from the start."""
+def test_decoding_while_the_pool_grows_equals_a_pool_sized_up_front(long_models):
+    """The pool's storage is new tensors each time it grows (two blocks at a time here), and the
+    rotary tables double past 64 positions: a step must read the new ones. Two sequences decoded
+    past 64 tokens, a third joining on the way, against each sequence alone."""
     loaded = load_model(LoadRequest(str(long_models["llama"]), "fp32-fast", "cpu"))
     prompts = [loaded.encode(GenerationRequest(p, mode="raw")) for p in (PROMPT, "a", PROMPT * 2)]
 
     with torch.inference_mode():
-        cache = SlotCache(loaded.fast, slots=1)
-        assert cache.capacity == 64
+        cache = PagedCache(loaded.fast)
+        cache.kv.pool.chunk = 2
         last: dict[int, torch.Tensor] = {}
         got: dict[int, list[torch.Tensor]] = {0: [], 1: [], 2: []}
         for seq in (0, 1):
@@ -187,7 +191,7 @@ def test_decoding_through_a_growing_cache_equals_a_cache_sized_up_front(long_mod
             last[seq] = cache.prefill(seq, torch.tensor([prompts[seq]]))
             got[seq].append(last[seq])
         for step in range(80):
-            if step == 30:  # a third sequence: more slots than the cache has
+            if step == 30:  # a third sequence joins
                 cache.add(2, len(prompts[2]))
                 last[2] = cache.prefill(2, torch.tensor([prompts[2]]))
                 got[2].append(last[2])
@@ -196,22 +200,21 @@ def test_decoding_through_a_growing_cache_equals_a_cache_sized_up_front(long_mod
             for seq, row in zip(seqs, logits):
                 last[seq] = row
                 got[seq].append(row)
-        assert cache.capacity > 64 and cache.slots >= 3
+        assert cache.rotary > 64 and cache.keys[0].shape[0] == cache.kv.pool.allocated > 2
         for seq, rows in got.items():
             for ours, theirs in zip(rows, _greedy_alone(loaded, prompts[seq], len(rows) - 1)):
                 assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
 def test_sequences_leaving_in_any_order_leave_the_others_answers_as_alone(long_models):
-    """A sequence that leaves frees its slot before the next step: the last running sequence
-    moves into a freed slot below it (its keys copied), freed slots at the end just go. Four
-    sequences; the second and the last leave, a fifth joins, then all leave together: every
-    answer equals its sequence's alone, and nothing is left holding a slot."""
+    """A sequence that leaves gives its blocks back; the next one takes them again (the pool does
+    not grow for it). Four sequences; the second and the last leave, a fifth joins, then all
+    leave: every answer equals its sequence's alone, and nothing is left holding a block."""
     loaded = load_model(LoadRequest(str(long_models["llama"]), "fp32-fast", "cpu"))
     prompts = [loaded.encode(GenerationRequest(p, mode="raw")) for p in (PROMPT, "a", PROMPT * 2, "b c", "d")]
 
     with torch.inference_mode():
-        cache = SlotCache(loaded.fast, slots=1)
+        cache = PagedCache(loaded.fast)
         last: dict[int, torch.Tensor] = {}
         got: dict[int, list[torch.Tensor]] = {seq: [] for seq in range(5)}
 
@@ -235,16 +238,17 @@ def test_sequences_leaving_in_any_order_leave_the_others_answers_as_alone(long_m
         for seq in range(4):
             join(seq)
         steps(5)
-        leave(1, 3)  # a slot below a running sequence, and the last slot
-        assert len(cache) == 2
+        before = cache.kv.pool.allocated
+        freed = len(cache.kv.tables[1]) + len(cache.kv.tables[3])
+        leave(1, 3)
+        assert len(cache) == 2 and len(cache.kv.pool.empty) >= freed
         steps(5)
-        assert sorted(cache.slot_of.values()) == [0, 1]  # packed: the third moved into the second's slot
         join(4)
-        assert cache.slot_of[4] == 2
         steps(5)
+        assert cache.kv.pool.allocated == before  # the fifth took blocks the others gave back
+        assert cache.kv.used_blocks == sum(len(t) for t in cache.kv.tables.values())
         leave(2, 0, 4)
-        cache.add(5, 1)
-        assert cache.slot_of == {5: 0} and cache.lengths == [0]
+        assert len(cache) == 0 and cache.kv.used_blocks == 0
         for seq in range(5):
             rows = got[seq]
             assert len(rows) > 1
@@ -252,35 +256,26 @@ def test_sequences_leaving_in_any_order_leave_the_others_answers_as_alone(long_m
                 assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
-def test_a_batch_reserves_whole_answers_while_they_stay_small(long_models, monkeypatch):
-    """A batch's request gets room for its whole answer at admission (no copy of every slot's
-    cache mid-answer) while all slots at that capacity stay within RESERVE_BYTES, and only where
-    the steps' attention reads each row up to its position; more slots than that give the room
-    held ahead back; what a sequence needs now it always gets."""
-    from engine.generation import slot_cache
-
+def test_a_long_request_among_short_ones_holds_only_its_own_blocks(long_models):
+    """No rectangle: each sequence holds the blocks of its own tokens, whatever the longest
+    holds, and the pool's storage is those blocks (read from its tensors)."""
     loaded = load_model(LoadRequest(str(long_models["llama"]), "fp32-fast", "cpu"))
-    monkeypatch.setattr(loaded.fast, "rows_attention", False)
-    cache = SlotCache(loaded.fast, slots=4)
-    cache.add(0, 10, hoped=300)
-    assert cache.capacity == 64  # a whole-cache attention: room would cost every step time
-    monkeypatch.setattr(loaded.fast, "rows_attention", True)
-    cache = SlotCache(loaded.fast, slots=4)
-    monkeypatch.setattr(slot_cache, "RESERVE_BYTES", 4 * 512 * cache.per_token_bytes)
-    cache.add(0, 10, hoped=300)
-    assert cache.capacity == 512  # 4 slots × 512: just within
-    cache.add(1, 10, hoped=600)  # 4 slots × 1,024: past it
-    assert cache.capacity == 512
-    ids = loaded.encode(GenerationRequest(PROMPT, mode="raw"))
+    long = loaded.encode(GenerationRequest(PROMPT * 40, mode="raw"))[:700]
+    short = loaded.encode(GenerationRequest("a b", mode="raw"))
     with torch.inference_mode():
-        cache.prefill(1, torch.tensor([ids]))
-    keys = cache.block_kv(1, 0, len(ids))[0].clone()
-    for seq in range(2, 5):  # a fifth slot: 8 slots × 512 is past it, the room held ahead goes
-        cache.add(seq, 10, hoped=300)
-    assert (cache.slots, cache.capacity) == (8, 64) and cache.length(1) == len(ids)
-    cache.add(5, 700)  # what a sequence needs now it always gets
-    assert (cache.slots, cache.capacity) == (8, 1024) and cache.length(1) == len(ids)
-    assert torch.equal(cache.block_kv(1, 0, len(ids))[0], keys)  # its keys kept through both
+        cache = PagedCache(loaded.fast)
+        cache.kv.pool.chunk = 1
+        for seq, ids in enumerate([long] + [short] * 15):
+            cache.add(seq, len(ids))
+            cache.prefill(seq, torch.tensor([ids]))
+        cache.decode(list(range(16)), [1] * 16)
+    tokens = len(long) + 1 + 15 * (len(short) + 1)
+    blocks = cache.kv.blocks_for(len(long) + 1) + 15 * cache.kv.blocks_for(len(short) + 1)
+    assert cache.kv.used_blocks == cache.kv.pool.allocated == blocks
+    assert cache.storage_nbytes() == blocks * cache.block_nbytes()
+    assert cache.block_nbytes() == 16 * cache.per_token_bytes
+    assert blocks * 16 < 16 * (len(long) + 1)  # far below 16 rows of the longest
+    assert blocks * 16 - tokens < 16 * 16  # at most a partly filled block each
 
 
 def batched_answers(loaded, prompts: list[str], tokens: int) -> list[list[int]]:
@@ -303,7 +298,7 @@ def calls_attend_rows(package) -> bool:
     import zipfile
 
     with zipfile.ZipFile(package) as z:
-        return any(b"workbench::attend_rows" in z.read(info) or b"workbench.attend_rows" in z.read(info)
+        return any(b"workbench::attend_paged" in z.read(info) or b"workbench.attend_paged" in z.read(info)
                    for info in z.infolist() if info.filename.endswith((".cpp", ".json")))
 
 
@@ -331,7 +326,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 def test_the_compiled_decode_step_gives_the_same_tokens(long_models, isolated_cache, monkeypatch, tmp_path):
     """Built by a child process into the user cache, loaded here: the eager step's tokens, for
-    every cache size (the capacity is a dynamic dimension of one build), at its own thread count
+    every block table and pool size (dynamic dimensions of one build), at its own thread count
     only; a later load of the same weights loads the package instead of building it. The
     batched step beside it (where the int8 kernels are) gives the eager batched tokens, for any
     number of rows."""
@@ -341,8 +336,8 @@ def test_the_compiled_decode_step_gives_the_same_tokens(long_models, isolated_ca
     # a fixed count: the build's process is "other load", after which the count would adapt
     monkeypatch.setenv("INFERENCE_WORKBENCH_THREADS", str(torch.get_num_threads()))
     loaded = load_model(LoadRequest(str(long_models["llama"]), "fp32-fast", "cpu"))
-    request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=80, ignore_eos=True)  # a 128-token cache
-    long = GenerationRequest(PROMPT, mode="raw", max_new_tokens=300, ignore_eos=True)  # a 512-token cache
+    request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=80, ignore_eos=True)
+    long = GenerationRequest(PROMPT, mode="raw", max_new_tokens=300, ignore_eos=True)  # past 256 positions
     _, eager = run(loaded, request)
     _, eager_long = run(loaded, long)
     eager_batched = {n: batched_answers(loaded, BATCH_PROMPTS[:n], 20) for n in (2, 4)}
@@ -372,15 +367,17 @@ def test_the_compiled_decode_step_gives_the_same_tokens(long_models, isolated_ca
     assert calls_attend_rows(package / step_name) == kernels.kernels()
     calls = []
     compiled = loaded.fast.compiled
-    loaded.fast.compiled = lambda *a: calls.append(a[1][0].shape[2]) or compiled(*a)
+    loaded.fast.compiled = lambda *a: calls.append(a[7].shape[1]) or compiled(*a)  # the block table's width
     events, answer = run(loaded, request)
-    assert answer.token_ids == eager.token_ids and set(calls) == {128}
+    assert answer.token_ids == eager.token_ids and len(set(calls)) > 1  # one build for every table
     tokens = [e for e in events if isinstance(e, TokenGenerated)]
-    assert all(t.kv_cache_bytes == t.kv_cache_bytes_predicted for t in tokens)
+    block = 16 * loaded.info.kv_bytes_per_token
+    assert all(t.kv_cache_bytes_predicted <= t.kv_cache_bytes < t.kv_cache_bytes_predicted + 2 * block
+               for t in tokens)
     assert [t.logprob for t in tokens] == pytest.approx([t.logprob for t in run(loaded, request)[0]
                                                          if isinstance(t, TokenGenerated)], abs=1e-5)
     calls.clear()
-    assert run(loaded, long)[1].token_ids == eager_long.token_ids and set(calls) == {512}  # the same build
+    assert run(loaded, long)[1].token_ids == eager_long.token_ids and max(calls) * 16 > 300  # the same build
     # built for this thread count: with another (the count adapts to the machine's load) its
     # generated code would still run the other count's threads, so the eager step runs instead
     assert loaded.fast.compiled_threads == torch.get_num_threads()
@@ -462,7 +459,7 @@ def test_the_model_info_names_the_dtypes_its_decoder_runs(long_models, monkeypat
     per_element = loaded.info.kv_bytes_per_token // (2 * loaded.info.num_layers * loaded.info.num_kv_heads
                                                      * loaded.info.head_dim)
     assert per_element == 2
-    assert SlotCache(loaded.fast).per_token_bytes == loaded.info.kv_bytes_per_token
+    assert PagedCache(loaded.fast).per_token_bytes == loaded.info.kv_bytes_per_token
 
 
 def test_a_failed_build_leaves_the_eager_step(tmp_path, byte_tokenizer, isolated_cache):

@@ -6,6 +6,11 @@
 // read the longest row's span. Here each (row, KV head) reads its keys and values once, up to its
 // position, for the query heads that share them (GQA), and computes in fp32 (keys and values in
 // fp32 or bf16). A row's result depends on that row alone, whatever else is in the batch.
+//
+// The paged form (torch.ops.workbench.attend_paged) reads the same slots through a block table:
+// slot t of a row lives in block table[row][t / block tokens] of the pool, at t % block tokens.
+// The loops below take the address of slot t from an accessor (Strided for one contiguous cache
+// per row, Paged for the pool), fetched once per slot: the arithmetic is the same either way.
 
 #pragma once
 
@@ -17,9 +22,32 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
+
+// Slot t's keys (or values) of one (row, KV head) in a cache laid out [rows, KV heads, slots, D].
+template <typename T>
+struct Strided {
+    const T* base;
+    int64_t stride;
+    const T* operator()(int64_t t) const { return base + t * stride; }
+};
+
+// The same in a pool laid out [blocks, KV heads, block tokens, D], through a row's block table.
+template <typename T>
+struct Paged {
+    const T* base;  // the pool at this KV head
+    const int64_t* table;
+    int64_t block_stride, slot_stride, block_tokens;
+    int shift;  // log2(block_tokens) where it is a power of two, else -1
+    const T* operator()(int64_t t) const {
+        const int64_t i = shift >= 0 ? t >> shift : t / block_tokens;
+        const int64_t at = shift >= 0 ? t & (block_tokens - 1) : t - i * block_tokens;
+        return base + table[i] * block_stride + at * slot_stride;
+    }
+};
 
 // e^x for x ≤ 0 (a score minus the row's largest): 2^n · e^r with |r| ≤ ln2/2 and a degree-6
 // polynomial for e^r (relative error ~1e-7, about an ulp, as Sleef's expf in torch.softmax).
@@ -56,11 +84,11 @@ inline void softmax_numerators(float* scores, int64_t n, int64_t g0, int64_t g1,
 // slots 0 … n - 1 of its keys and values (rows ks and vs elements apart): scores [group, n]
 // become the softmax's numerators, total[g] their sums, acc [group, dim] the weighted values.
 // The plain loops, for any head size; the AVX-512 ones below where they apply.
-template <typename T>
-void attend_plain(const float* query, const T* kbase, int64_t ks, const T* vbase, int64_t vs, int64_t n,
+template <typename T, typename K, typename V>
+void attend_plain(const float* query, const K& keys, const V& values, int64_t n,
                   int64_t dim, int64_t g0, int64_t g1, float* key, float* scores, float* total, float* acc) {
     for (int64_t t = 0; t < n; ++t) {
-        const T* krow = kbase + t * ks;
+        const T* krow = keys(t);
         for (int64_t d = 0; d < dim; ++d) key[d] = static_cast<float>(krow[d]);
         for (int64_t g = g0; g < g1; ++g) {
             const float* qg = query + g * dim;
@@ -73,7 +101,7 @@ void attend_plain(const float* query, const T* kbase, int64_t ks, const T* vbase
     softmax_numerators(scores, n, g0, g1, total);
     std::fill(acc + g0 * dim, acc + g1 * dim, 0.0f);
     for (int64_t t = 0; t < n; ++t) {
-        const T* vrow = vbase + t * vs;
+        const T* vrow = values(t);
         for (int64_t d = 0; d < dim; ++d) key[d] = static_cast<float>(vrow[d]);
         for (int64_t g = g0; g < g1; ++g) {
             const float p = scores[g * n + t];
@@ -145,15 +173,16 @@ inline void softmax_numerators16(float* scores, int64_t n, int64_t g0, int64_t g
 }
 
 // Dimensions 16·c0 … 16·(c0 + C) - 1 of heads g … g + H - 1's weighted values.
-template <int H, int C, typename T>
-inline void weigh_values(const float* scores, int64_t n, const T* vbase, int64_t vs, int64_t c0, int64_t dim,
+template <int H, int C, typename V>
+inline void weigh_values(const float* scores, int64_t n, const V& values, int64_t c0, int64_t dim,
                          int64_t g, float* acc) {
     __m512 sums[H][C];
     for (int h = 0; h < H; ++h)
         for (int c = 0; c < C; ++c) sums[h][c] = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
         __m512 v[C];
-        for (int c = 0; c < C; ++c) v[c] = load16(vbase + t * vs + 16 * (c0 + c));
+        const auto* row = values(t);
+        for (int c = 0; c < C; ++c) v[c] = load16(row + 16 * (c0 + c));
         for (int h = 0; h < H; ++h) {
             const __m512 p = _mm512_set1_ps(scores[(g + h) * n + t]);
             for (int c = 0; c < C; ++c) sums[h][c] = _mm512_fmadd_ps(p, v[c], sums[h][c]);
@@ -164,15 +193,15 @@ inline void weigh_values(const float* scores, int64_t n, const T* vbase, int64_t
 }
 
 // All dim / 16 pieces of heads g … g + H - 1's weighted values, 4 at a time.
-template <int H, typename T>
-inline void weigh_pieces(const float* scores, int64_t n, const T* vbase, int64_t vs, int64_t chunks, int64_t dim,
+template <int H, typename V>
+inline void weigh_pieces(const float* scores, int64_t n, const V& values, int64_t chunks, int64_t dim,
                          int64_t g, float* acc) {
     int64_t c0 = 0;
-    for (; c0 + 4 <= chunks; c0 += 4) weigh_values<H, 4>(scores, n, vbase, vs, c0, dim, g, acc);
+    for (; c0 + 4 <= chunks; c0 += 4) weigh_values<H, 4>(scores, n, values, c0, dim, g, acc);
     switch (chunks - c0) {
-        case 3: weigh_values<H, 3>(scores, n, vbase, vs, c0, dim, g, acc); break;
-        case 2: weigh_values<H, 2>(scores, n, vbase, vs, c0, dim, g, acc); break;
-        case 1: weigh_values<H, 1>(scores, n, vbase, vs, c0, dim, g, acc); break;
+        case 3: weigh_values<H, 3>(scores, n, values, c0, dim, g, acc); break;
+        case 2: weigh_values<H, 2>(scores, n, values, c0, dim, g, acc); break;
+        case 1: weigh_values<H, 1>(scores, n, values, c0, dim, g, acc); break;
         default: break;
     }
 }
@@ -209,8 +238,8 @@ inline __m512 sums16(const __m512 (&d)[16]) {
 // keys32 (L1), for all the heads, where each head had converted them again (16 rows near
 // positions 73 and 300, over 30 layers' caches from memory: 1.10× and 1.11× faster; a whole
 // 16-row int8-fast step near 41-105: 1.02×, alternating in one process).
-template <int CH, typename T>
-inline void score_slots(const float* query, const T* kbase, int64_t ks, const T* vbase, int64_t vs, int64_t n,
+template <int CH, typename T, typename K, typename V>
+inline void score_slots(const float* query, const K& keys, const V& values, int64_t n,
                         int64_t dim, int64_t g0, int64_t g1, bool ahead, float* scores) {
     const int64_t chunks = CH ? CH : dim / 16;
     const int64_t row = dim * static_cast<int64_t>(sizeof(T));
@@ -221,20 +250,21 @@ inline void score_slots(const float* query, const T* kbase, int64_t ks, const T*
     const bool once = CH && !std::is_same<T, float>::value && g1 - g0 > 1;
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
         const int64_t count = std::min<int64_t>(16, n - t0);
-        const T* k0 = kbase + t0 * ks;
+        const T* k[16];
+        for (int64_t j = 0; j < count; ++j) k[j] = keys(t0 + j);
         if (ahead) {  // the next 16 keys, and the values these 16 slots will weigh
-            for (int64_t j = 16; j < std::min<int64_t>(32, n - t0); ++j) fetch(k0 + j * ks);
-            for (int64_t j = 0; j < count; ++j) fetch(vbase + (t0 + j) * vs);
+            for (int64_t j = 16; j < std::min<int64_t>(32, n - t0); ++j) fetch(keys(t0 + j));
+            for (int64_t j = 0; j < count; ++j) fetch(values(t0 + j));
         }
         if (once)
             for (int64_t j = 0; j < count; ++j)
                 for (int64_t c = 0; c < chunks; ++c)
-                    _mm512_store_ps(keys32 + (j * chunks + c) * 16, load16(k0 + j * ks + 16 * c));
+                    _mm512_store_ps(keys32 + (j * chunks + c) * 16, load16(k[j] + 16 * c));
         for (int64_t g = g0; g < g1; ++g) {
             const float* qg = query + g * dim;
             auto dot = [&](int j) {  // slot t0 + j's score, as 16 lanes to sum
                 auto piece = [&](int64_t c) {
-                    return once ? _mm512_load_ps(keys32 + (j * chunks + c) * 16) : load16(k0 + j * ks + 16 * c);
+                    return once ? _mm512_load_ps(keys32 + (j * chunks + c) * 16) : load16(k[j] + 16 * c);
                 };
                 __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qg), piece(0));
                 for (int64_t c = 1; c < chunks; ++c) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), piece(c), sum);
@@ -253,36 +283,33 @@ inline void score_slots(const float* query, const T* kbase, int64_t ks, const T*
     }
 }
 
-template <typename T>
-void attend_vectors(const float* query, const T* kbase, int64_t ks, const T* vbase, int64_t vs, int64_t n,
+template <typename T, typename K, typename V>
+void attend_vectors(const float* query, const K& keys, const V& values, int64_t n,
                     int64_t dim, int64_t g0, int64_t g1, bool ahead, float* scores, float* total, float* acc) {
     const int64_t chunks = dim / 16;
     switch (chunks) {
-        case 4: score_slots<4>(query, kbase, ks, vbase, vs, n, dim, g0, g1, ahead, scores); break;
-        case 8: score_slots<8>(query, kbase, ks, vbase, vs, n, dim, g0, g1, ahead, scores); break;
-        default: score_slots<0>(query, kbase, ks, vbase, vs, n, dim, g0, g1, ahead, scores); break;
+        case 4: score_slots<4, T>(query, keys, values, n, dim, g0, g1, ahead, scores); break;
+        case 8: score_slots<8, T>(query, keys, values, n, dim, g0, g1, ahead, scores); break;
+        default: score_slots<0, T>(query, keys, values, n, dim, g0, g1, ahead, scores); break;
     }
     softmax_numerators16(scores, n, g0, g1, total);
     int64_t g = g0;
-    for (; g + 4 <= g1; g += 4) weigh_pieces<4>(scores, n, vbase, vs, chunks, dim, g, acc);
-    for (; g + 3 <= g1; g += 3) weigh_pieces<3>(scores, n, vbase, vs, chunks, dim, g, acc);
-    for (; g + 2 <= g1; g += 2) weigh_pieces<2>(scores, n, vbase, vs, chunks, dim, g, acc);
-    for (; g < g1; ++g) weigh_pieces<1>(scores, n, vbase, vs, chunks, dim, g, acc);
+    for (; g + 4 <= g1; g += 4) weigh_pieces<4>(scores, n, values, chunks, dim, g, acc);
+    for (; g + 3 <= g1; g += 3) weigh_pieces<3>(scores, n, values, chunks, dim, g, acc);
+    for (; g + 2 <= g1; g += 2) weigh_pieces<2>(scores, n, values, chunks, dim, g, acc);
+    for (; g < g1; ++g) weigh_pieces<1>(scores, n, values, chunks, dim, g, acc);
 }
 #endif
 
 // T: the queries' and the result's type; C: the cache's (the same, or fp16 under fp32 queries).
-template <typename T, typename C>
-void attend_rows_impl(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                      const int64_t* positions, double scale, torch::Tensor& out) {
-    const int64_t batch = keys.size(0), kv_heads = keys.size(1), dim = keys.size(3);
+// rows_of(b, h) gives the accessors of row b's keys and values at KV head h.
+template <typename T, typename C, typename At>
+void attend_impl(const torch::Tensor& q, int64_t kv_heads, int64_t dim, const At& rows_of, const int64_t* positions,
+                 double scale, torch::Tensor& out) {
+    const int64_t batch = q.size(0);
     const int64_t group = q.size(1) / kv_heads;
     const T* qp = q.data_ptr<T>();
-    const C* kp = keys.data_ptr<C>();
-    const C* vp = values.data_ptr<C>();
     T* op = out.data_ptr<T>();
-    const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2);
-    const int64_t vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2);
     const float s = static_cast<float>(scale);
     // A task: one (row, KV head) and a share of its query heads. Few pairs (one sequence: 3 KV
     // heads on the default model, for 2 threads) are split by query heads so that the threads
@@ -302,16 +329,15 @@ void attend_rows_impl(const torch::Tensor& q, const torch::Tensor& keys, const t
             const T* qrow = qp + b * q.stride(0) + h * group * dim;  // a row's heads lie side by side
             for (int64_t i = g0 * dim; i < g1 * dim; ++i) query[i] = static_cast<float>(qrow[i]) * s;
             scores.resize(group * n);
-            const C* kbase = kp + b * ks0 + h * ks1;
-            const C* vbase = vp + b * vs0 + h * vs1;
+            const auto rows = rows_of(b, h);
 #ifdef WORKBENCH_AVX512
             if (vectors)
-                attend_vectors(query.data(), kbase, ks2, vbase, vs2, n, dim, g0, g1, parts == 1, scores.data(),
-                               total.data(), acc.data());
+                attend_vectors<C>(query.data(), rows.first, rows.second, n, dim, g0, g1, parts == 1, scores.data(),
+                                  total.data(), acc.data());
             else
 #endif
-                attend_plain(query.data(), kbase, ks2, vbase, vs2, n, dim, g0, g1, key.data(), scores.data(),
-                             total.data(), acc.data());
+                attend_plain<C>(query.data(), rows.first, rows.second, n, dim, g0, g1, key.data(), scores.data(),
+                                total.data(), acc.data());
             T* orow = op + (b * q.size(1) + h * group) * dim;
             for (int64_t g = g0; g < g1; ++g) {
                 const float inv = 1.0f / total[g];
@@ -319,6 +345,55 @@ void attend_rows_impl(const torch::Tensor& q, const torch::Tensor& keys, const t
             }
         }
     });
+}
+
+template <typename T, typename C>
+void attend_rows_impl(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                      const int64_t* positions, double scale, torch::Tensor& out) {
+    const C* kp = keys.data_ptr<C>();
+    const C* vp = values.data_ptr<C>();
+    const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2);
+    const int64_t vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2);
+    auto rows_of = [=](int64_t b, int64_t h) {
+        return std::make_pair(Strided<C>{kp + b * ks0 + h * ks1, ks2}, Strided<C>{vp + b * vs0 + h * vs1, vs2});
+    };
+    attend_impl<T, C>(q, keys.size(1), keys.size(3), rows_of, positions, scale, out);
+}
+
+template <typename T, typename C>
+void attend_paged_impl(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                       const torch::Tensor& table, const int64_t* positions, double scale, torch::Tensor& out) {
+    const C* kp = keys.data_ptr<C>();
+    const C* vp = values.data_ptr<C>();
+    const int64_t* tp = table.data_ptr<int64_t>();
+    const int64_t ts = table.stride(0), tokens = keys.size(2);
+    int shift = -1;
+    for (int i = 0; i < 31; ++i)
+        if ((int64_t{1} << i) == tokens) shift = i;
+    const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2);
+    const int64_t vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2);
+    auto rows_of = [=](int64_t b, int64_t h) {
+        return std::make_pair(Paged<C>{kp + h * ks1, tp + b * ts, ks0, ks2, tokens, shift},
+                              Paged<C>{vp + h * vs1, tp + b * ts, vs0, vs2, tokens, shift});
+    };
+    attend_impl<T, C>(q, keys.size(1), keys.size(3), rows_of, positions, scale, out);
+}
+
+void check_attention_types(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                           const char* name) {
+    TORCH_CHECK(keys.scalar_type() == values.scalar_type() &&
+                    (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+                    (keys.scalar_type() == q.scalar_type() ||
+                     (q.scalar_type() == at::kFloat && keys.scalar_type() == at::kHalf)),
+                name, ": q, keys and values all float32 or all bfloat16, or float32 q over a float16 cache");
+    TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, name, ": the cache's last dimension contiguous");
+}
+
+// a batched step's queries are a slice of the rotated queries and keys ([B, heads + KV heads, 1,
+// D]): rows apart, each row's heads side by side, read as they lie (a copy was 0.15 ms of a
+// 16-row int8-fast step)
+torch::Tensor heads_side_by_side(const torch::Tensor& q) {
+    return q.stride(3) == 1 && q.stride(1) == q.size(3) ? q : q.contiguous();
 }
 
 // q [B, H, 1, D]; keys and values [B, KV heads, capacity, D] (the last dimension contiguous), of
@@ -330,18 +405,10 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& keys, con
                 "attend_rows: q [B, H, 1, D], keys and values [B, KV heads, capacity, D]");
     TORCH_CHECK(q.size(0) == keys.size(0) && q.size(3) == keys.size(3) && q.size(1) % keys.size(1) == 0,
                 "attend_rows: q's rows, head size and heads must match the cache's");
-    TORCH_CHECK(keys.scalar_type() == values.scalar_type() &&
-                    (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
-                    (keys.scalar_type() == q.scalar_type() ||
-                     (q.scalar_type() == at::kFloat && keys.scalar_type() == at::kHalf)),
-                "attend_rows: q, keys and values all float32 or all bfloat16, or float32 q over a float16 cache");
-    TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "attend_rows: the cache's last dimension contiguous");
+    check_attention_types(q, keys, values, "attend_rows");
     TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == q.size(0),
                 "attend_rows: positions, int64 [B]");
-    // a batched step's queries are a slice of the rotated queries and keys ([B, heads + KV heads, 1,
-    // D]): rows apart, each row's heads side by side, read as they lie (a copy was 0.15 ms of a
-    // 16-row int8-fast step)
-    auto qc = q.stride(3) == 1 && q.stride(1) == q.size(3) ? q : q.contiguous();
+    auto qc = heads_side_by_side(q);
     auto pc = positions.contiguous();
     const int64_t* pp = pc.data_ptr<int64_t>();
     for (int64_t b = 0; b < pc.size(0); ++b)
@@ -350,6 +417,42 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& keys, con
     if (keys.scalar_type() == at::kHalf) attend_rows_impl<float, at::Half>(qc, keys, values, pp, scale, out);
     else if (q.scalar_type() == at::kFloat) attend_rows_impl<float, float>(qc, keys, values, pp, scale, out);
     else attend_rows_impl<at::BFloat16, at::BFloat16>(qc, keys, values, pp, scale, out);
+    return out;
+}
+
+// The same through block tables: keys and values are the pool, [blocks, KV heads, block tokens,
+// D]; table [B, W] int64 names row b's blocks in the order of its tokens; row b attends to its
+// slots 0…positions[b], so its first positions[b] / block tokens + 1 entries must be blocks of the pool.
+torch::Tensor attend_paged(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                           const torch::Tensor& table, const torch::Tensor& positions, double scale) {
+    TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && keys.dim() == 4 && values.sizes() == keys.sizes(),
+                "attend_paged: q [B, H, 1, D], keys and values [blocks, KV heads, block tokens, D]");
+    TORCH_CHECK(q.size(3) == keys.size(3) && q.size(1) % keys.size(1) == 0,
+                "attend_paged: q's head size and heads must match the pool's");
+    check_attention_types(q, keys, values, "attend_paged");
+    TORCH_CHECK(keys.stride(2) == keys.size(3) && values.stride(2) == values.size(3),
+                "attend_paged: a block's slots side by side");
+    TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(0) == q.size(0) &&
+                    table.stride(1) == 1,
+                "attend_paged: table, int64 [B, W], each row's blocks side by side");
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == q.size(0),
+                "attend_paged: positions, int64 [B]");
+    auto qc = heads_side_by_side(q);
+    auto pc = positions.contiguous();
+    const int64_t* pp = pc.data_ptr<int64_t>();
+    const int64_t* tp = table.data_ptr<int64_t>();
+    const int64_t tokens = keys.size(2), blocks = keys.size(0);
+    for (int64_t b = 0; b < pc.size(0); ++b) {
+        TORCH_CHECK(pp[b] >= 0 && pp[b] / tokens < table.size(1), "attend_paged: a position past its block table");
+        for (int64_t i = 0; i <= pp[b] / tokens; ++i) {
+            const int64_t block = tp[b * table.stride(0) + i];
+            TORCH_CHECK(block >= 0 && block < blocks, "attend_paged: a block outside the pool");
+        }
+    }
+    auto out = torch::empty({q.size(0), q.size(1), 1, q.size(3)}, q.options());
+    if (keys.scalar_type() == at::kHalf) attend_paged_impl<float, at::Half>(qc, keys, values, table, pp, scale, out);
+    else if (q.scalar_type() == at::kFloat) attend_paged_impl<float, float>(qc, keys, values, table, pp, scale, out);
+    else attend_paged_impl<at::BFloat16, at::BFloat16>(qc, keys, values, table, pp, scale, out);
     return out;
 }
 

@@ -92,6 +92,7 @@ TORCH_LIBRARY(workbench, m) {
     m.def("q8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
     m.def("q4_linear(Tensor x, Tensor w, Tensor d, Tensor mins) -> Tensor");
     m.def("attend_rows(Tensor q, Tensor keys, Tensor values, Tensor positions, float scale) -> Tensor");
+    m.def("attend_paged(Tensor q, Tensor keys, Tensor values, Tensor table, Tensor positions, float scale) -> Tensor");
     m.def("row_totals(Tensor scores, int k) -> (Tensor, Tensor, Tensor)");
 }
 
@@ -99,5 +100,6 @@ TORCH_LIBRARY_IMPL(workbench, CPU, m) {
     m.impl("q8_linear", &q8_linear);
     m.impl("q4_linear", &q4_linear);
     m.impl("attend_rows", &attend_rows);
+    m.impl("attend_paged", &attend_paged);
     m.impl("row_totals", &row_totals);
 }

@@ -1,0 +1,193 @@
+"""The fast path's KV cache for the engine core (its fast runner): the storage of the KV manager's
+block pool, run by the lean decoder (engine/models/fast.py).
+
+Per layer, keys and values of ``[blocks, KV heads, block tokens, head dim]``: the pool's blocks,
+grown with it (engine/generation/block_pool.py) and never past the KV budget. Each running sequence
+reads and writes its blocks through its block table (engine/generation/kv_manager.py): a decode
+step hands the kernels' attention every row's table, and a prefix several sequences share is one
+set of blocks that each reads in place. Nothing is laid out per sequence, so a 4,096-token request
+among short ones holds its own blocks and nobody else's room.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.generation.kv_manager import BLOCK_TOKENS, KVCacheManager
+from engine.models.fast import (MAX_COMPILED_CAPACITY, MIN_CAPACITY, FastDecoder, _bucket, _decode_batch, _decode_rows,
+                                _forward, _rotary_tables, gather_blocks)
+
+
+class PagedCache:
+    """The fast path's runner: sequences by id, their tokens in the pool's blocks."""
+
+    paged = True
+    """Keys and values live in the KV manager's pool (the engine core shares blocks in place)."""
+    rollback = False
+    """Set while a proposer runs (speculation); nothing changes here: :meth:`crop` always works."""
+
+    def __init__(self, d: FastDecoder, block_tokens: int = BLOCK_TOKENS) -> None:
+        self.d = d
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.lengths: dict[int, int] = {}
+        self.rotary = 0
+        self.cos = self.sin = None
+        self._rotary(MIN_CAPACITY)
+        self._tables: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+        self.resize(0, block_tokens)  # no block yet: the tensors' shapes say what one costs
+        self.kv = KVCacheManager(self.per_token_bytes, None, block_tokens=block_tokens, storage=self)
+        """The manager whose pool this storage is: a private, unbounded one until the engine core
+        binds its own (:meth:`bind`; a speculative draft keeps its private one)."""
+
+    def bind(self, kv: KVCacheManager) -> None:
+        """Take block tables from ``kv`` (the engine core's manager, whose pool this storage is)."""
+        self.kv = kv
+
+    # -- the pool's storage -------------------------------------------------------------
+    @torch.inference_mode()  # every cache tensor an inference tensor, wherever it grows
+    def resize(self, blocks: int, block_tokens: int) -> None:
+        """The pool now has ``blocks`` blocks of ``block_tokens`` tokens: the storage follows, its
+        first blocks kept (a shrink drops only blocks above the pool's new size)."""
+        d = self.d
+        shape = (blocks, d.kv_heads, block_tokens, d.head_dim)
+        same = bool(self.keys) and self.keys[0].shape[2] == block_tokens
+        kept = min(blocks, self.keys[0].shape[0]) if same else 0
+        keys, values = [], []
+        for old in (self.keys if same else [None] * len(d.layers)):
+            keys.append(torch.zeros(shape, dtype=d.kv_dtype, device=d.device))
+            if old is not None and kept:
+                keys[-1][:kept] = old[:kept]
+        for old in (self.values if same else [None] * len(d.layers)):
+            values.append(torch.zeros(shape, dtype=d.kv_dtype, device=d.device))
+            if old is not None and kept:
+                values[-1][:kept] = old[:kept]
+        self.keys, self.values = keys, values
+
+    @torch.inference_mode()
+    def copy_block(self, source: int, target: int) -> None:
+        for tensor in self.keys + self.values:
+            tensor[target] = tensor[source]
+
+    def block_nbytes(self) -> int:
+        """One block's keys and values over every layer, read from the storage's tensors."""
+        return sum(t.element_size() * t[0].numel() if len(t) else t.element_size() * t.stride(0)
+                   for t in self.keys + self.values)
+
+    def storage_nbytes(self) -> int:
+        """The storage's bytes, read from its tensors' storages."""
+        return sum(t.untyped_storage().nbytes() for t in self.keys + self.values)
+
+    @property
+    def per_token_bytes(self) -> int:
+        d = self.d
+        return 2 * len(d.layers) * d.kv_heads * d.head_dim * torch.empty((), dtype=d.kv_dtype).element_size()
+
+    def _rotary(self, tokens: int) -> None:
+        """Rotary tables for positions up to ``tokens`` (doubling)."""
+        if tokens > self.rotary:
+            self.rotary = _bucket(tokens)
+            self.cos, self.sin = _rotary_tables(self.d, self.rotary)
+
+    # -- sequences ------------------------------------------------------------------------
+    def add(self, seq: int, tokens: int = 1, hoped: int = 0) -> None:
+        """``seq`` starts with no tokens (its blocks are the manager's: taken as it grows)."""
+        self.lengths[seq] = 0
+        self._rotary(max(tokens, 1))
+
+    def found(self, seq: int, tokens: int) -> None:
+        """``seq``'s table begins with ``tokens`` tokens found in the prefix cache: read in place."""
+        self.lengths[seq] = tokens
+
+    def remove(self, seq: int) -> None:
+        del self.lengths[seq]
+        self._tables.pop(seq, None)
+        self.kv.release(seq)  # where the core's scheduler released it first, nothing is left
+
+    def length(self, seq: int) -> int:
+        return self.lengths[seq]
+
+    def __len__(self) -> int:
+        """Sequences holding blocks."""
+        return len(self.lengths)
+
+    def kv_bytes(self, seq: int) -> int:
+        """Bytes of the blocks ``seq`` holds (its last one maybe partly filled, shared ones included)."""
+        return self.kv.table_bytes(seq)
+
+    def _room(self, seq: int, tokens: int) -> None:
+        if not self.kv.hold(seq, tokens):
+            raise RuntimeError(f"no KV block is left for {tokens} tokens (the scheduler holds them before a step)")
+        self._rotary(tokens)
+
+    def _table(self, seq: int) -> torch.Tensor:
+        """``seq``'s block table as an int64 tensor (kept while it doesn't change)."""
+        blocks = self.kv.tables[seq]
+        kept = self._tables.get(seq)
+        if kept is None or len(kept[0]) != len(blocks) or kept[0].tolist() != blocks:
+            array = np.asarray(blocks, dtype=np.int64)
+            kept = self._tables[seq] = (array, torch.from_numpy(array).to(self.d.device))
+        return kept[1]
+
+    def prefill(self, seq: int, ids: torch.Tensor, rows: int = 1) -> torch.Tensor:
+        """Put ``ids`` ([1, n]) into ``seq``'s blocks; the logits after the last of them ([vocab]),
+        or after each of the last ``rows`` ([rows, vocab])."""
+        start = self.lengths[seq]
+        self._room(seq, start + ids.shape[1])
+        logits = _forward(self.d, self.keys, self.values, self._table(seq), self.cos, self.sin, ids, start, rows)
+        self.lengths[seq] = start + ids.shape[1]
+        return logits
+
+    def decode(self, seqs: list[int], tokens: list[int]) -> torch.Tensor:
+        """One token for each of ``seqs`` in one step; logits [len(seqs), vocab] in the order given."""
+        for seq in seqs:
+            self._room(seq, self.lengths[seq] + 1)
+        ids, positions, table = self._step_inputs(seqs, tokens)
+        d = self.d
+        compiled = torch.get_num_threads() == d.compiled_threads and self.rotary <= MAX_COMPILED_CAPACITY
+        if len(seqs) == 1:  # one sequence: the single-sequence step (compiled when ready)
+            if compiled and d.compiled is not None:
+                logits = d.compiled(d, self.keys, self.values, self.cos, self.sin, ids, positions, table).unsqueeze(0)
+            else:  # eager: the prompt's pass, one token long (it rounds as transformers' attention does)
+                position = self.lengths[seqs[0]]
+                logits = _forward(d, self.keys, self.values, table[0], self.cos, self.sin, ids, position).unsqueeze(0)
+        elif compiled and d.compiled_rows is not None:  # the compiled batched step
+            logits = d.compiled_rows(d, self.keys, self.values, self.cos, self.sin, ids, positions, table)
+        elif d.rows_attention:  # the same step, eager, while it is built (or where it can't be)
+            logits = _decode_rows(d, self.keys, self.values, self.cos, self.sin, ids, positions, table)
+        else:  # no kernels: attention over a copy of each row's blocks, per group of similar lengths
+            logits = _decode_batch(d, self.keys, self.values, self.cos, self.sin, ids, positions, table)
+        for seq in seqs:
+            self.lengths[seq] += 1
+        return logits
+
+    def _step_inputs(self, seqs: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's token ids [B, 1], positions [B] and block tables [B, W] (the widest row's
+        blocks; a shorter row's table is padded with its own first block, never read)."""
+        tables = [self.kv.tables[seq] for seq in seqs]
+        width = max(len(t) for t in tables)
+        table = np.empty((len(seqs), width), dtype=np.int64)
+        for row, blocks in enumerate(tables):
+            table[row, :len(blocks)] = blocks
+            table[row, len(blocks):] = blocks[0]
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
+        positions = np.asarray([self.lengths[seq] for seq in seqs], dtype=np.int64)
+        device = self.d.device
+        return (torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device),
+                torch.from_numpy(table).to(device))
+
+    def prefix_cache_reason(self) -> str | None:
+        return None
+
+    def block_kv(self, seq: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of ``seq``'s keys and values of tokens ``start…end``: [layers, KV heads, n, dim] each."""
+        table = self._table(seq).view(1, -1)
+        return (torch.stack([gather_blocks(k, table)[0, :, start:end] for k in self.keys]),
+                torch.stack([gather_blocks(v, table)[0, :, start:end] for v in self.values]))
+
+    def crop(self, seq: int, length: int) -> None:
+        """Forget ``seq``'s tokens after the first ``length`` (speculation rolls back); the blocks
+        it will write again are its own (the engine core asks the manager first: copy on write)."""
+        self.lengths[seq] = min(self.lengths[seq], length)
+        self._tables.pop(seq, None)
