@@ -68,7 +68,8 @@ class KVCacheManager:
 
     def __init__(self, bytes_per_token: int | None, total_blocks: int | None, prefix_caching: bool = False,
                  block_tokens: int = BLOCK_TOKENS, sizer: Callable[[object], int] | None = None,
-                 storage: Storage | None = None) -> None:
+                 storage: Storage | None = None, sliding_tokens: int | None = None,
+                 lacks_window: Callable[[object], bool] | None = None) -> None:
         if block_tokens < 1:
             raise ValueError("a block holds at least one token")
         self.block_tokens = block_tokens
@@ -86,6 +87,14 @@ class KVCacheManager:
         self.sizer = sizer
         self.copied_bytes = 0
         """Bytes of :attr:`copies` (measured with ``sizer``)."""
+        self.sliding_tokens = sliding_tokens
+        """The most tokens a sliding-window layer keeps (``None``: no such layer)."""
+        self.lacks_window = lacks_window
+        """Whether a copy of a block lacks its sliding-window layers' part (it had left their window)."""
+        self.windowless: set[int] = set()
+        """Cached blocks whose copies lack the sliding-window layers' part: a hit may hold them only
+        before its last :attr:`sliding_tokens` tokens (as vLLM's hybrid allocator keeps only a
+        window's blocks for those layers)."""
         self.queries = 0
         """Prompt tokens looked up in the prefix cache (vLLM's ``prefix_cache_queries``)."""
         self.hits = 0
@@ -96,6 +105,7 @@ class KVCacheManager:
         return BlockPool(self.total_blocks, grow=grow, forget=self._forget)
 
     def _forget(self, block: int) -> None:
+        self.windowless.discard(block)
         data = self.copies.pop(block, None)
         if data is not None and self.sizer is not None:
             self.copied_bytes -= self.sizer(data)
@@ -236,6 +246,10 @@ class KVCacheManager:
             if block is None:
                 break
             found.append(block)
+        if self.windowless and self.sliding_tokens:  # the hit's last window of tokens must be whole
+            need = -(-self.sliding_tokens // self.block_tokens)
+            while found and any(block in self.windowless for block in found[-need:]):
+                found.pop()
         for block in found:
             self.pool.ref(block)
             self.pool.touch(block)
@@ -261,13 +275,16 @@ class KVCacheManager:
         cached = 0
         for i, key in enumerate(block_keys(tokens, full, self.block_tokens, parent, done), start=done):
             block = table[i]
-            if self.pool.key_of[block] is None and self.pool.cache(block, key):
-                cached += 1
+            if self.pool.key_of[block] is None and key not in self.pool.cached:
                 if self.storage is None and copy is not None:
                     start = i * self.block_tokens
                     data = self.copies[block] = copy(start, start + self.block_tokens)
                     if self.sizer is not None:
                         self.copied_bytes += self.sizer(data)
+                    if self.lacks_window is not None and self.lacks_window(data):
+                        self.windowless.add(block)
+                self.pool.cache(block, key)
+                cached += 1
             parent = key
         self._chains[rid] = (full, parent)
         return cached
@@ -289,6 +306,7 @@ class KVCacheManager:
             self.pool.evicted = other.pool.evicted
             return
         self.pool, self.copies, self.copied_bytes = other.pool, other.copies, other.copied_bytes
+        self.windowless = other.windowless
         self.pool._forget = self._forget
         shrink = None if self.storage is None else (lambda blocks: self.storage.resize(blocks, self.block_tokens))
         self.pool.set_limit(self.total_blocks, shrink)

@@ -193,40 +193,64 @@ class ReferenceBatchRunner:
 
     def prefix_cache_reason(self) -> str | None:
         """Why this model's blocks can't be kept for reuse (``None``: they can)."""
-        from transformers import DynamicCache
-
-        if any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=self.model.config).layers):
-            return ("its sliding-window layers keep only their window's last tokens, so a block that has left "
-                    "the window can't be copied out (vLLM keeps a separate window-sized cache for them)")
         return None
 
-    def block_kv(self, seq: int, start: int, end: int) -> tuple["torch.Tensor", "torch.Tensor"]:
-        """A copy of ``seq``'s keys and values of tokens ``start…end``: [layers, 1, KV heads, n, dim] each."""
-        import torch
+    def sliding_tokens(self) -> int | None:
+        """The most tokens a sliding-window layer keeps (``None``: the model has none): a prefix
+        found in the cache needs those layers' keys and values of its last this many tokens only."""
+        from transformers import DynamicCache
 
+        windows = [layer.sliding_window - 1 for layer in DynamicCache(config=self.model.config).layers
+                   if getattr(layer, "is_sliding", False)]
+        return max(windows) if windows else None
+
+    def block_kv(self, seq: int, start: int, end: int) -> tuple[list, list]:
+        """A copy of ``seq``'s keys and values of tokens ``start…end``, per layer [1, KV heads, n,
+        dim]; ``None`` for a sliding-window layer that no longer holds them all (they left its
+        window: a hit ending well after this block doesn't need them, engine/generation/kv_manager.py)."""
         self._settle(seq)
         if seq not in self.rows:
-            layers = self.caches[seq].layers
-            keys = [layer.keys[:, :, start:end] for layer in layers]
-            values = [layer.values[:, :, start:end] for layer in layers]
+            layers, row = self.caches[seq].layers, 0
+            columns = None
         else:  # its row of the batched cache: its real tokens are where its mask is 1
-            row = self.rows.index(seq)
+            layers, row = self.group.layers, self.rows.index(seq)
             columns = self.mask[row].nonzero().flatten()[start:end]
-            keys = [layer.keys[row:row + 1].index_select(2, columns) for layer in self.group.layers]
-            values = [layer.values[row:row + 1].index_select(2, columns) for layer in self.group.layers]
-        return torch.stack(keys), torch.stack(values)
+        keys, values = [], []
+        for layer in layers:
+            offset = getattr(layer, "cumulative_length", 0) - layer.keys.shape[2] if getattr(layer, "is_sliding",
+                                                                                               False) else 0
+            if columns is None:
+                if start - offset < 0:
+                    keys.append(None), values.append(None)
+                    continue
+                keys.append(layer.keys[row:row + 1, :, start - offset:end - offset].clone())
+                values.append(layer.values[row:row + 1, :, start - offset:end - offset].clone())
+            else:
+                at = columns - offset
+                if int(at.min()) < 0:
+                    keys.append(None), values.append(None)
+                    continue
+                keys.append(layer.keys[row:row + 1].index_select(2, at))
+                values.append(layer.values[row:row + 1].index_select(2, at))
+        return keys, values
 
-    def load_kv(self, seq: int, blocks: list[tuple["torch.Tensor", "torch.Tensor"]]) -> None:
-        """Put ``blocks`` (from :meth:`block_kv`, in order) at the start of ``seq``'s new cache."""
+    def load_kv(self, seq: int, blocks: list[tuple[list, list]]) -> None:
+        """Put ``blocks`` (from :meth:`block_kv`, in order) at the start of ``seq``'s new cache: a
+        sliding-window layer takes the blocks after the last one it lacks (its window's), and
+        counts every token before them as seen."""
         import torch
 
         self._settle(seq)
-        keys = torch.cat([k for k, _ in blocks], dim=3)
-        values = torch.cat([v for _, v in blocks], dim=3)
         cache = self.caches[seq]
-        for index in range(keys.shape[0]):
-            cache.update(keys[index], values[index], index)
-        self.lengths[seq] = keys.shape[3]
+        tokens = sum(next(k for k in keys if k is not None).shape[2] for keys, _ in blocks)
+        for index in range(len(blocks[0][0])):
+            parts = [(keys[index], values[index]) for keys, values in blocks]
+            lacking = [i for i, (k, _) in enumerate(parts) if k is None]
+            held = parts[lacking[-1] + 1:] if lacking else parts
+            cache.update(torch.cat([k for k, _ in held], dim=2), torch.cat([v for _, v in held], dim=2), index)
+            if lacking:  # the window's tokens are the last of ``tokens``
+                cache.layers[index].cumulative_length = tokens
+        self.lengths[seq] = tokens
 
     def length(self, seq: int) -> int:
         """Tokens ``seq`` has been given (a sliding-window layer may hold fewer)."""

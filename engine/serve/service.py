@@ -239,7 +239,11 @@ class CoreService:
         size = (f"{kv.total_blocks:,} blocks of {kv.block_tokens} tokens ({format_bytes(kv.block_bytes(kv.total_blocks))})"
                 if kv.total_blocks is not None else f"blocks of {kv.block_tokens} tokens, no budget")
         if kv.prefix_caching:
-            caching = "prefix caching on"
+            caching = "prefix caching on: " + ("cached blocks shared in place (one block pool)" if core.paged else
+                                               "cached blocks copied into each request's cache")
+            if kv.sliding_tokens:
+                caching += (f"; sliding-window layers need only their window's last {kv.sliding_tokens} tokens of "
+                            "a cached prefix")
         elif core.prefix_caching_off:
             caching = f"prefix caching off: {core.prefix_caching_off}"
         else:

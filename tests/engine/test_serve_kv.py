@@ -138,9 +138,17 @@ def test_the_service_says_how_its_kv_cache_is_laid_out(loaded_llama, tiny_models
         server.stop(drain=False, timeout=30)
     blocks = (1 << 20) // (16 * loaded_llama.info.kv_bytes_per_token)
     assert f"{blocks:,} blocks of 16 tokens" in line and "prefix caching on" in line
+    assert "copied into each request's cache" in line  # the reference runner's way
     gemma = load_model(LoadRequest(str(tiny_models["gemma2"]), "fp32", "cpu"))
     server = serve(gemma)
     try:
-        assert "prefix caching off: its sliding-window layers" in server.service.describe_kv()
+        line = server.service.describe_kv()
+        assert "prefix caching on" in line and "sliding-window layers need only their window's" in line
+    finally:
+        server.stop(drain=False, timeout=30)
+    fast = load_model(LoadRequest(str(tiny_models["llama"]), "fp32-fast", "cpu"))
+    server = serve(fast)
+    try:
+        assert "shared in place" in server.service.describe_kv()
     finally:
         server.stop(drain=False, timeout=30)
