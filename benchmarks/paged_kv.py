@@ -10,8 +10,10 @@ a. **shared prefix**: 16 requests behind a 600-token system prompt, the prompt c
 b. **one long request among short ones**: a ``--long``-token prompt and 15 short ones decoding
    together; the blocks held against the bytes of the tokens held (target ≤ 1.1×), and the
    storage against the KV budget (never past it);
-c. **decode step** (``--steps``): the median step at 1 and at 16 sequences near position 64,
-   compiled steps where they are built (``--compiled``; else the eager steps), target ≥ 0.95×.
+c. **decode step**: the median step at 1 and at 16 sequences near position 64, compiled steps
+   where they are built (``--compiled``; else the eager steps), target ≥ 0.95×;
+d. **a 6-turn chat** with paragraph breaks through the window's kept core: turn 6 reads only its
+   new tokens (every whole block of the conversation before it from the cache).
 
     python benchmarks/paged_kv.py --rev 401657a [--precisions int8-fast,bf16-fast] [--long 4096]
 """
@@ -45,6 +47,9 @@ if compiled:
     if report.error or report.rows_error:
         sys.exit(f"the compiled steps aren't ready: {report.error or report.rows_error}")
 BUDGET = 1 << 30
+QUESTIONS_D = ["List three uses of a KV cache, as a numbered list.", "Explain the second one in two paragraphs.",
+               "Give an example of it.", "What does it cost in memory?", "And on a GPU?",
+               "Summarise our conversation in two short paragraphs."]
 
 def storage(core):
     runner = core.runner
@@ -87,6 +92,23 @@ elif part == "b":
                     worst, tokens_bytes, held_bytes = held / tokens, tokens, held
                 past = max(past, used - BUDGET)
     out.update(ratio=worst, tokens=tokens_bytes, held=held_bytes, past=past)
+elif part == "d":
+    from engine.base.events import Finished
+    from engine.base.request import ChatMessage
+    from engine.base.sampling import SamplingParams
+    from engine.generation.generate import generate, kept_core
+    core = kept_core(loaded)
+    history, continues, turns, before = (), None, [], 0
+    for question in QUESTIONS_D:
+        extra = {"continues": continues} if "continues" in GenerationRequest.__dataclass_fields__ else {}
+        request = GenerationRequest(question, history=history, max_new_tokens=48, top_alternatives=0,
+                                    sampling=SamplingParams(temperature=0.0), **extra)
+        final = [e for e in generate(loaded, request, core=core) if isinstance(e, Finished)][0]
+        turns.append((final.prompt_tokens, final.cached_tokens, before, final.text.count("\n\n")))
+        before = final.prompt_tokens + final.tokens
+        history += (ChatMessage("user", question), ChatMessage("assistant", final.text))
+        continues = (final.prompt_ids, final.token_ids) if extra or hasattr(final, "prompt_ids") else None
+    out["turns"] = turns
 else:
     core = EngineCore(loaded, CoreSettings(token_budget=1024, max_batch=16, kv_budget_bytes=BUDGET))
     request = GenerationRequest("(ids)", mode="raw", max_new_tokens=96, ignore_eos=True, top_alternatives=0)
@@ -119,7 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rev", required=True, help="the revision to compare against")
     parser.add_argument("--precisions", default="int8-fast,bf16-fast")
-    parser.add_argument("--parts", default="a,b,c")
+    parser.add_argument("--parts", default="a,b,c,d")
     parser.add_argument("--long", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--compiled", action="store_true", help="part c with the compiled steps (built once)")
@@ -156,6 +178,13 @@ def report(precision: str, part: str, new: list[dict], old: list[dict], args) ->
               f"for {n['tokens'] / mib:.1f} MiB of tokens: {n['ratio']:.3f}x (target <= 1.1); storage past the "
               f"budget: {n['past'] / mib:.1f} MiB; at {args.rev} the rectangle held {o['held'] / mib:.1f} MiB "
               f"({o['ratio']:.2f}x the tokens)")
+    elif part == "d":
+        for name, runs in (("this tree", new[0]), (args.rev, old[0])):
+            prompt, cached, before, _ = runs["turns"][-1]
+            breaks = sum(t[3] for t in runs["turns"])
+            print(f"{precision} d) 6-turn chat ({breaks} paragraph breaks in the answers), {name}: turn 6 prompt "
+                  f"{prompt} tokens, {cached} from the cache; the conversation before it: {before} tokens, whole "
+                  f"blocks of all but its last token {(before - 1) // 16 * 16} (target: cached equals that)")
     else:
         for rows in (1, 16):
             n = statistics.median(r[f"step{rows}"] for r in new)

@@ -321,7 +321,9 @@ class ModelPanel(QWidget):
             "Context": f"{info.context_length:,} tokens" if info.context_length else "unknown",
             "Layers · KV heads · head dim": f"{info.num_layers} · {info.num_kv_heads} · {info.head_dim}",
             "KV per token": format_bytes(info.kv_bytes_per_token)  # and what the cache keeps
-                            + (f" ({info.kv_dtype})" if info.kv_bytes_per_token else ""),
+                            + (f" ({info.kv_dtype})" if info.kv_bytes_per_token else "")
+                            + {True: "; 16-token blocks, shared prefixes held once",
+                               False: "; a cache per request, cached prefixes copied in"}.get(info.kv_shared, ""),
         }
         self._show_facts(values)
 

@@ -30,9 +30,11 @@ WINDOW_S = 60.0
 """The timeline and the step plots show the last minute."""
 ROWS = 48
 """Requests on the timeline at most (the newest)."""
-KV_SENTENCE = ("The cache each running request holds, stacked (a colour per batch slot, one request at a time), "
-               "and on top the blocks kept for prefix reuse (grey: evicted first when a request needs "
+KV_SENTENCE = ("The cache each running request holds, stacked (a colour per batch slot, one request at a time); "
+               "above them the blocks several running requests share, held once (hatched green: a common "
+               "prefix); on top the blocks kept for prefix reuse (grey: evicted first when a request needs "
                "room), against the budget.")
+SHARED_BRUSH = pg.mkBrush(39, 174, 96, 120)
 KEPT_BRUSH = pg.mkBrush(120, 120, 120, 110)
 
 
@@ -127,9 +129,12 @@ class TrafficPlots(QWidget):
 
         self.kv = PlotPanel("KV cache", KV_SENTENCE, "MiB", "s")
         self.kv.add_legend("budget", "#d63031", "╍╍")
+        self.kv.add_legend("shared by running requests (held once)", "#27ae60", "██")
         self.kv.add_legend("prefix cache (kept blocks)", "#787878", "██")
         self.kept_band = self.kv.plot.plot([], [], pen=None, fillLevel=0, brush=KEPT_BRUSH)
-        self.kept_band.setZValue(-1)  # under the requests' bands: it shows above their top
+        self.kept_band.setZValue(-2)  # under the requests' bands: it shows above their top
+        self.shared_band = self.kv.plot.plot([], [], pen=None, fillLevel=0, brush=SHARED_BRUSH)
+        self.shared_band.setZValue(-1)
         self.budget_line = pg.InfiniteLine(angle=0, pen=pg.mkPen("#d63031", width=1, style=Qt.DashLine))
         self.budget_line.hide()
         self.kv.plot.addItem(self.budget_line)
@@ -233,7 +238,7 @@ class TrafficPlots(QWidget):
         self.rate.item.setYRange(0, top * 1.1, padding=0)
 
     def _draw_kv(self, log: TrafficLog, start: float, now: float) -> None:
-        times, table, kept = log.kv_stack(start)
+        times, table, shared, kept = log.kv_stack(start)
         stacked = np.cumsum(table, axis=0) / 2**20
         slots = len(table)
         while len(self.kv_bands) < slots:
@@ -249,6 +254,12 @@ class TrafficPlots(QWidget):
             else:
                 band.hide()
         held = stacked[-1] if slots and len(times) else np.zeros(len(times))
+        shared = shared / 2**20
+        if shared.any():
+            self.shared_band.setData(times, held + shared)
+        else:
+            self.shared_band.setData([], [])
+        held = held + shared
         kept = kept / 2**20
         if kept.any():
             self.kept_band.setData(times, held + kept)

@@ -77,6 +77,10 @@ class Loaded:
     kv_dtype: str = ""
     """The dtype the KV cache keeps (``kv_bytes_per_token`` counts it); left empty (a record from
     before the two could differ), ``compute_dtype``."""
+    kv_shared: bool | None = None
+    """Whether the KV cache is one pool of blocks that requests with a common prefix share in place
+    (the fast path's), or a cache per request that cached prefix blocks are copied into (the
+    reference runner's); ``None``: not this engine's (a served model)."""
 
     def __post_init__(self) -> None:
         if not self.kv_dtype:

@@ -380,4 +380,5 @@ def _describe(model, tokenizer, resolved: sources.ResolvedModel, precision: Prec
         original_format=resolved.original_format,
         has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
         kv_dtype=kv,
+        kv_shared=fast is not None,
     )

@@ -56,6 +56,12 @@ class ServerMetrics:
               service.kv_bytes)
         gauge("vllm:kv_cache_kept_blocks", "KV blocks kept for prefix reuse (workbench).",
               lambda: service.kv_blocks()[1])
+        gauge("vllm:kv_cache_shared_blocks", "KV blocks more than one running request holds, held once (workbench).",
+              lambda: service.kv_pool()[0])
+        gauge("vllm:kv_cache_pool_bytes", "Bytes of the KV block pool's storage, read from its tensors: never past "
+              "the budget (workbench).", lambda: service.kv_pool()[1])
+        gauge("vllm:kv_cache_budget_bytes", "The KV budget the pool grows to at most (workbench).",
+              lambda: service.settings.kv_budget_bytes or 0)
 
         def histogram(name: str, doc: str, buckets):
             return Histogram(name, doc, list(labels), buckets=buckets, registry=registry).labels(**labels)

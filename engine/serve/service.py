@@ -158,6 +158,7 @@ class CoreService:
         self._listeners: list[Callable[[object], None]] = []
         self._kv = 0
         self._blocks: tuple[int, int, int | None] = (0, 0, self.core.kv.total_blocks)
+        self._pool: tuple[int, int] = (0, 0)
         self.served = 0
         """Requests finished since the start."""
 
@@ -255,6 +256,13 @@ class CoreService:
         the budget's total (``None``: no budget)."""
         with self._lock:
             return self._blocks
+
+    def kv_pool(self) -> tuple[int, int]:
+        """After the last step: the blocks several running requests share, and the bytes the KV
+        pool's storage holds, read from its tensors (the reference runner: its cached blocks'
+        copies; its requests' own caches are ``kv_bytes``)."""
+        with self._lock:
+            return self._pool
 
     # -- the core's thread ------------------------------------------------------------------
     def run(self) -> None:
@@ -357,6 +365,7 @@ class CoreService:
             self._kv = step.kv_cache_bytes if step is not None else 0
             if step is not None:
                 self._blocks = (step.kv_blocks_used, step.kv_blocks_kept, step.kv_blocks_total)
+                self._pool = (step.kv_blocks_shared, step.kv_pool_bytes + step.kv_kept_bytes * (not self.core.paged))
         for event in events:
             if not isinstance(event, StepCompleted):
                 self._deliver(event, now)

@@ -19,7 +19,8 @@ from engine.serve.service import RequestArrived, RequestEvent, TrafficStep
 from engine.units import format_bytes, format_rate, format_seconds
 
 STEP_FIELDS = ("at_s", "step_s", "batch", "decode_tokens", "prefill_tokens", "waiting", "running", "kv_bytes",
-               "kept_bytes", "preempted", "cached_tokens", "kv_blocks_used", "kv_blocks_kept")
+               "kept_bytes", "preempted", "cached_tokens", "kv_blocks_used", "kv_blocks_kept", "shared_bytes",
+               "kv_blocks_shared")
 
 
 @dataclass
@@ -112,7 +113,7 @@ class TrafficLog:
         self.max_requests = max_requests
         self._steps: deque[tuple] = deque(maxlen=max_steps)
         self._kv: deque[tuple[tuple[int, int], ...]] = deque(maxlen=max_steps)
-        """Per step: (batch slot, KV bytes) of each request holding cache (see :meth:`kv_stack`)."""
+        """Per step: (batch slot, KV bytes of its own blocks) of each request holding cache (see :meth:`kv_stack`)."""
         self._slot_of: dict[int, int] = {}
         self.kv_budget_bytes: int | None = None
         self.ttft_s: list[float] = []
@@ -168,10 +169,7 @@ class TrafficLog:
             step = event.step
             self.kv_budget_bytes = event.kv_budget_bytes
             self.now = max(self.now, event.at_s)
-            self._steps.append((event.at_s, step.step_s, step.batch, step.decode_tokens, step.prefill_tokens,
-                                step.waiting, step.running, step.kv_cache_bytes, step.kv_kept_bytes,
-                                step.preempted, step.cached_tokens, step.kv_blocks_used, step.kv_blocks_kept))
-            held = []
+            held, own = [], 0
             holding = {state.request_id for state in event.requests if state.kv_bytes}
             for rid in [r for r in self._slot_of if r not in holding]:
                 del self._slot_of[rid]
@@ -191,7 +189,14 @@ class TrafficLog:
                         taken = set(self._slot_of.values())
                         slot = self._slot_of[state.request_id] = next(i for i in range(len(taken) + 1)
                                                                       if i not in taken)
-                    held.append((slot, state.kv_bytes))
+                    # its own blocks' bytes: the blocks it shares with others are one band of their own
+                    mine = state.kv_bytes - state.kv_bytes * state.shared_blocks // max(state.blocks, 1)
+                    held.append((slot, mine))
+                    own += mine
+            self._steps.append((event.at_s, step.step_s, step.batch, step.decode_tokens, step.prefill_tokens,
+                                step.waiting, step.running, step.kv_cache_bytes, step.kv_kept_bytes,
+                                step.preempted, step.cached_tokens, step.kv_blocks_used, step.kv_blocks_kept,
+                                max(0, step.kv_cache_bytes - own), step.kv_blocks_shared))
             self._kv.append(tuple(held))
         else:
             return
@@ -219,9 +224,10 @@ class TrafficLog:
         # token or two by a few ms (a 1,000 tok/s spike at the first step of the first request)
         return at, (total - before) / window_s
 
-    def kv_stack(self, since_s: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(step times, [slots × steps] KV bytes, the prefix cache's kept bytes) for the steps
-        after ``since_s``: the bands of a stacked chart. A slot holds one request at a time (the lowest free one when it starts
+    def kv_stack(self, since_s: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(step times, [slots × steps] each request's own KV bytes, the blocks running requests
+        share (held once), the prefix cache's kept bytes) for the steps after ``since_s``: the
+        bands of a stacked chart, whose requests and shared band add up to the step's KV bytes. A slot holds one request at a time (the lowest free one when it starts
         holding cache), so there are as many bands as requests ever ran at once, not one per
         request of the last minute (a hundred filled curves cost a redraw 80 ms)."""
         times = np.fromiter((row[0] for row in self._steps), float, len(self._steps))
@@ -232,9 +238,10 @@ class TrafficLog:
         for j, column in enumerate(held):
             for slot, kv in column:
                 table[slot, j] = kv
-        at = STEP_FIELDS.index("kept_bytes")
+        at, shared_at = STEP_FIELDS.index("kept_bytes"), STEP_FIELDS.index("shared_bytes")
         kept = np.fromiter((row[at] for row in islice(self._steps, first, None)), float, len(held))
-        return times[first:], table, kept
+        shared = np.fromiter((row[shared_at] for row in islice(self._steps, first, None)), float, len(held))
+        return times[first:], table, shared, kept
 
     def in_core(self) -> tuple[int, int]:
         """(running, waiting) after the last step."""

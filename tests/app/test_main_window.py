@@ -26,7 +26,8 @@ def test_load_shows_the_facts(qtbot, window, tiny_llama):
     assert facts["Parameters"].text().endswith(f"({info.parameters:,})")
     assert facts["Architecture"].toolTip() == "LlamaForCausalLM (llama)"
     assert "tokens" in facts["Context"].text() and facts["Precision"].text().startswith("fp32")
-    assert facts["KV per token"].toolTip().endswith(" (float32)")  # its bytes, and what the cache keeps
+    # its bytes, what the cache keeps, and how (the reference precisions: a cache per request)
+    assert facts["KV per token"].toolTip().endswith(" (float32); a cache per request, cached prefixes copied in")
     assert window.prompt.generate_button.isEnabled()
     assert window.status["device"].text() == "device: cpu"
 

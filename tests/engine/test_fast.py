@@ -35,6 +35,7 @@ def test_fast_path_gives_the_reference_tokens_and_events(long_models, arch, prec
     reference = load_model(LoadRequest(str(long_models[arch]), precision, "cpu"))
     fast = load_model(LoadRequest(str(long_models[arch]), f"{precision}-fast", "cpu"))
     assert fast.fast is not None and reference.fast is None
+    assert fast.info.kv_shared is True and reference.info.kv_shared is False  # the load says which shares blocks
     # 600 prompt tokens: prefill in two chunks, and the pool grows past its first blocks
     request = GenerationRequest(PROMPT * 24, mode="raw", max_new_tokens=30, ignore_eos=True)
     ref_events, ref_final = run(reference, request)

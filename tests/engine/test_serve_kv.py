@@ -152,3 +152,33 @@ def test_the_service_says_how_its_kv_cache_is_laid_out(loaded_llama, tiny_models
         assert "shared in place" in server.service.describe_kv()
     finally:
         server.stop(drain=False, timeout=30)
+
+
+def test_requests_served_together_on_the_fast_path_share_their_prefix_in_place(tiny_models):
+    """Four requests at once behind one system prompt on a *-fast precision: its blocks are held
+    once while they run; the traffic view's bands (each request's own blocks, the shared ones once)
+    add up to the step's KV bytes, and /metrics reads the same pool, never past its budget."""
+    from engine.models.loading import LoadRequest, load_model
+
+    loaded = load_model(LoadRequest(str(tiny_models["llama"]), "fp32-fast", "cpu"))
+    alone = [a["choices"][0]["message"]["content"] for a in ask_all(loaded)[0]]
+    server = serve(loaded, kv_budget_bytes=1 << 22)
+    traffic = TrafficLog()
+    server.service.listen(traffic.add)
+    try:
+        async def together():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+                return await asyncio.gather(*(http.post("/chat/completions", json=body(server, q, 24))
+                                              for q in QUESTIONS))
+
+        answers = [r.json() for r in asyncio.run(together())]
+        figures = metrics(server)
+    finally:
+        server.stop(drain=False, timeout=30)
+    assert [a["choices"][0]["message"]["content"][:len(b)] for a, b in zip(answers, alone)] == alone
+    steps = traffic.steps()
+    assert steps["kv_blocks_shared"].max() > 0 and steps["shared_bytes"].max() > 0
+    times, table, shared, kept = traffic.kv_stack()
+    assert (table.sum(axis=0) + shared == steps["kv_bytes"]).all()  # the bands are the held bytes, no more
+    assert any("shared with other requests (held once)" in t.describe() for t in traffic.requests.values())
+    assert 0 < figures["vllm:kv_cache_pool_bytes"] <= figures["vllm:kv_cache_budget_bytes"] == 1 << 22

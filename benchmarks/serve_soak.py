@@ -1,0 +1,92 @@
+"""Soak the server: does its memory stop growing once it has seen its busiest moment?
+
+``inference-workbench serve`` on the default model in a subprocess, prefix caching on, its default
+KV budget; a closed loop of ``--concurrency`` clients sends distinct prompts (each a shipped prompt
+with a number of its own, so the prefix cache churns) for ``--seconds``. The server's RSS (psutil)
+and its KV pool (``/metrics``: the pool's storage bytes, the budget, kept and held blocks) are read
+every few seconds. Targets: RSS at the end within 5% of RSS after ``--warmup`` seconds, and the
+pool never past its budget.
+
+    python benchmarks/serve_soak.py [--precision bf16] [--seconds 300] [--concurrency 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from serve import free_port, start_server, stop, wait_healthy  # noqa: E402
+
+
+def scrape(url: str) -> dict[str, float]:
+    import httpx
+
+    out = {}
+    for line in httpx.get(url, timeout=5).text.splitlines():
+        if line.startswith("vllm:kv_cache") and not line.startswith("#"):
+            name, value = line.split("{")[0], line.rsplit(" ", 1)[1]
+            out[name] = float(value)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--seconds", type=float, default=300)
+    parser.add_argument("--warmup", type=float, default=60)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+
+    import psutil
+
+    from engine.load.generator import LoadPlan, LoadRunner
+    from engine.load.prompts import Prompt, read_prompts
+    from engine.models.kernels import cpu_flags
+
+    print(f"CPU: {platform.processor() or platform.machine()}; flags: "
+          + " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")))))
+    shipped = read_prompts()
+    prompts = [Prompt(f"({i}) {shipped[i % len(shipped)].text}") for i in range(20000)]
+    port = free_port()
+    server = start_server(port, args.precision)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(f"{base}/health", server)
+        process = psutil.Process(server.pid)
+        plan = LoadPlan(url=f"{base}/v1", concurrency=(args.concurrency,), requests=100000, max_tokens=args.tokens,
+                        ignore_eos=True, max_duration_s=args.seconds, scrape=False).validated()
+        result = {}
+        loader = threading.Thread(target=lambda: result.setdefault("report", LoadRunner(plan, prompts).run()))
+        start = time.monotonic()
+        loader.start()
+        samples = []
+        while loader.is_alive():
+            time.sleep(5)
+            figures = scrape(f"{base}/metrics")
+            samples.append((time.monotonic() - start, process.memory_info().rss, figures))
+            at, rss, f = samples[-1]
+            print(f"{at:6.0f} s  RSS {rss / 2**20:8.1f} MiB  pool {f.get('vllm:kv_cache_pool_bytes', 0) / 2**20:7.1f}"
+                  f" MiB of {f.get('vllm:kv_cache_budget_bytes', 0) / 2**20:.0f}  held "
+                  f"{f.get('vllm:kv_cache_usage_perc', 0):.1%}  kept blocks {f.get('vllm:kv_cache_kept_blocks', 0):.0f}",
+                  flush=True)
+        loader.join()
+    finally:
+        stop(server)
+    after = next(rss for at, rss, _ in samples if at >= args.warmup)
+    end = samples[-1][1]
+    past = max(f.get("vllm:kv_cache_pool_bytes", 0) - f.get("vllm:kv_cache_budget_bytes", 0) for _, _, f in samples)
+    print(f"{args.precision}, concurrency {args.concurrency}, {args.seconds:.0f} s: RSS {after / 2**20:.1f} MiB after "
+          f"{args.warmup:.0f} s, {end / 2**20:.1f} MiB at the end: {end / after - 1:+.1%} (target < 5%); "
+          f"pool past its budget: {max(0, past) / 2**20:.1f} MiB (target 0)")
+
+
+if __name__ == "__main__":
+    main()
