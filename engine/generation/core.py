@@ -157,7 +157,11 @@ class EngineCore:
             raise InvalidRequestError("A KV block holds at least one token.")
         per_token = self.loaded.info.kv_bytes_per_token
         budget = settings.kv_budget_bytes
-        blocks = None if budget is None or not per_token else budget // (per_token * settings.block_tokens)
+        proposer = proposer or Proposer()
+        # a draft's own cache holds the same tokens as the target's: the budget covers both
+        blocks = None if budget is None or not per_token else budget // (
+            (per_token + proposer.kv_bytes_per_token) * settings.block_tokens)
+        proposer.limit_blocks(blocks, settings.block_tokens)
         reason = None
         if settings.prefix_caching:
             reason = getattr(self.runner, "prefix_cache_reason", lambda: "this runner can't copy blocks")()
@@ -172,7 +176,7 @@ class EngineCore:
             kv.adopt(kept)
         if self.paged:
             self.runner.bind(kv)
-        self.proposer = proposer or Proposer()
+        self.proposer = proposer
         """What guesses tokens for the decode pass to verify (speculation), or the plain one: none."""
         lookahead = self.proposer.lookahead
         self.runner.rollback = lookahead > 0  # rejected guesses are cropped from the cache

@@ -40,6 +40,13 @@ class Proposer:
     lookahead = 0
     """The most tokens it guesses per step: the scheduler keeps blocks free for them and the
     target's cache must roll back what is rejected (``> 0``: the core's runner can)."""
+    kv_bytes_per_token = 0
+    """What a token costs a cache of the proposer's own (a draft model's): the core's KV budget
+    covers it too, so the target's blocks are fewer by its share."""
+
+    def limit_blocks(self, blocks: int | None, block_tokens: int) -> None:
+        """Its own cache may hold at most ``blocks`` blocks of ``block_tokens`` (its share of the
+        core's KV budget: as many blocks as the target's, each holding the same tokens)."""
 
     def add(self, seq: int, request: "GenerationRequest", tokens: int) -> None:
         """``seq`` starts (or starts again after a preemption); ``tokens``: its longest."""

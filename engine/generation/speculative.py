@@ -212,6 +212,23 @@ class Speculation(Proposer):
         self.sequences: dict[int, _Sequence] = {}
 
     # -- the core's hooks --------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """The draft's KV bytes per token (its pool's, or its config's on the reference runner)."""
+        if getattr(self.runner, "paged", False):
+            return self.runner.per_token_bytes
+        info = self.draft.loaded.info if self.draft.loaded is not None else None
+        return (info.kv_bytes_per_token or 0) if info is not None else 0
+
+    def limit_blocks(self, blocks: int | None, block_tokens: int) -> None:
+        """The draft's pool (on the fast path) within its share of the budget, taken while it holds
+        nothing; the reference runner's caches are its own, counted in the share but not bounded."""
+        if getattr(self.runner, "paged", False) and not len(self.runner):
+            from engine.generation.kv_manager import KVCacheManager
+
+            self.runner.bind(KVCacheManager(self.runner.per_token_bytes, blocks, block_tokens=block_tokens,
+                                            storage=self.runner))
+
     def add(self, seq: int, request: GenerationRequest, tokens: int) -> None:
         self.runner.add(seq, tokens)
         self.sequences[seq] = _Sequence()

@@ -273,3 +273,30 @@ def test_non_finite_scores_stop_a_speculative_run_with_its_tokens(tiny_llama, tm
         list(stream_speculative(loaded, draft, request, 4))
     partial = caught.value.finished
     assert partial.reason == "error" and list(partial.token_ids) == before
+
+
+def test_a_drafts_cache_is_within_the_kv_budget(tiny_models):
+    """The draft's own cache holds the same tokens as the target's: the core's budget covers
+    both (the target's blocks fewer by the draft's share), and the draft's pool never grows past
+    its share, read from both pools' storages."""
+    from engine.generation.core import CoreSettings, EngineCore
+    from engine.generation.speculative import Speculation
+
+    loaded = load_model(LoadRequest(str(tiny_models["llama"]), "fp32-fast", "cpu"))
+    draft = load_draft(DraftSpec("early-exit", layers=1), loaded)
+    speculation = Speculation(loaded, draft, 3)
+    budget = 40 * 16 * loaded.info.kv_bytes_per_token
+    core = EngineCore(loaded, CoreSettings(token_budget=32, kv_budget_bytes=budget), proposer=speculation)
+    draft_pool = speculation.runner
+    per_block = 16 * (loaded.info.kv_bytes_per_token + draft_pool.per_token_bytes)
+    assert core.kv.total_blocks == draft_pool.kv.total_blocks == budget // per_block < 40
+    requests = [GenerationRequest(p, mode="raw", max_new_tokens=40, ignore_eos=True) for p in (PROMPT, "fox " * 30)]
+    ids = [core.submit(request) for request in requests]
+    tokens = {rid: [] for rid in ids}
+    while not core.idle:
+        for event in core.step():
+            if isinstance(event, TokenGenerated):
+                tokens[event.request_id].append(event.token_id)
+        held = core.runner.storage_nbytes() + draft_pool.storage_nbytes()
+        assert held <= budget and draft_pool.kv.pool.allocated <= draft_pool.kv.total_blocks
+    assert [tokens[rid] for rid in ids] == [list(plain(loaded, r).token_ids) for r in requests]
