@@ -48,8 +48,8 @@ if compiled:
         sys.exit(f"the compiled steps aren't ready: {report.error or report.rows_error}")
 BUDGET = 1 << 30
 QUESTIONS_D = ["List three uses of a KV cache, as a numbered list.", "Explain the second one in two paragraphs.",
-               "Give an example of it.", "What does it cost in memory?", "And on a GPU?",
-               "Summarise our conversation in two short paragraphs."]
+               "Give an example of it, as a short list.", "What does it cost in memory? Answer in two paragraphs.",
+               "And on a GPU? Give two points as a list.", "Summarise our conversation in two short paragraphs."]
 
 def storage(core):
     runner = core.runner
@@ -101,7 +101,7 @@ elif part == "d":
     history, continues, turns, before = (), None, [], 0
     for question in QUESTIONS_D:
         extra = {"continues": continues} if "continues" in GenerationRequest.__dataclass_fields__ else {}
-        request = GenerationRequest(question, history=history, max_new_tokens=48, top_alternatives=0,
+        request = GenerationRequest(question, history=history, max_new_tokens=200, top_alternatives=0,
                                     sampling=SamplingParams(temperature=0.0), **extra)
         final = [e for e in generate(loaded, request, core=core) if isinstance(e, Finished)][0]
         turns.append((final.prompt_tokens, final.cached_tokens, before, final.text.count("\n\n")))
@@ -180,11 +180,15 @@ def report(precision: str, part: str, new: list[dict], old: list[dict], args) ->
               f"({o['ratio']:.2f}x the tokens)")
     elif part == "d":
         for name, runs in (("this tree", new[0]), (args.rev, old[0])):
-            prompt, cached, before, _ = runs["turns"][-1]
+            turns = runs["turns"][1:]
+            whole = [cached == (before - 1) // 16 * 16 for _, cached, before, _ in turns]
+            missed = sum((before - 1) // 16 * 16 - cached for _, cached, before, _ in turns)
+            prompt, cached, before, _ = turns[-1]
             breaks = sum(t[3] for t in runs["turns"])
-            print(f"{precision} d) 6-turn chat ({breaks} paragraph breaks in the answers), {name}: turn 6 prompt "
-                  f"{prompt} tokens, {cached} from the cache; the conversation before it: {before} tokens, whole "
-                  f"blocks of all but its last token {(before - 1) // 16 * 16} (target: cached equals that)")
+            print(f"{precision} d) 6-turn chat ({breaks} paragraph breaks in the answers), {name}: turns 2-6 found "
+                  f"every whole block of the conversation before them in {sum(whole)} of {len(whole)} "
+                  f"({missed} tokens computed again); turn 6: prompt {prompt} tokens, {cached} from the cache, "
+                  f"{(before - 1) // 16 * 16} expected")
     else:
         for rows in (1, 16):
             n = statistics.median(r[f"step{rows}"] for r in new)

@@ -40,7 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--seconds", type=float, default=300)
-    parser.add_argument("--warmup", type=float, default=60)
+    parser.add_argument("--warmup", type=float, default=120)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
@@ -80,12 +80,16 @@ def main() -> None:
         loader.join()
     finally:
         stop(server)
-    after = next(rss for at, rss, _ in samples if at >= args.warmup)
     end = samples[-1][1]
     past = max(f.get("vllm:kv_cache_pool_bytes", 0) - f.get("vllm:kv_cache_budget_bytes", 0) for _, _, f in samples)
-    print(f"{args.precision}, concurrency {args.concurrency}, {args.seconds:.0f} s: RSS {after / 2**20:.1f} MiB after "
-          f"{args.warmup:.0f} s, {end / 2**20:.1f} MiB at the end: {end / after - 1:+.1%} (target < 5%); "
-          f"pool past its budget: {max(0, past) / 2**20:.1f} MiB (target 0)")
+    pool = [f.get("vllm:kv_cache_pool_bytes", 0) for _, _, f in samples]
+    points = ", ".join(f"{next(rss for at, rss, _ in samples if at >= t) / 2**20:.0f} MiB at {t:.0f} s"
+                       for t in (30, 60, args.warmup) if t < samples[-1][0])
+    after = next(rss for at, rss, _ in samples if at >= args.warmup)
+    print(f"{args.precision}, concurrency {args.concurrency}, {args.seconds:.0f} s: RSS {points}, "
+          f"{end / 2**20:.0f} MiB at the end: {end / after - 1:+.1%} after the {args.warmup:.0f} s warm-up (target "
+          f"< 5%); the pool's bytes at most {max(pool) / 2**20:.1f} MiB, past its budget by "
+          f"{max(0, past) / 2**20:.1f} MiB (target 0)")
 
 
 if __name__ == "__main__":

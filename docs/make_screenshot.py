@@ -47,6 +47,7 @@ def main() -> int:
     parser.add_argument("--endpoint", metavar="URL[#MODEL]",
                         help="the Compare window: the default model here (bf16) beside the model served at URL")
     parser.add_argument("--size", help="WIDTHxHEIGHT: a screen of this size, the window filling it")
+    parser.add_argument("--precision", help="the precision the window loads the default model at (e.g. bf16-fast)")
     args = parser.parse_args()
     args.screen = tuple(int(v) for v in args.size.lower().split("x")) if args.size else None
     if args.out == ROOT / "docs" / "screenshot.png" and (args.compare or args.costs or args.endpoint):
@@ -78,7 +79,9 @@ def main() -> int:
     if args.speedups:
         return speedups_shot(app, args, MainWindow(settings()))
     if args.traffic:
-        return traffic_shot(app, args, MainWindow(settings()))
+        window = MainWindow(settings())
+        window.shot_precision = args.precision
+        return traffic_shot(app, args, window)
     window = MainWindow(settings())
     window.resize(*(args.screen or (1600, 960)))
     window.show()
@@ -126,6 +129,10 @@ def _run(app, window, outcome: dict) -> int:
     from PySide6.QtCore import QTimer
 
     window.show()
+    precision = getattr(window, "shot_precision", None)
+    if precision:
+        combo = window.model_panel.precision
+        combo.setCurrentIndex(combo.findData(precision))
     QTimer.singleShot(0, window.start)
     app.exec()
     if "error" in outcome:

@@ -31,7 +31,7 @@ WINDOW_S = 60.0
 ROWS = 48
 """Requests on the timeline at most (the newest)."""
 KV_SENTENCE = ("The cache each running request holds, stacked (a colour per batch slot, one request at a time); "
-               "above them the blocks several running requests share, held once (hatched green: a common "
+               "above them the blocks several running requests share, held once (green: a common "
                "prefix); on top the blocks kept for prefix reuse (grey: evicted first when a request needs "
                "room), against the budget.")
 SHARED_BRUSH = pg.mkBrush(39, 174, 96, 120)
