@@ -54,6 +54,10 @@ def add_parsers(sub, precisions) -> None:
                             "(default: %(default)s)")
     serve.add_argument("--max-waiting", type=int, default=256, help="waiting requests before 429 (default: "
                        "%(default)s)")
+    serve.add_argument("--batch-invariant", action="store_true",
+                       help="every answer the one it gets alone, whatever else runs beside it (as vLLM's "
+                            "--batch-invariant): products in fixed tiles, no compiled steps, prompts in aligned "
+                            "chunks; slower (docs/benchmarks.md)")
     serve.add_argument("--no-prefix-caching", action="store_true",
                        help="don't keep computed prompt blocks for later requests that begin the same way "
                             "(kept by default, as vLLM keeps them)")
@@ -102,7 +106,8 @@ def serve(args, load_printer) -> int:
                              history=not args.no_history,
                              model_name=args.served_model_name, stream_interval=args.stream_interval,
                              default_max_tokens=args.default_max_tokens,
-                             prefix_caching=not args.no_prefix_caching).validated()
+                             prefix_caching=not args.no_prefix_caching,
+                             batch_invariant=args.batch_invariant).validated()
     print(f"Loading {args.model} ({args.precision}) …", file=sys.stderr, flush=True)
     loaded = load_model(LoadRequest(model=args.model, precision=args.precision, device=args.device,
                                     offline=True if args.offline else None), progress=load_printer)

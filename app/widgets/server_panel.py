@@ -102,6 +102,12 @@ class ServerPanel(QWidget):
         self.prefix_caching.setToolTip("Keep the KV of computed prompt blocks for later requests that begin the same "
                                        "way (a shared system prompt, a chat's history), as vLLM does by default "
                                        "(serve --no-prefix-caching turns it off).")
+        self.batch_invariant = QCheckBox("Batch-invariant")
+        self.batch_invariant.setToolTip(
+            "Every answer the one it gets alone, whatever else runs beside it (serve --batch-invariant, as vLLM's): "
+            "products in fixed tiles, no compiled steps, prompts in aligned chunks; slower. fp32, fp32-fast, "
+            "int8-fast and int4-fast answer the same alone and in a batch without it; bf16, fp16 and the "
+            "bitsandbytes precisions may not.")
         self.default_max_tokens = QSpinBox()
         self.default_max_tokens.setRange(0, 1_000_000)
         self.default_max_tokens.setValue(0)
@@ -116,9 +122,13 @@ class ServerPanel(QWidget):
         form.addRow("Max batch", self.max_batch)
         form.addRow("KV budget", self.kv_budget)
         form.addRow("Default max tokens", self.default_max_tokens)
-        form.addRow(self.prefix_caching)
+        switches = QHBoxLayout()
+        switches.addWidget(self.prefix_caching)
+        switches.addWidget(self.batch_invariant)
+        switches.addStretch(1)
+        form.addRow(switches)
         self._fields = (self.host, self.port, self.api_key, self.max_batch, self.kv_budget, self.default_max_tokens,
-                        self.prefix_caching)
+                        self.prefix_caching, self.batch_invariant)
 
         self.start_button = QPushButton("Start server")
         self.start_button.clicked.connect(self.start)
@@ -211,7 +221,8 @@ class ServerPanel(QWidget):
                              api_key=self.api_key.text() or None, max_batch=self.max_batch.value(),
                              kv_budget_bytes=None if budget.lower() in ("", "auto") else parse_size(budget),
                              default_max_tokens=self.default_max_tokens.value() or None,
-                             prefix_caching=self.prefix_caching.isChecked()).validated()
+                             prefix_caching=self.prefix_caching.isChecked(),
+                             batch_invariant=self.batch_invariant.isChecked()).validated()
 
     @Slot()
     def start(self) -> None:

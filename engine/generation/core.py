@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -45,6 +45,7 @@ from engine.base.memory import MemoryProbe
 from engine.base.request import GenerationRequest
 from engine.generation.proposer import NOTHING, Proposal, Proposer
 from engine.generation.sampling import Choice, make_sampler, sample_batch
+from engine.generation.invariant import PROMPT_CHUNK, FixedRowProducts
 from engine.generation.threads import adapt as adapt_threads
 from engine.generation.runners import batch_runner_for
 
@@ -284,6 +285,9 @@ class EngineCore:
         import torch
 
         adapt_threads()
+        invariant = bool(getattr(self.loaded, "batch_invariant", False))
+        self.runner.batch_invariant = invariant
+        self.scheduler.aligned = PROMPT_CHUNK if invariant else None
         began = time.perf_counter()
         for r in [*self.waiting, *self.running]:  # cancelled between steps: gone before this one,
             # unless its last token left half a character: one more token completes it (and ends it)
@@ -311,7 +315,7 @@ class EngineCore:
         failed: list[tuple[_Request, Exception]] = []
         scored: list[PromptScored] = []
         """Prompts whose scores this step completed (sent before their first token)."""
-        with torch.inference_mode():
+        with torch.inference_mode(), (FixedRowProducts() if invariant else nullcontext()):
             for r, size in chunks:
                 if r.prefill_started is None:
                     r.prefill_started = time.perf_counter()
@@ -376,7 +380,7 @@ class EngineCore:
         yield from scored
         choices: list[Choice | Exception] = []
         if ready:
-            with torch.inference_mode():
+            with torch.inference_mode(), (FixedRowProducts() if invariant else nullcontext()):
                 choices = sample_batch([r.sampler for r in ready], torch.cat(rows) if len(rows) > 1 else rows[0],
                                        counts, [r.seen.all() for r in ready],
                                        [proposals.get(r.rid, NOTHING).tokens for r in ready],

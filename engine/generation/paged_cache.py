@@ -26,6 +26,9 @@ class PagedCache:
     """Keys and values live in the KV manager's pool (the engine core shares blocks in place)."""
     rollback = False
     """Set while a proposer runs (speculation); nothing changes here: :meth:`crop` always works."""
+    batch_invariant = False
+    """Every decode step, one sequence or many, through the same eager step whose attention reads
+    each row's own blocks (engine/generation/invariant.py); the compiled steps are left out."""
 
     def __init__(self, d: FastDecoder, block_tokens: int = BLOCK_TOKENS) -> None:
         self.d = d
@@ -151,7 +154,13 @@ class PagedCache:
         ids, positions, table = self._step_inputs(seqs, tokens)
         d = self.d
         compiled = torch.get_num_threads() == d.compiled_threads and self.rotary <= MAX_COMPILED_CAPACITY
-        if len(seqs) == 1:  # one sequence: the single-sequence step (compiled when ready)
+        if self.batch_invariant:
+            if d.rows_attention:
+                logits = _decode_rows(d, self.keys, self.values, self.cos, self.sin, ids, positions, table)
+            else:  # no kernels: each sequence's own pass
+                logits = torch.stack([_forward(d, self.keys, self.values, table[row], self.cos, self.sin,
+                                               ids[row:row + 1], int(positions[row])) for row in range(len(seqs))])
+        elif len(seqs) == 1:  # one sequence: the single-sequence step (compiled when ready)
             if compiled and d.compiled is not None:
                 logits = d.compiled(d, self.keys, self.values, self.cos, self.sin, ids, positions, table).unsqueeze(0)
             else:  # eager: the prompt's pass, one token long (it rounds as transformers' attention does)

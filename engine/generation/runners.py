@@ -40,6 +40,9 @@ class ReferenceBatchRunner:
         """The tokens each request may come to hold (its prompt and longest answer), from :meth:`add`."""
         self.graphs = graphs
         """Whether a lone request decodes through a captured step (:class:`GraphStep`, CUDA)."""
+        self.batch_invariant = False
+        """Each request decodes in a forward of its own (no batch padded to its longest row), so its
+        answer is the one it gets alone (engine/generation/invariant.py)."""
         self.graph: GraphStep | None = None
         self.graph_error: str | None = None
         """Why the captured step is off after a failed capture (the step runs eager then)."""
@@ -110,11 +113,11 @@ class ReferenceBatchRunner:
         import torch
 
         device = self.model.device
-        if len(seqs) == 1 and seqs[0] not in self.rows:
+        if len(seqs) == 1 and seqs[0] not in self.rows and not self.batch_invariant:
             logits = self._graph_decode(seqs[0], tokens[0])
             if logits is not None:
                 return logits.unsqueeze(0)
-        if self.rollback or (len(seqs) == 1 and seqs[0] not in self.rows):
+        if self.rollback or (self.batch_invariant and not self.rows) or (len(seqs) == 1 and seqs[0] not in self.rows):
             rows = [self.prefill(seq, torch.tensor([[token]], device=device)) for seq, token in zip(seqs, tokens)]
             return torch.stack(rows)
         for seq in seqs:

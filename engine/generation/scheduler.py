@@ -69,6 +69,9 @@ class Scheduler:
         self.reserve_up_front = reserve_up_front
         """The old way, kept to compare against (benchmarks/preemption.py): admission takes the
         blocks of a request's longest answer at once, so nobody is ever preempted."""
+        self.aligned: int | None = None
+        """Batch-invariant arithmetic (engine/generation/invariant.py): prompt chunks end at multiples
+        of this many tokens, whatever the budget left, and a prefix hit is cut to such a multiple."""
         self.waiting: deque = deque()
         self.running: list = []
         self.preemptions = 0
@@ -102,7 +105,12 @@ class Scheduler:
             left = len(r.feed) - r.prefilled
             if not left:
                 continue
-            size = min(left, self.prefill_chunk, budget) if self.chunked_prefill else left
+            if self.aligned:  # to the next multiple, budget or not (the step's first chunk always goes)
+                size = min(left, self.aligned - r.prefilled % self.aligned)
+                if size > budget and plan.chunks:
+                    break
+            else:
+                size = min(left, self.prefill_chunk, budget) if self.chunked_prefill else left
             if size <= 0:
                 break
             plan.chunks.append((r, size))
@@ -132,7 +140,10 @@ class Scheduler:
                     continue
                 pending.update(keys[found:])
             self.waiting.remove(r)
-            r.hit = self.kv.lookup(r.rid, r.feed, self._keys(r)) if self.kv.prefix_caching and r.reuse_prefix else []
+            keys = self._keys(r)
+            if self.aligned:  # a hit only up to a multiple of the aligned chunk
+                keys = keys[:len(keys) * self.kv.block_tokens // self.aligned * self.aligned // self.kv.block_tokens]
+            r.hit = self.kv.lookup(r.rid, r.feed, keys) if self.kv.prefix_caching and r.reuse_prefix else []
             r.prefilled = r.computed = len(r.hit) * self.kv.block_tokens  # found, not read
             self.kv.hold(r.rid, need)
             self.running.append(r)

@@ -32,6 +32,9 @@ class LoadedModel:
         self._token_texts: dict[int, str] = {}
         self.fast = None
         """The fast path's decoder (engine/models/fast.py) when the precision asked for it."""
+        self.batch_invariant = False
+        """Compute every request's answer the same alone and in any batch, at a price
+        (engine/generation/invariant.py); every engine core on this model reads it at each step."""
 
     def token_text(self, token_id: int) -> str:
         """How one token reads on its own (cached: alternatives repeat a lot)."""

@@ -59,6 +59,9 @@ class ServeSettings:
     default_max_tokens: int | None = None
     """Answer limit of a request without ``max_tokens``; ``None``: the model's generation_config
     ``max_new_tokens``, else :data:`engine.serve.protocol.DEFAULT_MAX_TOKENS`."""
+    batch_invariant: bool = False
+    """Every answer the one it gets alone, whatever else is in the batch (vLLM's
+    ``--batch-invariant``; engine/generation/invariant.py), while the server runs; at a price."""
 
     def validated(self) -> "ServeSettings":
         if not is_loopback(self.host) and not self.api_key:
@@ -128,6 +131,8 @@ class Server:
         self.port = self.socket.getsockname()[1]
         self._uvicorn = _Uvicorn(config, self)
         self._thread: threading.Thread | None = None
+        self._invariant_before = loaded.batch_invariant  # set once nothing above can fail; stop() restores it
+        loaded.batch_invariant = settings.batch_invariant or loaded.batch_invariant
 
     @property
     def url(self) -> str:
@@ -193,10 +198,13 @@ class Server:
         self.drain = drain
         self.service.stop(drain)
         self._uvicorn.should_exit = True
-        if self._thread is None:
-            return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        ended = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+            ended = not self._thread.is_alive()
+        if ended:
+            self.loaded.batch_invariant = self._invariant_before
+        return ended
 
     @property
     def running(self) -> bool:

@@ -249,7 +249,9 @@ class CoreService:
             caching = f"prefix caching off: {core.prefix_caching_off}"
         else:
             caching = "prefix caching off"
-        return f"KV cache: {size}, taken as requests grow; {caching}."
+        from engine.generation.invariant import answers_note  # lazy: it imports torch
+
+        return f"KV cache: {size}, taken as requests grow; {caching}. {answers_note(self.loaded)}"
 
     def kv_blocks(self) -> tuple[int, int, int | None]:
         """KV blocks after the last step: held by running requests, kept for prefix reuse, and
