@@ -31,6 +31,7 @@ from engine.base.request import GenerationRequest
 from engine.generation.proposer import NOTHING, Proposal, Proposer
 from engine.models.loading import LoadRequest, load_model
 from engine.generation.generate import stream
+from engine.generation.kv_manager import KVCacheManager
 from engine.generation.runners import runner_for
 
 if TYPE_CHECKING:
@@ -224,8 +225,6 @@ class Speculation(Proposer):
         """The draft's pool (on the fast path) within its share of the budget, taken while it holds
         nothing; the reference runner's caches are its own, counted in the share but not bounded."""
         if getattr(self.runner, "paged", False) and not len(self.runner):
-            from engine.generation.kv_manager import KVCacheManager
-
             self.runner.bind(KVCacheManager(self.runner.per_token_bytes, blocks, block_tokens=block_tokens,
                                             storage=self.runner))
 

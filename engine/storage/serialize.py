@@ -29,7 +29,7 @@ def event_from_dict(data: dict):
     if "sequences" in values:
         values["sequences"] = tuple(SequenceResult(**{**r, "token_ids": tuple(r["token_ids"])})
                                     for r in values["sequences"])
-    for name in ("token_ids", "drafted_ids", "drafted_text", "texts"):
+    for name in ("token_ids", "prompt_ids", "drafted_ids", "drafted_text", "texts"):
         if name in values:
             values[name] = tuple(values[name])
     return cls(**values)
