@@ -45,7 +45,7 @@ from engine.base.memory import MemoryProbe
 from engine.base.request import GenerationRequest
 from engine.generation.proposer import NOTHING, Proposal, Proposer
 from engine.generation.sampling import Choice, make_sampler, sample_batch
-from engine.generation.invariant import PROMPT_CHUNK, FixedRowProducts
+from engine.generation.invariant import PROMPT_CHUNK, fixed_row_products
 from engine.generation.threads import adapt as adapt_threads
 from engine.generation.runners import batch_runner_for
 
@@ -315,7 +315,7 @@ class EngineCore:
         failed: list[tuple[_Request, Exception]] = []
         scored: list[PromptScored] = []
         """Prompts whose scores this step completed (sent before their first token)."""
-        with torch.inference_mode(), (FixedRowProducts() if invariant else nullcontext()):
+        with torch.inference_mode(), (fixed_row_products() if invariant else nullcontext()):
             for r, size in chunks:
                 if r.prefill_started is None:
                     r.prefill_started = time.perf_counter()
@@ -380,7 +380,7 @@ class EngineCore:
         yield from scored
         choices: list[Choice | Exception] = []
         if ready:
-            with torch.inference_mode(), (FixedRowProducts() if invariant else nullcontext()):
+            with torch.inference_mode(), (fixed_row_products() if invariant else nullcontext()):
                 choices = sample_batch([r.sampler for r in ready], torch.cat(rows) if len(rows) > 1 else rows[0],
                                        counts, [r.seen.all() for r in ready],
                                        [proposals.get(r.rid, NOTHING).tokens for r in ready],

@@ -8,7 +8,7 @@ from engine.base.events import TokenGenerated
 from engine.base.request import GenerationRequest
 from engine.generation.core import CoreSettings, EngineCore
 from engine.generation.generate import generate
-from engine.generation.invariant import FixedRowProducts, answers_note
+from engine.generation.invariant import answers_note, fixed_row_products
 from engine.models.loading import LoadRequest, load_model
 from tests.tiny import CORPUS, build_model_folder
 
@@ -19,7 +19,7 @@ def test_products_under_fixed_rows_are_each_rows_own():
     torch.manual_seed(0)
     layer = torch.nn.Linear(96, 80).bfloat16()
     x = torch.randn(21, 96).bfloat16()
-    with FixedRowProducts():
+    with fixed_row_products():
         together = layer(x)
         apart = torch.cat([layer(x[i:i + 1]) for i in range(21)])
         threes = torch.cat([layer(x[i:i + 3]) for i in range(0, 21, 3)])
