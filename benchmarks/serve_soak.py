@@ -26,14 +26,13 @@ from serve import free_port, start_server, stop, wait_healthy  # noqa: E402
 
 
 def scrape(url: str) -> dict[str, float]:
+    """The server's KV gauges from its /metrics."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
-    out = {}
-    for line in httpx.get(url, timeout=5).text.splitlines():
-        if line.startswith("vllm:kv_cache") and not line.startswith("#"):
-            name, value = line.split("{")[0], line.rsplit(" ", 1)[1]
-            out[name] = float(value)
-    return out
+    text = httpx.get(url, timeout=5).text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith("vllm:kv_cache")}
 
 
 def main() -> None:
