@@ -6,8 +6,10 @@ window's timer asks (~20 Hz, and only when the log changed), never per token:
   cache and a ✕ where it was preempted (then waiting and reading again); hover for its figures,
   click to open it;
 - batch size and tokens per step over time;
-- the KV cache held, stacked by request, with the prefix cache's kept blocks on top, against the
-  budget;
+- the KV cache held, stacked by request, with the blocks running requests share and the prefix
+  cache's kept blocks on top, against the budget;
+- the KV pool's blocks now, a square each: held by one request, shared (and by how many), cached
+  for reuse, or empty;
 - output tok/s (all requests) and the queue;
 - TTFT, per-token latency and end-to-end distributions with p50/p90/p99.
 """
@@ -35,6 +37,28 @@ KV_SENTENCE = ("The cache each running request holds, stacked (a colour per batc
                "prefix); on top the blocks kept for prefix reuse (grey: evicted first when a request needs "
                "room), against the budget.")
 SHARED_BRUSH = pg.mkBrush(39, 174, 96, 120)
+BLOCKS_SENTENCE = ("The KV pool's blocks after the last step, a square of 16 tokens each, in the pool's order: "
+                   "blue held by one request, green shared by several (darker: more; hover for how many), grey "
+                   "cached for a later prompt, pale empty. The pool grows as requests need blocks, up to the budget.")
+BLOCK_COLOURS = {"empty": (232, 232, 232, 255), "cached": (150, 150, 150, 255), "held": (45, 125, 210, 255)}
+
+
+def block_image(holders: tuple[int, ...], columns: int) -> np.ndarray:
+    """RGBA rows of ``columns`` squares for the pool's blocks (``holders``: -1 cached, 0 empty,
+    else how many requests hold it), shared blocks a darker green the more requests hold them."""
+    count = len(holders)
+    rows = max(1, -(-count // columns))
+    image = np.zeros((rows * columns, 4), dtype=np.uint8)
+    values = np.asarray(holders, dtype=np.int64)
+    image[:count] = BLOCK_COLOURS["empty"]
+    image[:count][values == -1] = BLOCK_COLOURS["cached"]
+    image[:count][values == 1] = BLOCK_COLOURS["held"]
+    shared = values >= 2
+    if shared.any():
+        depth = np.clip((values[shared] - 2) * 24, 0, 120).astype(np.uint8)
+        image[:count][shared] = np.stack([39 - depth // 4, 174 - depth, 96 - depth // 2,
+                                          np.full_like(depth, 255)], axis=1)
+    return image.reshape(rows, columns, 4)
 KEPT_BRUSH = pg.mkBrush(120, 120, 120, 110)
 
 
@@ -140,6 +164,16 @@ class TrafficPlots(QWidget):
         self.kv.plot.addItem(self.budget_line)
         self.kv_bands: list = []
 
+        self.blocks = PlotPanel("KV blocks", BLOCKS_SENTENCE, "", "")
+        for name, colour in (("held", "#2d7dd2"), ("shared", "#27ae60"), ("cached", "#969696"), ("empty", "#e8e8e8")):
+            self.blocks.add_legend(name, colour, "██")
+        self.blocks.item.hideAxis("left")
+        self.blocks.item.hideAxis("bottom")
+        self.block_squares = pg.ImageItem(axisOrder="row-major")
+        self.blocks.plot.addItem(self.block_squares)
+        self.blocks.plot.scene().sigMouseMoved.connect(self._hover_block)
+        self._block_columns = 1
+
         self.rate = PlotPanel("Throughput", "Output tokens per second of all requests together (over the last "
                               "second), and the queue.", "tok/s · requests", "s")
         self.rate_curve = self.rate.curve("output tok/s", "main")
@@ -157,6 +191,7 @@ class TrafficPlots(QWidget):
         grid.addWidget(self.kv, 1, 1)
         grid.addWidget(self.rate, 0, 2)
         grid.addWidget(self.ttft, 1, 2)
+        grid.addWidget(self.blocks, 2, 0)
         grid.addWidget(self.itl, 2, 1)
         grid.addWidget(self.e2e, 2, 2)
         grid.setColumnStretch(0, 3)
@@ -186,6 +221,7 @@ class TrafficPlots(QWidget):
             self._draw_steps(log, start, now)
         if only in (None, 2):
             self._draw_kv(log, start, now)
+            self._draw_blocks(log)
         if only in (None, 3):
             self.ttft.draw(log.ttft_s)
             self.itl.draw(log.itl_s)
@@ -280,6 +316,34 @@ class TrafficPlots(QWidget):
         self.kv._show_caption()
         self.kv.item.setXRange(start, max(now, start + 5), padding=0.01)
         self.kv.item.setYRange(0, shown, padding=0)
+
+    def _draw_blocks(self, log: TrafficLog) -> None:
+        holders = log.block_map
+        count = len(holders)
+        view = self.blocks.plot.size()
+        aspect = max(view.width(), 1) / max(view.height(), 1)
+        columns = max(1, int(np.ceil(np.sqrt(max(count, 1) * aspect))))
+        self._block_columns = columns
+        image = block_image(holders, columns)
+        self.block_squares.setImage(image, levels=(0, 255))
+        self.blocks.item.setXRange(0, columns, padding=0)
+        self.blocks.item.setYRange(image.shape[0], 0, padding=0)  # the first block top left
+        shared = sum(1 for h in holders if h >= 2)
+        self.blocks.set_title(f"{count:,} blocks: {sum(1 for h in holders if h >= 1):,} held ({shared:,} shared), "
+                              f"{sum(1 for h in holders if h == -1):,} cached" if count else None)
+
+    def _hover_block(self, scene_pos) -> None:
+        holders = self.log.block_map if self.log is not None else ()
+        point = self.blocks.item.vb.mapSceneToView(scene_pos)
+        column, row = int(point.x()), int(point.y())
+        index = row * self._block_columns + column
+        if not (0 <= column < self._block_columns and 0 <= index < len(holders)):
+            return
+        h = holders[index]
+        what = {-1: "cached for a later prompt", 0: "empty"}.get(h, "held by one request" if h == 1 else
+                                                                  f"shared by {h} requests")
+        QToolTip.showText(self.blocks.plot.mapToGlobal(self.blocks.plot.mapFromScene(scene_pos)),
+                          f"block {index}: {what}")
 
     # -- pointing --------------------------------------------------------------------------
     def _track_at(self, scene_pos) -> object:

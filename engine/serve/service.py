@@ -105,6 +105,9 @@ class TrafficStep:
     requests: tuple[RequestState, ...]
     kv_budget_bytes: int | None
     at_s: float
+    blocks: tuple[int, ...] = ()
+    """The pool's blocks after the step, in order: how many running requests hold each (2 or more:
+    shared), or -1 for a cached block none holds, 0 for an empty one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,7 +378,7 @@ class CoreService:
         with self._lock:
             self._lock.notify_all()
         if step is not None and self._listeners:
-            self._tell(TrafficStep(step, states, self.settings.kv_budget_bytes, now))
+            self._tell(TrafficStep(step, states, self.settings.kv_budget_bytes, now, self._block_map()))
 
     def _deliver(self, event, now: float) -> None:
         """A request's event to its caller and the listeners; its end frees its ticket."""
@@ -424,6 +427,11 @@ class CoreService:
             out.append(RequestState(r.rid, phase, core.runner.kv_bytes(r.rid) if r.in_runner else 0, len(r.tokens),
                                     len(table), r.cached_tokens, sum(1 for b in table if refs[b] > 1)))
         return tuple(out)
+
+    def _block_map(self) -> tuple[int, ...]:
+        """Each pool block's holders (-1: cached, 0: empty), for the traffic view's map."""
+        pool = self.core.kv.pool
+        return tuple(-1 if refs == 0 and key is not None else refs for refs, key in zip(pool.refs, pool.key_of))
 
     def _fail_all(self, exc: Exception) -> None:
         """A batched step failed (out of memory, a bug): every request in the core ends with the

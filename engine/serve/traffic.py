@@ -116,6 +116,8 @@ class TrafficLog:
         """Per step: (batch slot, KV bytes of its own blocks) of each request holding cache (see :meth:`kv_stack`)."""
         self._slot_of: dict[int, int] = {}
         self.kv_budget_bytes: int | None = None
+        self.block_map: tuple[int, ...] = ()
+        """The pool's blocks after the last step: holders of each (-1 cached, 0 empty)."""
         self.ttft_s: list[float] = []
         self.itl_s: list[float] = []
         self.e2e_s: list[float] = []
@@ -168,6 +170,7 @@ class TrafficLog:
         elif isinstance(event, TrafficStep):
             step = event.step
             self.kv_budget_bytes = event.kv_budget_bytes
+            self.block_map = event.blocks
             self.now = max(self.now, event.at_s)
             held, own = [], 0
             holding = {state.request_id for state in event.requests if state.kv_bytes}

@@ -185,3 +185,13 @@ def test_the_window_generates_through_the_serving_core_beside_the_clients(qtbot,
 @pytest.fixture(autouse=True)
 def _private_data(tmp_path, monkeypatch):
     monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path / "data"))
+
+
+def test_the_block_map_colours_each_block_by_its_state():
+    from app.widgets.traffic_plots import BLOCK_COLOURS, block_image
+
+    flat = block_image((1, 2, 5, -1, 0), 3).reshape(-1, 4)
+    assert block_image((1, 2, 5, -1, 0), 3).shape == (2, 3, 4)
+    assert tuple(flat[0]) == BLOCK_COLOURS["held"] and tuple(flat[3]) == BLOCK_COLOURS["cached"]
+    assert tuple(flat[4]) == BLOCK_COLOURS["empty"] and flat[5][3] == 0  # past the pool: nothing drawn
+    assert flat[1][1] > flat[2][1] and flat[1][0] < flat[1][1]  # shared: green, darker the more hold it

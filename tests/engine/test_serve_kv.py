@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.base.events import Preempted, TokenGenerated
 from engine.base.request import GenerationRequest
-from engine.serve.service import RequestEvent
+from engine.serve.service import RequestEvent, TrafficStep
 from engine.serve.traffic import TrafficLog
 from tests.serving import serve
 from engine.generation.generate import generate
@@ -163,8 +163,9 @@ def test_requests_served_together_on_the_fast_path_share_their_prefix_in_place(t
     loaded = load_model(LoadRequest(str(tiny_models["llama"]), "fp32-fast", "cpu"))
     alone = [a["choices"][0]["message"]["content"] for a in ask_all(loaded)[0]]
     server = serve(loaded, kv_budget_bytes=1 << 22)
-    traffic = TrafficLog()
+    traffic, maps = TrafficLog(), []
     server.service.listen(traffic.add)
+    server.service.listen(lambda event: maps.append(event.blocks) if isinstance(event, TrafficStep) else None)
     try:
         async def together():
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
@@ -182,3 +183,7 @@ def test_requests_served_together_on_the_fast_path_share_their_prefix_in_place(t
     assert (table.sum(axis=0) + shared == steps["kv_bytes"]).all()  # the bands are the held bytes, no more
     assert any("shared with other requests (held once)" in t.describe() for t in traffic.requests.values())
     assert 0 < figures["vllm:kv_cache_pool_bytes"] <= figures["vllm:kv_cache_budget_bytes"] == 1 << 22
+    # the block map: the pool's blocks, the prefix's held by all four at once, cached once they end
+    assert max(max(m, default=0) for m in maps) == len(QUESTIONS)
+    assert traffic.block_map == maps[-1] and -1 in traffic.block_map and max(traffic.block_map) == 0
+    assert len(traffic.block_map) * 16 * loaded.info.kv_bytes_per_token == figures["vllm:kv_cache_pool_bytes"]
