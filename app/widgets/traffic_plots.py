@@ -55,7 +55,7 @@ def block_image(holders: tuple[int, ...], columns: int) -> np.ndarray:
     image[:count][values == 1] = BLOCK_COLOURS["held"]
     shared = values >= 2
     if shared.any():
-        depth = np.clip((values[shared] - 2) * 24, 0, 120).astype(np.uint8)
+        depth = np.clip((values[shared] - 2) * 12, 0, 84).astype(np.uint8)
         image[:count][shared] = np.stack([39 - depth // 4, 174 - depth, 96 - depth // 2,
                                           np.full_like(depth, 255)], axis=1)
     return image.reshape(rows, columns, 4)
@@ -169,6 +169,7 @@ class TrafficPlots(QWidget):
             self.blocks.add_legend(name, colour, "██")
         self.blocks.item.hideAxis("left")
         self.blocks.item.hideAxis("bottom")
+        self.blocks.item.invertY(True)  # the pool's first block top left, read as text
         self.block_squares = pg.ImageItem(axisOrder="row-major")
         self.blocks.plot.addItem(self.block_squares)
         self.blocks.plot.scene().sigMouseMoved.connect(self._hover_block)
@@ -327,7 +328,7 @@ class TrafficPlots(QWidget):
         image = block_image(holders, columns)
         self.block_squares.setImage(image, levels=(0, 255))
         self.blocks.item.setXRange(0, columns, padding=0)
-        self.blocks.item.setYRange(image.shape[0], 0, padding=0)  # the first block top left
+        self.blocks.item.setYRange(0, image.shape[0], padding=0)
         shared = sum(1 for h in holders if h >= 2)
         self.blocks.set_title(f"{count:,} blocks: {sum(1 for h in holders if h >= 1):,} held ({shared:,} shared), "
                               f"{sum(1 for h in holders if h == -1):,} cached" if count else None)
