@@ -47,7 +47,8 @@ def main() -> int:
     parser.add_argument("--endpoint", metavar="URL[#MODEL]",
                         help="the Compare window: the default model here (bf16) beside the model served at URL")
     parser.add_argument("--size", help="WIDTHxHEIGHT: a screen of this size, the window filling it")
-    parser.add_argument("--precision", help="the precision the window loads the default model at (e.g. bf16-fast)")
+    parser.add_argument("--precision", help="the precision the window (and --traffic's) loads the default model at "
+                        "(e.g. bf16-fast)")
     args = parser.parse_args()
     args.screen = tuple(int(v) for v in args.size.lower().split("x")) if args.size else None
     if args.out == ROOT / "docs" / "screenshot.png" and (args.compare or args.costs or args.endpoint):
@@ -83,6 +84,7 @@ def main() -> int:
         window.shot_precision = args.precision
         return traffic_shot(app, args, window)
     window = MainWindow(settings())
+    window.shot_precision = args.precision
     window.resize(*(args.screen or (1600, 960)))
     window.show()
     window.show_tokens_action.setChecked(args.show_tokens)
