@@ -17,8 +17,8 @@ events as a generation alone (:class:`Prefilled`, :class:`TokenGenerated`, :clas
 each with its ``request_id``); every step adds a :class:`StepCompleted` for the traffic plots.
 
 The forward passes belong to a runner (engine/generation/runners.py): the reference runner (transformers,
-one cache per request, one after another) or the fast path's paged cache (the KV manager's block pool, one batched step). A
-proposer (engine/generation/proposer.py) may guess tokens for the decode pass to verify
+one cache per request, one after another) or the fast path's paged cache (the KV manager's block
+pool, one batched step). A proposer (engine/generation/proposer.py) may guess tokens for the decode pass to verify
 (speculative decoding); the sampler takes the whole step's batch at once
 (engine/generation/sampling.py).
 """

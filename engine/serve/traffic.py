@@ -230,9 +230,10 @@ class TrafficLog:
     def kv_stack(self, since_s: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(step times, [slots × steps] each request's own KV bytes, the blocks running requests
         share (held once), the prefix cache's kept bytes) for the steps after ``since_s``: the
-        bands of a stacked chart, whose requests and shared band add up to the step's KV bytes. A slot holds one request at a time (the lowest free one when it starts
-        holding cache), so there are as many bands as requests ever ran at once, not one per
-        request of the last minute (a hundred filled curves cost a redraw 80 ms)."""
+        bands of a stacked chart, whose requests and shared band add up to the step's KV bytes. A
+        slot holds one request at a time (the lowest free one when it starts holding cache), so
+        there are as many bands as requests ever ran at once, not one per request of the last
+        minute (a hundred filled curves cost a redraw 80 ms)."""
         times = np.fromiter((row[0] for row in self._steps), float, len(self._steps))
         first = int(np.searchsorted(times, since_s))
         held = list(self._kv)[first:]
