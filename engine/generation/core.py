@@ -412,7 +412,7 @@ class EngineCore:
             cached_tokens=cached, prefix_query_tokens=self.kv.queries - queried, kv_blocks_used=self.kv.used_blocks,
             kv_blocks_kept=self.kv.kept_blocks, kv_kept_bytes=self.kept_bytes(), kv_blocks_total=self.kv.total_blocks,
             kv_block_tokens=self.kv.block_tokens, kv_blocks_shared=self.kv.shared_blocks,
-            kv_pool_bytes=self.kv.pool_bytes()["storage"])
+            kv_pool_bytes=self.runner.storage_nbytes() if self.paged else 0)
         self.steps += 1
 
     def _score_prompt(self, r: _Request, start: int, logits) -> None:

@@ -313,9 +313,6 @@ class KVCacheManager:
         self.pool._grow = None if self.storage is None else (
             lambda blocks: self.storage.resize(blocks, self.block_tokens))
 
-    def clear_kept(self) -> None:
-        self.pool.clear_cached()
-
     def pool_bytes(self) -> dict[str, int]:
         """The pool's bytes by state (used, cached, free: blocks grown but empty) and the storage's
         own, read from its tensors (``storage`` is 0 for a copying runner: its caches are its own)."""

@@ -16,7 +16,7 @@ import torch
 
 from engine.generation.kv_manager import BLOCK_TOKENS, KVCacheManager
 from engine.models.fast import (MAX_COMPILED_CAPACITY, MIN_CAPACITY, FastDecoder, _bucket, _decode_batch, _decode_rows,
-                                _forward, _rotary_tables, gather_blocks)
+                                _forward, _rotary_tables)
 
 
 class PagedCache:
@@ -38,7 +38,6 @@ class PagedCache:
         self.rotary = 0
         self.cos = self.sin = None
         self._rotary(MIN_CAPACITY)
-        self._tables: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
         self._inputs: dict[tuple[int, int], tuple[tuple, tuple]] = {}
         self.resize(0, block_tokens)  # no block yet: the tensors' shapes say what one costs
         self.kv = KVCacheManager(self.per_token_bytes, None, block_tokens=block_tokens, storage=self)
@@ -110,7 +109,6 @@ class PagedCache:
 
     def remove(self, seq: int) -> None:
         del self.lengths[seq]
-        self._tables.pop(seq, None)
         self.kv.release(seq)  # where the core's scheduler released it first, nothing is left
 
     def length(self, seq: int) -> int:
@@ -129,21 +127,13 @@ class PagedCache:
             raise RuntimeError(f"no KV block is left for {tokens} tokens (the scheduler holds them before a step)")
         self._rotary(tokens)
 
-    def _table(self, seq: int) -> torch.Tensor:
-        """``seq``'s block table as an int64 tensor (kept while it doesn't change)."""
-        blocks = self.kv.tables[seq]
-        kept = self._tables.get(seq)
-        if kept is None or len(kept[0]) != len(blocks) or kept[0].tolist() != blocks:
-            array = np.asarray(blocks, dtype=np.int64)
-            kept = self._tables[seq] = (array, torch.from_numpy(array).to(self.d.device))
-        return kept[1]
-
     def prefill(self, seq: int, ids: torch.Tensor, rows: int = 1) -> torch.Tensor:
         """Put ``ids`` ([1, n]) into ``seq``'s blocks; the logits after the last of them ([vocab]),
         or after each of the last ``rows`` ([rows, vocab])."""
         start = self.lengths[seq]
         self._room(seq, start + ids.shape[1])
-        logits = _forward(self.d, self.keys, self.values, self._table(seq), self.cos, self.sin, ids, start, rows)
+        table = torch.tensor(self.kv.tables[seq], dtype=torch.long, device=self.d.device)
+        logits = _forward(self.d, self.keys, self.values, table, self.cos, self.sin, ids, start, rows)
         self.lengths[seq] = start + ids.shape[1]
         return logits
 
@@ -203,14 +193,7 @@ class PagedCache:
     def prefix_cache_reason(self) -> str | None:
         return None
 
-    def block_kv(self, seq: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of ``seq``'s keys and values of tokens ``start…end``: [layers, KV heads, n, dim] each."""
-        table = self._table(seq).view(1, -1)
-        return (torch.stack([gather_blocks(k, table)[0, :, start:end] for k in self.keys]),
-                torch.stack([gather_blocks(v, table)[0, :, start:end] for v in self.values]))
-
     def crop(self, seq: int, length: int) -> None:
         """Forget ``seq``'s tokens after the first ``length`` (speculation rolls back); the blocks
         it will write again are its own (the engine core asks the manager first: copy on write)."""
         self.lengths[seq] = min(self.lengths[seq], length)
-        self._tables.pop(seq, None)
