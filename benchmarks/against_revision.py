@@ -1,6 +1,6 @@
 """This checkout's engine core against another revision's, side by side in one run (default model).
 
-For a change to the engine (issue 26's scheduler and KV blocks, say): the same measurements run
+For a change to the engine (a new scheduler or KV layout, say): the same measurements run
 in this tree and in a temporary worktree of ``--rev``, in subprocesses taking turns (new, old,
 new, old…), so the machine's drift falls on both. Measured through the engine core with the
 server's settings (batch 16, token budget 128, a 1 GiB KV budget, and this tree's defaults

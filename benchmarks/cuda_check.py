@@ -1,4 +1,4 @@
-"""One short check of a GPU's figures, for a lent GPU machine (never a CI step).
+"""One short check of a GPU's figures, on a machine with an NVIDIA GPU (never a CI step).
 
 For each precision on the device, the default model is loaded once and then, interleaved
 round after round, our engine and transformers' ``generate`` each make N greedy tokens of the

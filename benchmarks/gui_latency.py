@@ -11,7 +11,7 @@ the event loop serves it (what a click or a repaint would wait) during each scen
 - history with 1,000 runs: File → Run history and the cost explorer's history reload, with
   1,000 saved runs in the data folder.
 
-The target (issue 13) is a maximum under 50 ms in each.
+The target is a maximum under 50 ms in each.
 
     python benchmarks/gui_latency.py [--model default] [--tokens 32]
 """

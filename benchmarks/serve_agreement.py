@@ -7,7 +7,7 @@ server's mean TTFT, TPOT and end-to-end time, its counters the tokens it read an
 them: the same means as the clients measured them (TTFT to the first content chunk, TPOT =
 (E2E − TTFT)/(n − 1), vLLM's definitions) and the tokens the clients were told (usage).
 
-Target (issue 25): TTFT within 5% or 10 ms of the clients', token counts exact. The server times
+Target: TTFT within 5% or 10 ms of the clients', token counts exact. The server times
 a request from its arrival at the HTTP front end, so its TTFT lacks only the network on both sides
 and the SSE framing; TPOT and E2E are printed for the record.
 

@@ -136,7 +136,7 @@ def _load(request: LoadRequest, reporter: ProgressReporter, precision: Precision
         with reporting(reporter):
             # use_kernels=False: transformers (5.x) otherwise swaps layers for kernels it downloads
             # from the hub ("hub kernels") on CUDA: code the user never chose, a load that fails
-            # offline (seen on a lent H200), and figures that would no longer be PyTorch's.
+            # offline (seen on an H200), and figures that would no longer be PyTorch's.
             model = AutoModelForCausalLM.from_pretrained(
                 str(resolved.folder), config=config, device_map=str(device),
                 use_safetensors=resolved.use_safetensors, trust_remote_code=request.trust_remote_code,

@@ -1,7 +1,7 @@
 """The captured decode step of a lone request on CUDA (engine/generation/runners.py, GraphStep):
 its static cache, the copies in and out of the request's own cache, and its fallback. A CPU has
 no CUDA graphs, so these run the same static step eager (``capture`` off); the graph itself was
-measured on a lent GPU (README, benchmarks/cuda_check.py)."""
+measured on a GPU (README, benchmarks/cuda_check.py)."""
 
 import pytest
 import torch
