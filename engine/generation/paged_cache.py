@@ -88,8 +88,9 @@ class PagedCache:
 
     @property
     def per_token_bytes(self) -> int:
-        d = self.d
-        return 2 * len(d.layers) * d.kv_heads * d.head_dim * torch.empty((), dtype=d.kv_dtype).element_size()
+        """A token's keys and values over every layer: a block's bytes, read from the storage, over
+        its tokens (the config's formula, engine/base/kv.py, is the prediction it is checked against)."""
+        return self._block_nbytes // self.keys[0].shape[2]
 
     def _rotary(self, tokens: int) -> None:
         """Rotary tables for positions up to ``tokens`` (doubling)."""
@@ -133,7 +134,8 @@ class PagedCache:
         start = self.lengths[seq]
         self._room(seq, start + ids.shape[1])
         table = torch.tensor(self.kv.tables[seq], dtype=torch.long, device=self.d.device)
-        logits = _forward(self.d, self.keys, self.values, table, self.cos, self.sin, ids, start, rows)
+        logits = _forward(self.d, self.keys, self.values, table, self.cos, self.sin, ids, start, rows,
+                          in_place=self.batch_invariant)
         self.lengths[seq] = start + ids.shape[1]
         return logits
 
@@ -153,7 +155,7 @@ class PagedCache:
         elif len(seqs) == 1:  # one sequence: the single-sequence step (compiled when ready)
             if compiled and d.compiled is not None:
                 logits = d.compiled(d, self.keys, self.values, self.cos, self.sin, ids, positions, table).unsqueeze(0)
-            else:  # eager: the prompt's pass, one token long (it rounds as transformers' attention does)
+            else:  # eager: the prompt's pass, one token long (through the block table, as a chunk's token)
                 position = self.lengths[seqs[0]]
                 logits = _forward(d, self.keys, self.values, table[0], self.cos, self.sin, ids, position).unsqueeze(0)
         elif compiled and d.compiled_rows is not None:  # the compiled batched step

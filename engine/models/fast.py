@@ -204,39 +204,52 @@ def gather_blocks(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 def _forward(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: list[torch.Tensor], table: torch.Tensor,
              cos_table: torch.Tensor, sin_table: torch.Tensor, ids: torch.Tensor, start: int,
-             rows: int = 1) -> torch.Tensor:
+             rows: int = 1, in_place: bool = False) -> torch.Tensor:
     """One forward pass of ``ids`` ([1, n]) at positions ``start…`` of the sequence whose blocks
     are ``table`` ([W], int64, enough for ``start + n`` tokens): writes their keys and values into
     its blocks of the pool, returns the logits after the last one (prefill, and the eager decode
     step), or after each of the last ``rows`` ([rows, vocab]: speculation's verify pass).
 
-    Attention reads a contiguous copy of the sequence's blocks (PyTorch's flash kernel, which
-    blocks its work over many queries, takes one span): a copy per layer and chunk, small beside
-    a chunk's matrix products; the decode steps read the blocks in place."""
+    Attention reads the blocks where they lie. A chunk from position 0 attends over its own new
+    keys and values, as the pool keeps them (there is nothing before them to read), with PyTorch's
+    flash kernel, as transformers' attention does. A later chunk (after a cached prefix, a chunk
+    before it, or speculation's guesses) attends through the block table with the kernels'
+    ``attend_chunk``: each new token over its blocks up to itself, as a decode step's row. With
+    ``in_place`` a chunk from position 0 does too (every token's attention the same function, in
+    any chunk: the batch-invariant mode). Only where the kernels aren't loaded does a later chunk
+    attend over a copy of its blocks."""
     count = ids.shape[1]
     end = start + count
     block_tokens = key_pools[0].shape[2]
     cos, sin = cos_table[:, :, start:end], sin_table[:, :, start:end]
     positions = torch.arange(start, end, device=d.device)
     blocks, slots = _slots(table.view(1, -1).expand(count, -1), positions, block_tokens)
-    used = table[:-(-end // block_tokens)].view(1, -1)
-    mask, causal = None, False
-    if count > 1 and start == 0:  # a prompt from the start: plainly causal, which PyTorch's flash
-        # kernel computes without the blocks above the diagonal (half the work) and without a mask
-        # to read (prefill of 507 tokens, int4-fast: attention was 25% of the time with the mask)
-        causal = True
-    elif count > 1:  # a later chunk: each new token sees the cache and the new tokens up to itself
+    paged = d.rows_attention and (start > 0 or in_place)
+    mask = None
+    if start > 0 and not paged:  # each new token sees the cache and the new tokens up to itself
         mask = torch.ones(count, end, dtype=torch.bool, device=d.device).tril(diagonal=start)
     hidden = d.embed(ids).to(d.dtype)
     for layer, keys, values in zip(d.layers, key_pools, value_pools):
         q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
         keys[blocks, :, slots] = k[0].transpose(0, 1).to(keys.dtype)
         values[blocks, :, slots] = v[0].transpose(0, 1).to(values.dtype)
-        mine_k = gather_blocks(keys, used)[:, :, :end]
-        mine_v = gather_blocks(values, used)[:, :, :end]
-        attended = F.scaled_dot_product_attention(q, mine_k.to(q.dtype), mine_v.to(q.dtype), attn_mask=mask,
-                                                  is_causal=causal, scale=layer.scaling,
-                                                  enable_gqa=d.kv_heads != d.heads)
+        if paged:  # a row per new token: [count, heads, 1, dim]
+            attended = torch.ops.workbench.attend_chunk(q[0].transpose(0, 1).unsqueeze(2), keys, values, table,
+                                                        start, layer.scaling)
+            attended = attended.squeeze(2).transpose(0, 1).unsqueeze(0)
+        else:
+            if start == 0:  # the new keys and values are the whole cache
+                mine_k, mine_v = k.to(keys.dtype), v.to(values.dtype)
+            else:
+                used = table[:-(-end // block_tokens)].view(1, -1)
+                mine_k = gather_blocks(keys, used)[:, :, :end]
+                mine_v = gather_blocks(values, used)[:, :, :end]
+            # from position 0, plainly causal: the flash kernel skips the blocks above the diagonal
+            # (half the work) and reads no mask (prefill of 507 tokens, int4-fast: attention was
+            # 25% of the time with the mask)
+            attended = F.scaled_dot_product_attention(q, mine_k.to(q.dtype), mine_v.to(q.dtype), attn_mask=mask,
+                                                      is_causal=start == 0 and count > 1, scale=layer.scaling,
+                                                      enable_gqa=d.kv_heads != d.heads)
         hidden = _rest_of_layer(d, layer, hidden, attended)
     logits = d.head(d.norm(hidden[:, -rows:]))[0]
     return logits[-1] if rows == 1 else logits

@@ -31,20 +31,40 @@ def long_models(tmp_path_factory, byte_tokenizer):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_fast_path_gives_the_reference_tokens_and_events(long_models, arch, precision):
+@pytest.mark.parametrize("in_place", [False, True], ids=["copied", "in-place"])
+def test_fast_path_gives_the_reference_tokens_and_events(long_models, arch, precision, in_place):
+    """The fast path answers as transformers does. Its first prompt chunk attends as transformers'
+    attention does; later chunks and eager decode steps read the block table with the kernels'
+    attention (``in_place``: fp32 throughout, bf16 numerators as PyTorch's flash kernel rounds
+    them) or, without the kernels, a copy of the blocks with the flash kernel (the reference's
+    rounding exactly). In bf16 the in-place answer may leave the reference's only where the
+    reference nearly tied: its own rounding tips such ties either way."""
+    from engine.models import kernels
+
+    if in_place and not kernels.kernels():
+        pytest.skip(f"the kernels' attention isn't available here: {kernels.unavailable()}")
     reference = load_model(LoadRequest(str(long_models[arch]), precision, "cpu"))
     fast = load_model(LoadRequest(str(long_models[arch]), f"{precision}-fast", "cpu"))
+    fast.fast.rows_attention = in_place
     assert fast.fast is not None and reference.fast is None
     assert fast.info.kv_shared is True and reference.info.kv_shared is False  # the load says which shares blocks
     # 600 prompt tokens: prefill in two chunks, and the pool grows past its first blocks
     request = GenerationRequest(PROMPT * 24, mode="raw", max_new_tokens=30, ignore_eos=True)
     ref_events, ref_final = run(reference, request)
     fast_events, fast_final = run(fast, request)
-    assert fast_final.token_ids == ref_final.token_ids
     assert [type(e) for e in fast_events] == [type(e) for e in ref_events]
     ref_tokens = [e for e in ref_events if isinstance(e, TokenGenerated)]
     fast_tokens = [e for e in fast_events if isinstance(e, TokenGenerated)]
-    assert [t.logprob for t in fast_tokens] == pytest.approx([t.logprob for t in ref_tokens], abs=2e-2)
+    apart = next((i for i, (a, b) in enumerate(zip(fast_final.token_ids, ref_final.token_ids)) if a != b), None)
+    if precision == "bf16" and in_place and apart is not None:
+        top = ref_tokens[apart].top_alternatives
+        assert top[0].logprob - top[1].logprob < 0.1, apart
+    else:
+        assert apart is None
+    same = slice(0, apart)
+    tolerance = 1e-3 if precision == "fp32" else 2e-2 if not in_place else 0.1
+    assert [t.logprob for t in fast_tokens[same]] == pytest.approx([t.logprob for t in ref_tokens[same]],
+                                                                   abs=tolerance)
     # the reference path's cache holds the predicted bytes; the fast path's pool whole blocks of
     # them (read from its storage), at most one partly filled and one taken for the next token
     assert all(t.kv_cache_bytes == t.kv_cache_bytes_predicted for t in ref_tokens)

@@ -323,6 +323,55 @@ def test_attention_is_each_rows_softmax_over_its_own_cache(rows, heads, kv_heads
     assert torch.equal(torch.ops.workbench.attend_rows(sliced, keys, values, positions, dim ** -0.5), out)
 
 
+CHUNK_SHAPES = [(9, 3, 64, 0, 40), (9, 3, 64, 37, 21), (8, 8, 32, 16, 5), (4, 1, 128, 100, 1), (7, 1, 32, 3, 18),
+                (4, 2, 24, 10, 9)]
+"""(query heads, KV heads, head size, cached tokens, new tokens): the default model's GQA from the
+start and after a cached prefix (a tile of 16 rows and a partial one), plain multi-head attention
+in 5 rows (speculation's verify pass), one row (an eager decode step), seven queries per KV head
+over two tiles, and a head size the vector loops don't take."""
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,start,count", CHUNK_SHAPES)
+@pytest.mark.parametrize("dtype,cache", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                         (torch.float32, torch.float16)])
+def test_a_chunk_attends_through_its_block_table_each_token_as_alone(heads, kv_heads, dim, start, count, dtype, cache):
+    """The paged forms read a sequence's blocks where they lie in the pool, in any order: a decode
+    step's rows (``attend_paged``) give what ``attend_rows`` gives over a contiguous copy, and a
+    prompt chunk's new tokens (``attend_chunk``, in tiles of rows) each give, bit for bit, what a
+    row of its own gives up to its position; what lies past the chunk's last token is never read."""
+    from engine.models.fast import _attend_one, gather_blocks
+
+    generator = torch.Generator().manual_seed(start * 7 + count + dim)
+    end, tokens = start + count, 16
+    width = -(-end // tokens)
+    pool_keys = torch.randn(width + 5, kv_heads, tokens, dim, generator=generator).to(cache)
+    pool_values = torch.randn(width + 5, kv_heads, tokens, dim, generator=generator).to(cache)
+    table = torch.randperm(width + 5, generator=generator)[:width]  # the sequence's blocks, anywhere
+    last = int(table[(end - 1) // tokens])
+    pool_keys[last, :, (end - 1) % tokens + 1:] = float("nan")  # slots past the chunk: never read
+    pool_values[last, :, (end - 1) % tokens + 1:] = float("nan")
+    q = torch.randn(count, heads, 1, dim, generator=generator).to(dtype)
+    positions = torch.arange(start, end)
+    rows_table = table.view(1, -1).expand(count, -1).contiguous()
+    paged = torch.ops.workbench.attend_paged(q, pool_keys, pool_values, rows_table, positions, dim ** -0.5)
+    copied = torch.ops.workbench.attend_rows(q, gather_blocks(pool_keys, rows_table), gather_blocks(pool_values, rows_table),
+                                             positions, dim ** -0.5)
+    assert torch.equal(paged, copied)
+    chunk = torch.ops.workbench.attend_chunk(q, pool_keys, pool_values, table, start, dim ** -0.5)
+    assert chunk.dtype == dtype and chunk.shape == q.shape
+    alone = [torch.ops.workbench.attend_paged(q[i:i + 1], pool_keys, pool_values, table.view(1, -1),
+                                              positions[i:i + 1], dim ** -0.5) for i in range(count)]
+    assert torch.equal(chunk, torch.cat(alone))
+    keys, values = gather_blocks(pool_keys, table.view(1, -1))[0], gather_blocks(pool_values, table.view(1, -1))[0]
+    mask = (torch.arange(keys.shape[1]) <= positions.view(count, 1)).view(count, 1, 1, -1)
+    expected = _attend_one(q.double(), keys.double().expand(count, -1, -1, -1).nan_to_num(),
+                           values.double().expand(count, -1, -1, -1).nan_to_num(), mask, dim ** -0.5)
+    tolerance = 2e-6 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(chunk.double(), expected, rtol=tolerance, atol=tolerance)
+    with pytest.raises(RuntimeError, match="past its block table"):
+        torch.ops.workbench.attend_chunk(q, pool_keys, pool_values, table[:-1], start + tokens, dim ** -0.5)
+
+
 @pytest.mark.parametrize("dtype,cache", [(torch.float32, torch.float32), (torch.float32, torch.float16)])
 def test_attention_softmax_over_a_nan_is_nan_for_that_row_alone(dtype, cache):
     """A NaN in a key a row reads makes that row's result NaN for the query heads sharing the key

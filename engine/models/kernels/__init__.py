@@ -212,3 +212,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("workbench::attend_paged")
     def _(q, keys, values, table, positions, scale):
         return q.new_empty(q.shape)
+
+    @torch.library.register_fake("workbench::attend_chunk")
+    def _(q, keys, values, table, start, scale):
+        return q.new_empty(q.shape)

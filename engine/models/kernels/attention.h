@@ -80,13 +80,25 @@ inline void softmax_numerators(float* scores, int64_t n, int64_t g0, int64_t g1,
     }
 }
 
+// Heads g0 … g1 - 1's numerators rounded to bfloat16 (to nearest, ties to even) and kept in fp32:
+// what PyTorch's CPU flash attention weighs the values with under bf16 queries (it sums the
+// numerators in fp32, then stores them in the queries' type for the product with the values).
+// The bf16 precisions round as transformers' attention does there, so the fast path's answers
+// stay the reference's, in prompt chunks and decode steps alike.
+inline void round_numerators_bf16(float* scores, int64_t n, int64_t g0, int64_t g1) {
+    uint32_t* bits = reinterpret_cast<uint32_t*>(scores + g0 * n);
+    const int64_t count = (g1 - g0) * n;
+#pragma omp simd
+    for (int64_t i = 0; i < count; ++i) bits[i] = (bits[i] + 0x7FFFu + ((bits[i] >> 16) & 1u)) & 0xFFFF0000u;
+}
+
 // Query heads g0 … g1 - 1 of a KV head (their scaled fp32 queries in query, [group, dim]) over
 // slots 0 … n - 1 of its keys and values (rows ks and vs elements apart): scores [group, n]
 // become the softmax's numerators, total[g] their sums, acc [group, dim] the weighted values.
 // The plain loops, for any head size; the AVX-512 ones below where they apply.
 template <typename T, typename K, typename V>
-void attend_plain(const float* query, const K& keys, const V& values, int64_t n,
-                  int64_t dim, int64_t g0, int64_t g1, float* key, float* scores, float* total, float* acc) {
+void attend_plain(const float* query, const K& keys, const V& values, int64_t n, int64_t dim, int64_t g0,
+                  int64_t g1, bool reduced, float* key, float* scores, float* total, float* acc) {
     for (int64_t t = 0; t < n; ++t) {
         const T* krow = keys(t);
         for (int64_t d = 0; d < dim; ++d) key[d] = static_cast<float>(krow[d]);
@@ -99,6 +111,7 @@ void attend_plain(const float* query, const K& keys, const V& values, int64_t n,
         }
     }
     softmax_numerators(scores, n, g0, g1, total);
+    if (reduced) round_numerators_bf16(scores, n, g0, g1);
     std::fill(acc + g0 * dim, acc + g1 * dim, 0.0f);
     for (int64_t t = 0; t < n; ++t) {
         const T* vrow = values(t);
@@ -147,29 +160,31 @@ inline __m512 exp_nonpositive16(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
-// Heads g0 … g1 - 1's scores [·, n] → e^(score - the head's largest), their sums in total.
-inline void softmax_numerators16(float* scores, int64_t n, int64_t g0, int64_t g1, float* total) {
+// One head's scores [n] → e^(score - the head's largest), their sum returned.
+inline float softmax_head16(float* sg, int64_t n) {
     const int64_t whole = n / 16 * 16;
     const __mmask16 rest = static_cast<__mmask16>((1u << (n - whole)) - 1);
-    for (int64_t g = g0; g < g1; ++g) {
-        float* sg = scores + g * n;
-        __m512 most = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t t = 0; t < whole; t += 16) most = _mm512_max_ps(most, _mm512_loadu_ps(sg + t));
-        if (rest) most = _mm512_mask_max_ps(most, rest, most, _mm512_maskz_loadu_ps(rest, sg + whole));
-        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(most));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < whole; t += 16) {
-            const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), top));
-            _mm512_storeu_ps(sg + t, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        if (rest) {
-            const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(rest, sg + whole), top));
-            _mm512_mask_storeu_ps(sg + whole, rest, e);
-            sum = _mm512_mask_add_ps(sum, rest, sum, e);
-        }
-        total[g] = _mm512_reduce_add_ps(sum);
+    __m512 most = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < whole; t += 16) most = _mm512_max_ps(most, _mm512_loadu_ps(sg + t));
+    if (rest) most = _mm512_mask_max_ps(most, rest, most, _mm512_maskz_loadu_ps(rest, sg + whole));
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(most));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < whole; t += 16) {
+        const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), top));
+        _mm512_storeu_ps(sg + t, e);
+        sum = _mm512_add_ps(sum, e);
     }
+    if (rest) {
+        const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(rest, sg + whole), top));
+        _mm512_mask_storeu_ps(sg + whole, rest, e);
+        sum = _mm512_mask_add_ps(sum, rest, sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+// Heads g0 … g1 - 1's scores [·, n] → e^(score - the head's largest), their sums in total.
+inline void softmax_numerators16(float* scores, int64_t n, int64_t g0, int64_t g1, float* total) {
+    for (int64_t g = g0; g < g1; ++g) total[g] = softmax_head16(scores + g * n, n);
 }
 
 // Dimensions 16·c0 … 16·(c0 + C) - 1 of heads g … g + H - 1's weighted values.
@@ -284,8 +299,8 @@ inline void score_slots(const float* query, const K& keys, const V& values, int6
 }
 
 template <typename T, typename K, typename V>
-void attend_vectors(const float* query, const K& keys, const V& values, int64_t n,
-                    int64_t dim, int64_t g0, int64_t g1, bool ahead, float* scores, float* total, float* acc) {
+void attend_vectors(const float* query, const K& keys, const V& values, int64_t n, int64_t dim, int64_t g0,
+                    int64_t g1, bool ahead, bool reduced, float* scores, float* total, float* acc) {
     const int64_t chunks = dim / 16;
     switch (chunks) {
         case 4: score_slots<4, T>(query, keys, values, n, dim, g0, g1, ahead, scores); break;
@@ -293,11 +308,90 @@ void attend_vectors(const float* query, const K& keys, const V& values, int64_t 
         default: score_slots<0, T>(query, keys, values, n, dim, g0, g1, ahead, scores); break;
     }
     softmax_numerators16(scores, n, g0, g1, total);
+    if (reduced) round_numerators_bf16(scores, n, g0, g1);
     int64_t g = g0;
     for (; g + 4 <= g1; g += 4) weigh_pieces<4>(scores, n, values, chunks, dim, g, acc);
     for (; g + 3 <= g1; g += 3) weigh_pieces<3>(scores, n, values, chunks, dim, g, acc);
     for (; g + 2 <= g1; g += 2) weigh_pieces<2>(scores, n, values, chunks, dim, g, acc);
     for (; g < g1; ++g) weigh_pieces<1>(scores, n, values, chunks, dim, g, acc);
+}
+
+// A prompt chunk's attention in tiles: rows r0 … r1 - 1 of a chunk (consecutive positions of one
+// sequence, so the same keys and values) at one KV head, their query heads side by side as
+// (r1 - r0) × group heads over the tile's last row's slots, n. Each key and value is read and
+// converted once for the whole tile, where a row at a time read them once per row. A row's
+// scores past its own position are computed and then left out: its softmax runs over its own
+// slots, and the numerators past them are exact zeros, which add nothing to its weighted values;
+// so a row's result equals attend_paged's for that row alone, bit for bit (a token's attention is
+// the same in any chunk and in a decode step: the batch-invariant mode relies on it).
+template <typename C, typename K, typename V>
+void attend_tile(const float* query, const K& keys, const V& values, int64_t n, int64_t dim, int64_t group,
+                 int64_t first, int64_t j0, int64_t j1, bool ahead, bool reduced, float* scores, float* total,
+                 float* acc) {
+    const int64_t chunks = dim / 16;
+    switch (chunks) {
+        case 4: score_slots<4, C>(query, keys, values, n, dim, j0, j1, ahead, scores); break;
+        case 8: score_slots<8, C>(query, keys, values, n, dim, j0, j1, ahead, scores); break;
+        default: score_slots<0, C>(query, keys, values, n, dim, j0, j1, ahead, scores); break;
+    }
+    for (int64_t j = j0; j < j1; ++j) {  // head j is row j / group's: its slots 0 … first + j / group
+        const int64_t own = first + j / group + 1;
+        total[j] = softmax_head16(scores + j * n, own);
+        std::fill(scores + j * n + own, scores + (j + 1) * n, 0.0f);
+    }
+    if (reduced) round_numerators_bf16(scores, n, j0, j1);
+    int64_t j = j0;
+    for (; j + 4 <= j1; j += 4) weigh_pieces<4>(scores, n, values, chunks, dim, j, acc);
+    for (; j + 3 <= j1; j += 3) weigh_pieces<3>(scores, n, values, chunks, dim, j, acc);
+    for (; j + 2 <= j1; j += 2) weigh_pieces<2>(scores, n, values, chunks, dim, j, acc);
+    for (; j < j1; ++j) weigh_pieces<1>(scores, n, values, chunks, dim, j, acc);
+}
+
+constexpr int64_t CHUNK_TILE = 16;  // rows a tile
+
+template <typename T, typename C>
+void attend_chunk_tiles(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                        const int64_t* table, int64_t start, double scale, torch::Tensor& out) {
+    const int64_t count = q.size(0), heads = q.size(1), dim = q.size(3), kv_heads = keys.size(1);
+    const int64_t group = heads / kv_heads;
+    const C* kp = keys.data_ptr<C>();
+    const C* vp = values.data_ptr<C>();
+    const int64_t tokens = keys.size(2);
+    int shift = -1;
+    for (int i = 0; i < 31; ++i)
+        if ((int64_t{1} << i) == tokens) shift = i;
+    const T* qp = q.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const float s = static_cast<float>(scale);
+    constexpr bool reduced = std::is_same<T, at::BFloat16>::value;
+    const int64_t tiles = (count + CHUNK_TILE - 1) / CHUNK_TILE, pairs = tiles * kv_heads;
+    const int64_t most = CHUNK_TILE * group;  // heads a tile has
+    const int64_t parts = std::min(most, (4 * at::get_num_threads() + pairs - 1) / pairs);
+    at::parallel_for(0, pairs * parts, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> query(most * dim), acc(most * dim), total(most), scores;
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t pair = task / parts, tile = pair / kv_heads, h = pair % kv_heads;
+            const int64_t r0 = tile * CHUNK_TILE, r1 = std::min(count, r0 + CHUNK_TILE);
+            const int64_t all = (r1 - r0) * group, share = (all + parts - 1) / parts;
+            const int64_t j0 = task % parts * share, j1 = std::min(all, j0 + share);
+            if (j0 >= j1) continue;
+            const int64_t n = start + r1;  // the tile's last row's slots
+            for (int64_t j = j0; j < j1; ++j) {
+                const T* qrow = qp + (r0 + j / group) * q.stride(0) + (h * group + j % group) * dim;
+                for (int64_t d = 0; d < dim; ++d) query[j * dim + d] = static_cast<float>(qrow[d]) * s;
+            }
+            scores.resize(all * n);
+            const Paged<C> k{kp + h * keys.stride(1), table, keys.stride(0), keys.stride(2), tokens, shift};
+            const Paged<C> v{vp + h * values.stride(1), table, values.stride(0), values.stride(2), tokens, shift};
+            attend_tile<C>(query.data(), k, v, n, dim, group, start + r0, j0, j1, parts == 1, reduced,
+                           scores.data(), total.data(), acc.data());
+            for (int64_t j = j0; j < j1; ++j) {
+                T* orow = op + ((r0 + j / group) * heads + h * group + j % group) * dim;
+                const float inv = 1.0f / total[j];
+                for (int64_t d = 0; d < dim; ++d) orow[d] = static_cast<T>(acc[j * dim + d] * inv);
+            }
+        }
+    });
 }
 #endif
 
@@ -311,6 +405,7 @@ void attend_impl(const torch::Tensor& q, int64_t kv_heads, int64_t dim, const At
     const T* qp = q.data_ptr<T>();
     T* op = out.data_ptr<T>();
     const float s = static_cast<float>(scale);
+    constexpr bool reduced = std::is_same<T, at::BFloat16>::value;
     // A task: one (row, KV head) and a share of its query heads. Few pairs (one sequence: 3 KV
     // heads on the default model, for 2 threads) are split by query heads so that the threads
     // get even shares; a head's result is the same whichever share computed it.
@@ -332,11 +427,11 @@ void attend_impl(const torch::Tensor& q, int64_t kv_heads, int64_t dim, const At
             const auto rows = rows_of(b, h);
 #ifdef WORKBENCH_AVX512
             if (vectors)
-                attend_vectors<C>(query.data(), rows.first, rows.second, n, dim, g0, g1, parts == 1, scores.data(),
+                attend_vectors<C>(query.data(), rows.first, rows.second, n, dim, g0, g1, parts == 1, reduced, scores.data(),
                                   total.data(), acc.data());
             else
 #endif
-                attend_plain<C>(query.data(), rows.first, rows.second, n, dim, g0, g1, key.data(), scores.data(),
+                attend_plain<C>(query.data(), rows.first, rows.second, n, dim, g0, g1, reduced, key.data(), scores.data(),
                                 total.data(), acc.data());
             T* orow = op + (b * q.size(1) + h * group) * dim;
             for (int64_t g = g0; g < g1; ++g) {
@@ -453,6 +548,47 @@ torch::Tensor attend_paged(const torch::Tensor& q, const torch::Tensor& keys, co
     if (keys.scalar_type() == at::kHalf) attend_paged_impl<float, at::Half>(qc, keys, values, table, pp, scale, out);
     else if (q.scalar_type() == at::kFloat) attend_paged_impl<float, float>(qc, keys, values, table, pp, scale, out);
     else attend_paged_impl<at::BFloat16, at::BFloat16>(qc, keys, values, table, pp, scale, out);
+    return out;
+}
+
+// A prompt chunk's attention through its sequence's block table: q [count, H, 1, D], one row per
+// new token at positions start … start + count - 1 (their keys and values already in the pool);
+// table [W] int64, the sequence's blocks in the order of its tokens. Row i attends to slots
+// 0 … start + i. Returns [count, H, 1, D], q's type: each row as attend_paged gives it alone.
+torch::Tensor attend_chunk(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                           const torch::Tensor& table, int64_t start, double scale) {
+    TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && keys.dim() == 4 && values.sizes() == keys.sizes(),
+                "attend_chunk: q [count, H, 1, D], keys and values [blocks, KV heads, block tokens, D]");
+    TORCH_CHECK(q.size(3) == keys.size(3) && q.size(1) % keys.size(1) == 0,
+                "attend_chunk: q's head size and heads must match the pool's");
+    check_attention_types(q, keys, values, "attend_chunk");
+    TORCH_CHECK(keys.stride(2) == keys.size(3) && values.stride(2) == values.size(3),
+                "attend_chunk: a block's slots side by side");
+    TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 1 && table.stride(0) == 1,
+                "attend_chunk: table, int64 [W], the blocks side by side");
+    const int64_t count = q.size(0), tokens = keys.size(2);
+    TORCH_CHECK(start >= 0 && count > 0 && (start + count - 1) / tokens < table.size(0),
+                "attend_chunk: the chunk's positions past its block table");
+    const int64_t* tp = table.data_ptr<int64_t>();
+    for (int64_t i = 0; i <= (start + count - 1) / tokens; ++i)
+        TORCH_CHECK(tp[i] >= 0 && tp[i] < keys.size(0), "attend_chunk: a block outside the pool");
+    auto qc = heads_side_by_side(q);
+    auto out = torch::empty({count, q.size(1), 1, q.size(3)}, q.options());
+#ifdef WORKBENCH_AVX512
+    if (q.size(3) % 16 == 0 && q.size(3) <= FAST_DIM) {
+        if (keys.scalar_type() == at::kHalf) attend_chunk_tiles<float, at::Half>(qc, keys, values, tp, start, scale, out);
+        else if (q.scalar_type() == at::kFloat) attend_chunk_tiles<float, float>(qc, keys, values, tp, start, scale, out);
+        else attend_chunk_tiles<at::BFloat16, at::BFloat16>(qc, keys, values, tp, start, scale, out);
+        return out;
+    }
+#endif
+    // elsewhere a row at a time (the plain loops), through the same table for every row
+    auto positions = torch::arange(start, start + count, table.options());
+    auto rows = table.view({1, -1}).expand({count, table.size(0)});
+    const int64_t* pp = positions.data_ptr<int64_t>();
+    if (keys.scalar_type() == at::kHalf) attend_paged_impl<float, at::Half>(qc, keys, values, rows, pp, scale, out);
+    else if (q.scalar_type() == at::kFloat) attend_paged_impl<float, float>(qc, keys, values, rows, pp, scale, out);
+    else attend_paged_impl<at::BFloat16, at::BFloat16>(qc, keys, values, rows, pp, scale, out);
     return out;
 }
 

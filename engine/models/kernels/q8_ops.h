@@ -93,6 +93,7 @@ TORCH_LIBRARY(workbench, m) {
     m.def("q4_linear(Tensor x, Tensor w, Tensor d, Tensor mins) -> Tensor");
     m.def("attend_rows(Tensor q, Tensor keys, Tensor values, Tensor positions, float scale) -> Tensor");
     m.def("attend_paged(Tensor q, Tensor keys, Tensor values, Tensor table, Tensor positions, float scale) -> Tensor");
+    m.def("attend_chunk(Tensor q, Tensor keys, Tensor values, Tensor table, int start, float scale) -> Tensor");
     m.def("row_totals(Tensor scores, int k) -> (Tensor, Tensor, Tensor)");
 }
 
@@ -101,5 +102,6 @@ TORCH_LIBRARY_IMPL(workbench, CPU, m) {
     m.impl("q4_linear", &q4_linear);
     m.impl("attend_rows", &attend_rows);
     m.impl("attend_paged", &attend_paged);
+    m.impl("attend_chunk", &attend_chunk);
     m.impl("row_totals", &row_totals);
 }
