@@ -156,7 +156,8 @@ class EngineCore:
             raise InvalidRequestError("The token budget and the batch size must be at least 1.")
         if settings.block_tokens < 1:
             raise InvalidRequestError("A KV block holds at least one token.")
-        per_token = self.loaded.info.kv_bytes_per_token
+        # a token's bytes: the pool's storage's, where the runner keeps the pool; else the config's
+        per_token = self.runner.per_token_bytes if self.paged else self.loaded.info.kv_bytes_per_token
         budget = settings.kv_budget_bytes
         proposer = proposer or Proposer()
         # a draft's own cache holds the same tokens as the target's: the budget covers both

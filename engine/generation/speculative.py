@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from engine.base.cancel import CancelToken
 from engine.base.errors import EngineError, InvalidRequestError
 from engine.base.events import DraftVerified, GenerationEvent
+from engine.base.kv import kv_layout
 from engine.models.precision import PRECISIONS
 from engine.base.request import GenerationRequest
 from engine.generation.proposer import NOTHING, Proposal, Proposer
@@ -215,15 +216,23 @@ class Speculation(Proposer):
     # -- the core's hooks --------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> int:
-        """The draft's KV bytes per token (its pool's, or its config's on the reference runner)."""
+        """The draft's KV bytes per token: its pool's on the fast path; else its own load's, or for
+        an early-exit view of the target, the target's for the view's layers."""
         if getattr(self.runner, "paged", False):
             return self.runner.per_token_bytes
-        info = self.draft.loaded.info if self.draft.loaded is not None else None
-        return (info.kv_bytes_per_token or 0) if info is not None else 0
+        if self.draft.loaded is not None:
+            return self.draft.loaded.info.kv_bytes_per_token or 0
+        whole, view = kv_layout(self.target.model.config), kv_layout(self.draft.model.config)
+        per_token = self.target.info.kv_bytes_per_token
+        if whole is None or view is None or not per_token:
+            return 0
+        return per_token * view.num_layers // whole.num_layers
 
     def limit_blocks(self, blocks: int | None, block_tokens: int) -> None:
         """The draft's pool (on the fast path) within its share of the budget, taken while it holds
-        nothing; the reference runner's caches are its own, counted in the share but not bounded."""
+        nothing. The reference runner's caches grow with the tokens they hold, which are the
+        target's (rolled back with them after each step): within the share as the target's blocks
+        are within theirs."""
         if getattr(self.runner, "paged", False) and not len(self.runner):
             self.runner.bind(KVCacheManager(self.runner.per_token_bytes, blocks, block_tokens=block_tokens,
                                             storage=self.runner))
