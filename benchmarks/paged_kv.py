@@ -13,9 +13,11 @@ b. **one long request among short ones**: a ``--long``-token prompt and 15 short
 c. **decode step**: the median step at 1 and at 16 sequences near position 64, compiled steps
    where they are built (``--compiled``; else the eager steps), target ≥ 0.95×;
 d. **a 6-turn chat** with paragraph breaks through the window's kept core: turn 6 reads only its
-   new tokens (every whole block of the conversation before it from the cache).
+   new tokens (every whole block of the conversation before it from the cache);
+e. **a prompt after a cached prefix**: 512 new tokens behind a cached 1,024-token system prompt,
+   read in chunks of 256 that attend over the prefix (the median of 3 prompts' prefill time).
 
-    python benchmarks/paged_kv.py --rev 401657a [--precisions int8-fast,bf16-fast] [--long 4096]
+    python benchmarks/paged_kv.py --rev 401657a [--precisions int8-fast,bf16-fast] [--long 4096] [--parts a,b,c,d,e]
 """
 
 from __future__ import annotations
@@ -109,6 +111,18 @@ elif part == "d":
         history += (ChatMessage("user", question), ChatMessage("assistant", final.text))
         continues = (final.prompt_ids, final.token_ids) if extra or hasattr(final, "prompt_ids") else None
     out["turns"] = turns
+elif part == "e":
+    core = EngineCore(loaded, CoreSettings(token_budget=256, prefill_chunk=256, kv_budget_bytes=BUDGET,
+                                           prefix_caching=True))
+    system = ids("You are a careful assistant who answers plainly. ", 1024)
+    request = GenerationRequest("(ids)", mode="raw", max_new_tokens=1, ignore_eos=True, top_alternatives=0)
+    core.submit(request, prompt_ids=system + ids(" Warm up.", 16))
+    list(core.run())
+    times = []
+    for i in range(3):
+        core.submit(request, prompt_ids=system + ids(f" Document {i}: a long question about caches. ", 512))
+        times.append(sum(e.step_s for e in core.run() if isinstance(e, StepCompleted) and e.prefill_tokens))
+    out["prefill"] = statistics.median(times)
 else:
     core = EngineCore(loaded, CoreSettings(token_budget=1024, max_batch=16, kv_budget_bytes=BUDGET))
     request = GenerationRequest("(ids)", mode="raw", max_new_tokens=96, ignore_eos=True, top_alternatives=0)
@@ -158,7 +172,7 @@ def main() -> None:
             for precision in args.precisions.split(","):
                 for part in args.parts.split(","):
                     new_runs, old_runs = [], []
-                    for _ in range(args.rounds if part == "c" else 1):
+                    for _ in range(args.rounds if part in "ce" else 1):
                         new_runs.append(measure(ROOT, precision, part, args.long, args.compiled))
                         old_runs.append(measure(old, precision, part, args.long, args.compiled))
                     report(precision, part, new_runs, old_runs, args)
@@ -189,6 +203,11 @@ def report(precision: str, part: str, new: list[dict], old: list[dict], args) ->
                   f"every whole block of the conversation before them in {sum(whole)} of {len(whole)} "
                   f"({missed} tokens computed again); turn 6: prompt {prompt} tokens, {cached} from the cache, "
                   f"{(before - 1) // 16 * 16} expected")
+    elif part == "e":
+        n = statistics.median(r["prefill"] for r in new)
+        o = statistics.median(r["prefill"] for r in old)
+        print(f"{precision} e) 512 new tokens behind a cached 1,024-token prompt: prefill {n * 1e3:.0f} ms vs "
+              f"{o * 1e3:.0f} ms at {args.rev}: {o / n:.3f}x as fast")
     else:
         for rows in (1, 16):
             n = statistics.median(r[f"step{rows}"] for r in new)
