@@ -392,10 +392,15 @@ def _decode_batch(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: li
 
 
 def attention_op() -> bool:
-    """Whether the kernels' attention (``torch.ops.workbench.attend_paged``) is loaded: with it a
-    batched step reads each row's blocks in place up to its own position (:func:`_decode_rows`)."""
+    """Whether the kernels' attention (``torch.ops.workbench.attend_paged`` and ``attend_chunk``)
+    is loaded: with it a batched step reads each row's blocks in place up to its own position
+    (:func:`_decode_rows`), and a later prompt chunk its blocks (:func:`_forward`). Where they
+    were built on this machine already (a quantized precision's load, or a compiled step's build,
+    compiles them once) they are loaded here: a moment, not a minute."""
     from engine.models import kernels  # lazy: kernels imports torch's extension tools
 
+    if kernels.loaded() is None and kernels.unavailable() is None and kernels.expected() and kernels.is_built():
+        kernels.kernels()
     return kernels.loaded() is not None
 
 
