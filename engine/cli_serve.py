@@ -125,7 +125,7 @@ def serve(args, load_printer) -> int:
           f"{format_bytes(server.service.settings.kv_budget_bytes)}); Ctrl-C stops.", flush=True)
     print(f"  {server.defaults.describe()}", flush=True)
     print(f"  {server.service.describe_kv()}", flush=True)
-    print(f"  curl {server.url}/chat/completions -H 'Content-Type: application/json' -d "
+    print(f"  curl -N {server.url}/chat/completions -H 'Content-Type: application/json' -d "
           f"'{{\"model\": \"{server.model_name}\", \"max_tokens\": 64, "
           f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'",
           flush=True)

@@ -43,7 +43,7 @@ def examples(url: str, model: str, key: bool) -> dict[str, str]:
     key_arg = 'os.environ["WORKBENCH_API_KEY"]' if key else '"not-needed"'
     js_auth = ', Authorization: `Bearer ${process.env.WORKBENCH_API_KEY}`' if key else ""
     return {
-        "curl": (f"curl {url}/chat/completions{auth_header} \\\n  -H 'Content-Type: application/json' \\\n"
+        "curl": (f"curl -N {url}/chat/completions{auth_header} \\\n  -H 'Content-Type: application/json' \\\n"
                  f"  -d '{{\"model\": \"{model}\", \"stream\": true, \"max_tokens\": {limit},\n"
                  f"       \"messages\": [{{\"role\": \"user\", \"content\": \"What is a KV cache?\"}}]}}'"),
         "Python (openai)": (

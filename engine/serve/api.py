@@ -58,13 +58,16 @@ class _BodyTooLarge(Exception):
 
 
 class _Refused(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code=None, param=None):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code=None, param=None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+        self.headers = headers
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", code=None, param=None) -> JSONResponse:
-    return JSONResponse(protocol.error_body(message, kind, param, code), status_code=status)
+def _error(status: int, message: str, kind: str = "invalid_request_error", code=None, param=None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(protocol.error_body(message, kind, param, code), status_code=status, headers=headers)
 
 
 class _BodyLimit:
@@ -140,7 +143,7 @@ def create_app(service: CoreService, model_name: str, api_key: str | None = None
 
     @app.exception_handler(_Refused)
     async def refused(_: Request, exc: _Refused):
-        return _error(exc.status, exc.message, exc.kind, exc.code, exc.param)
+        return _error(exc.status, exc.message, exc.kind, exc.code, exc.param, exc.headers)
 
     @app.exception_handler(_BodyTooLarge)
     async def too_large(_: Request, __: _BodyTooLarge):
@@ -201,7 +204,8 @@ def create_app(service: CoreService, model_name: str, api_key: str | None = None
         try:
             service.submit(ticket)
         except QueueFullError as exc:
-            raise _Refused(429, str(exc), "rate_limit_exceeded") from None
+            raise _Refused(429, str(exc), "rate_limit_exceeded",
+                           headers={"Retry-After": str(exc.retry_after_s)}) from None
         except NotServingError as exc:
             raise _Refused(503, str(exc), "server_error") from None
         first = await queue.get()

@@ -16,8 +16,10 @@ ends that request alone; only a failing batched step or running out of memory en
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -38,7 +40,27 @@ log = logging.getLogger(__name__)
 
 
 class QueueFullError(EngineError):
-    """More requests wait than the server takes; try again later."""
+    """More requests wait than the server takes; try again later: in about ``retry_after_s``
+    seconds (the server's ``Retry-After``)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+RETRY_WINDOW_S = 120.0
+"""Requests that ended this recently tell how soon one ends next."""
+
+
+def retry_after(ends: "list[float]", now: float) -> int:
+    """Whole seconds until a full server likely has room: the mean time between the requests that
+    ended in the last :data:`RETRY_WINDOW_S` seconds (``ends``, a monotonic clock's times; one
+    must end before another is taken), from 1 to 60; 1 where too few ended to tell."""
+    recent = [t for t in ends if now - t <= RETRY_WINDOW_S]
+    if len(recent) < 2:
+        return 1
+    between = (recent[-1] - recent[0]) / (len(recent) - 1)
+    return int(min(60, max(1, math.ceil(between))))
 
 
 class NotServingError(EngineError):
@@ -160,6 +182,8 @@ class CoreService:
         self._thread: threading.Thread | None = None
         self._listeners: list[Callable[[object], None]] = []
         self._kv = 0
+        self._ends: deque[float] = deque(maxlen=32)
+        """When the last requests ended (monotonic): how soon a full server has room."""
         self._blocks: tuple[int, int, int | None] = (0, 0, self.core.kv.total_blocks)
         self._pool: tuple[int, int] = (0, 0)
         self.served = 0
@@ -173,8 +197,9 @@ class CoreService:
             if not self._accepting:
                 raise NotServingError("The server is shutting down and takes no new requests.")
             if len(self._inbox) + len(self._tickets) >= self.settings.max_batch + self.max_waiting:
+                wait = retry_after(list(self._ends), time.monotonic())
                 raise QueueFullError(f"{self.settings.max_batch} requests are running and {self.max_waiting} "
-                                     "waiting, as many as this server takes; try again later.")
+                                     f"waiting, as many as this server takes; try again in {wait} s.", wait)
             self._inbox.append(ticket)
             self._lock.notify_all()  # the core, and never only a caller of wait_until
         return ticket
@@ -392,6 +417,7 @@ class CoreService:
                 self._tell(RequestEvent(rid, event, now))
             with self._lock:
                 self._tickets.pop(rid, None)
+                self._ends.append(time.monotonic())
             self.served += 1
             self._send(ticket, event)
             return

@@ -276,6 +276,8 @@ def test_key_body_limit_queue_limit_and_history(loaded_llama, tmp_path, monkeypa
                 refused = http.post("/chat/completions", json=chat(server, "x", max_tokens=2))
                 assert refused.status_code == 429
                 assert "waiting" in refused.json()["error"]["message"]
+                wait = int(refused.headers["Retry-After"])  # when to try again, as OpenAI's API says it
+                assert 1 <= wait <= 60 and f"try again in {wait} s" in refused.json()["error"]["message"]
                 gate.set()
                 waiting.join(30)
                 assert not waiting.is_alive()

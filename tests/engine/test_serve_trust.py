@@ -152,7 +152,17 @@ def test_a_burst_fills_the_batch_and_the_queue_before_429(loaded_llama):
         except QueueFullError as exc:
             refused += 1
             assert "16 requests are running and 8 waiting" in str(exc)
+            assert exc.retry_after_s == 1  # none has ended yet: too soon to tell
     assert (taken, refused) == (24, 40)
+
+
+def test_a_full_server_says_when_to_try_again_from_how_often_requests_end():
+    from engine.serve.service import retry_after
+
+    assert retry_after([], 100.0) == 1 and retry_after([99.0], 100.0) == 1  # too few to tell
+    assert retry_after([90.0, 94.0, 98.0], 100.0) == 4  # one ended every 4 s
+    assert retry_after([10.0, 14.0, 195.0, 197.5], 200.0) == 3  # only the last two minutes count: 2.5 → 3
+    assert retry_after([150.0, 240.0], 241.0) == 60 and retry_after([99.0, 99.1, 99.2], 100.0) == 1  # 1 … 60
 
 
 def test_a_submit_wakes_the_core_even_while_a_caller_waits_on_it(loaded_llama):
@@ -351,6 +361,7 @@ def test_the_panels_examples_answer_within_their_limit(server):
     stop_listening = server.service.listen(
         lambda e: ended.append(e.event) if isinstance(e, RequestEvent) and isinstance(e.event, Finished) else None)
     shown = examples(server.url, server.model_name, key=False)
+    assert shown["curl"].startswith("curl -N ")  # it streams: unbuffered, or a pipe holds the tokens back
     try:
         with contextlib.redirect_stdout(io.StringIO()) as out:
             exec(compile(shown["Python (openai)"], "example.py", "exec"), {})
