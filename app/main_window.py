@@ -10,6 +10,7 @@ from pathlib import Path
 from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Signal, Slot
 from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
+    QApplication,
     QDialog,
     QDockWidget,
     QFileDialog,
@@ -24,7 +25,7 @@ from app.load_feedback import LoadFeedback
 from app.main_menus import build_menus
 from app.screen import fit_screen, scrolling
 from app.tool_windows import ToolWindows
-from app.transcript import Transcript
+from app.transcript import Transcript, ending
 from app.widgets.generation_panel import GenerationPanel
 from app.widgets.live_plots import LivePlots
 from app.widgets.model_panel import ModelPanel
@@ -138,7 +139,7 @@ class MainWindow(QMainWindow):
         self.prompt.copy_clicked.connect(self.copy_answer)
         self.prompt.save_clicked.connect(self.save_transcript)
         self.prompt.message.linkActivated.connect(lambda link: self.open_tour() if link == "tour" else None)
-        QShortcut(QKeySequence(Qt.Key_Escape), self, activated=self.stop)
+        QShortcut(QKeySequence(Qt.Key_Escape), self, activated=self._escape)
         QShortcut(QKeySequence("Ctrl+Return"), self, activated=self.prompt._submit)
 
         self._restore_settings()
@@ -201,6 +202,17 @@ class MainWindow(QMainWindow):
 
     def open_traffic(self):
         return self.tools.open_traffic()
+
+    def _escape(self) -> None:
+        """Esc: leave the tour where its panel is the active window (a tool window shares this
+        window's shortcuts, so this one took its Esc), else stop the generation."""
+        tour = self.findChild(QDialog, "tour")
+        focus = QApplication.focusWidget()
+        if tour is not None and tour.isVisible() and (
+                QApplication.activeWindow() is tour or (focus is not None and tour.isAncestorOf(focus))):
+            tour.reject()
+            return
+        self.stop()
 
     def open_tour(self):
         from app.tour import open_tour
@@ -475,8 +487,11 @@ class MainWindow(QMainWindow):
         if event.prefix_cache_bytes and event.cached_tokens:  # what keeping them costs, beside what it saved
             # (not on a first turn: the status bar has room for one clause, and nothing was saved yet)
             cached += f" (the prefix cache keeps {format_bytes(event.prefix_cache_bytes)})"
-        self.statusBar().showMessage(f"Done: {event.tokens} tokens, {rate}{cached}, stopped: {event.reason}{served}",
-                                     15000)
+        if event.reason == "cancelled":
+            said = f"Stopped: {event.tokens} tokens, {rate}{cached}{served}"
+        else:
+            said = f"Done: {event.tokens} tokens, {rate}{cached}, ended: {ending(event.reason)}{served}"
+        self.statusBar().showMessage(said, 15000)
         self.generation_finished.emit(event)
 
     def _on_generation_failed(self, exc: Exception) -> None:

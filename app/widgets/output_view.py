@@ -26,6 +26,10 @@ def _mix(a: QColor, b: QColor, t: float) -> QColor:
                   round(a.blue() + (b.blue() - a.blue()) * t))
 
 
+STOPPED_MARK = "[stopped]"
+"""Where an answer you stopped ends."""
+
+
 class OutputView(QPlainTextEdit):
     def __init__(self, transcript: Transcript, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -118,6 +122,12 @@ class OutputView(QPlainTextEdit):
             note = QTextCharFormat()
             note.setForeground(QColor("#d63031"))
             cursor.insertText(f"\n[{turn.error}]", note)
+        elif turn.finished is not None and turn.finished.reason == "cancelled" \
+                and turn_index not in self._errors_rendered:  # the answer is cut: say so where it ends
+            self._errors_rendered.add(turn_index)
+            note = QTextCharFormat()
+            note.setForeground(self.palette().color(QPalette.PlaceholderText))
+            cursor.insertText(f" {STOPPED_MARK}", note)
         return len(turn.tokens) - start
 
     def _token_format(self, turn_index: int, token_index: int, special: bool) -> QTextCharFormat:

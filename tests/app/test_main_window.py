@@ -78,6 +78,11 @@ def test_stop_mid_generation(qtbot, window, slow_tiny):
         qtbot.keyClick(window.prompt.editor, Qt.Key_Escape)
     finished = blocker.args[0]
     assert finished.reason == "cancelled" and 5 <= finished.tokens < 100_000
+    # the cut answer says so where it ends, and the status bar says it was stopped, in words
+    assert window.output.toPlainText().endswith(" [stopped]")
+    assert window.statusBar().currentMessage().startswith(f"Stopped: {finished.tokens} tokens")
+    assert "cancelled" not in window.statusBar().currentMessage()
+    assert "ended: stopped" in window.transcript.to_markdown()
     qtbot.waitUntil(lambda: window.prompt.generate_button.isEnabled())
     assert not window.prompt.stop_button.isEnabled()
     assert panel.load_button.isEnabled() and panel.unload_button.isEnabled() and not panel.load_button.toolTip()
