@@ -36,6 +36,7 @@ from engine.measure.compare import LaneSpec
 from engine.base.errors import EngineError
 from engine.base.request import GenerationRequest
 from engine.base.sampling import SamplingParams
+from engine.models.sources import reference_weights
 
 LADDER = ("fp32", "bf16", "int8", "nf4")
 LANES_MIN_HEIGHT = 190
@@ -150,10 +151,18 @@ class CompareWindow(QMainWindow):
             strip.addWidget(panel)
         plot_strip.setMinimumHeight(PLOTS_MIN_HEIGHT)  # readable axes on a short screen: the lanes scroll instead
         self.table = SummaryTable()
+        self.reference_note = QLabel("")
+        self.reference_note.setObjectName("compareReference")
+        self.reference_note.setWordWrap(True)
+        summary = QWidget()
+        summary_layout = QVBoxLayout(summary)
+        summary_layout.setContentsMargins(0, 0, 0, 0)
+        summary_layout.addWidget(self.reference_note)
+        summary_layout.addWidget(self.table, 1)
         self.quality_view = QualityView()
         docks = []
         # the quality tab scrolls rather than make the window taller than a laptop's screen
-        for title, widget in (("Plots", plot_strip), ("Summary", self.table), ("Quality", scrolling(self.quality_view))):
+        for title, widget in (("Plots", plot_strip), ("Summary", summary), ("Quality", scrolling(self.quality_view))):
             dock = QDockWidget(title, self)
             dock.setObjectName(f"compare_dock_{title.lower()}")
             dock.setWidget(widget)
@@ -209,6 +218,7 @@ class CompareWindow(QMainWindow):
         lane.shutdown()
         lane.setParent(None)
         lane.deleteLater()
+        self._redraw()  # its curves leave the plots now, not at the next run
         self._update_state()
 
     def ladder(self) -> None:
@@ -398,6 +408,10 @@ class CompareWindow(QMainWindow):
         runs = [lane.run for lane in self.lanes]
         self.summary = compare.summary_rows(runs)
         self.table.show_rows(self.summary, [lane.colour for lane in self.lanes])
+        info = self.lanes[0].loaded if self.lanes else None
+        self.reference_note.setText("" if info is None or not self.summary else
+                                    "Agreement and Δ logprob are read against lane 1: " + reference_weights(
+                                        info.original_format, info.precision, served=info.source == "endpoint"))
         reference = runs[0].finished
         for lane, values in zip(self.lanes, self.summary):
             same_tokens = values.token_agreement is not None

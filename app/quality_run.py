@@ -10,6 +10,7 @@ from PySide6.QtCore import QObject, Signal
 
 from app.widgets.quality_view import LaneQuality
 from engine.jobs import QualityJob, QualityResult
+from engine.models.sources import reference_weights
 
 
 class QualityRun(QObject):
@@ -92,8 +93,11 @@ class QualityRun(QObject):
             self.first = result
         run = lane.run.finished if lane.run is not None else None
         speed = run.decode_tokens_per_s if run is not None else None
+        info = lane.loaded
+        weights_from = "" if info is None else reference_weights(info.original_format, info.precision,
+                                                                  served=info.source == "endpoint")
         self.rows.append(LaneQuality(lane.index + 1, lane.spec().label, lane.colour, lane.spec().precision, speed,
-                                     result.report, result.pieces))
+                                     result.report, result.pieces, weights_from))
         report = result.report
         self.progressed.emit(lane, f"quality: perplexity {report.perplexity:.3f}"
                                    + ("" if report.divergence is None else

@@ -31,6 +31,7 @@ from PySide6.QtWidgets import (
 
 from app.glossary import linked, open_glossary
 from engine.units import format_bytes, format_count, format_rate, format_seconds
+from engine.models.sources import reference_weights
 
 PROMPT = "In two sentences: what does a GPU do?"
 ANSWER_TOKENS = 32
@@ -432,8 +433,13 @@ class Tour(QDialog):
             context = result.context_length
             share = (f", {count / context:.2%} of the model's {context:,}-token context window" if context else
                      " (the model doesn't say its context window)")
-            words = len(PROMPT.split())
-            self._done("tokens", f"your {words} words are <b>{count} tokens</b> as the model reads them{share}.")
+            words, own = len(PROMPT.split()), result.text_tokens
+            if own is not None and own != count:  # the chat template and system prompt wrap the words
+                said = (f"your {words} words are <b>{own} tokens</b>; with the chat template and system prompt "
+                        f"around them the model reads <b>{count}</b>{share}.")
+            else:
+                said = f"your {words} words are <b>{count} tokens</b> as the model reads them{share}."
+            self._done("tokens", said)
 
         self._submit(TokenizeJob(request), show)
 
@@ -538,7 +544,7 @@ class Tour(QDialog):
                                    f"<b>{format_rate(many.aggregate_tokens_per_s)} in all</b> "
                                    f"({many.aggregate_tokens_per_s / one.aggregate_tokens_per_s:.1f}×), each request "
                                    f"<b>{format_seconds(many.mean_per_token_latency_s)} per token</b> "
-                                   f"({many.mean_per_token_latency_s / one.mean_per_token_latency_s:.1f}× slower).")
+                                   f"({_times(many.mean_per_token_latency_s / one.mean_per_token_latency_s)}).")
 
         self._run_tool(tool, finished)
 
@@ -567,7 +573,10 @@ class Tour(QDialog):
                 size = format_bytes(row.weights_bytes) if row.weights_bytes else "? bytes"
                 speed = format_rate(row.decode_tokens_per_s) if row.decode_tokens_per_s else "no speed"
                 rungs.append(f"<b>{html.escape(lane.spec().precision)}</b> {size}, {speed}{agree}")
-            self._done("quantization", "; ".join(rungs) + ".")
+            info = window.lanes[0].loaded
+            source = "" if info is None else " " + html.escape(
+                reference_weights(info.original_format, info.precision, served=info.source == "endpoint"))
+            self._done("quantization", "; ".join(rungs) + "." + source)
 
         self._listen(window.run_finished, finished)
         window.run()
@@ -714,6 +723,15 @@ def offer(main) -> None:
     main.settings.setValue("tour/offered", True)
     main.prompt.show_message("New here? <a href='tour'>Take the tour</a> (Help → Tour): ten steps, a few "
                              "minutes, each measured on this model, from tokens to serving many users.", "info")
+
+
+def _times(ratio: float) -> str:
+    """A per-token time against another, in words: "1.8× as long", "1.2× shorter", "about the same"."""
+    if ratio >= 1.05:
+        return f"{ratio:.1f}× as long"
+    if ratio <= 1 / 1.05:
+        return f"{1 / ratio:.1f}× shorter"
+    return "about the same"
 
 
 def open_tour(main) -> Tour:

@@ -134,6 +134,8 @@ class Tokenized:
     pieces: tuple[str, ...]
     """How each token reads on its own."""
     context_length: int | None
+    text_tokens: int | None = None
+    """The prompt's own text's tokens, without the chat template and system prompt around it."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,8 @@ class TokenizeJob:
 
     def run(self, ctx: JobContext) -> Tokenized:
         ids = ctx.model.encode(self.request)
-        return Tokenized(tuple(ids), tuple(ctx.model.token_text(i) for i in ids), ctx.model.info.context_length)
+        own = len(ctx.model.tokenizer(self.request.prompt, add_special_tokens=False)["input_ids"])
+        return Tokenized(tuple(ids), tuple(ctx.model.token_text(i) for i in ids), ctx.model.info.context_length, own)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,10 @@ class ComparePlots:
         whose lanes' runs changed; returns whether any did. The views start over only when a new
         comparison starts, so the axes grow in steps as the plots do in the main window."""
         state = tuple((id(lane.run), lane.run.version) for lane in lanes)
+        for name, index in [key for key in self._curves if key[1] >= len(lanes)]:  # a lane removed: its curves go
+            panel = self.panels[name]
+            panel.plot.removeItem(self._curves.pop((name, index)))
+            panel.remove_legend(f"lane {index + 1}")
         runs = [s[0] for s in state]
         if runs != self._runs:
             self._runs = runs

@@ -185,6 +185,11 @@ class PlotPanel(QWidget):
         self._legend.append(f"<span style='color:{colour}'>{glyph}</span>&nbsp;{name}")
         self._show_caption()
 
+    def remove_legend(self, name: str) -> None:
+        """Drop ``name``'s legend entry (its curve left the plot)."""
+        self._legend = [entry for entry in self._legend if not entry.endswith(f"&nbsp;{name}")]
+        self._show_caption()
+
     def _show_caption(self) -> None:
         """The legend and the sentence; where the panel is too short for both beside a readable
         plot (a laptop screen), the legend alone, the sentence in its tooltip (and a note saying so)."""

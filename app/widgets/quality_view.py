@@ -44,6 +44,9 @@ class LaneQuality:
     decode_tokens_per_s: float | None
     report: object  # engine.measure.quality.QualityReport
     pieces: tuple[str, ...]
+    weights_from: str = ""
+    """Where the lane's weights came from (engine.models.sources.reference_weights): lane 1's is
+    what every divergence is read against."""
 
 
 def pareto(points: list[tuple[float, float]]) -> list[int]:
@@ -115,6 +118,9 @@ class QualityView(QWidget):
                            "log-probabilities its server returns (vLLM, this workbench's server): its KL is a lower "
                            "bound (≥).")
         self.note.setWordWrap(True)
+        self.reference = QLabel("")
+        self.reference.setObjectName("qualityReference")
+        self.reference.setWordWrap(True)
         self.table.setMinimumHeight(120)
         self.chart.setMinimumHeight(200)  # readable in the tab's scroll area on a short screen
         self.text.setMinimumHeight(200)
@@ -136,10 +142,14 @@ class QualityView(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(2, 2, 2, 2)
         layout.addWidget(self.note)
+        layout.addWidget(self.reference)
         layout.addWidget(split, 1)
 
     def show_rows(self, rows: list[LaneQuality]) -> None:
         self.rows = rows
+        first = next((row for row in rows if row.report.divergence is None), None)
+        self.reference.setText(f"<b>Reference, lane {first.lane}:</b> {first.weights_from}"
+                               if first is not None and first.weights_from else "")
         self.table.setRowCount(len(rows))
         for r, row in enumerate(rows):
             report, d = row.report, row.report.divergence

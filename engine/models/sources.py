@@ -53,6 +53,26 @@ class ModelEntry:
     """Loadable without a download."""
 
 
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def reference_weights(original_format: str, precision: str, served: bool = False) -> str:
+    """Where a reference precision's weights came from, in a sentence, for quality figures read
+    against it. A quantized GGUF's "fp32" is its 4-bit (or 8-bit…) values dequantized: a precision
+    near that grid can land nearer it than a finer one, and no figure measures the loss against
+    the original training weights."""
+    if served:
+        return f"The reference is a served model ({original_format or 'its server says no more'})."
+    kind = original_format.split(" ", 1)[1].strip() if original_format.startswith("GGUF ") else ""
+    if kind and kind.upper() not in _FLOAT_TYPES:
+        regrid = " (int4-fast re-grids Q4_1's own values)" if kind.upper() == "Q4_1" else ""
+        return (f"{precision} here is the {kind} GGUF's weights dequantized, not the original training weights: "
+                f"a lower-bit precision can land nearer it than a higher one{regrid}.")
+    if kind:
+        return f"{precision} here is the GGUF's {kind} weights, as published."
+    return f"{precision} here is the model's {original_format or 'own'} weights, as published."
+
+
 def classify(ref: str) -> tuple[str, str]:
     """``(kind, value)`` for a model reference, without touching disk contents or network."""
     ref = (ref or "").strip()

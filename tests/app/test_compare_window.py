@@ -44,6 +44,8 @@ def test_identical_lanes_agree_completely(qtbot, compare, tiny_llama, schedule):
     assert [row.mean_abs_logprob_delta for row in compare.summary] == [0.0, 0.0, 0.0]
     agreement = [title for _, title in COLUMNS].index("Agreement")
     assert [row[agreement] for row in table_text(compare)] == ["100.0%"] * 3
+    # what the agreement is read against: lane 1's weights, a folder of safetensors as published
+    assert "read against lane 1: fp32 here is the model's safetensors weights" in compare.reference_note.text()
     for lane in compare.lanes:
         assert lane.run.finished.tokens == 10
         assert compare.plots.point_counts(lane)["kv"] == 10
@@ -54,6 +56,15 @@ def test_identical_lanes_agree_completely(qtbot, compare, tiny_llama, schedule):
     assert compare.plots.redraws == redraws
     run(qtbot, compare, schedule=schedule)  # again: each lane measures the whole prompt, no prefix cache's help
     assert all(lane.run.prefilled.cached_tokens == 0 for lane in compare.lanes)
+    # "− lane": the third lane's curves and legend leave every plot at once, and stay gone after a run
+    compare.remove_button.click()
+    for _ in range(2):
+        for panel in compare.plots.panels.values():
+            assert "lane 3" not in panel.caption.text() and "lane 2" in panel.caption.text()
+        assert {index for _, index in compare.plots._curves} == {0, 1}
+        if len(compare.summary) == 2:
+            break
+        run(qtbot, compare, schedule=schedule)
 
 
 def test_divergent_lane_is_highlighted(qtbot, compare, tiny_llama):
@@ -184,6 +195,9 @@ def test_quality_run_measures_every_lane_against_lane_1(qtbot, compare, tiny_lla
     assert len(xs) >= 1 and pareto([(2.0, 0.0), (1.0, 0.5), (1.5, 0.6)]) == [1, 0]
     assert compare.quality_view.text.toPlainText().strip() != ""
     assert "bends most" in compare.quality_view.worst.text()
+    # where the reference's weights came from: a folder of safetensors, as published
+    assert "Reference, lane 1:" in compare.quality_view.reference.text()
+    assert "safetensors weights, as published" in compare.quality_view.reference.text()
     kinds = sorted(r.precision for r in load_all() if r.kind == "quality")
     assert kinds == ["bf16", "fp32"]
     # Stop ends the run at its next chunk: the lanes measured so far stay, the message says so

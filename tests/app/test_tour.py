@@ -51,7 +51,12 @@ def test_every_step_shows_the_figure_it_names(qtbot, toured):
     # 1 Tokens: as many chips as the count, the count the one the answer's prompt had
     figure = measure(qtbot, tour, 0)
     chips = tour.chips.text().count("<span")
-    assert f"are {chips} tokens" in figure and "context window" in figure
+    assert "context window" in figure
+    # the words' own tokens, then what the chat template and system prompt make of them (a chat
+    # request: the template wraps the words)
+    assert f"model reads {chips}," in figure
+    own = int(figure.split("words are ")[1].split(" tokens")[0])
+    assert 0 < own < chips
     assert outlined(tour) is window.prompt and tour.chips_area.isVisible()
     # 2 One token at a time: the window's own answer, its TTFT and per-token time
     with qtbot.waitSignal(window.generation_finished, timeout=60_000) as answer:
@@ -168,3 +173,26 @@ def test_the_first_start_offers_the_tour_once(qtbot, app_factory, tiny_llama):
     load(qtbot, again, tiny_llama)
     assert "Take the tour" not in again.prompt.message.text()
     assert any(a.text().startswith("&Tour") for a in again.help_menu.actions())
+
+
+def test_esc_leaves_the_tour_where_its_panel_is_active(qtbot, toured):
+    """The main window's Esc (stop the generation) is shared with its tool windows: where the
+    tour's panel is the active window, Esc leaves the tour instead."""
+    from PySide6.QtGui import QKeySequence, QShortcut
+    from PySide6.QtWidgets import QApplication
+
+    window, tour = toured
+    qtbot.waitUntil(lambda: tour.index == 0)
+    tour.activateWindow()
+    tour.setFocus()
+    qtbot.waitUntil(lambda: QApplication.activeWindow() is tour or tour.isAncestorOf(QApplication.focusWidget()))
+    escape = next(s for s in window.findChildren(QShortcut) if s.key() == QKeySequence(Qt.Key_Escape))
+    escape.activated.emit()
+    assert not tour.isVisible()
+    assert window.prompt.editor.toPlainText() == "my own question, half typed"
+
+
+def test_the_tour_says_a_faster_token_is_shorter_not_slower():
+    from app.tour import _times
+
+    assert _times(1.8) == "1.8× as long" and _times(1 / 1.25) == "1.2× shorter" and _times(1.01) == "about the same"

