@@ -127,10 +127,15 @@ class CostWindow(QMainWindow):
         side_layout.addWidget(scrolling(self.numbers), 1)  # the button below stays in view on a short screen
         self.plan = None
         self.copy_command = QPushButton("Copy the vLLM command")
-        self.copy_command.setToolTip("Serve this model, context and batch on as many of these GPUs as it needs.")
         self.copy_command.setEnabled(False)
         self.copy_command.clicked.connect(self.copy_vllm_command)
-        side_layout.addWidget(self.copy_command)
+        self.copy_sglang = QPushButton("Copy the SGLang command")
+        self.copy_sglang.setEnabled(False)
+        self.copy_sglang.clicked.connect(self.copy_sglang_command)
+        copy_row = QHBoxLayout()
+        copy_row.addWidget(self.copy_command)
+        copy_row.addWidget(self.copy_sglang)
+        side_layout.addLayout(copy_row)
         dock = QDockWidget("Model and hardware", self)
         dock.setObjectName("cost_dock_controls")
         dock.setWidget(side)
@@ -347,7 +352,8 @@ class CostWindow(QMainWindow):
             ("KV cache", f"{format_bytes(e.kv_bytes_per_token)} per token ({e.kv_dtype}); "
                          f"{format_bytes(e.kv_bytes_total)} for {e.batch} × {e.context:,} tokens"),
             *self._prefix_rows(e, profile),
-            ("Activations", format_bytes(e.activation_bytes)),
+            ("Activations", f"{format_bytes(e.activation_bytes)} in a decode step of the batch (reading a prompt's "
+                            "chunk needs more while it lasts)"),
             ("Total", f"{format_bytes(e.total_bytes)} of {format_bytes(e.device_memory_bytes)}: "
                       + ("<b style='color:#27ae60'>fits</b>" if e.fits else "<b style='color:#c0392b'>does not fit</b>")),
             ("Decode ceiling", f"{e.decode_tokens_per_s_ceiling:,.1f} tok/s in all, {e.per_request_tokens_per_s:,.1f} "
@@ -370,7 +376,7 @@ class CostWindow(QMainWindow):
         plan = self._plan(profile)
         if plan is not None:
             rows += _plan_rows(plan)
-        self.copy_command.setEnabled(plan is not None and plan.chosen is not None)
+        self._offer_commands(profile, plan)
         self.plan = plan
         sources = profile.sources or {}
         self.numbers.setText(
@@ -393,9 +399,27 @@ class CostWindow(QMainWindow):
         except EngineError:
             return None
 
+    def _offer_commands(self, profile, plan) -> None:
+        """The copy buttons: usable where a GPU plan fits, else greyed with the reason in their tooltip."""
+        if profile.kind != "gpu":
+            why = (f"{profile.name} is not a GPU: vLLM and SGLang serve on GPUs. Pick a GPU profile to get "
+                   "their commands (this machine serves with Serve in the main window).")
+        elif plan is None or plan.chosen is None:
+            why = "No tensor-parallel size up to 8 fits: a smaller precision, a shorter context or a smaller batch."
+        else:
+            why = ""
+        for button, name in ((self.copy_command, "vLLM"), (self.copy_sglang, "SGLang")):
+            button.setEnabled(not why)
+            button.setToolTip(why or f"Serve this model, context and batch with {name} on as many of these GPUs as "
+                                     "it needs (the plan above).")
+
     def copy_vllm_command(self) -> None:
         if self.plan is not None and self.plan.vllm_command:
             QGuiApplication.clipboard().setText(self.plan.vllm_command)
+
+    def copy_sglang_command(self) -> None:
+        if self.plan is not None and self.plan.sglang_command:
+            QGuiApplication.clipboard().setText(self.plan.sglang_command)
 
     def closeEvent(self, event) -> None:
         self._closing = True
@@ -446,14 +470,19 @@ def _plan_rows(plan) -> list[tuple[str, str]]:
         return [("Past one GPU", "<b style='color:#c0392b'>no tensor-parallel size up to 8 fits</b>: a smaller "
                                  "precision, a shorter context or a smaller batch")]
     o = plan.chosen
-    link = ("no link bandwidth in this profile" if o.interconnect_time_s is None else
-            f"{format_bytes(o.allreduce_bytes_per_token)} per token per GPU over the link "
-            f"({o.interconnect_time_s * 1000:.2f} ms a step)")
+    if o.gpus == 1:
+        link = "one GPU: no link traffic (nothing to all-reduce)"
+    elif o.interconnect_time_s is None:
+        link = "no link bandwidth in this profile"
+    else:
+        link = (f"{format_bytes(o.allreduce_bytes_per_token)} per token per GPU over the link "
+                f"({o.interconnect_time_s * 1000:.2f} ms a step)")
     price = "" if plan.usd_per_million_tokens is None else f", ${plan.usd_per_million_tokens:,.2f} per 1M tokens"
     return [
         ("Past one GPU", f"<b>{o.gpus} GPU{'s' if o.gpus > 1 else ''}</b> with tensor parallelism: each holds weights "
                          f"{format_bytes(o.weights_per_gpu_bytes)}, KV {format_bytes(o.kv_per_gpu_bytes)}, "
-                         f"activations {format_bytes(o.activation_per_gpu_bytes)}, runtime "
+                         f"activations {format_bytes(o.activation_per_gpu_bytes)} (a decode step's and a prompt "
+                         f"chunk's), runtime "
                          f"{format_bytes(o.runtime_per_gpu_bytes)} = {format_bytes(o.total_per_gpu_bytes)} of "
                          f"{format_bytes(o.usable_per_gpu_bytes)} usable"),
         ("Across them", f"{link}; ceiling {o.decode_tokens_per_s_ceiling:,.1f} tok/s ({o.bound}-bound){price}"),

@@ -86,7 +86,8 @@ class CostCharts(QWidget):
     def _build_speed(self) -> None:
         self.speed_plot = PlotPanel(
             "cost-speed", "Decode tokens/sec ceiling against batch: reading the weights (and KV) bounds small "
-            "batches (blue region), compute bounds large ones (red region); the ceiling is the lower of the two. "
+            "batches (blue region), compute bounds large ones (red region); the ceiling is the lower of the two, "
+            "drawn up to the largest batch whose memory fits. "
             "Dots: measured runs, labelled with their % of the ceiling. Diamonds: load sweeps against servers "
             "of this model (concurrency as the batch), each under a bar at its own ceiling: the plan's GPU "
             "count at that batch and the load's context.",
@@ -176,7 +177,9 @@ class CostCharts(QWidget):
         ceiling = np.array([s.decode_tokens_per_s_ceiling for s in sweep])  # the lower of the two
         self._curve("memory-bound", self.speed_plot, pen=_pen(COLOURS["memory"], Qt.DashLine)).setData(lx, np.log10(memory_rate))
         self._curve("compute-bound", self.speed_plot, pen=_pen(COLOURS["compute"], Qt.DashLine)).setData(lx, np.log10(compute_rate))
-        self._curve("ceiling", self.speed_plot, pen=_pen(COLOURS["ceiling"], width=2)).setData(lx, np.log10(ceiling))
+        fits = np.array([s.fits for s in sweep], dtype=bool)  # the ceiling ends where the batch's memory does
+        self._curve("ceiling", self.speed_plot, pen=_pen(COLOURS["ceiling"], width=2)).setData(
+            lx[fits], np.log10(ceiling[fits]))
         self.speed_ceiling = ceiling
         runs_x = [math.log2(r.batch) for r in runs if r.decode_tokens_per_s]
         runs_y = [math.log10(r.decode_tokens_per_s * r.batch) for r in runs if r.decode_tokens_per_s]

@@ -46,6 +46,18 @@ def test_charts_change_when_sliders_move(qtbot, costs_window):
     marker_x, _ = w.charts._curves["batch-marker"].getData()
     assert marker_x[0] == 4  # log2(16)
     assert "fits" in w.numbers.text()
+    # at 32k tokens an H100 holds the KV of only so many requests: the ceiling ends at the last that fits
+    x, _ = w.charts._curves["ceiling"].getData()
+    largest = max(b for b in BATCHES if costs_fit(w, b))
+    assert largest < BATCHES[-1] and 2 ** x[-1] == pytest.approx(largest)
+
+
+def costs_fit(window, batch: int) -> bool:
+    from engine.estimates import costs
+
+    e = window.estimate
+    return costs.estimate(window._config, window.profiles[window.hardware.currentData()], e.precision, e.kv_dtype, e.context, batch, None, "",
+                          window._count).fits
 
 
 def test_compute_region_appears_at_short_context(qtbot, costs_window):
@@ -140,6 +152,9 @@ def test_a_model_past_one_gpu_gets_a_plan_and_the_vllm_command(qtbot, costs_wind
     assert "<b>4 GPUs</b>" in text and "--tensor-parallel-size 4" in text and "--tp 4" in text
     w.copy_command.click()
     assert QGuiApplication.clipboard().text() == w.plan.vllm_command
+    w.copy_sglang.click()
+    assert QGuiApplication.clipboard().text() == w.plan.sglang_command and "--tp 4" in w.plan.sglang_command
+    assert "over the link" in text  # four GPUs all-reduce over it
     # the $ chart prices the plan's 4 GPUs, as the numbers do (it said "does not fit at any batch")
     price = w.plan.usd_per_million_tokens
     assert price and f"${price:,.2f} per 1M tokens" in text
@@ -149,9 +164,16 @@ def test_a_model_past_one_gpu_gets_a_plan_and_the_vllm_command(qtbot, costs_wind
     # context ticks read as context lengths are said: 2k, 8k, 32k (not 2.05k, 8.19k, 32.8k)
     labels = [label for _, label in w.charts.kv_plot.item.getAxis("bottom")._tickLevels[0]]
     assert {"2k", "8k", "32k", "128k"} <= set(labels)
+    # a model one GPU holds: no link to cross, said so, not "0 B per token over the link"
+    w.set_model("meta-llama/Llama-3.1-8B", "bf16")
+    w.context.setValue(CONTEXTS.index(2048))
+    settle(qtbot, w)
+    assert w.plan.chosen.gpus == 1 and "no link traffic" in w.numbers.text() and "0 B per token" not in w.numbers.text()
     w.hardware.setCurrentIndex(w.hardware.findData("ddr5-desktop"))
     settle(qtbot, w)
     assert w.plan is None and not w.copy_command.isEnabled() and "Past one GPU" not in w.numbers.text()
+    # greyed, and saying why
+    assert not w.copy_sglang.isEnabled() and "not a GPU" in w.copy_command.toolTip()
 
 
 def test_load_sweeps_against_a_server_land_on_the_plan_as_shares_of_its_ceiling(qtbot, costs_window):
