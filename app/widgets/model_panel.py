@@ -310,7 +310,8 @@ class ModelPanel(QWidget):
             return self._show_facts(_served_facts(info))
         values = {
             "Model": info.name,
-            "Format": info.original_format,
+            "Format": info.original_format + (f"; chat template: {info.chat_template}"
+                                              if info.chat_template and info.chat_template != "the model's own" else ""),
             "Precision": f"{info.precision} (compute {info.compute_dtype})",
             "Device": info.device,
             "Hardware": info.device_name,

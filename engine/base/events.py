@@ -74,6 +74,9 @@ class Loaded:
     original_format: str = ""
     """e.g. ``GGUF Q4_1`` or ``safetensors BF16``."""
     has_chat_template: bool = True
+    chat_template: str = ""
+    """Which chat template chat requests use, in words: the model's own, or the family's the load
+    recognised where the model ships without one."""
     kv_dtype: str = ""
     """The dtype the KV cache keeps (``kv_bytes_per_token`` counts it); left empty (a record from
     before the two could differ), ``compute_dtype``."""

@@ -23,6 +23,7 @@ from engine.base.errors import (
 from engine.base.events import Loaded, LoadProgress
 from engine.base.kv import KVLayout, kv_layout
 from engine.models.model import LoadedModel
+from engine.models.templates import ensure_template
 from engine.models.precision import FastPrecision, Precision, dtype_bytes, get_precision, unsupported_type_reason
 from engine.progress import ProgressReporter, reporting
 from engine.models.load_lock import exclusive
@@ -132,6 +133,7 @@ def _load(request: LoadRequest, reporter: ProgressReporter, precision: Precision
     try:
         reporter.report("tokenizer", 0, 0, "Loading the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(str(resolved.folder), trust_remote_code=request.trust_remote_code)
+        template = ensure_template(tokenizer, config.model_type)
         reporter.check()
         with reporting(reporter):
             # use_kernels=False: transformers (5.x) otherwise swaps layers for kernels it downloads
@@ -149,7 +151,8 @@ def _load(request: LoadRequest, reporter: ProgressReporter, precision: Precision
         reporter.report("warmup", 0, 1, "Warming up (one short forward pass)")
         _warm_up(model, device)
         layout = kv_layout(model.config)
-        info = _describe(model, tokenizer, resolved, precision, device, layout, time.perf_counter() - start, fast)
+        info = _describe(model, tokenizer, resolved, precision, device, layout, time.perf_counter() - start, fast,
+                         template)
     except BaseException as exc:
         model = None
         error = _typed_load_error(exc, resolved.name, precision.name, device)
@@ -350,7 +353,7 @@ def weights_read_bytes(model, weights: int) -> int:
 
 
 def _describe(model, tokenizer, resolved: sources.ResolvedModel, precision: Precision, device,
-              layout: KVLayout | None, load_s: float, fast=None) -> Loaded:
+              layout: KVLayout | None, load_s: float, fast=None, template: str = "") -> Loaded:
     config = model.config
     text = config.get_text_config(decoder=True)
     if fast is not None:  # what its decoder computes and caches in, decided once, from the model it got
@@ -379,6 +382,7 @@ def _describe(model, tokenizer, resolved: sources.ResolvedModel, precision: Prec
         kv_bytes_per_token=layout.bytes_per_token(dtype_bytes(kv)) if layout else None,
         original_format=resolved.original_format,
         has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+        chat_template=template,
         kv_dtype=kv,
         kv_shared=fast is not None,
     )

@@ -214,3 +214,35 @@ def test_loads_in_several_threads_at_once_are_all_correct(tiny_models):
                   if isinstance(e, TokenGenerated)]
         assert len(tokens) == 3
     assert "queued" in stages
+
+
+def test_a_model_without_a_chat_template_gets_its_familys_and_says_so(tmp_path, byte_tokenizer):
+    """A Gemma whose tokenizer lost its chat template (as some GGUFs have) answers chat requests
+    in Gemma's turn format, and the load says the template was recognised; a model whose family
+    can't be told keeps none, and chat requests say to use raw mode."""
+    import copy
+
+    from engine.base.errors import InvalidRequestError
+    from engine.base.request import GenerationRequest
+    from engine.models.loading import LoadRequest, load_model
+    from engine.models.templates import recognise
+    from tests.tiny import build_model_folder
+
+    tokenizer = copy.deepcopy(byte_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    tokenizer.chat_template = None
+    folder = build_model_folder(tmp_path / "gemma", "gemma2", tokenizer)
+    loaded = load_model(LoadRequest(str(folder), "fp32", "cpu"))
+    assert loaded.info.has_chat_template and loaded.info.chat_template.startswith("Gemma's, recognised")
+    ids = loaded.encode(GenerationRequest("Hello there", system_prompt="Be brief."))
+    text = loaded.tokenizer.decode(ids)
+    assert text.endswith("<start_of_turn>user\nBe brief.\n\nHello there<end_of_turn>\n<start_of_turn>model\n")
+    assert recognise("gemma2", {"<|im_start|>": 1}) is None  # the architecture alone is not enough
+
+    plain = copy.deepcopy(byte_tokenizer)
+    plain.chat_template = None
+    folder = build_model_folder(tmp_path / "gpt2", "gpt2", plain)
+    loaded = load_model(LoadRequest(str(folder), "fp32", "cpu"))
+    assert not loaded.info.has_chat_template and loaded.info.chat_template.startswith("none")
+    with pytest.raises(InvalidRequestError, match="raw mode"):
+        loaded.encode(GenerationRequest("Hello there"))
