@@ -122,3 +122,25 @@ def test_speculation_is_a_proposer_not_a_branch_of_the_core():
         modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         assert not {n for n in names if "speculat" in n.lower() or "draft" in n.lower()}, name
         assert "engine.generation.speculative" not in modules, name
+
+
+def test_every_dependency_is_pinned_where_the_app_is_installed_and_bundled_from():
+    """constraints.txt pins every package the install brings (a release of one can't change the app
+    underneath its users, or break the bundle), and the install and CI commands use it."""
+    import re
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    wanted = project["dependencies"] + [d for extra in project["optional-dependencies"].values() for d in extra]
+    names = {re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0].lower().replace("_", "-") for d in wanted}
+    pins = {}
+    for line in (root / "constraints.txt").read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"constraints.txt: {line!r} is not pinned to one version"
+            pins[name.lower().replace("_", "-")] = version
+    assert not names - pins.keys(), f"not pinned: {sorted(names - pins.keys())}"
+    assert "kernels" in pins  # what transformers imports, pinned with it
+    assert "-c constraints.txt" in (root / ".ci" / "run").read_text(encoding="utf-8")
+    assert (root / "README.md").read_text(encoding="utf-8").count("-c constraints.txt") >= 2
