@@ -22,7 +22,7 @@ from engine.base.request import GenerationRequest
 from engine.generation.generate import generate, kept_core
 from engine.models.loading import weights_read_bytes
 from engine.models.model import LoadedModel
-from engine.measure.sweep import ceiling_for, profile_for, record_points, run_sweep
+from engine.measure.sweep import ceiling_for, estimate_for, profile_for, record_points, run_sweep
 from engine.generation.speculative import load_draft, parse_draft
 from engine.serve.service import NotServingError, Ticket, Token
 
@@ -195,7 +195,7 @@ class WeightsJob:
 
 @dataclass(frozen=True)
 class Ceiling:
-    """This machine's measured memory bandwidth and the decode speed it allows one request."""
+    """This machine's read bandwidth, measured when asked, and the decode speed it allows one request."""
 
     bandwidth_bytes_per_s: float
     source: str
@@ -206,16 +206,23 @@ class Ceiling:
     """The loaded weights' bytes, and of them what a token reads (all but an input embedding
     table only looked up, a row a token: engine.models.loading.weights_read_bytes)."""
     weights_read_bytes: int
+    level: str = "memory"
+    """Where a token's bytes are read from: ``memory``, or ``L3`` where they fit in the CPU's
+    last-level cache (the ceiling is then that cache's bandwidth, ``level_bandwidth_bytes_per_s``)."""
+    level_bandwidth_bytes_per_s: float | None = None
+    cache_bytes: int | None = None
 
     @property
     def bytes_per_token(self) -> float | None:
-        return self.bandwidth_bytes_per_s / self.tokens_per_s if self.tokens_per_s else None
+        bandwidth = self.level_bandwidth_bytes_per_s or self.bandwidth_bytes_per_s
+        return bandwidth / self.tokens_per_s if self.tokens_per_s else None
 
 
 @dataclass(frozen=True)
 class CeilingJob:
-    """The memory-bandwidth ceiling of one request of ``context`` tokens on this machine (its
-    bandwidth measured once, a few seconds, then cached)."""
+    """The bandwidth ceiling of one request of ``context`` tokens on this machine: its read
+    bandwidth measured now (a second or two: the machine's speed moves with its load), from memory
+    and from its last-level cache, and the level a token's bytes fit in."""
 
     context: int
     kind: ClassVar[str] = "bandwidth ceiling"
@@ -223,11 +230,18 @@ class CeilingJob:
     def run(self, ctx: JobContext) -> Ceiling:
         if ctx.model.model is None:
             raise EngineError("A model served elsewhere runs on its server's memory: load one here.")
+        from engine.estimates.hardware import THIS_MACHINE, this_machine  # lazy: measuring imports torch
+
         profile = profile_for(ctx.model)
+        if profile.id == THIS_MACHINE:
+            profile = this_machine(bandwidth=True)
         weights = ctx.model.info.weights_bytes
+        read = weights_read_bytes(ctx.model.model, weights)
+        e = estimate_for(ctx.model, 1, max(1, self.context), profile)
         return Ceiling(profile.bandwidth_bytes_per_s, (profile.sources or {}).get("bandwidth_bytes_per_s", ""),
-                       ceiling_for(ctx.model, 1, max(1, self.context), profile), weights,
-                       weights_read_bytes(ctx.model.model, weights))
+                       None if e is None else e.decode_tokens_per_s_ceiling, weights, read,
+                       "memory" if e is None else e.bandwidth_level, None if e is None else e.bandwidth_bytes_per_s,
+                       profile.cache_bytes)
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,10 @@ class Estimate:
     wh_per_million_tokens: float | None
     training_flops: float | None
     training_breakeven_tokens: float | None
+    bandwidth_bytes_per_s: float = 0.0
+    """The read bandwidth the memory-bound line uses: the memory's, or the last-level cache's where
+    a step's bytes fit in it (``bandwidth_level``)."""
+    bandwidth_level: str = "memory"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -123,14 +127,15 @@ def estimate(config, hardware: Hardware, precision: str = "bf16", kv_dtype: str 
     # attention: q·k and p·v over the context, 2 FLOPs each
     attention = 4 * int(text.num_hidden_layers) * heads * head_dim * context
     flops = 2.0 * (count.total - (0 if count.tied else count.embedding)) + attention
-    memory_time = (read + kv_total) / hardware.bandwidth_bytes_per_s
+    bandwidth, level = hardware.bandwidth_for(read + kv_total)
+    memory_time = (read + kv_total) / bandwidth
     memory_rate = batch / memory_time
     compute_rate = hardware.bf16_flops / flops
     ceiling = min(memory_rate, compute_rate)
     # a step reads weights − table once and a row and a KV cache per sequence: the two times are
     # equal where B × (FLOPs / peak − (row + KV) / bandwidth) = (weights − table) / bandwidth
-    denominator = flops / hardware.bf16_flops - (kv_per_sequence + row) / hardware.bandwidth_bytes_per_s
-    ridge = ((weights - table) / hardware.bandwidth_bytes_per_s) / denominator if denominator > 0 else None
+    denominator = flops / hardware.bf16_flops - (kv_per_sequence + row) / bandwidth
+    ridge = ((weights - table) / bandwidth) / denominator if denominator > 0 else None
     fits = total <= hardware.memory_bytes
     # no price without a price per hour (this machine has none), and none for a setup that doesn't fit
     usd = (hardware.usd_per_hour / (ceiling * 3600) * 1e6) if hardware.usd_per_hour and fits else None
@@ -147,6 +152,7 @@ def estimate(config, hardware: Hardware, precision: str = "bf16", kv_dtype: str 
         ridge_batch=ridge, prefill_s=context * flops / hardware.bf16_flops, usd_per_million_tokens=usd,
         wh_per_million_tokens=wh, training_flops=training,
         training_breakeven_tokens=(training / (2.0 * count.total)) if training else None,
+        bandwidth_bytes_per_s=bandwidth, bandwidth_level=level,
     )
 
 

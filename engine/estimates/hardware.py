@@ -31,9 +31,21 @@ class Hardware:
     sources: dict = field(default_factory=dict, compare=False)
     interconnect_bytes_per_s: float | None = None
     """GPU-to-GPU link, one direction (NVLink, else PCIe): what tensor parallelism's all-reduces use."""
+    cache_bytes: int | None = None
+    """A CPU's last-level cache (L3): what a step reads from it instead of memory when it fits."""
+    cache_bandwidth_bytes_per_s: float | None = None
+    """Read bandwidth from that cache, measured as the memory's is."""
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def bandwidth_for(self, bytes_per_step: float) -> tuple[float, str]:
+        """The read bandwidth a step that reads ``bytes_per_step`` gets, and from where: the
+        last-level cache's where all of it fits in three quarters of that cache (the rest holds
+        activations and code, and other cores share it), else the memory's."""
+        if self.cache_bytes and self.cache_bandwidth_bytes_per_s and bytes_per_step <= 0.75 * self.cache_bytes:
+            return self.cache_bandwidth_bytes_per_s, "L3"
+        return self.bandwidth_bytes_per_s, "memory"
 
 
 def _user_file() -> Path:
@@ -108,8 +120,10 @@ def profile_path() -> Path:
     return Path(override) if override else cache_dir() / "this-machine.json"
 
 
-def this_machine(measure: bool = False) -> Hardware:
-    """This computer's CPU: bandwidth and FLOP/s measured (a few seconds, once), then cached."""
+def this_machine(measure: bool = False, bandwidth: bool = False) -> Hardware:
+    """This computer's CPU: bandwidth and FLOP/s measured (a few seconds, once), then cached;
+    ``bandwidth``: the read bandwidth measured again now (a second or two: a ceiling is drawn
+    from the bandwidth the machine has when it is drawn, not on a busier hour)."""
     import psutil
 
     cache = profile_path()
@@ -122,35 +136,79 @@ def this_machine(measure: bool = False) -> Hardware:
                 measured = data
         except (OSError, ValueError):
             pass
-    if measured is None:
+    fresh = measured is None
+    if fresh:
         measured = {"fingerprint": fingerprint, **measure_cpu(), "measured_at": time.strftime("%Y-%m-%d %H:%M")}
+    elif bandwidth:
+        measured = {**measured, **measure_bandwidth()}
+    if fresh or bandwidth:
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(measured, indent=2), encoding="utf-8")
+    when = measured.get("bandwidth_measured_at", measured["measured_at"])
+    level = measured.get("cache_bytes")
 
     return Hardware(
         id=THIS_MACHINE, name=f"This machine: {_cpu_model()} ({platform.machine()})", kind="cpu",
         memory_bytes=int(psutil.virtual_memory().total), bandwidth_bytes_per_s=measured["bandwidth_bytes_per_s"],
         bf16_flops=measured["bf16_flops"], usd_per_hour=0.0, watts=None,
-        sources={"bandwidth_bytes_per_s": f"measured {measured['measured_at']}: sum over a 512 MiB fp32 tensor, best of 5",
+        sources={"bandwidth_bytes_per_s": f"measured {when}: sum over a 512 MiB fp32 tensor, best of 5",
                  "bf16_flops": f"measured {measured['measured_at']}: 1024² bf16 matmul, best of 5",
+                 "cache_bandwidth_bytes_per_s": (f"measured {when}: sum over a quarter of the "
+                                                 f"{level / 2**20:,.0f} MiB L3, best of 50" if level else ""),
                  "memory_bytes": "psutil: total RAM", "usd_per_hour": "your own machine: set a price to compare"},
+        cache_bytes=level, cache_bandwidth_bytes_per_s=measured.get("cache_bandwidth_bytes_per_s"),
     )
 
 
-def measure_cpu() -> dict:
-    """Read bandwidth (a reduction over a tensor far bigger than the caches) and bf16 matmul
-    FLOP/s with the threads torch uses. A few seconds."""
+def last_level_cache_bytes() -> int | None:
+    """The CPU's largest cache (Linux: sysfs; elsewhere ``None``)."""
+    largest = None
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
+        value = int(size[:-1]) * units[size[-1]] if size[-1:] in units else int(size) if size.isdigit() else None
+        if value and (largest is None or value > largest):
+            largest = value
+    return largest
+
+
+def _read_bandwidth(data, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * data.element_size() / best
+
+
+def measure_bandwidth() -> dict:
+    """Read bandwidth from memory (a reduction over a tensor far bigger than the caches) and, where
+    the last-level cache's size is known, from that cache (over a quarter of it, read again and
+    again), with the threads torch uses. A second or two."""
     heavy_imports()
     import torch
 
     data = torch.ones(128 * 1024 * 1024, dtype=torch.float32)  # 512 MiB
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    bandwidth = data.numel() * data.element_size() / best
+    result = {"bandwidth_bytes_per_s": _read_bandwidth(data, 5)}
     del data
+    cache = last_level_cache_bytes()
+    if cache:
+        data = torch.ones(cache // 16, dtype=torch.float32)  # a quarter of it
+        result.update(cache_bytes=cache, cache_bandwidth_bytes_per_s=_read_bandwidth(data, 50))
+    result["bandwidth_measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    return result
+
+
+def measure_cpu() -> dict:
+    """Read bandwidth (:func:`measure_bandwidth`) and bf16 matmul FLOP/s with the threads torch
+    uses. A few seconds."""
+    heavy_imports()
+    import torch
+
+    measured = measure_bandwidth()
     n = 1024
     a = torch.randn(n, n, dtype=torch.bfloat16)
     b = torch.randn(n, n, dtype=torch.bfloat16)
@@ -160,4 +218,4 @@ def measure_cpu() -> dict:
         start = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - start)
-    return {"bandwidth_bytes_per_s": bandwidth, "bf16_flops": 2 * n ** 3 / best}
+    return {**measured, "bf16_flops": 2 * n ** 3 / best}

@@ -198,3 +198,24 @@ def test_a_fast_path_batch_runs_on_the_engine_core(tiny_models, precision):
     assert final.aggregate_tokens_per_s > 0 and final.kv_cache_bytes == max(s.kv_cache_bytes for s in steps)
     for i, sequence in enumerate(final.sequences):
         assert "".join(step.texts[i] for step in steps) == sequence.text
+
+
+def test_a_rate_above_its_ceiling_measures_the_bandwidth_again_and_says_why_if_it_still_is(monkeypatch):
+    """A sweep point faster than its ceiling: the bandwidth is measured again and the new ceiling
+    stands; where even that is beaten, the point says so (a note), never a share over 100%."""
+    from types import SimpleNamespace
+
+    from engine.estimates import hardware
+    from engine.measure import sweep
+
+    measured = []
+    ceilings = iter([10.0, 20.0, 10.0, 12.0, 10.0])
+    monkeypatch.setattr(sweep, "profile_for", lambda loaded: SimpleNamespace(id=hardware.THIS_MACHINE))
+    monkeypatch.setattr(hardware, "this_machine", lambda bandwidth=False: measured.append(bandwidth) or "again")
+    monkeypatch.setattr(sweep, "estimate_for", lambda *a: SimpleNamespace(
+        decode_tokens_per_s_ceiling=next(ceilings), bandwidth_level="memory", bandwidth_bytes_per_s=2e10))
+    assert sweep.above_ceiling(None, 15.0, 1, 64) == (20.0, None)  # measured again: 20 holds
+    ceiling, note = sweep.above_ceiling(None, 15.0, 1, 64)  # measured again: 12, still beaten
+    assert ceiling == 12.0 and note.startswith("above the ceiling: 15.0 tok/s against 12.0") and "20.0 GB/s" in note
+    assert sweep.above_ceiling(None, 9.0, 1, 64) == (10.0, None)  # below: nothing measured again
+    assert measured == [True, True]

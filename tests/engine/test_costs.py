@@ -132,6 +132,38 @@ def test_measure_cpu_gives_plausible_numbers():
     result = hardware.measure_cpu()
     assert 1e9 < result["bandwidth_bytes_per_s"] < 2e12
     assert 1e8 < result["bf16_flops"] < 1e16  # a CPU without bf16 instructions (AVX2 only) reads ~1e9
+    if hardware.last_level_cache_bytes():  # read from its cache too, and faster than from memory
+        assert result["cache_bytes"] == hardware.last_level_cache_bytes()
+        assert result["cache_bandwidth_bytes_per_s"] > result["bandwidth_bytes_per_s"]
+
+
+def test_a_step_whose_bytes_fit_in_the_l3_is_bound_by_the_l3_not_the_memory():
+    """On a CPU whose last-level cache holds a step's bytes, the memory-bound line (and so the
+    ceiling) uses that cache's bandwidth, and the estimate says which; a step past three quarters
+    of it reads from memory, and a profile without the cache's figures uses the memory's."""
+    cpu = Hardware(id="cpu", name="test", kind="cpu", memory_bytes=2 ** 34, bandwidth_bytes_per_s=2e10,
+                   bf16_flops=1e14, usd_per_hour=None, watts=None, cache_bytes=480 * 2 ** 20,
+                   cache_bandwidth_bytes_per_s=2e11)
+    assert cpu.bandwidth_for(100 * 2 ** 20) == (2e11, "L3") and cpu.bandwidth_for(400 * 2 ** 20) == (2e10, "memory")
+    small = costs.estimate(config_for("default"), cpu, "int8", "bf16", 256, 1)
+    assert small.bandwidth_level == "L3" and small.bandwidth_bytes_per_s == 2e11
+    assert small.memory_bound_tokens_per_s == pytest.approx(2e11 / (small.weights_read_bytes + small.kv_bytes_total))
+    big = costs.estimate(config_for("meta-llama/Llama-3.1-8B"), cpu, "bf16", "bf16", 256, 1)
+    assert big.bandwidth_level == "memory" and big.bandwidth_bytes_per_s == 2e10
+    plain = Hardware(**{**cpu.to_dict(), "cache_bytes": None, "cache_bandwidth_bytes_per_s": None})
+    assert costs.estimate(config_for("default"), plain, "int8", "bf16", 256, 1).bandwidth_level == "memory"
+
+
+def test_the_ceiling_takes_the_bandwidth_when_it_is_drawn(isolated_cache, monkeypatch):
+    """Asked for a ceiling, this machine's bandwidth is measured again (the rest of its profile
+    kept): a figure measured on a busier hour no longer caps a quicker one."""
+    monkeypatch.setattr(hardware, "measure_cpu", lambda: {"bandwidth_bytes_per_s": 1e10, "bf16_flops": 3e11})
+    monkeypatch.setattr(hardware, "measure_bandwidth", lambda: {"bandwidth_bytes_per_s": 3e10,
+                                                               "bandwidth_measured_at": "now"})
+    assert hardware.this_machine().bandwidth_bytes_per_s == 1e10
+    again = hardware.this_machine(bandwidth=True)
+    assert again.bandwidth_bytes_per_s == 3e10 and again.bf16_flops == 3e11
+    assert hardware.this_machine().bandwidth_bytes_per_s == 3e10  # kept for the next reader
 
 
 def test_edits_are_kept_and_sources_shipped(tmp_path, monkeypatch):
