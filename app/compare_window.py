@@ -280,6 +280,7 @@ class CompareWindow(QMainWindow):
         self.running = True
         self.quality_run = run = QualityRun(self.lanes, parent=self, **self.quality_settings)
         run.progressed.connect(lambda lane, text: lane._set_status(text))
+        run.overall.connect(self.show_message)
         run.finished.connect(self._on_quality_finished)
         run.failed.connect(self._on_quality_failed)
         self.show_message("Quality: every lane reads the same text, lane 1 first (the reference).")

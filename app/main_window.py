@@ -355,6 +355,19 @@ class MainWindow(QMainWindow):
             self.session.cancel(self.job)
 
     @Slot()
+    def restore_conversation(self, turns: list, mode: str, system_prompt: str | None) -> None:
+        """Put back an earlier conversation (the tour's turns leave when it ends); the plots show
+        its last answer's run. Not while an answer streams: that answer's turn stays."""
+        if self.generating:
+            return
+        self.transcript.clear()
+        self.transcript.turns.extend(turns)
+        self.transcript.mode, self.transcript.system_prompt = mode, system_prompt
+        current = self.transcript.current
+        self.run = current.run if current is not None else Run(self.loaded.weights_bytes if self.loaded else None)
+        self.output.rerender()
+        self._final_refresh()
+
     def clear_conversation(self) -> None:
         if self.generating:
             return

@@ -15,6 +15,7 @@ from engine.models.sources import reference_weights
 
 class QualityRun(QObject):
     progressed = Signal(object, str)  # lane, what it is doing
+    overall = Signal(str)  # the whole run: which lane of how many, and about how long is left in all
     finished = Signal(object)  # list[LaneQuality], one per lane that measured
     failed = Signal(str)  # why the run ended early (the lanes measured so far are in ``rows``)
 
@@ -84,6 +85,20 @@ class QualityRun(QObject):
         eta = f", {p.eta_s:,.0f} s left" if p.eta_s is not None else ""
         self.progressed.emit(self._current, f"quality: chunk {p.chunks_done}/{p.chunks} · "
                                             f"{p.tokens_per_s:,.0f} tok/s{eta}")
+        self.overall.emit(self.describe(p.chunks_done, p.chunks, p.eta_s))
+
+    def describe(self, done: int, chunks: int, eta_s: float | None) -> str:
+        """The whole run in a line: the lane reading now, and the time left in all (this lane's
+        estimate, and each lane still queued at the mean of the lanes measured so far, or at this
+        lane's own pace before any has finished)."""
+        lane = len(self.rows) + 1
+        said = f"Quality: lane {lane} of {len(self.lanes)}, chunk {done}/{chunks}"
+        if eta_s is None:
+            return said + "."
+        measured = [row.report.seconds for row in self.rows]
+        each = sum(measured) / len(measured) if measured else eta_s * chunks / max(chunks - done, 1)
+        left = eta_s + each * len(self._queue)
+        return said + f" · about {left:,.0f} s left in all."
 
     def _on_finished(self, job_id: int, result: QualityResult) -> None:
         if job_id != self._job:

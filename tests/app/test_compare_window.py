@@ -180,9 +180,14 @@ def test_quality_run_measures_every_lane_against_lane_1(qtbot, compare, tiny_lla
     compare.lanes[0].configure(LaneSpec(str(tiny_llama), "fp32", "cpu"))
     compare.lanes[1].configure(LaneSpec(str(tiny_llama), "bf16", "cpu"))
     compare.quality_settings = {"text": str(text), "ctx": 64, "chunks": 4}
+    said, show = [], compare.show_message  # the window's message line carries the whole run's progress
+    monkeypatch.setattr(compare, "show_message", lambda text, error=False: (said.append(text), show(text, error)))
     with qtbot.waitSignal(compare.quality_finished, timeout=180_000):
         compare.quality_button.click()  # loads both lanes first
     rows = compare.quality_view.rows
+    # the whole run's progress: each lane in turn, and the time left in all once a chunk was timed
+    assert any(s.startswith("Quality: lane 1 of 2") for s in said) and any("lane 2 of 2" in s for s in said)
+    assert any("s left in all" in s for s in said)
     assert [r.precision for r in rows] == ["fp32", "bf16"]
     reference, other = rows[0].report, rows[1].report
     assert reference.divergence is None and other.divergence is not None

@@ -126,8 +126,11 @@ def test_every_step_shows_the_figure_it_names(qtbot, toured):
     assert "20 training tokens per parameter" in figure
     assert window.tools.costs.training.text() == f"{20 * window.loaded.parameters:.3g}"
     assert tour.next_button.text() == "Finish"
+    assert len(window.transcript.turns) >= 4  # the tour's two turns, until it ends
     tour.next()
     assert not tour.isVisible()
+    # the tour's turns leave the chat: the user's first question will be turn 1, not turn 3
+    assert window.transcript.turns == [] and window.output.toPlainText() == ""
 
 
 def test_leaving_mid_step_stops_listening_and_the_tour_server(qtbot, toured):
