@@ -13,6 +13,7 @@ import ipaddress
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -246,6 +247,8 @@ class _HistoryWriter:
         from concurrent.futures import ThreadPoolExecutor
 
         self.info = loaded.info
+        self.serving = time.strftime("%Y-%m-%dT%H:%M:%S")
+        """This server's run: its requests are one entry of the history, listed together."""
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="served-history")
         self.open: dict[int, tuple] = {}
         self.stop_listening = service.listen(self.on_event)
@@ -266,7 +269,7 @@ class _HistoryWriter:
         from engine.storage import history  # lazy: importing it loads numpy
 
         history.remember(self.info, finished, "served", tokens=tokens, client=arrived.client,
-                         endpoint=arrived.endpoint, error=finished.error)
+                         endpoint=arrived.endpoint, error=finished.error, serving=self.serving)
 
     def close(self) -> None:
         self.stop_listening()

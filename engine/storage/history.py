@@ -158,6 +158,62 @@ def load_all(folder: Path | None = None) -> list[RunRecord]:
     return records
 
 
+def path_of(record: RunRecord) -> Path | None:
+    """The file ``record`` was read from (by :func:`load_all`), ``None`` if it wasn't."""
+    with _parsed_lock:
+        return next((path for path, (_, _, known) in _parsed.items() if known is record), None)
+
+
+def delete(records: list[RunRecord]) -> int:
+    """Remove these records' files from the history; returns how many went (a file already gone
+    counts as gone)."""
+    gone = 0
+    for record in records:
+        path = path_of(record)
+        if path is None:
+            continue
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("could not delete %s: %s", path, exc)
+            continue
+        with _parsed_lock:
+            _parsed.pop(path, None)
+        gone += 1
+    return gone
+
+
+@dataclass(frozen=True)
+class ServedRun:
+    """A server run's requests, listed as one entry (each request stays a record of its own)."""
+
+    requests: tuple[RunRecord, ...]
+    """Oldest first."""
+
+    @property
+    def latest(self) -> RunRecord:
+        return self.requests[-1]
+
+
+def entries(records: list[RunRecord]) -> list["RunRecord | ServedRun"]:
+    """The history as it is listed, newest first: every record, except that a server run's
+    requests (kind ``served``, one ``serving`` id) are one :class:`ServedRun` where the newest of
+    them is. ``records``: oldest first, as :func:`load_all` gives them."""
+    groups: dict[tuple, list[RunRecord]] = {}
+    listed: list = []
+    for record in reversed(records):
+        serving = record.extra.get("serving") if record.kind == "served" else None
+        if serving is None:
+            listed.append(record)
+            continue
+        key = (serving, record.model_ref, record.precision)
+        if key not in groups:
+            groups[key] = []
+            listed.append(key)
+        groups[key].append(record)
+    return [ServedRun(tuple(reversed(groups[item]))) if isinstance(item, tuple) else item for item in listed]
+
+
 def remember(info: Loaded | None, finished: Finished, kind: str, transcript: str | None = None,
              tokens=(), error: str | None = None, **more) -> None:
     """Add a finished run to the history (for the cost explorer and File → Run history, which

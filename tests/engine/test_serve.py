@@ -286,6 +286,7 @@ def test_key_body_limit_queue_limit_and_history(loaded_llama, tmp_path, monkeypa
         assert server.stop(drain=False, timeout=30)
     served = [r for r in history.load_all() if r.kind == "served"]
     assert served and all(r.extra["client"].startswith("127.0.0.1:") for r in served)
+    assert len({r.extra["serving"] for r in served}) == 1  # one server run: one row in the history
     assert {r.extra["endpoint"] for r in served} == {"/v1/chat/completions"}
     for path in history.history_dir().glob("*.json"):
         assert "sekrit" not in path.read_text()
