@@ -355,6 +355,16 @@ class MainWindow(QMainWindow):
             self.session.cancel(self.job)
 
     @Slot()
+    def say(self, text: str, ms: int = 0) -> None:
+        """A message in the status bar; where the figures beside it leave it too little room to be
+        read whole (a narrow window), under the prompt too, where it wraps (until the next prompt)."""
+        bar = self.statusBar()
+        bar.showMessage(text, ms)
+        figures = sum(label.width() for label in self.status.labels.values() if label.isVisible())
+        room = bar.width() - figures - 40
+        if bar.fontMetrics().horizontalAdvance(text) > room:
+            self.prompt.show_message(text, "info")
+
     def restore_conversation(self, turns: list, mode: str, system_prompt: str | None) -> None:
         """Put back an earlier conversation (the tour's turns leave when it ends); the plots show
         its last answer's run. Not while an answer streams: that answer's turn stays."""
@@ -417,7 +427,7 @@ class MainWindow(QMainWindow):
         self.server_panel.set_model(info.name)
         self._update_state()
         self._update_status()
-        self.statusBar().showMessage(f"Loaded {info.name} ({info.precision}) in {format_seconds(info.load_s)}", 5000)
+        self.say(f"Loaded {info.name} ({info.precision}) in {format_seconds(info.load_s)}", 5000)
         waiting, self._generate_after_load = self._generate_after_load, None
         if waiting is not None:
             self.generate(waiting)
@@ -504,7 +514,7 @@ class MainWindow(QMainWindow):
             said = f"Stopped: {event.tokens} tokens, {rate}{cached}{served}"
         else:
             said = f"Done: {event.tokens} tokens, {rate}{cached}, ended: {ending(event.reason)}{served}"
-        self.statusBar().showMessage(said, 15000)
+        self.say(said, 15000)
         self.generation_finished.emit(event)
 
     def _on_generation_failed(self, exc: Exception) -> None:

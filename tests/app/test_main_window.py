@@ -354,3 +354,21 @@ def test_a_new_model_answers_with_its_own_core_not_the_last_ones(qtbot, window, 
     request = window.generation_panel.request_for("The quick brown fox", ())
     alone = next(e for e in engine_generate(qwen, request) if isinstance(e, Finished))
     assert answer.token_ids == alone.token_ids and answer.cached_tokens == 0
+
+
+def test_a_message_the_status_bar_cannot_show_whole_is_shown_under_the_prompt(qtbot, window):
+    """At 1000 px the status bar's figures leave its message ~100 px: "Done: … prompt tokens from
+    the cache" was cut to "Done: 16 tokens, 11.6 tok/s, 96 of 129 promp". Such a message is
+    shown under the prompt too, where it wraps; a short one, or in a wide window, is not."""
+    window.resize(1000, 700)
+    window.show()
+    qtbot.waitExposed(window)
+    text = "Done: 16 tokens, 11.6 tok/s, 96 of 129 prompt tokens from the cache; TTFT 120 ms, ended: the token limit"
+    window.say(text)
+    assert window.statusBar().currentMessage() == text
+    assert window.prompt.message.isVisible() and window.prompt.message.text() == text
+    window.prompt.show_message("")
+    window.resize(3000, 700)  # room beside the figures: the status bar alone says it
+    qtbot.waitUntil(lambda: window.statusBar().width() >= 2900)
+    window.say("Saved")
+    assert window.statusBar().currentMessage() == "Saved" and not window.prompt.message.isVisible()
