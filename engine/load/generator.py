@@ -74,6 +74,8 @@ class SettingResult:
     model: str = ""
     server: ServerState = field(default_factory=ServerState)
     """What the server said about itself meanwhile (its /metrics), if anything."""
+    runs_on: dict = field(default_factory=dict)
+    """What its ``/models`` says runs the model (this workbench's server: precision, device…)."""
 
     @property
     def label(self) -> str:
@@ -96,6 +98,8 @@ class LoadRunner:
     _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
     _task: asyncio.Task | None = field(default=None, repr=False)
     _stopped: bool = False
+    runs_on: dict = field(default_factory=dict, repr=False)
+    """What the server's ``/models`` says runs the model (:func:`served_model`)."""
 
     def run(self) -> list[SettingResult]:
         if not self.prompts:
@@ -119,7 +123,7 @@ class LoadRunner:
         out = []
         async with httpx.AsyncClient(base_url=plan.url.rstrip("/"), limits=limits, timeout=timeout,
                                      headers=headers) as client:
-            model = plan.model or await first_model(client)
+            model, self.runs_on = await served_model(client, plan.model)
             for mode, value in plan.settings():
                 if self._stopped:
                     break
@@ -183,7 +187,25 @@ class LoadRunner:
                            else "cut by Stop: in flight when the load was stopped")
         ended = [r.start_s + r.e2e_s for r in results if r.e2e_s is not None]
         duration = (max(ended) if ended else time.perf_counter() - start)
-        return SettingResult(mode, value, results, summarize(results, duration, plan.slo, cut_by), model, server)
+        return SettingResult(mode, value, results, summarize(results, duration, plan.slo, cut_by), model, server,
+                             dict(self.runs_on))
+
+
+async def served_model(client, model: str | None) -> tuple[str, dict]:
+    """The model to send (``model``, or the first ``GET /models`` lists) and what the listing says
+    runs it (``meta``: this workbench's server names its precision and device; others little)."""
+    import httpx
+
+    try:
+        response = await client.get("/models")
+        listed = response.json().get("data") or [] if response.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):
+        listed = []
+    entry = next((m for m in listed if isinstance(m, dict) and (model is None or m.get("id") == model)), None)
+    if model is None:
+        model = await first_model(client) if entry is None else entry["id"]
+    meta = entry.get("meta") if entry is not None and isinstance(entry.get("meta"), dict) else {}
+    return model, meta
 
 
 async def first_model(client) -> str:

@@ -124,10 +124,16 @@ def history_record(plan: LoadPlan, result: SettingResult, load_id: str | None = 
     prompt = [r.prompt_tokens for r in done if r.prompt_tokens is not None]
     tpot = s.tpot["median"] if s.tpot else None
     kind = result.server.kind or "server"
+    runs_on = result.runs_on
     return RunRecord(
         kind="load", when=time.strftime("%Y-%m-%dT%H:%M:%S"), model=result.model, model_ref=plan.url,
-        precision="served", device="remote", device_name=f"{kind} at {httpx.URL(plan.url).netloc.decode()}",
-        hardware="remote", parameters=None, weights_bytes=None, kv_cache_bytes=None, kv_bytes_per_token=None,
+        # what the server says runs the model (this workbench's does), else that a server runs it
+        precision=str(runs_on.get("precision") or "served"), device=str(runs_on.get("device") or "remote"),
+        device_name=f"{kind} at {httpx.URL(plan.url).netloc.decode()}"
+                    + (f" ({runs_on['device_name']})" if runs_on.get("device_name") else ""),
+        hardware="remote", parameters=runs_on.get("n_params") if isinstance(runs_on.get("n_params"), int) else None,
+        weights_bytes=runs_on.get("size") if isinstance(runs_on.get("size"), int) else None,
+        kv_cache_bytes=None, kv_bytes_per_token=None,
         prompt_tokens=round(sum(prompt) / len(prompt)) if prompt else 0,
         tokens=round(s.output_tokens / len(done)) if done else 0, batch=batch,
         decode_tokens_per_s=1 / tpot if tpot else None, ttft_s=s.ttft["median"] if s.ttft else None,

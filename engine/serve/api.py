@@ -225,8 +225,12 @@ def create_app(service: CoreService, model_name: str, api_key: str | None = None
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
+        info = service.loaded.info  # what runs it, as llama.cpp's `meta` says of its model
+        meta = {"precision": info.precision, "device": info.device, "device_name": info.device_name,
+                "n_params": info.parameters, "size": info.weights_bytes}
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "inference-workbench", "max_model_len": context}]}
+                                            "owned_by": "inference-workbench", "max_model_len": context,
+                                            "meta": meta}]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

@@ -117,7 +117,7 @@ def test_a_local_lane_and_an_endpoint_lane_agree_token_for_token(qtbot, compare,
     local, endpoint = compare.summary
     assert endpoint.token_agreement == 1.0 and endpoint.first_divergence is None  # greedy: the same tokens
     assert local.decode_tokens_per_s > 0 and endpoint.decode_tokens_per_s > 0  # both speeds in the summary
-    assert endpoint.weights_bytes is None and endpoint.kv_cache_bytes is None
+    assert endpoint.weights_bytes == local.weights_bytes and endpoint.kv_cache_bytes is None  # as its server says
     assert endpoint.mean_abs_logprob_delta is None  # the server's weights can't score lane 1's answer here
     rows = table_text(compare)
     assert any("served at" in cell for cell in rows[1]) and "100.0%" in rows[1]

@@ -53,7 +53,9 @@ def test_greedy_stream_equals_the_local_model_with_its_logprobs(server, loaded_l
         info = model.info
         assert (info.source, info.name, model.kind, model.metrics_kind) == ("endpoint", server.model_name,
                                                                             "workbench", "vllm")
-        assert info.weights_bytes is None and info.parameters is None and info.device == "remote"
+        # the workbench's server says what it runs (as llama.cpp's `meta` does): its weights' bytes and parameters
+        assert (info.weights_bytes, info.parameters) == (loaded_llama.info.weights_bytes, loaded_llama.info.parameters)
+        assert info.device == "remote"
         assert info.context_length == loaded_llama.info.context_length
         request = GenerationRequest(PROMPT, max_new_tokens=12, ignore_eos=True)
         tokens, answered, finished = _events(model, request)
@@ -249,7 +251,8 @@ def test_cli_bench_and_compare_a_local_lane_with_an_endpoint_lane(server, tiny_l
     assert "tokens counted by logprobs" in out and "KV cache n/a (the server's own)" in out
     assert "decode   6 tokens · " in out and "per token p50" in out
     report = json.loads(bench_json.read_text())
-    assert report["source"] == "endpoint" and len(report["token_ids"]) == 6 and report["weights_bytes"] is None
+    assert report["source"] == "endpoint" and len(report["token_ids"]) == 6
+    assert report["weights_bytes"] == server.service.loaded.info.weights_bytes  # as the server says it
     assert (report["tokens"], report["tokens_counted_by"]) == (6, "logprobs")
     assert report["endpoint"]["counted_by"] == "logprobs" and report["endpoint"]["usage_completion_tokens"] == 6
     assert report["endpoint"]["server_samples"] == [] or report["endpoint"]["server_samples"][0]["kind"] == "vllm"
@@ -262,7 +265,7 @@ def test_cli_bench_and_compare_a_local_lane_with_an_endpoint_lane(server, tiny_l
     assert summary[1]["token_agreement"] == 1.0 and summary[1]["first_divergence"] is None  # token for token
     assert summary[1]["label"].endswith(f"served at {server.url}")
     assert all(row["decode_tokens_per_s"] > 0 and row["ttft_s"] > 0 for row in summary)  # both speeds
-    assert summary[1]["weights_bytes"] is None and summary[1]["kv_cache_bytes"] is None
+    assert summary[1]["weights_bytes"] == summary[0]["weights_bytes"] and summary[1]["kv_cache_bytes"] is None
     assert "served at" in table and "100.0%" in table
 
     assert main(["sweep", "--model", f"endpoint:{server.url}"]) != 0

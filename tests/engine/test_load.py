@@ -228,6 +228,10 @@ def test_load_command_writes_json_without_the_key(server, tmp_path, capsys):
     assert [(r.batch, r.extra["url"], r.model, r.hardware) for r in records] == [
         (1, server.url, server.model_name, "remote"), (2, server.url, server.model_name, "remote")]
     assert records[1].extra["aggregate_tokens_per_s"] == pytest.approx(rows[1] and float(rows[1]["output_throughput"]))
+    # this workbench's server says what runs the model: the load's records say it, not "served"/"remote"
+    info = server.service.loaded.info
+    assert {(r.precision, r.device, r.weights_bytes) for r in records} == {(info.precision, info.device,
+                                                                             info.weights_bytes)}
     assert records[0].decode_tokens_per_s == pytest.approx(1 / float(rows[0]["tpot_p50_s"]))
     assert all("not-needed-key" not in p.read_text() for p in history_dir().glob("*.json"))
 
