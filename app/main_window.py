@@ -98,7 +98,9 @@ class MainWindow(QMainWindow):
         self._add_dock("generation", "Generation", scrolling(self.generation_panel), Qt.LeftDockWidgetArea)
         self.server_panel = ServerPanel(self.session)
         self.server_panel.traffic_open_clicked.connect(self.open_traffic)
-        self._add_dock("server", "Server", self.server_panel, Qt.LeftDockWidgetArea)
+        # it scrolls too: unscrolled, its height was the tab group's minimum, which left the Model
+        # panel 119 px of a 700-px window
+        self._add_dock("server", "Server", scrolling(self.server_panel), Qt.LeftDockWidgetArea)
         self.tabifyDockWidget(self._docks["generation"], self._docks["server"])
         self._docks["generation"].raise_()
         titles = {"speed": "Tokens / second", "latency": "Per-token latency", "kv": "KV cache", "memory": "Memory"}
@@ -164,6 +166,12 @@ class MainWindow(QMainWindow):
         column, two at a time (tokens/sec over the KV cache; latency and memory on the tabs behind)."""
         width = self.width()
         docks = self._docks
+        # the Model panel's controls whole (down to Load and Unload), the Generation panel the rest
+        side = docks["model"].height() + docks["generation"].height()
+        want = self.model_panel.controls_height() + docks["model"].height() - docks["model"].widget().viewport().height()
+        if side > 0:
+            self.resizeDocks([docks["model"], docks["generation"]], [min(want, int(side * 0.6)), max(1, side - want)],
+                             Qt.Vertical)
         if width < NARROW_WIDTH:
             self.splitDockWidget(docks["speed"], docks["kv"], Qt.Vertical)
             self.tabifyDockWidget(docks["speed"], docks["latency"])

@@ -146,11 +146,28 @@ class ModelPanel(QWidget):
         layout.addWidget(self.stage)
         layout.addWidget(facts_box)
         layout.addStretch(1)
+        self._facts_box = facts_box
         self.set_loading(False, loaded=False)
         self.source.currentIndexChanged.connect(self._update_pending)
         self.source.editTextChanged.connect(self._update_pending)
         self.precision.currentIndexChanged.connect(self._update_pending)
         self.device.currentIndexChanged.connect(self._update_pending)
+
+    def controls_height(self) -> int:
+        """Height that shows every control down to Load and Unload, and the note under them (the
+        loaded model's facts below may scroll): what the window gives this panel first."""
+        layout = self.layout()
+        margins = layout.contentsMargins()
+        height = margins.top() + margins.bottom()
+        for i in range(layout.count()):
+            item = layout.itemAt(i)
+            if item.widget() is self._facts_box:
+                break
+            widget = item.widget()
+            if widget is not None and widget.isHidden():
+                continue
+            height += item.sizeHint().height() + layout.spacing()
+        return height
 
     # -- choices ---------------------------------------------------------------------
     def request(self) -> LoadRequest:

@@ -372,3 +372,16 @@ def test_a_message_the_status_bar_cannot_show_whole_is_shown_under_the_prompt(qt
     qtbot.waitUntil(lambda: window.statusBar().width() >= 2900)
     window.say("Saved")
     assert window.statusBar().currentMessage() == "Saved" and not window.prompt.message.isVisible()
+
+
+@pytest.mark.parametrize("size", [(1280, 800), (1000, 700)])
+def test_the_model_panel_shows_its_controls_down_to_load_at_laptop_sizes(qtbot, window, size):
+    """The Model panel's controls, down to Load and Unload, are in view at the start (or after
+    View → Reset layout); the Generation panel below scrolls for the rest. At 1000×700 the Server
+    tab's unscrolled height had left the Model panel 119 px, Device and Load out of view."""
+    window.resize(*size)
+    qtbot.waitUntil(lambda: window.width() == size[0])
+    window.reset_layout()
+    button = window.model_panel.load_button
+    qtbot.waitUntil(lambda: button.visibleRegion().boundingRect().height() == button.height(), timeout=10_000)
+    assert window.model_panel.device.visibleRegion().boundingRect().height() == window.model_panel.device.height()
