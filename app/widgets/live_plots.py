@@ -57,6 +57,10 @@ def _step_up(value: float) -> float:
 _STYLE_GLYPH = {Qt.SolidLine: "━━", Qt.DashLine: "╍╍", Qt.DotLine: "┅┅"}
 
 
+TICK_ROOM = 9
+"""Pixels kept free above a plot and right of it, for its outermost tick labels."""
+
+
 class PlotPanel(QWidget):
     """A plot with a caption: a legend line, then one sentence saying what it shows."""
 
@@ -72,6 +76,9 @@ class PlotPanel(QWidget):
         self.plot.getPlotItem().titleLabel.setAttr("color", ink.name())
         self.plot.setViewportUpdateMode(QGraphicsView.BoundingRectViewportUpdate)
         self.item = self.plot.getPlotItem()
+        # room above the top tick's label and right of the last one: at the view's edge pyqtgraph
+        # centres them there, half outside the plot ("1.0" cut to its lower half, "B=4" to "B")
+        self.item.layout.setContentsMargins(2, TICK_ROOM, TICK_ROOM, 2)
         self.item.setDownsampling(auto=True, mode="peak")
         self.item.setClipToView(True)
         self.item.setLabel("bottom", bottom)

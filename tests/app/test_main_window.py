@@ -4,7 +4,7 @@ import sys
 
 import pytest
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QGuiApplication, QTextCursor
+from PySide6.QtGui import QFontMetrics, QGuiApplication, QTextCursor
 from PySide6.QtWidgets import QMessageBox
 
 from engine.base.events import TokenGenerated
@@ -385,3 +385,16 @@ def test_the_model_panel_shows_its_controls_down_to_load_at_laptop_sizes(qtbot, 
     button = window.model_panel.load_button
     qtbot.waitUntil(lambda: button.visibleRegion().boundingRect().height() == button.height(), timeout=10_000)
     assert window.model_panel.device.visibleRegion().boundingRect().height() == window.model_panel.device.height()
+
+
+def test_a_plots_top_tick_label_has_room_above_the_plot(qtbot, window):
+    """pyqtgraph centres the top tick's label on the view's top edge: with no room above it, "1.0"
+    showed its lower half only. Every plot keeps half a line free above its view."""
+    window.resize(1000, 700)
+    qtbot.waitUntil(lambda: window.width() == 1000)
+    for panel in window.plots.panels.values():
+        box = panel.item.getViewBox()
+        top = panel.plot.mapFromScene(box.mapRectToScene(box.boundingRect()).topLeft()).y()
+        axis = panel.item.getAxis("left")
+        half_line = QFontMetrics(axis.style.get("tickFont") or axis.font()).height() / 2
+        assert top >= half_line, panel.plot.objectName()
