@@ -79,15 +79,18 @@ class BatchingTool(SessionTool):
         self.ceiling_curve = self.speed_plot.curve("predicted ceiling", "third", Qt.DashLine, symbol="t",
                                                    symbolSize=7)
         self.memory_sweep_plot = PlotPanel(
-            "sweep-memory", "Memory against batch size: every sequence has its own KV cache, so it grows "
-            "with the batch (measured KV equals the prediction from the config).", "memory", "batch")
-        self.peak_curve = self.memory_sweep_plot.curve("peak memory", "main", symbol="o", symbolSize=7)
+            "sweep-memory", "The model's memory against batch size: its weights (measured from its tensors) "
+            "and every sequence's KV cache (measured from the cache), so it grows with the batch; measured KV "
+            "against the prediction from the config. A step's activations are not counted (PyTorch keeps no count "
+            "of them on a CPU); the process's peak, in the table, holds Python, Qt and PyTorch too.",
+            "memory", "batch")
+        self.peak_curve = self.memory_sweep_plot.curve("weights + KV (measured)", "main", symbol="o", symbolSize=7)
         self.kv_curve = self.memory_sweep_plot.curve("KV cache (measured)", "second", symbol="s", symbolSize=7)
         self.kv_predicted_curve = self.memory_sweep_plot.curve("KV cache (predicted)", "second", Qt.DashLine)
         self.sweep_table = QTableWidget(0, 8)
         self.sweep_table.setObjectName("sweepTable")
         self.sweep_table.setHorizontalHeaderLabels(
-            ["batch", "tok/s (all)", "tok/s each", "TTFT", "per token", "KV cache", "peak memory", "% of ceiling"])
+            ["batch", "tok/s (all)", "tok/s each", "TTFT", "per token", "KV cache", "process peak", "% of ceiling"])
         self.sweep_table.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
         link_headers(self.sweep_table, {"batch": "batch", "tok/s (all)": "throughput", "TTFT": "ttft",
                                         "per token": "tpot", "KV cache": "kv-cache", "% of ceiling": "bandwidth"})
@@ -221,11 +224,11 @@ class BatchingTool(SessionTool):
     def _draw_memory(self) -> None:
         batches = [p.batch for p in self.points]
         mib = 2 ** 20
-        self.peak_curve.setData(batches, [(p.peak_memory_bytes or 0) / mib for p in self.points])
+        model = [((p.weights_bytes or 0) + p.kv_cache_bytes) / mib for p in self.points]
+        self.peak_curve.setData(batches, model)
         self.kv_curve.setData(batches, [p.kv_cache_bytes / mib for p in self.points])
         self.kv_predicted_curve.setData(batches, [(p.kv_cache_bytes_predicted or 0) / mib for p in self.points])
         if self.points:
             self.memory_sweep_plot.set_label("left", "memory (MiB)")
-            self.memory_sweep_plot.fit(max(batches), max((p.peak_memory_bytes or 0) / mib for p in self.points),
-                                       "MiB")
+            self.memory_sweep_plot.fit(max(batches), max(model), "MiB")
             self.memory_sweep_plot.item.setXRange(0, max(batches) * 1.05, padding=0)
