@@ -26,6 +26,9 @@ class StatusLine:
             label.setMinimumWidth(label.fontMetrics().horizontalAdvance(widest) + 12)
             bar.addPermanentWidget(label)
             self.labels[key] = label
+        self.labels["peak"].setToolTip("The process's peak resident memory: Python, Qt, PyTorch and every model "
+                                       "loaded (Compare's lanes too), not this model alone. The Memory plot draws "
+                                       "the model's own: its weights and its KV cache, measured.")
 
     def __getitem__(self, key: str) -> QLabel:
         return self.labels[key]
