@@ -159,6 +159,7 @@ class Tour(QDialog):
         self._highlight: Highlight | None = None
         self._job: int | None = None
         self._server_started_here = False
+        self._moved: list[tuple[QWidget, QRect]] = []  # windows narrowed for the panel, and their geometry
         self.speed: float | None = None  # the decode tok/s the tour measured last (steps 2 and 4)
         self._draft = main.prompt.editor.toPlainText()  # what the user had typed: back in the box when the tour ends
         # the user's conversation: back in the window when the tour ends (the tour's turns leave it)
@@ -236,7 +237,42 @@ class Tour(QDialog):
             common = rect.intersected(covered)
             return common.width() * common.height() if not common.isEmpty() else 0
 
-        self.move(min(corners, key=overlap).topLeft())  # the first of the least covering: bottom left first
+        def filled(rect: QRect) -> int:  # of the target's window, what holds widgets (not empty space)
+            window = target.window()
+            total = 0
+            for child in window.findChildren(QWidget):
+                if child.isVisible() and not child.children() and child is not target and child.window() is window:
+                    common = rect.intersected(QRect(child.mapToGlobal(child.rect().topLeft()), child.size()))
+                    total += common.width() * common.height() if not common.isEmpty() else 0
+            return total
+
+        # the least of the target covered, then the least of what else its window shows
+        best = min(corners, key=lambda rect: (overlap(rect), filled(rect)))
+        if overlap(best) and self._make_room(target.window(), screen, size.width() + 2 * margin):
+            covered = QRect(target.mapToGlobal(target.rect().topLeft()), target.size())
+            top = min(max(covered.top(), screen.top() + margin), screen.bottom() - size.height() - margin)
+            self.move(screen.right() - size.width() - margin, top)
+            return
+        self.move(best.topLeft())
+
+    def _make_room(self, window: QWidget, screen: QRect, room: int) -> bool:
+        """Narrow ``window`` (the one the outlined widget is in) to leave a strip of ``room`` pixels
+        at the screen's right for this panel, where it stays usable that narrow; its size comes back
+        when the tour ends. Whether it did."""
+        if window is None or window is self or window.isMaximized() or window.isFullScreen():
+            return False
+        frame = window.frameGeometry()
+        extra = frame.width() - window.width()
+        width = min(frame.right(), screen.right() - room) - max(frame.left(), screen.left()) - extra
+        if width < max(window.minimumSizeHint().width(), window.minimumWidth()) or width >= window.width():
+            return False
+        if not any(moved is window for moved, _ in self._moved):
+            self._moved.append((window, window.geometry()))
+        geometry = window.geometry()
+        geometry.moveLeft(max(frame.left(), screen.left()) + (geometry.left() - frame.left()))
+        geometry.setWidth(width)
+        window.setGeometry(geometry)
+        return True
 
     @Slot()
     def next(self) -> None:
@@ -301,6 +337,12 @@ class Tour(QDialog):
 
     def _end(self) -> None:
         self._leave_step()
+        for window, geometry in self._moved:  # the windows narrowed to make room: as they were
+            try:
+                window.setGeometry(geometry)
+            except RuntimeError:  # closed meanwhile
+                pass
+        self._moved = []
         editor = self.main.prompt.editor
         if editor.toPlainText() in ("", PROMPT, FOLLOW_UP):  # the tour's text, or sent: the user's draft again
             editor.setPlainText(self._draft)

@@ -199,3 +199,30 @@ def test_the_tour_says_a_faster_token_is_shorter_not_slower():
     from app.tour import _times
 
     assert _times(1.8) == "1.8× as long" and _times(1 / 1.25) == "1.2× shorter" and _times(1.01) == "about the same"
+
+
+def test_the_panel_makes_room_beside_what_it_explains_and_gives_it_back(qtbot, window):
+    """Where every corner of the screen would cover the outlined widget, the window it is in is
+    narrowed to leave the panel a strip of its own; the window's size comes back when the tour ends."""
+    from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+
+    screen = window.screen().availableGeometry()
+    other = QWidget()
+    qtbot.addWidget(other)
+    layout = QVBoxLayout(other)
+    target = QLabel("what the step explains")
+    target.setMinimumSize(200, 200)
+    layout.addWidget(target)
+    other.setGeometry(screen.adjusted(0, 40, 0, -10))  # the whole screen: every corner covers part of it
+    other.show()
+    qtbot.waitExposed(other)
+    before = other.geometry()
+    tour = Tour(window)
+    qtbot.addWidget(tour)
+    tour.show()
+    tour._place(target)
+    qtbot.waitUntil(lambda: other.width() < before.width())
+    covered = target.rect().translated(target.mapToGlobal(target.rect().topLeft()))
+    assert not tour.frameGeometry().intersects(covered)
+    tour.close()
+    assert other.geometry() == before
