@@ -58,7 +58,7 @@ _STYLE_GLYPH = {Qt.SolidLine: "━━", Qt.DashLine: "╍╍", Qt.DotLine: "┅�
 
 
 TICK_ROOM = 9
-"""Pixels kept free above a plot and right of it, for its outermost tick labels."""
+"""Pixels kept free above a plot, for its top tick label."""
 
 
 class PlotPanel(QWidget):
@@ -76,9 +76,10 @@ class PlotPanel(QWidget):
         self.plot.getPlotItem().titleLabel.setAttr("color", ink.name())
         self.plot.setViewportUpdateMode(QGraphicsView.BoundingRectViewportUpdate)
         self.item = self.plot.getPlotItem()
-        # room above the top tick's label and right of the last one: at the view's edge pyqtgraph
-        # centres them there, half outside the plot ("1.0" cut to its lower half, "B=4" to "B")
-        self.item.layout.setContentsMargins(2, TICK_ROOM, TICK_ROOM, 2)
+        # room above the top tick's label: at the view's top edge pyqtgraph centres it there, half
+        # outside the plot ("1.0" cut to its lower half); the sides keep pyqtgraph's 1 px (a wider
+        # plot would not fit a narrow dock)
+        self.item.layout.setContentsMargins(1, TICK_ROOM, 1, 1)
         self.item.setDownsampling(auto=True, mode="peak")
         self.item.setClipToView(True)
         self.item.setLabel("bottom", bottom)
