@@ -521,7 +521,7 @@ class MainWindow(QMainWindow):
         if event.reason == "cancelled":
             said = f"Stopped: {event.tokens} tokens, {rate}{cached}{served}"
         else:
-            said = f"Done: {event.tokens} tokens, {rate}{cached}, ended: {ending(event.reason)}{served}"
+            said = f"Done: {event.tokens} tokens, {rate}{cached}, ended {ending(event.reason)}{served}"
         self.say(said, 15000)
         self.generation_finished.emit(event)
 

@@ -14,9 +14,9 @@ from engine.base.request import ChatMessage
 from engine.runs import Run
 
 
-ENDINGS = {"eos": "the model ended it", "length": "the token limit", "stop_string": "a stop string",
-           "cancelled": "stopped", "context": "the context is full", "error": "an error"}
-"""How an answer ended, in words (``Finished.reason``)."""
+ENDINGS = {"eos": "by the model", "length": "at the token limit", "stop_string": "at a stop string",
+           "cancelled": "by you (stopped)", "context": "at the end of the context window", "error": "by an error"}
+"""How an answer ended, in words that follow "ended" (``Finished.reason``)."""
 
 
 def ending(reason: str) -> str:
@@ -125,7 +125,7 @@ class Transcript:
                     ttft = f"{f.ttft_s * 1000:.0f} ms" if f.ttft_s is not None else "n/a"
                     cached = (f" · {f.cached_tokens} of {f.prompt_tokens} prompt tokens from the cache"
                               if f.cached_tokens else "")
-                    lines += [f"_{f.tokens} tokens · TTFT {ttft}{cached} · {rate} · ended: {ending(f.reason)}_", ""]
+                    lines += [f"_{f.tokens} tokens · TTFT {ttft}{cached} · {rate} · ended {ending(f.reason)}_", ""]
                 if turn.error:
                     lines += [f"_error: {turn.error}_", ""]
         return "\n".join(lines)

@@ -88,7 +88,7 @@ def test_stop_mid_generation(qtbot, window, slow_tiny):
     assert window.output.toPlainText().endswith(" [stopped]")
     assert window.statusBar().currentMessage().startswith(f"Stopped: {finished.tokens} tokens")
     assert "cancelled" not in window.statusBar().currentMessage()
-    assert "ended: stopped" in window.transcript.to_markdown()
+    assert "ended by you (stopped)" in window.transcript.to_markdown()
     qtbot.waitUntil(lambda: window.prompt.generate_button.isEnabled())
     assert not window.prompt.stop_button.isEnabled()
     assert panel.load_button.isEnabled() and panel.unload_button.isEnabled() and not panel.load_button.toolTip()
@@ -369,7 +369,7 @@ def test_a_message_the_status_bar_cannot_show_whole_is_shown_under_the_prompt(qt
     window.resize(1000, 700)
     window.show()
     qtbot.waitExposed(window)
-    text = "Done: 16 tokens, 11.6 tok/s, 96 of 129 prompt tokens from the cache; TTFT 120 ms, ended: the token limit"
+    text = "Done: 16 tokens, 11.6 tok/s, 96 of 129 prompt tokens from the cache; TTFT 120 ms, ended at the token limit"
     window.say(text)
     assert window.statusBar().currentMessage() == text
     assert window.prompt.message.isVisible() and window.prompt.message.text() == text
