@@ -515,18 +515,24 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& keys, con
     return out;
 }
 
+// The paged forms' queries and pool: q [rows, H, 1, D]; keys and values [blocks, KV heads, block
+// tokens, D] of the types check_attention_types takes, each block's slots side by side.
+void check_pool(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, const char* name) {
+    TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && keys.dim() == 4 && values.sizes() == keys.sizes(),
+                name, ": q [rows, H, 1, D], keys and values [blocks, KV heads, block tokens, D]");
+    TORCH_CHECK(q.size(3) == keys.size(3) && q.size(1) % keys.size(1) == 0,
+                name, ": q's head size and heads must match the pool's");
+    check_attention_types(q, keys, values, name);
+    TORCH_CHECK(keys.stride(2) == keys.size(3) && values.stride(2) == values.size(3), name,
+                ": a block's slots side by side");
+}
+
 // The same through block tables: keys and values are the pool, [blocks, KV heads, block tokens,
 // D]; table [B, W] int64 names row b's blocks in the order of its tokens; row b attends to its
 // slots 0…positions[b], so its first positions[b] / block tokens + 1 entries must be blocks of the pool.
 torch::Tensor attend_paged(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                            const torch::Tensor& table, const torch::Tensor& positions, double scale) {
-    TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && keys.dim() == 4 && values.sizes() == keys.sizes(),
-                "attend_paged: q [B, H, 1, D], keys and values [blocks, KV heads, block tokens, D]");
-    TORCH_CHECK(q.size(3) == keys.size(3) && q.size(1) % keys.size(1) == 0,
-                "attend_paged: q's head size and heads must match the pool's");
-    check_attention_types(q, keys, values, "attend_paged");
-    TORCH_CHECK(keys.stride(2) == keys.size(3) && values.stride(2) == values.size(3),
-                "attend_paged: a block's slots side by side");
+    check_pool(q, keys, values, "attend_paged");
     TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(0) == q.size(0) &&
                     table.stride(1) == 1,
                 "attend_paged: table, int64 [B, W], each row's blocks side by side");
@@ -557,13 +563,7 @@ torch::Tensor attend_paged(const torch::Tensor& q, const torch::Tensor& keys, co
 // 0 … start + i. Returns [count, H, 1, D], q's type: each row as attend_paged gives it alone.
 torch::Tensor attend_chunk(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                            const torch::Tensor& table, int64_t start, double scale) {
-    TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && keys.dim() == 4 && values.sizes() == keys.sizes(),
-                "attend_chunk: q [count, H, 1, D], keys and values [blocks, KV heads, block tokens, D]");
-    TORCH_CHECK(q.size(3) == keys.size(3) && q.size(1) % keys.size(1) == 0,
-                "attend_chunk: q's head size and heads must match the pool's");
-    check_attention_types(q, keys, values, "attend_chunk");
-    TORCH_CHECK(keys.stride(2) == keys.size(3) && values.stride(2) == values.size(3),
-                "attend_chunk: a block's slots side by side");
+    check_pool(q, keys, values, "attend_chunk");
     TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 1 && table.stride(0) == 1,
                 "attend_chunk: table, int64 [W], the blocks side by side");
     const int64_t count = q.size(0), tokens = keys.size(2);
