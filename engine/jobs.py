@@ -22,6 +22,7 @@ from engine.base.request import GenerationRequest
 from engine.generation.generate import generate, kept_core
 from engine.models.loading import weights_read_bytes
 from engine.models.model import LoadedModel
+from engine.estimates.hardware import THIS_MACHINE, this_machine
 from engine.measure.sweep import ceiling_for, estimate_for, profile_for, record_points, run_sweep
 from engine.generation.speculative import load_draft, parse_draft
 from engine.serve.service import NotServingError, Ticket, Token
@@ -230,8 +231,6 @@ class CeilingJob:
     def run(self, ctx: JobContext) -> Ceiling:
         if ctx.model.model is None:
             raise EngineError("A model served elsewhere runs on its server's memory: load one here.")
-        from engine.estimates.hardware import THIS_MACHINE, this_machine  # lazy: measuring imports torch
-
         profile = profile_for(ctx.model)
         if profile.id == THIS_MACHINE:
             profile = this_machine(bandwidth=True)

@@ -31,6 +31,7 @@ from engine.base.request import GenerationRequest
 from engine.generation.core import EngineCore
 from engine.units import format_bytes
 from engine.generation.decoding import failed_event
+from engine.generation.invariant import answers_note
 
 if TYPE_CHECKING:
     from engine.generation.core import CoreSettings
@@ -277,8 +278,6 @@ class CoreService:
             caching = f"prefix caching off: {core.prefix_caching_off}"
         else:
             caching = "prefix caching off"
-        from engine.generation.invariant import answers_note  # lazy: it imports torch
-
         return f"KV cache: {size}, taken as requests grow; {caching}. {answers_note(self.loaded)}"
 
     def kv_blocks(self) -> tuple[int, int, int | None]:
