@@ -158,18 +158,14 @@ def load_all(folder: Path | None = None) -> list[RunRecord]:
     return records
 
 
-def path_of(record: RunRecord) -> Path | None:
-    """The file ``record`` was read from (by :func:`load_all`), ``None`` if it wasn't."""
-    with _parsed_lock:
-        return next((path for path, (_, _, known) in _parsed.items() if known is record), None)
-
-
 def delete(records: list[RunRecord]) -> int:
-    """Remove these records' files from the history; returns how many went (a file already gone
-    counts as gone)."""
+    """Remove these records' files from the history (the files :func:`load_all` read them from);
+    returns how many went (a file already gone counts as gone)."""
+    with _parsed_lock:
+        paths = {id(known): path for path, (_, _, known) in _parsed.items()}
     gone = 0
     for record in records:
-        path = path_of(record)
+        path = paths.get(id(record))
         if path is None:
             continue
         try:
