@@ -55,16 +55,25 @@ def group_values(run: ServedRun) -> tuple[str, ...]:
             format_seconds(sum(ttfts) / len(ttfts) if ttfts else None), result)
 
 
+def record_of(entry: "RunRecord | ServedRun") -> RunRecord:
+    """The record an entry stands for: itself, or a server run's newest request."""
+    return entry.latest if isinstance(entry, ServedRun) else entry
+
+
+def entry_values(entry: "RunRecord | ServedRun") -> tuple[str, ...]:
+    """An entry's row: a run's, or a server run's requests together."""
+    return group_values(entry) if isinstance(entry, ServedRun) else row_values(entry)
+
+
 def matches(entry: "RunRecord | ServedRun", kind: str | None, model: str | None, text: str) -> bool:
     """Whether an entry passes the filters: its kind, its model, and ``text`` anywhere in its row
     or its transcript (case ignored)."""
-    record = entry.latest if isinstance(entry, ServedRun) else entry
+    record = record_of(entry)
     if kind and record.kind != kind or model and record.model != model:
         return False
     if not text:
         return True
-    values = group_values(entry) if isinstance(entry, ServedRun) else row_values(entry)
-    haystack = " ".join(values) + " " + str(record.extra.get("transcript_markdown", ""))
+    haystack = " ".join(entry_values(entry)) + " " + str(record.extra.get("transcript_markdown", ""))
     return text.lower() in haystack.lower()
 
 
@@ -90,7 +99,7 @@ class HistoryModel(QAbstractTableModel):
     def text(self, row: int, column: int) -> str:
         if row not in self._rows:
             entry = self.records[row]
-            self._rows[row] = group_values(entry) if isinstance(entry, ServedRun) else row_values(entry)
+            self._rows[row] = entry_values(entry)
         return self._rows[row][column]
 
     def data(self, index, role=Qt.DisplayRole):
@@ -181,8 +190,8 @@ class HistoryDialog(QDialog):
 
     def _show(self, listed: list) -> None:
         self.all = listed
-        for box, label, values in ((self.kind, "All kinds", sorted({self._record(e).kind for e in listed})),
-                                   (self.model_pick, "All models", sorted({self._record(e).model for e in listed}))):
+        for box, label, values in ((self.kind, "All kinds", sorted({record_of(e).kind for e in listed})),
+                                   (self.model_pick, "All models", sorted({record_of(e).model for e in listed}))):
             chosen = box.currentData()
             box.blockSignals(True)
             box.clear()
@@ -194,10 +203,6 @@ class HistoryDialog(QDialog):
         self._filter()
         self.table.resizeColumnsToContents()
         self.ready.emit()
-
-    @staticmethod
-    def _record(entry) -> RunRecord:
-        return entry.latest if isinstance(entry, ServedRun) else entry
 
     def _filter(self) -> None:
         shown = [e for e in self.all if matches(e, self.kind.currentData(), self.model_pick.currentData(),
@@ -265,7 +270,7 @@ class HistoryDialog(QDialog):
         if not 0 <= row < len(self.records):
             return None
         # parented to the main window (a window of its own): it outlives this dialog
-        window = RunWindow(self._record(self.records[row]), self.parentWidget() or self)
+        window = RunWindow(record_of(self.records[row]), self.parentWidget() or self)
         self.opened.append(window)
         window.show()
         window.raise_()
