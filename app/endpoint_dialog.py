@@ -1,6 +1,6 @@
 """Point the workbench at a served model: the API's URL, a model it lists, and a key.
 
-The key is kept in memory for this session's loads only: never written to the settings or the
+The key is kept in memory while the app runs, for its loads only: never written to the settings or the
 history. Listing the models runs off the GUI thread (an unreachable host takes seconds to say so).
 """
 
@@ -59,7 +59,7 @@ class EndpointDialog(QDialog):
         found = next((name for name in KEY_ENV if os.environ.get(name)), None)
         self.key.setPlaceholderText(f"from ${found}" if found else "none")
         self.key.setToolTip(f"Sent as 'Authorization: Bearer …'. Left empty: ${KEY_ENV[0]}, else ${KEY_ENV[1]}. "
-                            "Kept for this session only, never saved.")
+                            "Kept while the app runs, never saved.")
         self.status = QLabel("")
         self.status.setObjectName("endpointStatus")
         self.status.setWordWrap(True)

@@ -73,7 +73,7 @@ class LaneWidget(QFrame):
         self.endpoint_button.setToolTip("A model served by vLLM, SGLang, llama.cpp, Ollama… in this lane")
         self.endpoint_button.clicked.connect(self.open_endpoint_dialog)
         self.endpoint_dialog = None
-        self._api_key: str | None = None  # this session's loads only, never saved
+        self._api_key: str | None = None  # kept while the app runs, never saved
         self.precision = QComboBox()
         for name in PRECISIONS:
             self.precision.addItem(name, name)
@@ -165,7 +165,7 @@ class LaneWidget(QFrame):
                         device=self.device.currentData(), sampling=sampling)
 
     def open_endpoint_dialog(self) -> None:
-        """A served model for this lane: URL, listed model, key (this session only, never saved)."""
+        """A served model for this lane: URL, listed model, key (kept while the app runs, never saved)."""
         from app.endpoint_dialog import ask_for_endpoint
 
         self.endpoint_dialog = ask_for_endpoint(self, self.spec().model, self._api_key, self._use_endpoint)

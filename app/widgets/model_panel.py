@@ -57,7 +57,7 @@ class ModelPanel(QWidget):
         browse_endpoint.setObjectName("endpointButton")
         browse_endpoint.setToolTip("A model served by vLLM, SGLang, llama.cpp, Ollama… (an OpenAI-compatible API)")
         browse_endpoint.clicked.connect(self.open_endpoint_dialog)
-        self._api_key: str | None = None  # an endpoint's key as typed: this session's loads only, never saved
+        self._api_key: str | None = None  # an endpoint's key as typed: kept while the app runs, never saved
         self.endpoint_dialog = None
         self.remembered_endpoint = ""
         self.last_local = ""
