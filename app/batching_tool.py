@@ -38,6 +38,11 @@ def parse_batches(text: str) -> list[int]:
     return sizes
 
 
+SWEEP_COLUMNS = ("batch", "tok/s (all)", "tok/s each", "TTFT", "per token", "KV cache", "activations",
+                 "model's memory", "process peak", "% of ceiling")
+"""The sweep table's columns: the model's memory is its weights + KV + activations, the process's
+peak holds Python, Qt, PyTorch and every model loaded too."""
+
 class BatchingTool(SessionTool):
     """The sweep's controls, table and three plots."""
     needs = ("Batching sweeps a model loaded here; an endpoint is measured with the load generator "
@@ -79,18 +84,19 @@ class BatchingTool(SessionTool):
         self.ceiling_curve = self.speed_plot.curve("predicted ceiling", "third", Qt.DashLine, symbol="t",
                                                    symbolSize=7)
         self.memory_sweep_plot = PlotPanel(
-            "sweep-memory", "The model's memory against batch size: its weights (measured from its tensors) "
-            "and every sequence's KV cache (measured from the cache), so it grows with the batch; measured KV "
-            "against the prediction from the config. A step's activations are not counted (PyTorch keeps no count "
-            "of them on a CPU); the process's peak, in the table, holds Python, Qt and PyTorch too.",
+            "sweep-memory", "The model's memory against batch size: its weights (measured from its tensors), "
+            "every sequence's KV cache (measured from the cache) and a decode step's activations (read from "
+            "PyTorch's allocator during the batch's first decode step, whose time is then left out: the "
+            "reading slows it), so it grows with the batch; measured KV against the prediction from the "
+            "config. The process's peak, in the table, holds Python, Qt and PyTorch too.",
             "memory", "batch")
-        self.peak_curve = self.memory_sweep_plot.curve("weights + KV (measured)", "main", symbol="o", symbolSize=7)
+        self.peak_curve = self.memory_sweep_plot.curve("weights + KV + activations (measured)", "main",
+                                                       symbol="o", symbolSize=7)
         self.kv_curve = self.memory_sweep_plot.curve("KV cache (measured)", "second", symbol="s", symbolSize=7)
         self.kv_predicted_curve = self.memory_sweep_plot.curve("KV cache (predicted)", "second", Qt.DashLine)
-        self.sweep_table = QTableWidget(0, 8)
+        self.sweep_table = QTableWidget(0, len(SWEEP_COLUMNS))
         self.sweep_table.setObjectName("sweepTable")
-        self.sweep_table.setHorizontalHeaderLabels(
-            ["batch", "tok/s (all)", "tok/s each", "TTFT", "per token", "KV cache", "process peak", "% of ceiling"])
+        self.sweep_table.setHorizontalHeaderLabels(list(SWEEP_COLUMNS))
         self.sweep_table.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
         link_headers(self.sweep_table, {"batch": "batch", "tok/s (all)": "throughput", "TTFT": "ttft",
                                         "per token": "tpot", "KV cache": "kv-cache", "% of ceiling": "bandwidth"})
@@ -153,10 +159,11 @@ class BatchingTool(SessionTool):
         for column, text in enumerate((
                 str(point.batch), format_rate(point.aggregate_tokens_per_s), format_rate(each),
                 format_seconds(point.mean_ttft_s), format_seconds(point.mean_per_token_latency_s),
-                format_bytes(point.kv_cache_bytes), format_bytes(point.peak_memory_bytes), share)):
+                format_bytes(point.kv_cache_bytes), format_bytes(point.activation_bytes),
+                format_bytes(model_bytes(point)), format_bytes(point.peak_memory_bytes), share)):
             item = QTableWidgetItem(text)
             item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
-            if column == 7 and point.ceiling_note:
+            if SWEEP_COLUMNS[column] == "% of ceiling" and point.ceiling_note:
                 item.setToolTip(point.ceiling_note)
             self.sweep_table.setItem(row, column, item)
         self.mark_dirty()
@@ -224,7 +231,7 @@ class BatchingTool(SessionTool):
     def _draw_memory(self) -> None:
         batches = [p.batch for p in self.points]
         mib = 2 ** 20
-        model = [((p.weights_bytes or 0) + p.kv_cache_bytes) / mib for p in self.points]
+        model = [model_bytes(p) / mib for p in self.points]
         self.peak_curve.setData(batches, model)
         self.kv_curve.setData(batches, [p.kv_cache_bytes / mib for p in self.points])
         self.kv_predicted_curve.setData(batches, [(p.kv_cache_bytes_predicted or 0) / mib for p in self.points])
@@ -232,3 +239,8 @@ class BatchingTool(SessionTool):
             self.memory_sweep_plot.set_label("left", "memory (MiB)")
             self.memory_sweep_plot.fit(max(batches), max(model), "MiB")
             self.memory_sweep_plot.item.setXRange(0, max(batches) * 1.05, padding=0)
+
+
+def model_bytes(point) -> int:
+    """A sweep point's memory that is the model's: weights + KV + a step's activations (measured)."""
+    return (point.weights_bytes or 0) + point.kv_cache_bytes + (point.activation_bytes or 0)

@@ -301,6 +301,9 @@ class BatchFinished:
     kv_cache_bytes: int
     kv_cache_bytes_predicted: int | None
     cancelled: bool = False
+    activation_bytes: int | None = None
+    """The first decode step's activations with every sequence in it, read from the allocator
+    (that step is left out of the decode timing: watching the CPU's allocations slows it)."""
 
 
 BatchEvent = Union[BatchStep, BatchFinished]
@@ -349,6 +352,10 @@ class StepCompleted:
     kv_pool_bytes: int = 0
     """The block pool's storage, read from its tensors (0 where the runner keeps a cache per
     request instead: the reference runner)."""
+    activation_bytes: int | None = None
+    """A watched step only (``EngineCore.watch_next``): the most its forward passes held in
+    intermediate tensors at once, read from the allocator (engine/base/memory.StepAllocations);
+    on the CPU its ``step_s`` is the watch's, not the model's."""
 
 
 @dataclass(frozen=True, slots=True)

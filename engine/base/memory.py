@@ -187,3 +187,68 @@ def default_kv_budget(device) -> int:
     import psutil
 
     return min(int(psutil.virtual_memory().available * 0.25), DEFAULT_KV_BUDGET_CAP)
+
+
+class StepAllocations:
+    """A step's activations: the most it held in tensors above what it started with, less what it
+    kept at its end (its KV cache's growth), read from PyTorch's allocator.
+
+    On a GPU from the caching allocator's own counters (``max_memory_allocated`` after a reset:
+    free); on the CPU, where PyTorch keeps no count, from the allocation records of its profiler
+    (``profile_memory``: every tensor allocated and freed through the CPU allocator, in order),
+    which makes the watched step several times slower, so a caller leaves its time out. MPS:
+    ``None`` (no peak counter)."""
+
+    def __init__(self, device: "torch.device") -> None:  # noqa: F821
+        self.device = device
+        self.peak_bytes: int | None = None
+        """The most the step held above its start."""
+        self.kept_bytes: int | None = None
+        """What it held above its start at its end."""
+        self._profile = None
+        self._before = 0
+
+    @property
+    def activation_bytes(self) -> int | None:
+        if self.peak_bytes is None or self.kept_bytes is None:
+            return None
+        return max(0, self.peak_bytes - max(0, self.kept_bytes))
+
+    def __enter__(self) -> "StepAllocations":
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.device.type == "cpu":
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = max(0, int(torch.cuda.max_memory_allocated(self.device)) - self._before)
+            self.kept_bytes = int(torch.cuda.memory_allocated(self.device)) - self._before
+        elif self._profile is not None:
+            self._profile.__exit__(*exc)
+            if exc[0] is None:
+                self.peak_bytes, self.kept_bytes = allocation_peak(self._profile)
+
+
+def allocation_peak(profile) -> tuple[int, int]:
+    """The highest running total of a profiler's CPU allocation records (allocations positive,
+    frees negative, in time order) above where it started, and the total at its end. (Tensors
+    allocated before it began are freed unseen: it counts only what is allocated inside.)"""
+    records = sorted((e.start_ns(), e.nbytes()) for e in profile.profiler.kineto_results.events()
+                     if e.name() == "[memory]" and e.device_type().name == "CPU")
+    total = peak = 0
+    for _, size in records:
+        total += size
+        peak = max(peak, total)
+    return peak, total

@@ -41,7 +41,7 @@ from engine.generation.scheduler import Scheduler
 from engine.base.errors import EngineError, InvalidRequestError, is_out_of_memory, non_finite_message
 from engine.base.events import (Alternative, Finished, GenerationEvent, Preempted, Prefilled, PromptScored,
                                 PromptTokenScore, StepCompleted, TokenGenerated)
-from engine.base.memory import MemoryProbe
+from engine.base.memory import MemoryProbe, StepAllocations
 from engine.base.request import GenerationRequest
 from engine.generation.proposer import NOTHING, Proposal, Proposer
 from engine.generation.sampling import Choice, make_sampler, sample_batch
@@ -141,6 +141,8 @@ class EngineCore:
         place) rather than a cache of its own per request (cached blocks copied in and out)."""
         self._configure(settings or CoreSettings(), proposer=proposer)
         self.steps = 0
+        self.watch_next = False
+        """Read the next step's activations from the allocator (StepCompleted.activation_bytes)."""
         self.probe = MemoryProbe(loaded.device)
         self.probe.reset_peak()
         self.start = time.perf_counter()
@@ -316,77 +318,82 @@ class EngineCore:
         failed: list[tuple[_Request, Exception]] = []
         scored: list[PromptScored] = []
         """Prompts whose scores this step completed (sent before their first token)."""
-        with torch.inference_mode(), (fixed_row_products() if invariant else nullcontext()):
-            for r, size in chunks:
-                if r.prefill_started is None:
-                    r.prefill_started = time.perf_counter()
-                try:
-                    ids = torch.tensor([r.feed[r.prefilled:r.prefilled + size]], dtype=torch.long,
-                                       device=self.loaded.device)
-                    if r.scoring_prompt:
-                        out = self.runner.prefill(r.rid, ids, rows=size).view(size, -1)
-                        self._score_prompt(r, r.prefilled, out)
-                        out = out[-1]
-                    else:
-                        out = self.runner.prefill(r.rid, ids)
-                    self.proposer.prefill(r.rid, ids)
-                    r.prefilled += size
-                    r.computed += size
-                    self.kv.keep(r.rid, r.feed, r.prefilled, None if self.paged else self._copier(r))
-                    if r.prefilled == len(r.feed) and r.request.prompt_logprobs is not None and not r.prompt_scored:
-                        scored.append(self._prompt_scored(r))
-                except Exception as exc:
-                    if is_out_of_memory(exc):
-                        raise
-                    failed.append((r, exc))
-                    continue
-                if r.prefilled == len(r.feed):
-                    ready.append(r)
-                    rows.append(out.unsqueeze(0))
-                    counts.append(1)
-            for r in decoding:
-                try:
-                    proposals[r.rid] = self.proposer.propose(r.rid, r.sampler, r.seen.all(), self._room(r))
-                except Exception as exc:
-                    if is_out_of_memory(exc):
-                        raise
-                    failed.append((r, exc))
-            decoding = [r for r in decoding if r.rid in proposals]
-            if any(proposal.tokens for proposal in proposals.values()):
-                # each request's last token and its guesses in one pass of its own: the scores after each
-                for r in decoding:
-                    guesses = proposals[r.rid].tokens
-                    started = time.perf_counter()
+        # a watched step: what its forward passes and sampling held at most beyond what it keeps
+        watch = StepAllocations(self.loaded.device) if self.watch_next else None
+        self.watch_next = False
+        with watch or nullcontext():
+            with torch.inference_mode(), (fixed_row_products() if invariant else nullcontext()):
+                for r, size in chunks:
+                    if r.prefill_started is None:
+                        r.prefill_started = time.perf_counter()
                     try:
-                        ids = torch.tensor([[r.next_token, *guesses]], dtype=torch.long, device=self.loaded.device)
-                        out = self.runner.prefill(r.rid, ids, rows=len(guesses) + 1)
+                        ids = torch.tensor([r.feed[r.prefilled:r.prefilled + size]], dtype=torch.long,
+                                           device=self.loaded.device)
+                        if r.scoring_prompt:
+                            out = self.runner.prefill(r.rid, ids, rows=size).view(size, -1)
+                            self._score_prompt(r, r.prefilled, out)
+                            out = out[-1]
+                        else:
+                            out = self.runner.prefill(r.rid, ids)
+                        self.proposer.prefill(r.rid, ids)
+                        r.prefilled += size
+                        r.computed += size
+                        self.kv.keep(r.rid, r.feed, r.prefilled, None if self.paged else self._copier(r))
+                        if r.prefilled == len(r.feed) and r.request.prompt_logprobs is not None and not r.prompt_scored:
+                            scored.append(self._prompt_scored(r))
                     except Exception as exc:
                         if is_out_of_memory(exc):
                             raise
                         failed.append((r, exc))
                         continue
-                    verify_s[r.rid] = time.perf_counter() - started
-                    r.computed += len(guesses) + 1
-                    ready.append(r)
-                    rows.append(out.view(len(guesses) + 1, -1))
-                    counts.append(len(guesses) + 1)
-            elif decoding:  # one token each: one batched pass
-                rows.append(self.runner.decode([r.rid for r in decoding], [r.next_token for r in decoding]))
+                    if r.prefilled == len(r.feed):
+                        ready.append(r)
+                        rows.append(out.unsqueeze(0))
+                        counts.append(1)
                 for r in decoding:
-                    r.computed += 1
-                    ready.append(r)
-                    counts.append(1)
+                    try:
+                        proposals[r.rid] = self.proposer.propose(r.rid, r.sampler, r.seen.all(), self._room(r))
+                    except Exception as exc:
+                        if is_out_of_memory(exc):
+                            raise
+                        failed.append((r, exc))
+                decoding = [r for r in decoding if r.rid in proposals]
+                if any(proposal.tokens for proposal in proposals.values()):
+                    # each request's last token and its guesses in one pass of its own: the scores after each
+                    for r in decoding:
+                        guesses = proposals[r.rid].tokens
+                        started = time.perf_counter()
+                        try:
+                            ids = torch.tensor([[r.next_token, *guesses]], dtype=torch.long, device=self.loaded.device)
+                            out = self.runner.prefill(r.rid, ids, rows=len(guesses) + 1)
+                        except Exception as exc:
+                            if is_out_of_memory(exc):
+                                raise
+                            failed.append((r, exc))
+                            continue
+                        verify_s[r.rid] = time.perf_counter() - started
+                        r.computed += len(guesses) + 1
+                        ready.append(r)
+                        rows.append(out.view(len(guesses) + 1, -1))
+                        counts.append(len(guesses) + 1)
+                elif decoding:  # one token each: one batched pass
+                    rows.append(self.runner.decode([r.rid for r in decoding], [r.next_token for r in decoding]))
+                    for r in decoding:
+                        r.computed += 1
+                        ready.append(r)
+                        counts.append(1)
+            choices: list[Choice | Exception] = []
+            if ready:
+                with torch.inference_mode(), (fixed_row_products() if invariant else nullcontext()):
+                    choices = sample_batch([r.sampler for r in ready], torch.cat(rows) if len(rows) > 1 else rows[0],
+                                           counts, [r.seen.all() for r in ready],
+                                           [proposals.get(r.rid, NOTHING).tokens for r in ready],
+                                           [proposals.get(r.rid, NOTHING).probs for r in ready],
+                                           top=max(r.request.top_alternatives for r in ready))
+            rows.clear()  # the scores are sampled: let go of them before the watch ends
         for r, exc in failed:
             yield self._fail(r, exc)
         yield from scored
-        choices: list[Choice | Exception] = []
-        if ready:
-            with torch.inference_mode(), (fixed_row_products() if invariant else nullcontext()):
-                choices = sample_batch([r.sampler for r in ready], torch.cat(rows) if len(rows) > 1 else rows[0],
-                                       counts, [r.seen.all() for r in ready],
-                                       [proposals.get(r.rid, NOTHING).tokens for r in ready],
-                                       [proposals.get(r.rid, NOTHING).probs for r in ready],
-                                       top=max(r.request.top_alternatives for r in ready))
         memory = self.probe.sample()
         now = time.perf_counter()
         chosen = {r.rid: choice for r, choice in zip(ready, choices)}
@@ -413,7 +420,8 @@ class EngineCore:
             cached_tokens=cached, prefix_query_tokens=self.kv.queries - queried, kv_blocks_used=self.kv.used_blocks,
             kv_blocks_kept=self.kv.kept_blocks, kv_kept_bytes=self.kept_bytes(), kv_blocks_total=self.kv.total_blocks,
             kv_block_tokens=self.kv.block_tokens, kv_blocks_shared=self.kv.shared_blocks,
-            kv_pool_bytes=self.runner.storage_nbytes() if self.paged else 0)
+            kv_pool_bytes=self.runner.storage_nbytes() if self.paged else 0,
+            activation_bytes=watch.activation_bytes if watch else None)
         self.steps += 1
 
     def _score_prompt(self, r: _Request, start: int, logits) -> None:

@@ -95,8 +95,11 @@ def _batch(core: EngineCore, request: GenerationRequest, prompts: list[list[int]
     rows = {core.submit(request, cancel, prompt): i for i, prompt in enumerate(prompts)}
     finals: dict[int, Finished] = {}
     latencies: list[float] = []
-    fullest = None
+    fullest = watched = None
     while not core.idle:
+        # the first decode step, every row in it: its activations read from the allocator (and
+        # its time left out of the decode figures, as the watch slows it on the CPU)
+        core.watch_next = len(latencies) == 1
         ids: list[int | None] = [None] * batch
         texts = [""] * batch
         for event in core.step():
@@ -109,27 +112,39 @@ def _batch(core: EngineCore, request: GenerationRequest, prompts: list[list[int]
             elif isinstance(event, StepCompleted):
                 step = event
         latencies.append(step.step_s)
+        if step.activation_bytes is not None:
+            watched = step
         if fullest is None or step.kv_cache_bytes >= fullest.kv_cache_bytes:
             fullest = step
         yield BatchStep(step=step.step, token_ids=tuple(ids), texts=tuple(texts), latency_s=step.step_s,
                         elapsed_s=time.perf_counter() - start, active=step.batch, kv_cache_bytes=step.kv_cache_bytes,
                         kv_cache_bytes_predicted=step.kv_cache_bytes_predicted, memory=step.memory)
+    core.watch_next = False
+    left_out = watched.step_s if watched else 0.0
     results = tuple(SequenceResult(
         index=i, reason=f.reason, tokens=f.tokens, prompt_tokens=f.prompt_tokens, ttft_s=f.ttft_s,
-        mean_token_latency_s=f.decode_s / (f.tokens - 1) if f.tokens > 1 else None, token_ids=f.token_ids,
+        mean_token_latency_s=_per_token(f, left_out), token_ids=f.token_ids,
         text=f.text) for i, f in sorted(finals.items()))
     yield _batch_finished(results, latencies[0] if latencies else 0.0, latencies, start, core.probe,
                           fullest.kv_cache_bytes if fullest else 0,
                           fullest.kv_cache_bytes_predicted if fullest else 0,
-                          any(r.reason == "cancelled" for r in results))
+                          any(r.reason == "cancelled" for r in results), watched)
+
+
+def _per_token(finished: Finished, left_out: float) -> float | None:
+    """A sequence's mean decode-step time, the watched step left out (every sequence with a
+    second token was in it)."""
+    steps = finished.tokens - 1 - (1 if left_out else 0)
+    return (finished.decode_s - left_out) / steps if steps > 0 else None
 
 
 def _batch_finished(results: tuple[SequenceResult, ...], prefill_s: float, step_latencies: list[float],
                     start: float, probe: MemoryProbe, kv: int, kv_predicted: int | None,
-                    cancelled: bool) -> BatchFinished:
-    """A batch's totals from its sequences and step times (the first step reads the prompts)."""
-    decode_s = sum(step_latencies[1:])
-    decode_tokens = sum(max(0, r.tokens - 1) for r in results)
+                    cancelled: bool, watched: StepCompleted | None = None) -> BatchFinished:
+    """A batch's totals from its sequences and step times (the first step reads the prompts;
+    ``watched``, the step whose activations were read, is left out of the decode figures)."""
+    decode_s = sum(step_latencies[1:]) - (watched.step_s if watched else 0.0)
+    decode_tokens = sum(max(0, r.tokens - 1) for r in results) - (watched.decode_tokens if watched else 0)
     generated = sum(r.tokens for r in results)
     total = time.perf_counter() - start
     peak_device = probe.peak_device()
@@ -142,7 +157,7 @@ def _batch_finished(results: tuple[SequenceResult, ...], prefill_s: float, step_
                                         if r.mean_token_latency_s is not None]),
         peak_memory_bytes=peak_device if peak_device is not None else probe.peak_rss,
         peak_rss_bytes=probe.peak_rss, kv_cache_bytes=kv, kv_cache_bytes_predicted=kv_predicted,
-        cancelled=cancelled,
+        cancelled=cancelled, activation_bytes=watched.activation_bytes if watched else None,
     )
 
 

@@ -144,7 +144,10 @@ class LaneSummary:
     label: str
     load_s: float | None
     weights_bytes: int | None
+    model_memory_bytes: int | None
+    """The lane's own model: its weights and its KV cache at the end, both read from their tensors."""
     peak_memory_bytes: int | None
+    """The process's peak (every lane's model is loaded in it) or, on a GPU, the device's."""
     ttft_s: float | None
     decode_tokens_per_s: float | None
     latency_mean_s: float | None
@@ -165,6 +168,8 @@ def summary_rows(runs: Sequence[LaneRun]) -> list[LaneSummary]:
         done, info = lane.finished, lane.loaded or {}
         rows.append(LaneSummary(
             lane=index + 1, label=lane.spec.label, load_s=info.get("load_s"), weights_bytes=info.get("weights_bytes"),
+            model_memory_bytes=(info["weights_bytes"] + done.kv_cache_bytes
+                                if done and info.get("weights_bytes") and done.kv_cache_bytes is not None else None),
             peak_memory_bytes=done.peak_memory_bytes if done else None,
             ttft_s=done.ttft_s if done else None,
             decode_tokens_per_s=done.decode_tokens_per_s if done else None,

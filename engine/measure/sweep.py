@@ -47,6 +47,9 @@ class SweepPoint:
     weights_bytes: int | None = None
     """The model's weights, measured from its tensors at load: with ``kv_cache_bytes``, the
     memory that is the model's at this batch (the process's peak holds much else)."""
+    activation_bytes: int | None = None
+    """A decode step's activations at this batch, read from the allocator (``None``: not
+    readable on this device)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -174,7 +177,7 @@ def run_sweep(loaded, request: GenerationRequest, batches: Iterable[int], cancel
             peak_memory_bytes=finished.peak_memory_bytes, kv_cache_bytes=finished.kv_cache_bytes,
             kv_cache_bytes_predicted=finished.kv_cache_bytes_predicted, predicted_extra_bytes=extra,
             generated_tokens=finished.generated_tokens, total_s=finished.total_s,
-            weights_bytes=loaded.info.weights_bytes,
+            weights_bytes=loaded.info.weights_bytes, activation_bytes=finished.activation_bytes,
         )
         if with_ceiling:
             ceiling, note = above_ceiling(loaded, point.aggregate_tokens_per_s, batch,

@@ -34,11 +34,13 @@ def test_sweep_fills_the_table_and_plots_and_lands_in_history(qtbot, window, spe
     assert len(x) == 3 and [label.textItem.toPlainText() for label in speedups.batching._labels] == ["B=1", "B=2", "B=4"]
     _, kv = speedups.batching.kv_curve.getData()
     assert kv[-1] == pytest.approx(points[-1].kv_cache_bytes / 2**20)
-    # the memory chart is the model's: its weights and the KV it measured, growing with the batch
+    # the memory chart is the model's: its weights, the KV and a step's activations it measured,
+    # growing with the batch
     # (the process's peak, flat at every batch, stays in the table)
     _, model = speedups.batching.peak_curve.getData()
     weights = window.loaded.weights_bytes
-    assert list(model) == pytest.approx([(weights + p.kv_cache_bytes) / 2**20 for p in points])
+    assert all(p.activation_bytes for p in points)
+    assert list(model) == pytest.approx([(weights + p.kv_cache_bytes + p.activation_bytes) / 2**20 for p in points])
     assert model[0] < model[1] < model[2]
     assert "tokens/sec of batch 1" in speedups.batching.controls.status.text()
     from engine.storage.history import load_all

@@ -135,6 +135,11 @@ def test_sweep_measures_each_batch_size(loaded_llama, tmp_path, monkeypatch):
             len(loaded_llama.encode(request)) + 4, point.batch)
         assert point.aggregate_tokens_per_s > 0 and point.mean_per_token_latency_s > 0
     assert points[2].predicted_extra_bytes > points[0].predicted_extra_bytes
+    # a decode step's activations, read from the allocator, grow with the rows in the step (batch 1
+    # against 4: between 1 and 2 a kernel's scratch per thread, which moves with the threads the
+    # core takes on a busy machine, can weigh as much as this tiny model's row)
+    assert all(p.activation_bytes > 0 for p in points)
+    assert points[0].activation_bytes < points[2].activation_bytes
     # the points land in the run history, where the cost explorer reads them
     monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path))
     record_points(loaded_llama, points, len(loaded_llama.encode(request)))
@@ -219,3 +224,47 @@ def test_a_rate_above_its_ceiling_measures_the_bandwidth_again_and_says_why_if_i
     assert ceiling == 12.0 and note.startswith("above the ceiling: 15.0 tok/s against 12.0") and "20.0 GB/s" in note
     assert sweep.above_ceiling(None, 9.0, 1, 64) == (10.0, None)  # below: nothing measured again
     assert measured == [True, True]
+
+
+def test_the_watched_step_is_left_out_of_the_batch_timing(loaded_llama, monkeypatch):
+    """Reading the activations slows their step on the CPU: the batch's decode figures come from the
+    other steps (a watch made to take half a second would otherwise sink the rate)."""
+    import time
+
+    from engine.base import memory
+
+    real_exit = memory.StepAllocations.__exit__
+
+    def slow_exit(self, *exc):
+        time.sleep(0.5)  # the watch's own cost, exaggerated
+        return real_exit(self, *exc)
+
+    monkeypatch.setattr(memory.StepAllocations, "__exit__", slow_exit)
+    request = GenerationRequest("fox", mode="raw", max_new_tokens=6, ignore_eos=True)
+    events, final = batched(loaded_llama, [request] * 3)
+    steps = [e for e in events if isinstance(e, BatchStep)]
+    assert steps[1].latency_s >= 0.5 and max(s.latency_s for s in steps[2:]) < 0.5
+    decode_s = sum(s.latency_s for s in steps[2:])
+    assert final.aggregate_tokens_per_s == pytest.approx(3 * 4 / decode_s, rel=1e-6)
+    assert all(r.mean_token_latency_s < 0.5 for r in final.sequences)
+    assert final.activation_bytes > 0
+
+
+def test_a_steps_allocations_are_read_from_the_allocator():
+    import torch
+
+    from engine.base.memory import StepAllocations
+
+    with StepAllocations(torch.device("cpu")) as watch:
+        a = torch.ones(1 << 20, dtype=torch.uint8)  # 1 MiB
+        b = torch.ones(1 << 19, dtype=torch.uint8)  # and 0.5 MiB while it lives
+        del a, b
+        c = torch.ones(1 << 18, dtype=torch.uint8)
+    assert (1 << 20) + (1 << 19) <= watch.peak_bytes < (1 << 20) + (1 << 19) + (1 << 16)
+    # what the step keeps (its KV cache's growth) is not an activation
+    assert (1 << 18) <= watch.kept_bytes < (1 << 18) + (1 << 16)
+    assert watch.activation_bytes == watch.peak_bytes - watch.kept_bytes
+    kept = c
+    with StepAllocations(torch.device("cpu")) as nothing:
+        kept.add_(1)  # in place: no new tensor
+    assert nothing.peak_bytes < 1024  # a scalar wrapped as a tensor, no more

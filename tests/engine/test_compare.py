@@ -63,6 +63,10 @@ def test_other_precisions_diverge_measurably(tiny_llama):
     assert rows[0]["weights_bytes"] > rows[1]["weights_bytes"]
     for key in ("load_s", "ttft_s", "decode_tokens_per_s", "latency_p50_s", "latency_p95_s", "tokens", "kv_cache_bytes"):
         assert rows[1][key] is not None
+    # each lane's own memory: its weights and its KV, beside the one process's peak they share
+    for row in rows:
+        assert row["model_memory_bytes"] == row["weights_bytes"] + row["kv_cache_bytes"]
+    assert rows[0]["model_memory_bytes"] > rows[1]["model_memory_bytes"]
 
 
 def test_lanes_with_other_tokenizers_get_no_token_metrics(tiny_llama, tmp_path, sp_tokenizer):
