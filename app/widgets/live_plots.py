@@ -291,7 +291,9 @@ class LivePlots:
         self.memory = PlotPanel(
             "memory", "Memory while generating: the model's own (its weights, measured from its tensors, "
             "and its KV cache, measured from the cache) beside the process's RSS (Python, Qt, PyTorch and "
-            "every model loaded; and device memory on a GPU).", "memory", "time since request (s)")
+            "every model loaded; and device memory on a GPU). A decode step's activations are read from "
+            "PyTorch's allocator by the batch sweep (View → Batching), not here: on a CPU the reading slows "
+            "the step it reads.", "memory", "time since request (s)")
         self.panels = {"speed": self.speed, "latency": self.latency, "kv": self.kv, "memory": self.memory}
         self._speed_now = self.speed.curve("each token", "muted")
         self._speed_mean = self.speed.curve(f"mean of last {ROLLING_WINDOW}", "main")
