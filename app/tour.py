@@ -17,7 +17,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from PySide6.QtCore import QEvent, QObject, QRect, Qt, QTimer, Signal, Slot
+from PySide6.QtCore import QEvent, QObject, QPoint, QRect, Qt, QTimer, Signal, Slot
 from PySide6.QtGui import QColor, QPainter, QPen
 from PySide6.QtWidgets import (
     QDialog,
@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QPushButton,
     QScrollArea,
+    QSplitter,
     QVBoxLayout,
     QWidget,
 )
@@ -112,20 +113,29 @@ class Highlight(QWidget):
     """An outline over a widget (drawn on top of it, clicks pass through), following its size."""
 
     def __init__(self, target: QWidget) -> None:
-        super().__init__(target)
+        # drawn on the target itself, or, where that is a splitter (which takes every child for
+        # a pane of its own), on the nearest widget around it that is not one
+        host = target
+        while isinstance(host, QSplitter) and host.parentWidget() is not None:
+            host = host.parentWidget()
+        super().__init__(host)
         self.setObjectName("tourHighlight")
         self.setAttribute(Qt.WA_TransparentForMouseEvents)
         self.setAttribute(Qt.WA_NoSystemBackground)
         self.target = target
         target.installEventFilter(self)
-        self.setGeometry(target.rect())
-        self.raise_()
+        self._fit()
         self.show()
 
+    def _fit(self) -> None:
+        host = self.parentWidget()
+        corner = QPoint(0, 0) if host is self.target else self.target.mapTo(host, QPoint(0, 0))
+        self.setGeometry(QRect(corner, self.target.size()))
+        self.raise_()
+
     def eventFilter(self, watched: QObject, event: QEvent) -> bool:
-        if watched is self.target and event.type() in (QEvent.Resize, QEvent.Show):
-            self.setGeometry(self.target.rect())
-            self.raise_()
+        if watched is self.target and event.type() in (QEvent.Resize, QEvent.Move, QEvent.Show):
+            self._fit()
         return False
 
     def paintEvent(self, event) -> None:
@@ -140,6 +150,13 @@ class Highlight(QWidget):
             return
         self.hide()
         self.deleteLater()
+
+
+WIDEST = 440
+"""The tour panel's width where the screen has room; :data:`NARROWEST` where that fits it beside
+what a step outlines."""
+NARROWEST = 340
+PANEL_MARGIN = 8
 
 
 class Tour(QDialog):
@@ -206,7 +223,7 @@ class Tour(QDialog):
         layout.addWidget(self.figure)
         layout.addWidget(chips_area, 1)
         layout.addLayout(buttons)
-        self.setFixedWidth(440)
+        self.setFixedWidth(WIDEST)
 
     # -- moving through it -----------------------------------------------------------------------
     def start(self) -> None:
@@ -215,11 +232,28 @@ class Tour(QDialog):
 
     def _place(self, target: QWidget | None) -> None:
         """Fit the panel to its text and put it in a corner of the screen clear of ``target`` (the
-        outlined widget), or where it covers least of it."""
+        outlined widget), or where it covers least of it: narrower (down to :data:`NARROWEST`)
+        where that fits it into the space beside the target."""
+        self.setFixedWidth(WIDEST)
+        self._corner(target)
+        try:
+            covered = QRect(target.mapToGlobal(target.rect().topLeft()), target.size()) if target.isVisible() else None
+        except (AttributeError, RuntimeError):
+            covered = None
+        frame = self.frameGeometry()
+        if covered is None or not frame.intersects(covered):
+            return
+        screen = self.main.screen().availableGeometry()
+        gap = max(covered.left() - screen.left(), screen.right() - covered.right()) - 2 * PANEL_MARGIN
+        if NARROWEST <= gap < WIDEST:
+            self.setFixedWidth(gap - (frame.width() - self.width()))
+            self._corner(target)
+
+    def _corner(self, target: QWidget | None) -> None:
         self.adjustSize()
         screen = self.main.screen().availableGeometry()
         size = self.frameGeometry().size()
-        margin = 8
+        margin = PANEL_MARGIN
         corners = [QRect(screen.left() + margin, screen.bottom() - size.height() - margin, size.width(), size.height()),
                    QRect(screen.right() - size.width() - margin, screen.bottom() - size.height() - margin,
                          size.width(), size.height()),
@@ -289,6 +323,7 @@ class Tour(QDialog):
         if not 0 <= index < len(STEPS):
             return
         self._leave_step()
+        self.setFixedWidth(WIDEST)
         self.index = index
         step = self.step
         self.heading.setText(f"<small>Step {index + 1} of {len(STEPS)}</small><br>"
@@ -648,7 +683,7 @@ class Tour(QDialog):
         tool.draft_kind.setCurrentIndex(tool.draft_kind.findData("early-exit"))
         tool.compare_plain.setChecked(True)
         tool.spec_tokens.setValue(SPECULATIVE_TOKENS)
-        self._outline(tool.spec_summary.parentWidget())
+        self._outline(tool.acceptance_plot.parentWidget())  # the answer, its summary and the acceptance plot
         self.raise_()
 
         def finished(report) -> None:

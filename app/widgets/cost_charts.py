@@ -185,11 +185,11 @@ class CostCharts(QWidget):
         runs_y = [math.log10(r.decode_tokens_per_s * r.batch) for r in runs if r.decode_tokens_per_s]
         self._curve("speed-runs", self.speed_plot, pen=None, symbol="o", symbolSize=7,
                     symbolBrush=COLOURS["measured"]).setData(runs_x, runs_y)
-        self._label_runs(runs, profile, config, kv_dtype, count)
         self.speed_plot.set_label("left", "tokens / s, all requests (log₁₀)")
         # the measured dots stay in view, however far below the ceiling they are
         _log_axes(self.speed_plot, lx, np.concatenate([np.log10(np.concatenate([ceiling, memory_rate, compute_rate])),
                                                        np.array(runs_y, dtype=float)]))
+        self._label_runs(runs, profile, config, kv_dtype, count)  # after the axes: they size its labels
         low, high = float(lx.min()), float(lx.max())
         ridge = math.log2(e.ridge_batch) if e.ridge_batch else None
         split = high if ridge is None else min(max(ridge, low), high)
@@ -321,16 +321,42 @@ class CostCharts(QWidget):
                                                None, "", count).decode_tokens_per_s_ceiling
             rate = r.decode_tokens_per_s * r.batch
             by_batch.setdefault(r.batch, []).append((100 * rate / ceilings[key], rate))
-        for i, (batch, shares) in enumerate(sorted(by_batch.items())):
+        # labels alternate above and below their dots; one that would run into a label already
+        # placed goes to the other side, shortened to its median if it must, and is left out (its
+        # dot stays) where even that has no room (measured where they are drawn: in the scene)
+        view = self.speed_plot.plot.getViewBox()
+        plot = self.speed_plot.plot
+        ordered = sorted(by_batch.items())
+        xs = [math.log2(batch) for batch, _ in ordered]
+        placed: list = []  # the labels' rectangles in the scene, a few pixels of margin round them
+
+        def put(text: str, x: float, y: float, above: bool):
+            label = pg.TextItem(text, color=COLOURS["measured"], anchor=(0, 1) if above else (0, 0))
+            label.setPos(x, y)
+            plot.addItem(label)
+            return label, label.sceneBoundingRect().adjusted(-LABEL_GAP / 2, -1, LABEL_GAP / 2, 1)
+
+        for i, (batch, shares) in enumerate(ordered):
             values = sorted(share for share, _ in shares)
-            text = f"{float(np.median(values)):.0f}%"
-            if len(values) > 1:
-                text += f" ({values[0]:.0f}–{values[-1]:.0f}%, {len(values)} runs)"
-            label = pg.TextItem(text + (" of ceiling" if i == 0 else ""), color=COLOURS["measured"],
-                                anchor=(0, 1) if i % 2 == 0 else (0, 0))  # neighbours alternate above/below
-            label.setPos(math.log2(batch), math.log10(float(np.median([rate for _, rate in shares]))))
-            self.speed_plot.plot.addItem(label)
-            self._run_labels.append(label)
+            short = f"{float(np.median(values)):.0f}%" + (" of ceiling" if not self._run_labels else "")
+            full = short + (f" ({values[0]:.0f}–{values[-1]:.0f}%, {len(values)} runs)" if len(values) > 1 else "")
+            x, y = xs[i], math.log10(float(np.median([rate for _, rate in shares])))
+            if i + 2 < len(xs):  # the whole label only where it ends before the next but one dot
+                label, box = put(full, x, y, True)
+                plot.removeItem(label)
+                if box.right() > view.mapViewToScene(pg.Point(xs[i + 2], y)).x():
+                    full = short
+            for text, above in ((t, a) for t in dict.fromkeys((full, short)) for a in (i % 2 == 0, i % 2 == 1)):
+                label, box = put(text, x, y, above)
+                if not any(box.intersects(other) for other in placed):
+                    placed.append(box)
+                    self._run_labels.append(label)
+                    break
+                plot.removeItem(label)
+
+
+LABEL_GAP = 6
+"""Pixels kept between two labels side by side."""
 
 
 def _on_gpus(config, profile, e, gpus: int) -> tuple[np.ndarray, np.ndarray]:

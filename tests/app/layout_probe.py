@@ -91,6 +91,49 @@ def problems_in(window, name: str) -> list[str]:
     return out
 
 
+def tour_problems(app, tour) -> list[str]:
+    """Every step of the tour's panel (each says what it needs: no model is loaded), inside the
+    screen where it placed itself, with room for its text."""
+    from app.tour import STEPS
+
+    out = []
+    for index in range(len(STEPS)):
+        tour.show_step(index)
+        app.processEvents()
+        name = f"tour step {index + 1}"
+        out += problems_in(tour, name)
+        frame, screen = tour.frameGeometry(), tour.screen().availableGeometry()
+        if not screen.contains(frame):
+            out.append(f"{name}: the panel ({frame.x()},{frame.y()} {frame.width()}×{frame.height()}) is not "
+                       f"inside the screen ({screen.width()}×{screen.height()})")
+    return out
+
+
+STATUS_MESSAGES = (
+    "Loaded SmolLM2-135M-Instruct (fp32) in 36.2 s: 134.5 M parameters, 513.1 MiB of weights, on cpu",
+    "Done: 16 tokens, 11.6 tok/s, 96 of 129 prompt tokens from the cache (earlier turns, not computed again)",
+)
+
+
+def status_problems(app, window) -> list[str]:
+    """The status bar's longest messages: read whole in the bar, or under the prompt where the bar
+    has no room for them."""
+    out = []
+    for text in STATUS_MESSAGES:
+        window.say(text)
+        app.processEvents()
+        bar = window.statusBar()
+        figures = sum(label.width() for label in window.status.labels.values() if label.isVisible())
+        in_bar = bar.fontMetrics().horizontalAdvance(text) <= bar.width() - figures - 40
+        message = window.prompt.message
+        below = message.isVisible() and message.text() == text and not message.visibleRegion().isEmpty()
+        if not (in_bar or below):
+            out.append(f"main window: the status message {text[:40]!r}… is cut in the bar and not shown under "
+                       "the prompt")
+        out += [p for p in problems_in(window, "main window") if "message" in p.lower()]
+    return out
+
+
 def main() -> None:
     width, height, out_path = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     shots = Path(sys.argv[4]) if len(sys.argv) > 4 else None
@@ -137,6 +180,8 @@ def main() -> None:
         if shots is not None:
             shots.mkdir(parents=True, exist_ok=True)
             window.grab().save(str(shots / f"{name.replace(' ', '-')}-{width}x{height}.png"))
+    problems += tour_problems(app, windows["tour"])
+    problems += status_problems(app, main_window)
     out_path.write_text(json.dumps(problems, indent=1))
     for window in windows.values():
         window.close()

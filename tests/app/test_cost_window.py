@@ -253,3 +253,33 @@ def test_the_precision_list_says_the_measured_quality(qtbot, costs_window, loade
     w.reload_history()
     qtbot.waitUntil(lambda: "KLD" in w.precision.itemText(w.precision.findData("fp32")), timeout=30_000)
     assert w.precision.itemText(w.precision.findData("fp32")).endswith("KLD 0.0000 vs fp32")
+
+
+def test_run_labels_at_neighbouring_batches_never_print_over_each_other(qtbot, costs_window):
+    """Several runs at each of batches 1…32 (long labels: median, range and count): each label keeps
+    out of the others' way, on the other side of the dots or shortened, or is left out."""
+    from engine.storage.history import RunRecord, save
+
+    w = costs_window
+    w.set_model("meta-llama/Llama-3.1-8B", "bf16")
+    w.hardware.setCurrentIndex(w.hardware.findData("this-machine"))
+    settle(qtbot, w)
+    count = w._count.total
+    for batch in (1, 2, 4, 8, 16, 32):
+        for rate in (0.5, 0.6, 0.8):
+            save(RunRecord(kind="sweep", when="2026-12-01T10:00:00", model="Llama-3.1-8B", model_ref="x",
+                           precision="bf16", device="cpu", device_name="cpu", hardware="this-machine",
+                           parameters=count, weights_bytes=16 * 10**9, kv_cache_bytes=10**6, kv_bytes_per_token=None,
+                           prompt_tokens=100, tokens=28, batch=batch, decode_tokens_per_s=rate, ttft_s=0.2,
+                           peak_memory_bytes=None))
+    w.resize(1000, 700)
+    w.show()
+    qtbot.waitExposed(w)
+    with qtbot.waitSignal(w.updated, timeout=120_000):
+        w.reload_history()
+    labels = w.charts._run_labels
+    assert len(labels) >= 3 and labels[0].toPlainText().endswith("of ceiling")
+    boxes = [label.sceneBoundingRect() for label in labels]
+    for i, box in enumerate(boxes):
+        for other in boxes[i + 1:]:
+            assert not box.intersects(other), [label.toPlainText() for label in labels]

@@ -112,6 +112,11 @@ def test_every_step_shows_the_figure_it_names(qtbot, toured):
     report = window.tools.speedups.speculative.result
     assert f"{report.accepted_tokens} of {report.drafted_tokens} guesses accepted" in figure
     assert f"{report.speedup_vs_plain:.2f}×" in figure
+    # the answer, its summary and the acceptance plot outlined, the splitter holding them given no pane
+    speculative = window.tools.speedups.speculative
+    splitter = outlined(tour)
+    assert splitter.count() == 2 and speculative.acceptance_plot.parentWidget() is splitter
+    assert tour._highlight.geometry().size() == splitter.size()
     # 9 Many users: the server started, a load against it, its requests in the traffic view
     figure = measure(qtbot, tour, 8)
     box = window.tools.traffic.load_box
@@ -226,3 +231,33 @@ def test_the_panel_makes_room_beside_what_it_explains_and_gives_it_back(qtbot, w
     assert not tour.frameGeometry().intersects(covered)
     tour.close()
     assert other.geometry() == before
+
+
+def test_the_panel_narrows_to_fit_beside_what_it_explains(qtbot, window):
+    """Where the space beside the outlined widget is narrower than the panel but wide enough for a
+    narrower one, the panel narrows into it rather than cover the widget (no window is moved)."""
+    from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+
+    from app.tour import NARROWEST, WIDEST
+
+    screen = window.screen().availableGeometry()
+    other = QWidget()
+    qtbot.addWidget(other)
+    layout = QVBoxLayout(other)
+    layout.setContentsMargins(0, 0, 0, 0)
+    target = QLabel("what the step explains")
+    layout.addWidget(target)
+    gap = (NARROWEST + WIDEST) // 2 + 16
+    other.setGeometry(screen.adjusted(gap, 40, 0, -10))  # the screen but a strip on the left
+    other.setMinimumWidth(other.width())  # too wide to narrow
+    other.show()
+    qtbot.waitExposed(other)
+    before = other.geometry()
+    tour = Tour(window)
+    qtbot.addWidget(tour)
+    tour.show()
+    tour._place(target)
+    covered = target.rect().translated(target.mapToGlobal(target.rect().topLeft()))
+    assert not tour.frameGeometry().intersects(covered)
+    assert NARROWEST <= tour.width() < WIDEST and other.geometry() == before
+    tour.close()
