@@ -192,7 +192,9 @@ class CostWindow(QMainWindow):
     def _show_failure(self, exc: BaseException) -> None:
         self.numbers.setText(f"<span style='color:#c0392b'>{exc}</span>")
 
-    def set_model(self, ref: str, precision: str | None = None) -> None:
+    def set_model(self, ref: str, precision: str | None = None, kv_dtype: str | None = None) -> None:
+        """Show ``ref`` at ``precision``; ``kv_dtype`` (a torch dtype name, as a loaded model
+        reports it): the KV cache's dtype it runs with, so the figures are the run's."""
         index = self.model.findData(ref)
         if index < 0:
             self.model.addItem(ref, ref)
@@ -200,6 +202,9 @@ class CostWindow(QMainWindow):
         self.model.setCurrentIndex(index)
         if precision:
             self.precision.setCurrentIndex(self.precision.findData(precision))
+        kv = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(kv_dtype or "")
+        if kv:
+            self.kv_dtype.setCurrentIndex(self.kv_dtype.findData(kv))
         self.schedule_update()
 
     def model_ref(self) -> str:

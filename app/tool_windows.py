@@ -49,7 +49,9 @@ class ToolWindows(QObject):
         if self.costs is None:
             self.costs = CostWindow()
         request = self.main.model_panel.request()
-        self.costs.set_model(request.model, request.precision)
+        loaded = self.main.loaded
+        runs = loaded is not None and self.main.model_panel.loaded_request == request
+        self.costs.set_model(request.model, request.precision, loaded.kv_dtype if runs else None)
         self.costs.reload_history()
         return _front(self.costs)
 

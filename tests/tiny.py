@@ -60,7 +60,7 @@ def sentencepiece_tokenizer():
 
 def tiny_config(arch: str, vocab_size: int, **overrides):
     """A small config of one architecture; ``overrides`` change any field."""
-    from transformers import Gemma2Config, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma2Config, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -70,6 +70,8 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
         config = LlamaConfig(**common)
     elif arch == "qwen2":
         config = Qwen2Config(**{**common, "num_hidden_layers": 3})
+    elif arch == "qwen3":  # query/key norms, and a head dim of its own (not hidden ÷ heads)
+        config = Qwen3Config(**{**common, "head_dim": 24})
     elif arch == "mistral":
         config = MistralConfig(**{**common, "sliding_window": 12})
     elif arch == "gemma2":

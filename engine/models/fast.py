@@ -3,7 +3,7 @@
 transformers' forward is general: per layer it builds masks, dispatches attention backends,
 concatenates a growing cache and checks options, and on two CPU cores that bookkeeping is a
 large share of a small model's decode step. For the architectures it knows (Llama, Qwen2,
-Mistral without a window in play) this path runs the same modules' weights with only the
+Qwen3 with its query and key norms, Mistral without a window in play) this path runs the same modules' weights with only the
 arithmetic: norms, projections (optionally weight-only int8/int4, engine/models/quantize.py),
 rotary embedding, attention over a static cache written in place, the MLP, the head.
 
@@ -63,7 +63,8 @@ def unsupported_reason(model) -> str | None:
     if reason:
         return reason
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) \
-            and config.model_type == "mistral":
+            and config.model_type == "mistral" \
+            or any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return "sliding-window attention is not on the fast path"
     base = getattr(model, "model", None)
     if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
@@ -78,6 +79,9 @@ class _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
         self.eps = float(getattr(self.norm1, "variance_epsilon", getattr(self.norm1, "eps", 1e-6)))
+        # Qwen3: an RMSNorm over each head of the queries and of the keys, before the rotary embedding
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.qk_eps = float(getattr(self.q_norm, "variance_epsilon", self.eps))
         self.qkv = fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
         self.projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         self.o = attn.o_proj
@@ -168,7 +172,11 @@ def _attention_inputs(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, cos: 
     rotated, half = heads + kv_heads, dim // 2
     x = _rms(hidden, layer.norm1, layer.eps)
     qkv = layer.qkv(x) if layer.qkv is not None else torch.cat([p(x) for p in layer.projections], dim=-1)
-    qkv = qkv.view(batch, count, rotated + kv_heads, dim).transpose(1, 2)
+    qkv = qkv.view(batch, count, rotated + kv_heads, dim)
+    if layer.q_norm is not None:  # per head, on the head dim
+        qkv = torch.cat((_rms(qkv[:, :, :heads], layer.q_norm, layer.qk_eps),
+                         _rms(qkv[:, :, heads:rotated], layer.k_norm, layer.qk_eps), qkv[:, :, rotated:]), dim=2)
+    qkv = qkv.transpose(1, 2)
     qk = qkv[:, :rotated]
     qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
     return qk[:, :heads], qk[:, heads:], qkv[:, rotated:]

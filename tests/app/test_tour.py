@@ -130,6 +130,9 @@ def test_every_step_shows_the_figure_it_names(qtbot, toured):
     assert f"{estimate.training_breakeven_tokens:.2e} tokens" in figure
     assert "20 training tokens per parameter" in figure
     assert window.tools.costs.training.text() == f"{20 * window.loaded.parameters:.3g}"
+    # the explorer's KV cache is the one the loaded model runs with (fp32 here), as step 4 measured it
+    assert window.tools.costs.kv_dtype.currentData() == "fp32" and window.loaded.kv_dtype == "float32"
+    assert estimate.kv_bytes_per_token == window.loaded.kv_bytes_per_token
     assert tour.next_button.text() == "Finish"
     assert len(window.transcript.turns) >= 4  # the tour's two turns, until it ends
     tour.next()
