@@ -168,18 +168,20 @@ class CompareWindow(QMainWindow):
             dock.setWidget(widget)
             self.addDockWidget(Qt.BottomDockWidgetArea, dock)
             docks.append(dock)
-        self.splitDockWidget(docks[0], docks[1], Qt.Vertical)
-        self.tabifyDockWidget(docks[1], docks[2])  # the quality run's tab behind the summary
-        docks[1].raise_()
         self._docks = docks
         screen = QGuiApplication.primaryScreen()
         if screen is not None and screen.availableGeometry().height() < SHORT_SCREEN:
-            # plots above the summary need more height than a laptop has: tabs, the plots first
+            # plots above the summary need more height than a laptop has: tabs, the plots first (one
+            # tab bar: tabifying docks already split and tabbed left a second, stale one over the plots)
             self.tabifyDockWidget(docks[0], docks[1])
             self.tabifyDockWidget(docks[0], docks[2])
             docks[0].raise_()
             # and the lanes get the rest: their answers in view, not only their controls
             QTimer.singleShot(0, lambda: self.resizeDocks([docks[0]], [PLOTS_MIN_HEIGHT + 40], Qt.Vertical))
+        else:
+            self.splitDockWidget(docks[0], docks[1], Qt.Vertical)
+            self.tabifyDockWidget(docks[1], docks[2])  # the quality run's tab behind the summary
+            docks[1].raise_()
 
         self.timer = QTimer(self)
         self.timer.setInterval(50)

@@ -40,7 +40,7 @@ for _variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_ASSETS_CACHE", "H
     os.environ.pop(_variable, None)
 os.environ["HF_HOME"] = str(_SESSION_CACHE / "huggingface")
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "mistral", "gemma2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "gpt2", "mistral", "gemma2")
 
 
 def _users(variable: str, where):
@@ -163,7 +163,7 @@ def sp_tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, byte_tokenizer) -> dict[str, Path]:
-    """One random-weight model folder per architecture (llama, qwen2, qwen3, gpt2, mistral, gemma2)."""
+    """One random-weight model folder per architecture (:data:`ARCHITECTURES`)."""
     from tests.tiny import build_model_folder
 
     root = tmp_path_factory.mktemp("tiny-models")

@@ -60,7 +60,8 @@ def sentencepiece_tokenizer():
 
 def tiny_config(arch: str, vocab_size: int, **overrides):
     """A small config of one architecture; ``overrides`` change any field."""
-    from transformers import Gemma2Config, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (Gemma2Config, GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config, SmolLM3Config)
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -72,6 +73,10 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
         config = Qwen2Config(**{**common, "num_hidden_layers": 3})
     elif arch == "qwen3":  # query/key norms, and a head dim of its own (not hidden ÷ heads)
         config = Qwen3Config(**{**common, "head_dim": 24})
+    elif arch == "smollm3":  # every other layer without the rotary embedding
+        config = SmolLM3Config(**{**common, "num_hidden_layers": 4, "no_rope_layers": [1, 0, 1, 0]})
+    elif arch == "phi3":  # fused q/k/v and gate/up, the rotary embedding on 3/4 of each head
+        config = Phi3Config(**{**common, "partial_rotary_factor": 0.75, "pad_token_id": 0})
     elif arch == "mistral":
         config = MistralConfig(**{**common, "sliding_window": 12})
     elif arch == "gemma2":

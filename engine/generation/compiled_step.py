@@ -112,8 +112,7 @@ class StepModule(torch.nn.Module):
     def __init__(self, d) -> None:
         super().__init__()
         self.model = d.model
-        self.fused = torch.nn.ModuleList([m for layer in d.layers for m in (layer.qkv, layer.gate_up)
-                                          if m is not None])
+        self.fused = torch.nn.ModuleList([m for layer in d.layers for m in layer.fused])
         object.__setattr__(self, "decoder", d)  # not a submodule: its modules are registered above
 
     def forward(self, keys, values, cos, sin, ids, position, table):

@@ -62,10 +62,16 @@ def unsupported_reason(model) -> str | None:
     reason = unsupported_type_reason(config.model_type)
     if reason:
         return reason
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) \
-            and config.model_type == "mistral" \
+    window = getattr(config, "sliding_window", None)
+    longest = getattr(config, "max_position_embeddings", None) or float("inf")
+    if window and window < longest and getattr(config, "use_sliding_window", True) \
+            and config.model_type in ("mistral", "phi3") \
             or any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return "sliding-window attention is not on the fast path"
+    scaling = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) in ("longrope", "dynamic"):
+        # their frequencies change with the sequence's length: one table for every position is wrong
+        return f"its rotary embedding ({scaling.get('rope_type', scaling.get('type'))}) changes with the length"
     base = getattr(model, "model", None)
     if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
         return "its layers are not laid out as the fast path expects"
@@ -73,23 +79,44 @@ def unsupported_reason(model) -> str | None:
 
 
 class _Layer:
-    """One decoder layer's pieces, with q/k/v and gate/up fused where the scheme allows."""
+    """One decoder layer's pieces, with q/k/v and gate/up fused where the scheme allows; what an
+    architecture does otherwise than Llama is said here, not in a decoder of its own:
+
+    - Qwen3: an RMSNorm over each head of the queries and of the keys, before the rotary embedding;
+    - SmolLM3: some layers without the rotary embedding (``no_rope_layers``);
+    - Phi-3/4: q/k/v and gate/up already one projection each (``qkv_proj``, ``gate_up_proj``), and
+      the rotary embedding on the first part of each head only (``partial_rotary_factor``, the
+      tables' width says how much)."""
 
     def __init__(self, layer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
         self.eps = float(getattr(self.norm1, "variance_epsilon", getattr(self.norm1, "eps", 1e-6)))
-        # Qwen3: an RMSNorm over each head of the queries and of the keys, before the rotary embedding
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.qk_eps = float(getattr(self.q_norm, "variance_epsilon", self.eps))
-        self.qkv = fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.rope = bool(getattr(attn, "use_rope", True))
+        self.fused: list[nn.Module] = []
+        """The projections this made by fusing the model's (not the model's own modules)."""
+        if hasattr(attn, "qkv_proj"):
+            self.qkv, self.projections = attn.qkv_proj, (attn.qkv_proj,)
+        else:
+            self.qkv = fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+            self.projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+            self.fused.append(self.qkv)
         self.o = attn.o_proj
         self.scaling = attn.scaling
-        self.gate_up = fuse_rows([mlp.gate_proj, mlp.up_proj])
-        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-        self.act = mlp.act_fn
-        self.intermediate = mlp.gate_proj.out_features
+        self.down = mlp.down_proj
+        self.act = getattr(mlp, "act_fn", None) or mlp.activation_fn
+        if hasattr(mlp, "gate_up_proj"):
+            self.gate_up = mlp.gate_up_proj
+            self.gate = self.up = None
+            self.intermediate = mlp.gate_up_proj.out_features // 2
+        else:
+            self.gate_up = fuse_rows([mlp.gate_proj, mlp.up_proj])
+            self.fused.append(self.gate_up)
+            self.gate, self.up = mlp.gate_proj, mlp.up_proj
+            self.intermediate = mlp.gate_proj.out_features
+        self.fused = [part for part in self.fused if part is not None]
 
 
 class FastDecoder:
@@ -148,7 +175,7 @@ class FastDecoder:
     def modules(self) -> list[nn.Module]:
         """Every module whose weights a step reads: the model's, and the fused q/k/v and gate/up
         layers (which are not the model's submodules)."""
-        fused = [part for layer in self.layers for part in (layer.qkv, layer.gate_up) if part is not None]
+        fused = [part for layer in self.layers for part in layer.fused]
         return [*self.model.modules(), *(m for part in fused for m in part.modules())]
 
 
@@ -178,7 +205,13 @@ def _attention_inputs(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, cos: 
                          _rms(qkv[:, :, heads:rotated], layer.k_norm, layer.qk_eps), qkv[:, :, rotated:]), dim=2)
     qkv = qkv.transpose(1, 2)
     qk = qkv[:, :rotated]
-    qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+    if layer.rope:
+        turned = cos.shape[-1]  # the whole head, or its first part (partial rotary)
+        if turned == dim:
+            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+        else:
+            part, rest, half = qk[..., :turned], qk[..., turned:], turned // 2
+            qk = torch.cat((part * cos + torch.cat((-part[..., half:], part[..., :half]), dim=-1) * sin, rest), dim=-1)
     return qk[:, :heads], qk[:, heads:], qkv[:, rotated:]
 
 

@@ -88,6 +88,25 @@ def problems_in(window, name: str) -> list[str]:
             right = widget.mapTo(viewport, widget.rect().topRight()).x()
             if right > viewport.width() + 1:
                 out.append(f"{what} runs {right - viewport.width()} px past the right edge of its scroll area")
+    out += _tab_bars_over_docks(window, name)
+    return out
+
+
+def _tab_bars_over_docks(window, name: str) -> list[str]:
+    """A dock tab bar drawn over a dock's content (a stale one left by re-tabifying docks)."""
+    from PySide6.QtWidgets import QDockWidget, QMainWindow, QTabBar
+
+    if not isinstance(window, QMainWindow):
+        return []
+    docks = [d for d in window.findChildren(QDockWidget) if d.isVisible() and not d.visibleRegion().isEmpty()]
+    out = []
+    for bar in window.findChildren(QTabBar):
+        if bar.parentWidget() is not window or not bar.isVisible():
+            continue
+        for dock in docks:
+            if bar.geometry().intersects(dock.geometry()):
+                out.append(f"{name}: a tab bar ({', '.join(bar.tabText(i) for i in range(bar.count()))}) is drawn "
+                           f"over the {dock.windowTitle()!r} dock")
     return out
 
 

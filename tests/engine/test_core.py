@@ -107,7 +107,7 @@ def test_every_request_gets_its_solo_answer_on_the_reference_runner(tiny_models,
     assert max(len(loaded.encode(r)) for _, r, _ in plan) > 20 or arch not in ("gemma2", "mistral")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "phi3"])
 def test_the_fast_runner_batches_and_matches_solo_in_fp32(tiny_models, arch):
     loaded = load_model(LoadRequest(str(tiny_models[arch]), "fp32-fast", "cpu"))
     plan = random_plan(seed=7, count=8, cancels=2)

@@ -21,15 +21,16 @@ def run(loaded, request):
 
 @pytest.fixture(scope="module")
 def long_models(tmp_path_factory, byte_tokenizer):
-    """Tiny llama, qwen2 (with q/k/v biases) and qwen3 (query/key norms) that read 2048 tokens."""
+    """Tiny llama, qwen2 (with q/k/v biases), qwen3 (query/key norms), smollm3 (layers without the
+    rotary embedding) and phi3 (fused projections, partial rotary) that read 2048 tokens."""
     from tests.tiny import build_model_folder
 
     root = tmp_path_factory.mktemp("long")
     return {arch: build_model_folder(root / arch, arch, byte_tokenizer, max_position_embeddings=2048)
-            for arch in ("llama", "qwen2", "qwen3")}
+            for arch in ("llama", "qwen2", "qwen3", "smollm3", "phi3")}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "phi3"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["copied", "in-place"])
 def test_fast_path_gives_the_reference_tokens_and_events(long_models, arch, precision, in_place):
@@ -165,7 +166,7 @@ def test_unsupported_models_and_devices_are_refused_clearly(tiny_models):
         get_precision("int4-fast").check_device("cuda")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "phi3"])
 @pytest.mark.parametrize("precision", ["fp32-fast", "int8-fast", "int4-fast"])
 def test_fused_layers_leave_the_model_itself_working(long_models, arch, precision):
     """q/k/v and gate/up are fused for the fast path (engine/models/fast.py, here its paged cache), their
@@ -639,10 +640,12 @@ def test_old_packages_and_stale_partial_files_are_pruned(tmp_path):
                                                                     for p in packages[:PACKAGES_KEPT - 1] + [keep])
 
 
-def test_the_compiled_step_runs_qwen3s_query_and_key_norms(long_models, isolated_cache):
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_the_compiled_step_runs_what_an_architecture_does_otherwise(long_models, isolated_cache, arch):
     """The compiled one-sequence step of a Qwen3 (its queries and keys normed per head before the
-    rotary embedding) gives the eager step's tokens."""
-    loaded = load_model(LoadRequest(str(long_models["qwen3"]), "fp32-fast", "cpu"))
+    rotary embedding) and of a Phi-3 (fused projections, the rotary embedding on part of each
+    head) gives the eager step's tokens."""
+    loaded = load_model(LoadRequest(str(long_models[arch]), "fp32-fast", "cpu"))
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=12, ignore_eos=True)
     _, eager = run(loaded, request)
     report = compile_decoder(loaded.fast, rows=False)
