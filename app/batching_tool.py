@@ -38,8 +38,8 @@ def parse_batches(text: str) -> list[int]:
     return sizes
 
 
-SWEEP_COLUMNS = ("batch", "tok/s (all)", "tok/s each", "TTFT", "per token", "KV cache", "activations",
-                 "model's memory", "process peak", "% of ceiling")
+SWEEP_COLUMNS = ("batch", "tok/s\n(all)", "tok/s\neach", "TTFT", "per\ntoken", "KV\ncache", "activ-\nations",
+                 "model's\nmemory", "process\npeak", "% of\nceiling")
 """The sweep table's columns: the model's memory is its weights + KV + activations, the process's
 peak holds Python, Qt, PyTorch and every model loaded too."""
 
@@ -98,8 +98,8 @@ class BatchingTool(SessionTool):
         self.sweep_table.setObjectName("sweepTable")
         self.sweep_table.setHorizontalHeaderLabels(list(SWEEP_COLUMNS))
         self.sweep_table.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
-        link_headers(self.sweep_table, {"batch": "batch", "tok/s (all)": "throughput", "TTFT": "ttft",
-                                        "per token": "tpot", "KV cache": "kv-cache", "% of ceiling": "bandwidth"})
+        link_headers(self.sweep_table, {"batch": "batch", "tok/s\n(all)": "throughput", "TTFT": "ttft",
+                                        "per\ntoken": "tpot", "KV\ncache": "kv-cache", "% of\nceiling": "bandwidth"})
         self.sweep_table.verticalHeader().setVisible(False)
         self.sweep_table.setEditTriggers(QTableWidget.NoEditTriggers)
         self._labels: list[pg.TextItem] = []
@@ -163,7 +163,7 @@ class BatchingTool(SessionTool):
                 format_bytes(model_bytes(point)), format_bytes(point.peak_memory_bytes), share)):
             item = QTableWidgetItem(text)
             item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
-            if SWEEP_COLUMNS[column] == "% of ceiling" and point.ceiling_note:
+            if column == SWEEP_COLUMNS.index("% of\nceiling") and point.ceiling_note:
                 item.setToolTip(point.ceiling_note)
             self.sweep_table.setItem(row, column, item)
         self.mark_dirty()

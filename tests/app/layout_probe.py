@@ -89,6 +89,32 @@ def problems_in(window, name: str) -> list[str]:
             if right > viewport.width() + 1:
                 out.append(f"{what} runs {right - viewport.width()} px past the right edge of its scroll area")
     out += _tab_bars_over_docks(window, name)
+    out += _cut_headers(window, name)
+    return out
+
+
+def _cut_headers(window, name: str) -> list[str]:
+    """A table's column header narrower than its text where the table doesn't scroll sideways to
+    show it (its columns squeezed into the width it has)."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtWidgets import QTableView
+
+    out = []
+    for table in window.findChildren(QTableView):
+        if not table.isVisible() or table.window() is not window or table.visibleRegion().isEmpty():
+            continue
+        header = table.horizontalHeader()
+        if header.length() > table.viewport().width() + 1:
+            continue  # it scrolls: every column has its width
+        metrics = header.fontMetrics()
+        for column in range(header.count()):
+            if header.isSectionHidden(column):
+                continue
+            text = str(table.model().headerData(column, Qt.Horizontal) or "")
+            need = max((metrics.horizontalAdvance(line) for line in text.split("\n")), default=0) + 8
+            if header.sectionSize(column) < need:
+                out.append(f"{name}: table {table.objectName() or ''} column {text.replace(chr(10), ' ')!r} is "
+                           f"{header.sectionSize(column)} px wide, its header needs {need}")
     return out
 
 
