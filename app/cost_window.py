@@ -372,11 +372,12 @@ class CostWindow(QMainWindow):
             rows.append(("Training", f"{e.training_flops:.2e} FLOPs = serving {e.training_breakeven_tokens:.2e} tokens"))
         if runs:
             last = runs[-1]
-            predicted = costs.estimate(self._config, profile, e.precision, e.kv_dtype, max(last.context - 1, 1), 1,
-                                       None, "", self._count)
+            predicted = costs.estimate(self._config, profile, e.precision, e.kv_dtype, max(last.context - 1, 1),
+                                       max(last.batch, 1), None, "", self._count)  # its batch: every sequence's KV
             predicted_bytes = predicted.weights_bytes + predicted.kv_bytes_total
             measured = last.weights_bytes + last.kv_cache_bytes
-            rows.append(("Last run", f"weights + KV measured {format_bytes(measured)}, predicted "
+            rows.append(("Last run", f"weights + KV{f' of {last.batch} sequences' if last.batch > 1 else ''} "
+                                     f"measured {format_bytes(measured)}, predicted "
                                      f"{format_bytes(predicted_bytes)} ({100 * (predicted_bytes - measured) / measured:+.2f}%)"))
         plan = self._plan(profile)
         if plan is not None:
