@@ -215,6 +215,7 @@ def main() -> None:
     windows["cost explorer"] = main_window.open_costs()
     windows["batching and speculative decoding"] = main_window.open_speedups()
     windows["traffic"] = main_window.open_traffic()
+    windows["history"] = main_window.open_history()  # (no runs yet: its filters, search and buttons)
     windows["tour"] = main_window.open_tour()  # on its first step (no model: it says what it needs)
     deadline = time.monotonic() + 60
     while windows["cost explorer"].estimate is None and time.monotonic() < deadline:  # its numbers shown
