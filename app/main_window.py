@@ -366,12 +366,20 @@ class MainWindow(QMainWindow):
     def say(self, text: str, ms: int = 0) -> None:
         """A message in the status bar; where the figures beside it leave it too little room to be
         read whole (a narrow window), under the prompt too, where it wraps (until the next prompt)."""
-        bar = self.statusBar()
-        bar.showMessage(text, ms)
-        figures = sum(label.width() for label in self.status.labels.values() if label.isVisible())
-        room = bar.width() - figures - 40
-        if bar.fontMetrics().horizontalAdvance(text) > room:
+        self.statusBar().showMessage(text, ms)
+        if not self._message_fits(text):
             self.prompt.show_message(text, "info")
+        else:  # the figures beside it are being updated too: look again once they are laid out
+            QTimer.singleShot(100, lambda: self._message_fits(text) or self.statusBar().currentMessage() != text
+                              or self.prompt.show_message(text, "info"))
+
+    def _message_fits(self, text: str) -> bool:
+        """Whether ``text`` has room in the status bar, left of the first figure beside it."""
+        bar = self.statusBar()
+        lefts = [label.mapTo(bar, label.rect().topLeft()).x() for label in self.status.labels.values()
+                 if label.isVisible()]
+        room = (min(lefts) if lefts else bar.width()) - 16  # the bar's margin and the message's own
+        return bar.fontMetrics().horizontalAdvance(text) <= room
 
     def restore_conversation(self, turns: list, mode: str, system_prompt: str | None) -> None:
         """Put back an earlier conversation (the tour's turns leave when it ends); the plots show

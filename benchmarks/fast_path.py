@@ -19,6 +19,7 @@ project (never a CI step); see the README's benchmarks section.
 
     python benchmarks/fast_path.py --tokens 64 --rounds 3
     INFERENCE_WORKBENCH_NO_INT8_KERNELS=1 python benchmarks/fast_path.py …   # the weight-only kernels instead
+    python benchmarks/fast_path.py --random-config Qwen/Qwen3-0.6B --batch 0 --prompt 0   # weights past the L3
     python benchmarks/fast_path.py --engines generate-fp32,int8-fast,int8-fast+compiled --rounds 5
 
 "+compiled" engines, and the batched runner, make the compiled decode steps ready first
@@ -48,6 +49,10 @@ from engine.generation.generate import generate
 PROMPT = "Explain microservices in simple terms."
 DEFAULT_ENGINES = ("generate-fp32", "fp32-fast+compiled", "bf16-fast+compiled", "int8-fast+compiled",
                    "int4-fast+compiled")
+MODEL = "default"
+"""The model every engine loads (``--model``, ``--random-config``)."""
+LLAMA_SOURCE: str | None = None
+"""The GGUF llama.cpp's files are made from: the default model's, or ``--gguf``'s (none: no llama.cpp)."""
 LLAMA_TYPES = {"fp32-fast": "F32", "bf16-fast": "BF16", "int8-fast": "Q8_0", "int4-fast": "Q4_1"}
 """llama.cpp's file type at the bit width of each of our fast precisions."""
 
@@ -63,13 +68,17 @@ def llama_files(types) -> dict[str, str]:
     (kept beside it in the user cache)."""
     import subprocess
 
+    from pathlib import Path
+
     from engine.models import default_model
 
-    default_model.ensure()
-    source = default_model.gguf_path()
+    if LLAMA_SOURCE is None:
+        default_model.ensure()
+    source = default_model.gguf_path() if LLAMA_SOURCE is None else Path(LLAMA_SOURCE)
     files = {}
     for kind in types:
-        path = source if kind == "Q4_1" else source.with_name(f"{source.stem}.requantized-{kind}.gguf")
+        path = source if kind == "Q4_1" and LLAMA_SOURCE is None else source.with_name(
+            f"{source.stem}.requantized-{kind}.gguf")
         if not path.exists():
             print(f"  making {path.name} with llama-quantize …", flush=True)
             subprocess.run([_tool("llama-quantize"), "--allow-requantize", str(source), str(path), kind],
@@ -106,7 +115,7 @@ def llama_batched(path: str, tokens: int, batch: int, prompt_tokens: int):
 def batch_model(name: str):
     """The default model at precision ``name`` with its compiled steps ready (one sequence and
     batches), as the app runs it once its background build is done."""
-    loaded = load_model(LoadRequest("default", name, "cpu"))
+    loaded = load_model(LoadRequest(MODEL, name, "cpu"))
     print(f"  {compile_decoder(loaded.fast).describe()}")
     return loaded
 
@@ -130,7 +139,7 @@ def prompt_text(tokens: int) -> str:
     """A raw prompt of about ``tokens`` tokens: the start of the shipped evaluation text."""
     from engine.measure import quality
 
-    loaded = load_model(LoadRequest("default", "bf16", "cpu"))
+    loaded = load_model(LoadRequest(MODEL, "bf16", "cpu"))
     ids = quality.text_tokens(loaded, quality.read_text(None)[1])[1:tokens + 1]
     text = loaded.tokenizer.decode(ids)
     loaded.close()
@@ -142,7 +151,7 @@ def our_prompt(name: str, text: str):
     token count."""
     from engine.base.events import Prefilled
 
-    loaded = load_model(LoadRequest("default", name, "cpu"))
+    loaded = load_model(LoadRequest(MODEL, name, "cpu"))
     request = GenerationRequest(text, mode="raw", max_new_tokens=1, reuse_prefix=False)
 
     def run() -> float:
@@ -178,7 +187,7 @@ def make_engine(name: str, tokens: int):
     """(a function that returns per-token decode times, weights bytes, weight bytes a token reads)."""
     request = GenerationRequest(PROMPT, max_new_tokens=tokens, ignore_eos=True)
     if name.startswith("generate-"):
-        loaded = load_model(LoadRequest("default", name.split("-", 1)[1], "cpu"))
+        loaded = load_model(LoadRequest(MODEL, name.split("-", 1)[1], "cpu"))
         ids = torch.tensor([loaded.encode(request)])
         config = copy.deepcopy(loaded.model.generation_config)
         config.max_new_tokens, config.min_new_tokens, config.do_sample = tokens, tokens, False
@@ -189,13 +198,39 @@ def make_engine(name: str, tokens: int):
                                   streamer=clock)
             return _steps(clock.times[1:])  # the first put is the prompt
         return run, loaded.info.weights_bytes, read_per_token(loaded)
-    loaded = load_model(LoadRequest("default", name.removesuffix("+compiled"), "cpu"))
+    loaded = load_model(LoadRequest(MODEL, name.removesuffix("+compiled"), "cpu"))
     if name.endswith("+compiled"):  # one sequence: the batched step is the batch runner's to build
         print(f"  {compile_decoder(loaded.fast, rows=False).describe()}")
 
     def run() -> list[float]:
         return [e.latency_s for e in generate(loaded, request) if isinstance(e, TokenGenerated)][1:]
     return run, loaded.info.weights_bytes, read_per_token(loaded)
+
+
+def random_model(hub_id: str) -> str:
+    """A folder with random bf16 weights in ``hub_id``'s shipped config and the default model's
+    tokenizer (its ids fit any larger vocabulary), made once in the user cache."""
+    from engine.estimates.estimate import shipped_config
+    from engine.models import default_model
+    from engine.storage.paths import cache_dir
+
+    folder = cache_dir() / "benchmarks" / f"random-{hub_id.replace('/', '--')}"
+    if (folder / "config.json").exists():
+        return str(folder)
+    config = shipped_config(hub_id)
+    if config is None:
+        raise SystemExit(f"no shipped config for {hub_id} (resources/configs)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"making random weights in {hub_id}'s config (once) …", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model.ensure()))
+    config.eos_token_id, config.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
 
 
 def main() -> int:
@@ -208,7 +243,16 @@ def main() -> int:
                         help="the batched runner's precisions (each also at one sequence: the batching gain)")
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens for the prompt column (0: skip it)")
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--model", default="default", help="any model the app loads (a folder, a .gguf file, a hub id)")
+    parser.add_argument("--random-config", metavar="HUB_ID",
+                        help="random weights in a shipped config (resources/configs: e.g. Qwen/Qwen3-0.6B), made once "
+                             "in bf16 into the user cache: a real model's size and shape, for speed only")
+    parser.add_argument("--gguf", help="the model as a GGUF (F32 or BF16) for llama.cpp's files, where --model or "
+                                       "--random-config is not the default model")
     args = parser.parse_args()
+    global MODEL, LLAMA_SOURCE
+    MODEL = random_model(args.random_config) if args.random_config else args.model
+    LLAMA_SOURCE = args.gguf
 
     from engine.estimates.hardware import measure_cpu
 
@@ -222,6 +266,9 @@ def main() -> int:
     peer = _tool("llama-bench") is not None and _tool("llama-quantize") is not None
     if not peer:
         print("llama-bench / llama-quantize are not on PATH: no llama.cpp figures (build llama.cpp outside the project)")
+    elif MODEL != "default" and LLAMA_SOURCE is None:
+        peer = False
+        print("no llama.cpp figures: name this model's GGUF with --gguf (llama.cpp's convert_hf_to_gguf.py writes one)")
     engines = {}
     for name in names:
         print(f"loading {name} …", flush=True)
@@ -292,21 +339,28 @@ def main() -> int:
     base = rate.get("generate-fp32")
     from engine.models import kernels
 
+    from engine.estimates.hardware import last_level_cache_bytes
+
     flags = sorted(f for f in kernels.cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni")) or f == "avx2")
-    print(f"\n{args.tokens} greedy tokens × {args.rounds} rounds, interleaved; {torch.get_num_threads()} threads; "
+    l3 = last_level_cache_bytes()
+    print(f"\nmodel: {MODEL}; last-level cache {f'{l3 / 2**20:.0f} MiB' if l3 else 'unknown'}: a token's reads "
+          "that fit in it come from the cache, the rest from the memory (column 'from')")
+    print(f"{args.tokens} greedy tokens × {args.rounds} rounds, interleaved; {torch.get_num_threads()} threads; "
           f"read bandwidth measured before and after the rounds {bandwidth_before / 1e9:.1f} and "
           f"{bandwidth_after / 1e9:.1f} GB/s (the roofline takes their mean)\nCPU flags: {' '.join(flags)}; int8-activation "
           f"kernels: {'on' if kernels.kernels() else 'off (' + str(kernels.unavailable()) + ')'}")
     print(f"{'engine':<20} {'tok/s':>7} {'vs generate fp32':>17} {'weights':>10} {'read/token':>11} "
-          f"{'% of roofline':>14}")
+          f"{'from':>7} {'% of roofline':>14}")
     rows = []
     for name in engines:
         weights, read = engines[name][1:]
         roofline = 100 * read * rate[name] / bandwidth  # what a token reads, not what is held
+        source = "?" if not l3 else ("L3" if read <= l3 else "memory")
         print(f"{name:<20} {rate[name]:7.1f} {(f'{rate[name] / base:.2f}×' if base else ''):>17} "
-              f"{weights / 2**20:8.1f}Mi {read / 2**20:9.1f}Mi {roofline:13.0f}%")
+              f"{weights / 2**20:8.1f}Mi {read / 2**20:9.1f}Mi {source:>7} {roofline:13.0f}%")
         rows.append({"engine": name, "tokens_per_s": rate[name], "vs_generate_fp32": rate[name] / base if base else None,
-                     "weights_bytes": weights, "read_per_token_bytes": read, "roofline_percent": roofline})
+                     "weights_bytes": weights, "read_per_token_bytes": read, "roofline_percent": roofline,
+                     "reads_from": source})
     if pairs:
         print(f"\n{'ours':<20} {'tok/s':>7}   {'llama.cpp':<15} {'tok/s':>7}   ratio (median of {args.rounds} rounds)")
         for ours, theirs in pairs.items():

@@ -180,10 +180,14 @@ def status_problems(app, window) -> list[str]:
     out = []
     for text in STATUS_MESSAGES:
         window.say(text)
-        app.processEvents()
+        deadline = time.monotonic() + 0.3  # (it looks again once the figures beside it are laid out)
+        while time.monotonic() < deadline:
+            app.processEvents()
+            time.sleep(0.01)
         bar = window.statusBar()
-        figures = sum(label.width() for label in window.status.labels.values() if label.isVisible())
-        in_bar = bar.fontMetrics().horizontalAdvance(text) <= bar.width() - figures - 40
+        first = min((label.mapTo(bar, label.rect().topLeft()).x() for label in window.status.labels.values()
+                     if label.isVisible()), default=bar.width())
+        in_bar = bar.fontMetrics().horizontalAdvance(text) + 12 <= first
         message = window.prompt.message
         below = message.isVisible() and message.text() == text and not message.visibleRegion().isEmpty()
         if not (in_bar or below):

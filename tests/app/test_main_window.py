@@ -404,3 +404,25 @@ def test_a_plots_top_tick_label_has_room_above_the_plot(qtbot, window):
         axis = panel.item.getAxis("left")
         half_line = QFontMetrics(axis.style.get("tickFont") or axis.font()).height() / 2
         assert top >= half_line, panel.plot.objectName()
+
+
+def test_a_message_is_read_whole_beside_the_figures_as_laid_out(qtbot, window):
+    """At 1280 px, with a run's figures beside it, "Done: 31 tokens, 17.1 tok/s, ended by the model"
+    was cut at "ended by the m": the room left for it was reckoned from the figures' widths without
+    the gaps between them. It is read whole: in the bar, left of the first figure, or under the prompt."""
+    window.resize(1280, 800)
+    window.show()
+    qtbot.waitExposed(window)
+    figures = {"device": "device: cpu", "ttft": "TTFT 116.0 ms", "prompt": "prompt 40", "decode": "decode 17.1 tok/s",
+               "tokens": "31 tokens", "kv": "KV 3.1 MiB", "peak": "peak 1.1 GiB"}
+    for key, text in figures.items():
+        if key in window.status.labels:
+            window.status.labels[key].setText(text)
+    qtbot.wait(50)  # laid out
+    text = "Done: 31 tokens, 17.1 tok/s, ended by the model"
+    window.say(text)
+    bar = window.statusBar()
+    first = min(label.mapTo(bar, label.rect().topLeft()).x() for label in window.status.labels.values()
+                if label.isVisible())
+    if bar.fontMetrics().horizontalAdvance(text) + 12 > first:
+        qtbot.waitUntil(lambda: window.prompt.message.isVisible() and window.prompt.message.text() == text)
