@@ -74,7 +74,7 @@ def test_a_fast_precision_for_an_unsupported_gguf_is_refused_before_the_imports(
     path = big_vocabulary_gguf(tmp_path / "gemma3.gguf", "gemma3")
     monkeypatch.setattr(gguf, "GGUFReader", None)  # the full reader is not needed for this
     stages = []
-    with pytest.raises(UnsupportedPrecisionError, match="fast path runs llama, qwen2, mistral models, not gemma3"):
+    with pytest.raises(UnsupportedPrecisionError, match="fast path runs llama, qwen2, qwen3, smollm3, phi3, mistral models, not gemma3"):
         load_model(LoadRequest(str(path), "int8-fast", "cpu"), progress=lambda e: stages.append(e.stage))
     assert "imports" not in stages
 
