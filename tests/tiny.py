@@ -140,3 +140,58 @@ def kv_held_ok(loaded, measured: int, predicted: int, requests: int = 1) -> bool
         return measured == predicted
     block = 16 * loaded.info.kv_bytes_per_token
     return measured % block == 0 and predicted <= measured < predicted + 2 * block * requests
+
+
+def write_model_gguf(path: Path, folder: Path, arch: str, tokenizer_gguf: Path) -> Path:
+    """A working F32 GGUF of the model in ``folder`` (a Hugging Face folder of ``arch``), as
+    llama.cpp's converter writes one: its hyperparameters, its tensors under llama.cpp's names (q
+    and k unpermuted: the architectures taken here rotate halves, as llama.cpp's neox rope), and
+    the tokenizer fields of ``tokenizer_gguf`` (the default model's: a vocabulary the model must
+    match)."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    reader = gguf.GGUFReader(str(tokenizer_gguf))
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny {arch}")
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or getattr(config, "rope_theta", 10000.0)
+    writer.add_rope_freq_base(float(theta))
+    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor") or 1.0
+    if factor < 1.0:
+        writer.add_rope_dimension_count(int(head_dim * factor))
+    strings = gguf.GGUFValueType.STRING
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        kind, value = field.types[0], field.contents()
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, value)
+        elif kind == strings:
+            writer.add_string(key, value)
+        elif kind == gguf.GGUFValueType.BOOL:
+            writer.add_bool(key, value)
+        else:
+            writer.add_uint32(key, int(value))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    for name, tensor in load_file(str(folder / "model.safetensors")).items():
+        stem, suffix = name.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(stem)}.{suffix}", np.ascontiguousarray(tensor, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

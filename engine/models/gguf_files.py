@@ -188,6 +188,39 @@ def _one_conversion(out_dir: Path, reporter: ProgressReporter):
         lock.release()
 
 
+def _gguf_config(gguf_path: Path, architecture: str):
+    """transformers' config for a GGUF, and what its GGUF reading lacks, supplied from the header
+    (in words, kept with the conversion): the heads' width where it is not the hidden size over the
+    heads (``attention.key_length``: Qwen3's, Gemma's), and the share of each head the rotary
+    embedding turns (``rope.dimension_count``: Phi-4-mini's three quarters)."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    fields = GGUFReader(str(gguf_path)).fields
+
+    def number(key: str) -> int | None:
+        field = fields.get(f"{architecture}.{key}")
+        return None if field is None else int(field.contents())
+
+    supplied = []
+    heads = getattr(config, "num_attention_heads", None)
+    width = number("attention.key_length")
+    if width and heads and getattr(config, "head_dim", None) != width:
+        config.head_dim = width
+        supplied.append(f"head_dim {width} (attention.key_length)")
+    head = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    turned = number("rope.dimension_count")
+    rope = getattr(config, "rope_parameters", None)
+    if turned and head and turned < head and isinstance(rope, dict) \
+            and rope.get("partial_rotary_factor", 1.0) != turned / head:
+        rope["partial_rotary_factor"] = turned / head
+        if hasattr(config, "partial_rotary_factor"):
+            config.partial_rotary_factor = turned / head
+        supplied.append(f"partial_rotary_factor {turned}/{head} (rope.dimension_count)")
+    return config, supplied
+
+
 def _convert(gguf_path: Path, out_dir: Path, reporter: ProgressReporter, summary,
              extra_provenance: dict | None) -> Path:
     import torch
@@ -198,8 +231,10 @@ def _convert(gguf_path: Path, out_dir: Path, reporter: ProgressReporter, summary
         with reporting(reporter):
             reporter.report("tokenizer", 0, 0, "Converting the GGUF tokenizer")
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+            config, supplied = _gguf_config(gguf_path, summary.architecture)
             model = AutoModelForCausalLM.from_pretrained(
-                str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, use_kernels=False
+                str(gguf_path.parent), gguf_file=gguf_path.name, config=config, dtype=torch.float32,
+                use_kernels=False,
             )
             reporter.report("save", 0, 0, "Saving a safetensors copy for fast loads")
             # The GGUF "quantizer" only marks where the weights came from; they are plain
@@ -216,6 +251,7 @@ def _convert(gguf_path: Path, out_dir: Path, reporter: ProgressReporter, summary
             "name": summary.name,
             "architecture": summary.architecture,
             "tensor_types": summary.tensor_types,
+            **({"supplied": supplied} if supplied else {}),
             **(extra_provenance or {}),
         }
         (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2), encoding="utf-8")

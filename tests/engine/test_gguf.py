@@ -141,3 +141,39 @@ def test_a_conversion_waits_for_another_into_the_same_folder(small_gguf, isolate
         (out_dir / "config.json").write_text("{}")
     thread.join(30)
     assert result == [out_dir] and gguf_files.is_converted(out_dir)
+
+
+@pytest.mark.parametrize("arch,supplied", [("qwen3", "head_dim 24 (attention.key_length)"),
+                                           ("phi3", "partial_rotary_factor 12/16 (rope.dimension_count)")])
+def test_a_gguf_of_a_fast_path_architecture_loads_as_its_original_and_runs_fast(
+        tmp_path, default_model_folder, default_gguf, isolated_cache, arch, supplied):
+    """A Qwen3 (heads 24 wide where hidden ÷ heads is 16) and a Phi-3 (the rotary embedding on 12 of
+    each head's 16) written as llama.cpp writes them: transformers' GGUF reading misses the head
+    width and the rotary share, the conversion supplies them from the header (and keeps in words
+    that it did), and the GGUF answers as the original does, on the reference and the fast path."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from engine.base.request import GenerationRequest
+    from engine.generation.generate import generate
+    from engine.base.events import Finished
+    from engine.models.gguf_files import PROVENANCE
+    from tests.tiny import build_model_folder, write_model_gguf
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_folder)
+    overrides = {"head_dim": 24} if arch == "qwen3" else {}
+    folder = build_model_folder(tmp_path / arch, arch, tokenizer, vocab_size=len(tokenizer), **overrides)
+    path = write_model_gguf(tmp_path / f"{arch}.gguf", folder, arch, default_gguf)
+    request = GenerationRequest("The quick brown fox", mode="raw", max_new_tokens=12, ignore_eos=True)
+
+    def answer(model: str, precision: str) -> tuple:
+        loaded = load_model(LoadRequest(model, precision, "cpu"))
+        return next(e for e in generate(loaded, request) if isinstance(e, Finished)).token_ids, loaded
+
+    original, _ = answer(str(folder), "fp32")
+    converted, loaded = answer(str(path), "fp32")
+    assert converted == original
+    assert supplied in json.loads((Path(loaded.info.path) / PROVENANCE).read_text())["supplied"]
+    assert answer(str(path), "fp32-fast")[0] == original
