@@ -38,6 +38,12 @@ LLAMA3 = (
 )
 """Llama 3's headers."""
 
+PHI3 = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+"""Phi-3's and Phi-4-mini's roles between bars."""
+
 
 @dataclass(frozen=True)
 class Family:
@@ -50,8 +56,9 @@ class Family:
 
 FAMILIES = (
     Family("Gemma", ("gemma", "gemma2", "gemma3", "gemma3_text"), ("<start_of_turn>", "<end_of_turn>"), GEMMA),
-    Family("ChatML", ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "llama", "mistral"), ("<|im_start|>", "<|im_end|>"),
-           CHATML),
+    Family("ChatML", ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3", "llama", "mistral"),
+           ("<|im_start|>", "<|im_end|>"), CHATML),
+    Family("Phi-3", ("phi3",), ("<|user|>", "<|assistant|>", "<|end|>"), PHI3),
     Family("Llama 3", ("llama",), ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), LLAMA3),
 )
 

@@ -239,6 +239,14 @@ def test_a_model_without_a_chat_template_gets_its_familys_and_says_so(tmp_path, 
     assert text.endswith("<start_of_turn>user\nBe brief.\n\nHello there<end_of_turn>\n<start_of_turn>model\n")
     assert recognise("gemma2", {"<|im_start|>": 1}) is None  # the architecture alone is not enough
 
+    phi = copy.deepcopy(byte_tokenizer)
+    phi.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>", "<|end|>", "<|system|>"]})
+    phi.chat_template = None
+    loaded = load_model(LoadRequest(str(build_model_folder(tmp_path / "phi3", "phi3", phi)), "fp32", "cpu"))
+    assert loaded.info.chat_template.startswith("Phi-3's, recognised")
+    text = loaded.tokenizer.decode(loaded.encode(GenerationRequest("Hello there", system_prompt="Be brief.")))
+    assert text.endswith("<|system|>\nBe brief.<|end|>\n<|user|>\nHello there<|end|>\n<|assistant|>\n")
+
     plain = copy.deepcopy(byte_tokenizer)
     plain.chat_template = None
     folder = build_model_folder(tmp_path / "gpt2", "gpt2", plain)
