@@ -209,12 +209,14 @@ def make_engine(name: str, tokens: int):
 
 def random_model(hub_id: str) -> str:
     """A folder with random bf16 weights in ``hub_id``'s shipped config and the default model's
-    tokenizer (its ids fit any larger vocabulary), made once in the user cache."""
+    tokenizer, made once in the user cache. The vocabulary is the tokenizer's (49,152 tokens, not
+    the config's): llama.cpp reads the same weights only where the two agree, and every other
+    tensor keeps the config's shape."""
     from engine.estimates.estimate import shipped_config
     from engine.models import default_model
     from engine.storage.paths import cache_dir
 
-    folder = cache_dir() / "benchmarks" / f"random-{hub_id.replace('/', '--')}"
+    folder = cache_dir() / "benchmarks" / f"random-{hub_id.replace('/', '--')}-default-vocabulary"
     if (folder / "config.json").exists():
         return str(folder)
     config = shipped_config(hub_id)
@@ -225,6 +227,7 @@ def random_model(hub_id: str) -> str:
     print(f"making random weights in {hub_id}'s config (once) …", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(str(default_model.ensure()))
     config.eos_token_id, config.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
+    config.vocab_size = len(tokenizer)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     folder.mkdir(parents=True, exist_ok=True)
