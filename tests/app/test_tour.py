@@ -209,39 +209,11 @@ def test_the_tour_says_a_faster_token_is_shorter_not_slower():
     assert _times(1.8) == "1.8× as long" and _times(1 / 1.25) == "1.2× shorter" and _times(1.01) == "about the same"
 
 
-def test_the_panel_makes_room_beside_what_it_explains_and_gives_it_back(qtbot, window):
-    """Where every corner of the screen would cover the outlined widget, the window it is in is
-    narrowed to leave the panel a strip of its own; the window's size comes back when the tour ends."""
+def _placed_beside(qtbot, window, left: int, fixed: bool = False):
+    """A window over the screen but ``left`` pixels at its left (``fixed``: too wide to narrow),
+    a label filling it, and the tour's panel placed for that label: (window, its geometry
+    before, the label, the tour)."""
     from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
-
-    screen = window.screen().availableGeometry()
-    other = QWidget()
-    qtbot.addWidget(other)
-    layout = QVBoxLayout(other)
-    target = QLabel("what the step explains")
-    target.setMinimumSize(200, 200)
-    layout.addWidget(target)
-    other.setGeometry(screen.adjusted(0, 40, 0, -10))  # the whole screen: every corner covers part of it
-    other.show()
-    qtbot.waitExposed(other)
-    before = other.geometry()
-    tour = Tour(window)
-    qtbot.addWidget(tour)
-    tour.show()
-    tour._place(target)
-    qtbot.waitUntil(lambda: other.width() < before.width())
-    covered = target.rect().translated(target.mapToGlobal(target.rect().topLeft()))
-    assert not tour.frameGeometry().intersects(covered)
-    tour.close()
-    assert other.geometry() == before
-
-
-def test_the_panel_narrows_to_fit_beside_what_it_explains(qtbot, window):
-    """Where the space beside the outlined widget is narrower than the panel but wide enough for a
-    narrower one, the panel narrows into it rather than cover the widget (no window is moved)."""
-    from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
-
-    from app.tour import NARROWEST, WIDEST
 
     screen = window.screen().availableGeometry()
     other = QWidget()
@@ -249,10 +221,11 @@ def test_the_panel_narrows_to_fit_beside_what_it_explains(qtbot, window):
     layout = QVBoxLayout(other)
     layout.setContentsMargins(0, 0, 0, 0)
     target = QLabel("what the step explains")
+    target.setMinimumSize(200, 200)
     layout.addWidget(target)
-    gap = (NARROWEST + WIDEST) // 2 + 16
-    other.setGeometry(screen.adjusted(gap, 40, 0, -10))  # the screen but a strip on the left
-    other.setMinimumWidth(other.width())  # too wide to narrow
+    other.setGeometry(screen.adjusted(left, 40, 0, -10))
+    if fixed:
+        other.setMinimumWidth(other.width())
     other.show()
     qtbot.waitExposed(other)
     before = other.geometry()
@@ -260,7 +233,29 @@ def test_the_panel_narrows_to_fit_beside_what_it_explains(qtbot, window):
     qtbot.addWidget(tour)
     tour.show()
     tour._place(target)
-    covered = target.rect().translated(target.mapToGlobal(target.rect().topLeft()))
-    assert not tour.frameGeometry().intersects(covered)
+    return other, before, target, tour
+
+
+def _covered(target):
+    return target.rect().translated(target.mapToGlobal(target.rect().topLeft()))
+
+
+def test_the_panel_makes_room_beside_what_it_explains_and_gives_it_back(qtbot, window):
+    """Where every corner of the screen would cover the outlined widget, the window it is in is
+    narrowed to leave the panel a strip of its own; the window's size comes back when the tour ends."""
+    other, before, target, tour = _placed_beside(qtbot, window, 0)  # every corner covers part of it
+    qtbot.waitUntil(lambda: other.width() < before.width())
+    assert not tour.frameGeometry().intersects(_covered(target))
+    tour.close()
+    assert other.geometry() == before
+
+
+def test_the_panel_narrows_to_fit_beside_what_it_explains(qtbot, window):
+    """Where the space beside the outlined widget is narrower than the panel but wide enough for a
+    narrower one, the panel narrows into it rather than cover the widget (no window is moved)."""
+    from app.tour import NARROWEST, WIDEST
+
+    other, before, target, tour = _placed_beside(qtbot, window, (NARROWEST + WIDEST) // 2 + 16, fixed=True)
+    assert not tour.frameGeometry().intersects(_covered(target))
     assert NARROWEST <= tour.width() < WIDEST and other.geometry() == before
     tour.close()
