@@ -125,9 +125,19 @@ def tour_check(window, app, folder: str) -> None:
 
 
 def settings():
-    """The user's settings (QSettings.defaultFormat(), so tests and scripts can redirect them)."""
+    """The user's settings: in ``$INFERENCE_WORKBENCH_CONFIG/inference-workbench.ini`` where that
+    folder is named (the bundle's self-check, scripts: a private folder, the user's own untouched,
+    as for the hardware profile beside it), else where Qt keeps them (QSettings.defaultFormat(), so
+    tests can redirect them too)."""
+    import os
+    from pathlib import Path
+
     from PySide6.QtCore import QSettings
 
+    folder = os.environ.get("INFERENCE_WORKBENCH_CONFIG")
+    if folder:
+        Path(folder).expanduser().mkdir(parents=True, exist_ok=True)
+        return QSettings(str(Path(folder).expanduser() / "inference-workbench.ini"), QSettings.IniFormat)
     return QSettings(QSettings.defaultFormat(), QSettings.UserScope, "InferenceWorkbench", "inference-workbench")
 
 

@@ -426,3 +426,17 @@ def test_a_message_is_read_whole_beside_the_figures_as_laid_out(qtbot, window):
                 if label.isVisible())
     if bar.fontMetrics().horizontalAdvance(text) + 12 > first:
         qtbot.waitUntil(lambda: window.prompt.message.isVisible() and window.prompt.message.text() == text)
+
+
+def test_a_named_config_folder_holds_the_window_settings_too(tmp_path, monkeypatch):
+    """The bundle's self-check names a private INFERENCE_WORKBENCH_CONFIG for the hardware profile;
+    the window's own settings (its last prompt length, precision…) went to the user's
+    ~/.config/InferenceWorkbench all the same. They go into the named folder."""
+    from app.main import settings
+
+    monkeypatch.setenv("INFERENCE_WORKBENCH_CONFIG", str(tmp_path / "private"))
+    stored = settings()
+    stored.setValue("generation/max_new_tokens", 16)
+    stored.sync()
+    assert stored.fileName() == str(tmp_path / "private" / "inference-workbench.ini")
+    assert "max_new_tokens=16" in (tmp_path / "private" / "inference-workbench.ini").read_text()

@@ -454,9 +454,9 @@ def test_every_build_this_cpu_runs_does_the_same_arithmetic():
 
 def arithmetic_tests_with(choice: kernels.Isa) -> subprocess.Popen:
     """This module's arithmetic tests in a pytest of their own that loads ``choice``'s build,
-    compiled into that session's own cache (not the folder of builds this process announces to
-    its children, which is this session's cache: writing there fails that session's check that
-    the tests leave the user's cache alone)."""
+    compiled into that run's own cache (not the folder of builds this process announces to its
+    children, which is this test run's cache: writing there fails that run's check that the
+    tests leave the user's cache alone)."""
     env = {name: value for name, value in os.environ.items() if name != kernels.DIR_ENV}
     return subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "block_arithmetic or softmax_over or row_totals"],
