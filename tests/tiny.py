@@ -150,7 +150,7 @@ def write_model_gguf(path: Path, folder: Path, arch: str, tokenizer_gguf: Path) 
     match)."""
     import gguf
     import numpy as np
-    from safetensors.numpy import load_file
+    from safetensors.torch import load_file
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder)
@@ -189,7 +189,7 @@ def write_model_gguf(path: Path, folder: Path, arch: str, tokenizer_gguf: Path) 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     for name, tensor in load_file(str(folder / "model.safetensors")).items():
         stem, suffix = name.rsplit(".", 1)
-        writer.add_tensor(f"{names.get_name(stem)}.{suffix}", np.ascontiguousarray(tensor, dtype=np.float32))
+        writer.add_tensor(f"{names.get_name(stem)}.{suffix}", np.ascontiguousarray(tensor.float().numpy()))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
