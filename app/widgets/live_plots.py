@@ -292,8 +292,8 @@ class LivePlots:
             "memory", "Memory while generating: the model's own (its weights, measured from its tensors, "
             "and its KV cache, measured from the cache) beside the process's RSS (Python, Qt, PyTorch and "
             "every model loaded; and device memory on a GPU). A decode step's activations are read from "
-            "PyTorch's allocator by the batch sweep (View → Batching), not here: on a CPU the reading slows "
-            "the step it reads.", "memory", "time since request (s)")
+            "PyTorch's allocator once per model, by a throwaway sequence before the first answer (on a CPU "
+            "the reading slows the step it reads: no answer's step is read).", "memory", "time since request (s)")
         self.panels = {"speed": self.speed, "latency": self.latency, "kv": self.kv, "memory": self.memory}
         self._speed_now = self.speed.curve("each token", "muted")
         self._speed_mean = self.speed.curve(f"mean of last {ROLLING_WINDOW}", "main")
@@ -306,7 +306,7 @@ class LivePlots:
         self._kv_cached = self.kv.plot.plot([], [], pen=None, fillLevel=0, brush=pg.mkBrush(39, 174, 96, 70))
         self.kv.add_legend("from the prefix cache", "third", "██")
         self._rss = self.memory.curve("process RSS", "main")
-        self._model = self.memory.curve("the model's: weights + KV", "fourth", Qt.DashDotLine)
+        self._model = self.memory.curve("the model's: weights + KV + activations", "fourth", Qt.DashDotLine)
         # a served model's run: what the server's /metrics said, where the local figures go
         self._server_kv = self.kv.plot.plot([], [], pen=_pen("third"), stepMode=None)
         self._server_running = self.memory.plot.plot([], [], pen=_pen("main"))
@@ -499,7 +499,9 @@ class LivePlots:
         self.memory.set_label("left", f"memory ({unit})")
         self._rss.setData(elapsed, rss / divisor, connect="finite")
         if buffer.weights_bytes:
-            self._model.setData(elapsed, (buffer.weights_bytes + buffer.column("kv_bytes")) / divisor, connect="finite")
+            known = buffer.prefilled.activation_bytes if buffer.prefilled is not None else None
+            self._model.setData(elapsed, (buffer.weights_bytes + buffer.column("kv_bytes") + (known or 0)) / divisor,
+                                connect="finite")
         for key in present:
             if key not in self._device:
                 self._device[key] = self.memory.curve(*self._device_specs[key])

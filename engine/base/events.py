@@ -132,6 +132,8 @@ class Prefilled:
     request_id: int = 0
     cached_tokens: int = 0
     """Prompt tokens copied from the prefix cache instead of computed (``prefill_s`` is the rest's)."""
+    activation_bytes: int | None = None
+    """As :attr:`Finished.activation_bytes` (known from the start: the memory plot adds it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +200,10 @@ class Finished:
     """``reason == "error"``: what went wrong (the engine core ends one request, not the others)."""
     cached_tokens: int = 0
     """Prompt tokens found in the prefix cache at its first admission (not computed)."""
+    activation_bytes: int | None = None
+    """A decode step's activations for this model at one sequence, read from the allocator once
+    per loaded model, outside every request's clock (engine/generation/generate.decode_activations);
+    ``None``: not readable here (MPS) or not this engine's."""
     preemptions: int = 0
     """Times it was preempted (its cache freed, later computed again) for lack of KV blocks."""
     prefix_cache_bytes: int | None = None

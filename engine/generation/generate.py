@@ -12,12 +12,13 @@ request to the token (the prompt), a later token's the step that made it, so a s
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from engine.base.cancel import CancelToken
 from engine.generation.decoding import PREFILL_CHUNK
 from engine.base.errors import EngineError, NonFiniteError, OutOfMemoryError, is_out_of_memory
-from engine.base.events import Finished, GenerationEvent, StepCompleted
+from engine.base.events import Finished, GenerationEvent, Prefilled, StepCompleted
 from engine.base.memory import default_kv_budget
 from engine.base.request import GenerationRequest
 from engine.generation.core import CoreSettings, EngineCore
@@ -103,10 +104,43 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int
 
 def _alone(core: "EngineCore", request: GenerationRequest, prompt_ids: list[int],
            cancel: CancelToken) -> Iterator[GenerationEvent]:
+    plain = core.proposer.lookahead == 0  # (a draft guessing: its own state; the figure waits for a plain answer)
+    activations = decode_activations(core, prompt_ids[0]) if plain else _known(core.loaded)
     core.submit(request, cancel, prompt_ids)
     for event in core.run():
         if isinstance(event, StepCompleted):
             continue
-        if isinstance(event, Finished) and event.reason == "error":
-            raise NonFiniteError(event.error, event)  # the run so far travels with the error
+        if isinstance(event, Finished):
+            if event.reason == "error":
+                raise NonFiniteError(event.error, event)  # the run so far travels with the error
+            event = replace(event, activation_bytes=activations)
+        elif isinstance(event, Prefilled):
+            event = replace(event, activation_bytes=activations)
         yield event
+
+
+_MEASURED = "_decode_activation_bytes"
+
+
+def _known(loaded) -> int | None:
+    return getattr(loaded, _MEASURED, None)
+
+
+def decode_activations(core: "EngineCore", token: int) -> int | None:
+    """A decode step's activations for ``core``'s model at one sequence, read from the allocator
+    (engine/base/memory.StepAllocations) once per loaded model: a throwaway one-token sequence read
+    and one token decoded under the watch through the idle core, before the request it serves is
+    submitted, so no request's clock or tokens see it (on a CPU the watch slows its step ~3×)."""
+    loaded = core.loaded
+    if hasattr(loaded, _MEASURED) or not core.idle:
+        return _known(loaded)
+    probe = GenerationRequest(prompt="(a decode step watched)", mode="raw", max_new_tokens=2, ignore_eos=True, reuse_prefix=False,
+                              top_alternatives=0)
+    core.submit(probe, CancelToken(), [token])
+    core.step()  # its token read
+    core.watch_next = True
+    measured = next((e.activation_bytes for e in core.step() if isinstance(e, StepCompleted)), None)
+    while not core.idle:  # (it ends at its second token: nothing is left)
+        core.step()
+    setattr(loaded, _MEASURED, measured)
+    return measured

@@ -59,12 +59,15 @@ def test_text_grows_token_by_token_and_plots_hold_a_point_per_token(qtbot, windo
     assert counts == {"speed": 199, "latency": 199, "kv_predicted": 200, "kv_measured_dots": 40, "memory": 200}
     dots_x, _ = window.plots._kv_measured.getOriginalDataset()
     assert dots_x[-1] == 199
-    # the memory plot draws the model's own memory beside the process's RSS: its weights and its KV
+    # the memory plot draws the model's own memory beside the process's RSS: its weights, its KV and a
+    # decode step's activations (read once for the model, before the answer)
     _, model = window.plots._model.getOriginalDataset()
     _, rss = window.plots._rss.getOriginalDataset()
     assert len(model) == 200 and model[-1] > model[0] and model[-1] < rss[-1]
-    assert model[-1] / model[0] == pytest.approx((window.loaded.weights_bytes + window.run.kv_bytes())
-                                                 / (window.loaded.weights_bytes + window.run.column("kv_bytes")[0]))
+    activations = window.run.prefilled.activation_bytes
+    assert activations and activations == window.run.finished.activation_bytes
+    own = window.loaded.weights_bytes + activations
+    assert model[-1] / model[0] == pytest.approx((own + window.run.kv_bytes()) / (own + window.run.column("kv_bytes")[0]))
     assert window.plots.speed.full_title.startswith("time to first token")
     # redraws came from the timer: at most one a tick (and the final one), not one per token
     # (a busy machine slows the tokens, not the timer: ticks may outnumber tokens there)

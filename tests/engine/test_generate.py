@@ -299,3 +299,22 @@ def test_a_slow_consumer_does_not_slow_the_measured_tokens(loaded_llama):
     # the tokens' own latencies exclude it: wall time = consumer time + engine time, whatever the load
     assert sum(t.latency_s for t in tokens[1:]) <= wall - 5 * 0.05
     assert events[-1].decode_s == pytest.approx(sum(t.latency_s for t in tokens[1:]))
+
+
+def test_a_decode_steps_activations_are_read_once_per_model_outside_the_answer(tiny_models, monkeypatch):
+    """A single answer carries its model's decode-step activations, read from the allocator by a
+    throwaway sequence through the idle core before the answer's clock starts: once per loaded model
+    (a second answer reuses it), the answer's tokens the same as without it."""
+    from engine.base import memory
+    from engine.models.loading import LoadRequest, load_model
+
+    loaded = load_model(LoadRequest(str(tiny_models["llama"]), "fp32", "cpu"))
+    watched = []
+    real = memory.StepAllocations.__enter__
+    monkeypatch.setattr(memory.StepAllocations, "__enter__", lambda self: watched.append(1) or real(self))
+    request = GenerationRequest("The quick brown fox", mode="raw", max_new_tokens=8, ignore_eos=True)
+    first = [e for e in engine_generate(loaded, request) if isinstance(e, Finished)][0]
+    second = [e for e in engine_generate(loaded, request) if isinstance(e, Finished)][0]
+    assert first.activation_bytes and first.activation_bytes > 0 and watched == [1]
+    assert second.activation_bytes == first.activation_bytes and second.token_ids == first.token_ids
+    assert first.tokens == 8 and first.prompt_tokens == len(loaded.encode(request))
