@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 from engine.base.events import MemorySample
 
@@ -189,6 +190,11 @@ def default_kv_budget(device) -> int:
     return min(int(psutil.virtual_memory().available * 0.25), DEFAULT_KV_BUDGET_CAP)
 
 
+_CPU_WATCH = threading.Lock()
+"""Held while a :class:`StepAllocations` profiles the CPU's allocations (the profiler is the
+process's)."""
+
+
 class StepAllocations:
     """A step's activations: the most it held in tensors above what it started with, less what it
     kept at its end (its KV cache's growth), read from PyTorch's allocator.
@@ -221,11 +227,18 @@ class StepAllocations:
             torch.cuda.synchronize(self.device)
             self._before = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        elif self.device.type == "cpu":
+        elif self.device.type == "cpu" and _CPU_WATCH.acquire(blocking=False):
+            # one profiler in the process at a time (two at once crash it: Compare's concurrent lanes
+            # each read their model's); a watch that finds another running reads nothing this time
             from torch.profiler import ProfilerActivity, profile
 
-            self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._profile.__enter__()
+            try:
+                self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+                self._profile.__enter__()
+            except BaseException:
+                self._profile = None
+                _CPU_WATCH.release()
+                raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -236,9 +249,13 @@ class StepAllocations:
             self.peak_bytes = max(0, int(torch.cuda.max_memory_allocated(self.device)) - self._before)
             self.kept_bytes = int(torch.cuda.memory_allocated(self.device)) - self._before
         elif self._profile is not None:
-            self._profile.__exit__(*exc)
-            if exc[0] is None:
-                self.peak_bytes, self.kept_bytes = allocation_peak(self._profile)
+            try:
+                self._profile.__exit__(*exc)
+                if exc[0] is None:
+                    self.peak_bytes, self.kept_bytes = allocation_peak(self._profile)
+            finally:
+                self._profile = None
+                _CPU_WATCH.release()
 
 
 def allocation_peak(profile) -> tuple[int, int]:

@@ -142,5 +142,6 @@ def decode_activations(core: "EngineCore", token: int) -> int | None:
     measured = next((e.activation_bytes for e in core.step() if isinstance(e, StepCompleted)), None)
     while not core.idle:  # (it ends at its second token: nothing is left)
         core.step()
-    setattr(loaded, _MEASURED, measured)
+    if measured is not None or loaded.device.type not in ("cpu", "cuda"):
+        setattr(loaded, _MEASURED, measured)  # (none on a CPU: another watch was running; next answer)
     return measured

@@ -268,3 +268,32 @@ def test_a_steps_allocations_are_read_from_the_allocator():
     with StepAllocations(torch.device("cpu")) as nothing:
         kept.add_(1)  # in place: no new tensor
     assert nothing.peak_bytes < 1024  # a scalar wrapped as a tensor, no more
+
+
+def test_two_watches_at_once_read_one_figure_and_never_crash():
+    """The CPU's allocation records come from the process's one profiler: two watches at once (two
+    of Compare's concurrent lanes reading their models' activations) crashed the process. The
+    second finds the first running and reads nothing; the first reads its figure."""
+    import threading
+
+    import torch
+
+    from engine.base.memory import StepAllocations
+
+    inside, release = threading.Event(), threading.Event()
+    first = StepAllocations(torch.device("cpu"))
+
+    def watch_first():
+        with first:
+            torch.ones(1 << 20, dtype=torch.uint8)
+            inside.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=watch_first)
+    thread.start()
+    assert inside.wait(30)
+    with StepAllocations(torch.device("cpu")) as second:
+        torch.ones(1 << 20, dtype=torch.uint8)
+    release.set()
+    thread.join(30)
+    assert second.peak_bytes is None and first.peak_bytes >= 1 << 20
