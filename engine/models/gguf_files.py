@@ -29,6 +29,10 @@ class GGUFSummary:
     file_type: str
     """e.g. ``Q4_1``."""
     tensor_types: dict[str, int]
+    key_length: int | None = None
+    """``{architecture}.attention.key_length``: the heads' width, where the file says it."""
+    rope_dimensions: int | None = None
+    """``{architecture}.rope.dimension_count``: how much of each head the rotary embedding turns."""
 
 
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -111,6 +115,8 @@ def summarize_gguf(path: Path) -> GGUFSummary:
         arch = reader.fields["general.architecture"].contents()
         name_field = reader.fields.get("general.name")
         ftype_field = reader.fields.get("general.file_type")
+        numbers = {key: int(field.contents()) for key in ("attention.key_length", "rope.dimension_count")
+                   if (field := reader.fields.get(f"{arch}.{key}")) is not None}
         counts = Counter(t.tensor_type.name for t in reader.tensors)
     except Exception as exc:  # the reader raises ValueError/IndexError/KeyError on damage
         raise CorruptModelError(
@@ -129,6 +135,8 @@ def summarize_gguf(path: Path) -> GGUFSummary:
         name=str(name_field.contents()) if name_field is not None else path.stem,
         file_type=file_type,
         tensor_types=dict(counts),
+        key_length=numbers.get("attention.key_length"),
+        rope_dimensions=numbers.get("rope.dimension_count"),
     )
 
 
@@ -188,29 +196,22 @@ def _one_conversion(out_dir: Path, reporter: ProgressReporter):
         lock.release()
 
 
-def _gguf_config(gguf_path: Path, architecture: str):
+def _gguf_config(gguf_path: Path, summary: GGUFSummary):
     """transformers' config for a GGUF, and what its GGUF reading lacks, supplied from the header
     (in words, kept with the conversion): the heads' width where it is not the hidden size over the
     heads (``attention.key_length``: Qwen3's, Gemma's), and the share of each head the rotary
     embedding turns (``rope.dimension_count``: Phi-4-mini's three quarters)."""
-    from gguf import GGUFReader
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    fields = GGUFReader(str(gguf_path)).fields
-
-    def number(key: str) -> int | None:
-        field = fields.get(f"{architecture}.{key}")
-        return None if field is None else int(field.contents())
-
     supplied = []
     heads = getattr(config, "num_attention_heads", None)
-    width = number("attention.key_length")
+    width = summary.key_length
     if width and heads and getattr(config, "head_dim", None) != width:
         config.head_dim = width
         supplied.append(f"head_dim {width} (attention.key_length)")
     head = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
-    turned = number("rope.dimension_count")
+    turned = summary.rope_dimensions
     rope = getattr(config, "rope_parameters", None)
     if turned and head and turned < head and isinstance(rope, dict) \
             and rope.get("partial_rotary_factor", 1.0) != turned / head:
@@ -221,7 +222,7 @@ def _gguf_config(gguf_path: Path, architecture: str):
     return config, supplied
 
 
-def _convert(gguf_path: Path, out_dir: Path, reporter: ProgressReporter, summary,
+def _convert(gguf_path: Path, out_dir: Path, reporter: ProgressReporter, summary: GGUFSummary,
              extra_provenance: dict | None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -231,7 +232,7 @@ def _convert(gguf_path: Path, out_dir: Path, reporter: ProgressReporter, summary
         with reporting(reporter):
             reporter.report("tokenizer", 0, 0, "Converting the GGUF tokenizer")
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-            config, supplied = _gguf_config(gguf_path, summary.architecture)
+            config, supplied = _gguf_config(gguf_path, summary)
             model = AutoModelForCausalLM.from_pretrained(
                 str(gguf_path.parent), gguf_file=gguf_path.name, config=config, dtype=torch.float32,
                 use_kernels=False,
