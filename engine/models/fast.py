@@ -2,9 +2,9 @@
 
 transformers' forward is general: per layer it builds masks, dispatches attention backends,
 concatenates a growing cache and checks options, and on two CPU cores that bookkeeping is a
-large share of a small model's decode step. For the architectures it knows (Llama, Qwen2,
-Qwen3 with its query and key norms, Mistral without a window in play) this path runs the same modules' weights with only the
-arithmetic: norms, projections (optionally weight-only int8/int4, engine/models/quantize.py),
+large share of a small model's decode step. For the architectures it knows (Llama, Qwen2 and
+Mistral without a window in play, and those :class:`_Layer` describes: Qwen3, SmolLM3, Phi-3/4)
+this path runs the same modules' weights with only the arithmetic: norms, projections (optionally weight-only int8/int4, engine/models/quantize.py),
 rotary embedding, attention over a static cache written in place, the MLP, the head.
 
 It emits exactly the events of the reference path (the engine core, engine/generation/core.py, drives both
@@ -69,9 +69,10 @@ def unsupported_reason(model) -> str | None:
             or any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return "sliding-window attention is not on the fast path"
     scaling = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) in ("longrope", "dynamic"):
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind in ("longrope", "dynamic"):
         # their frequencies change with the sequence's length: one table for every position is wrong
-        return f"its rotary embedding ({scaling.get('rope_type', scaling.get('type'))}) changes with the length"
+        return f"its rotary embedding ({kind}) changes with the length"
     base = getattr(model, "model", None)
     if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
         return "its layers are not laid out as the fast path expects"
@@ -95,14 +96,13 @@ class _Layer:
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.qk_eps = float(getattr(self.q_norm, "variance_epsilon", self.eps))
         self.rope = bool(getattr(attn, "use_rope", True))
-        self.fused: list[nn.Module] = []
-        """The projections this made by fusing the model's (not the model's own modules)."""
+        fused = []
         if hasattr(attn, "qkv_proj"):
             self.qkv, self.projections = attn.qkv_proj, (attn.qkv_proj,)
         else:
             self.qkv = fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
             self.projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-            self.fused.append(self.qkv)
+            fused.append(self.qkv)
         self.o = attn.o_proj
         self.scaling = attn.scaling
         self.down = mlp.down_proj
@@ -113,10 +113,12 @@ class _Layer:
             self.intermediate = mlp.gate_up_proj.out_features // 2
         else:
             self.gate_up = fuse_rows([mlp.gate_proj, mlp.up_proj])
-            self.fused.append(self.gate_up)
+            fused.append(self.gate_up)
             self.gate, self.up = mlp.gate_proj, mlp.up_proj
             self.intermediate = mlp.gate_proj.out_features
-        self.fused = [part for part in self.fused if part is not None]
+        self.fused: list[nn.Module] = [part for part in fused if part is not None]
+        """The projections this made by fusing the model's (not the model's own modules; none where
+        the scheme keeps them apart)."""
 
 
 class FastDecoder:
@@ -196,7 +198,7 @@ def _attention_inputs(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, cos: 
     """Queries, keys (both with the rotary embedding, applied in one go) and values of a layer."""
     batch, count = hidden.shape[:2]
     heads, kv_heads, dim = d.heads, d.kv_heads, d.head_dim
-    rotated, half = heads + kv_heads, dim // 2
+    rotated = heads + kv_heads
     x = _rms(hidden, layer.norm1, layer.eps)
     qkv = layer.qkv(x) if layer.qkv is not None else torch.cat([p(x) for p in layer.projections], dim=-1)
     qkv = qkv.view(batch, count, rotated + kv_heads, dim)
@@ -207,12 +209,16 @@ def _attention_inputs(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, cos: 
     qk = qkv[:, :rotated]
     if layer.rope:
         turned = cos.shape[-1]  # the whole head, or its first part (partial rotary)
-        if turned == dim:
-            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-        else:
-            part, rest, half = qk[..., :turned], qk[..., turned:], turned // 2
-            qk = torch.cat((part * cos + torch.cat((-part[..., half:], part[..., :half]), dim=-1) * sin, rest), dim=-1)
+        qk = _rotate(qk, cos, sin) if turned == dim else torch.cat(
+            (_rotate(qk[..., :turned], cos, sin), qk[..., turned:]), dim=-1)
     return qk[:, :heads], qk[:, heads:], qkv[:, rotated:]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding on ``x`` (its last dim as wide as the tables: halves rotated, as
+    transformers' ``rotate_half``)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def _rest_of_layer(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
