@@ -105,7 +105,7 @@ def _run(loaded: "LoadedModel", request: GenerationRequest, prompt_ids: list[int
 def _alone(core: "EngineCore", request: GenerationRequest, prompt_ids: list[int],
            cancel: CancelToken) -> Iterator[GenerationEvent]:
     plain = core.proposer.lookahead == 0  # (a draft guessing: its own state; the figure waits for a plain answer)
-    activations = decode_activations(core, prompt_ids[0]) if plain else _known(core.loaded)
+    activations = decode_activations(core, prompt_ids[0]) if plain else core.loaded.decode_activations
     core.submit(request, cancel, prompt_ids)
     for event in core.run():
         if isinstance(event, StepCompleted):
@@ -119,29 +119,23 @@ def _alone(core: "EngineCore", request: GenerationRequest, prompt_ids: list[int]
         yield event
 
 
-_MEASURED = "_decode_activation_bytes"
-
-
-def _known(loaded) -> int | None:
-    return getattr(loaded, _MEASURED, None)
-
-
 def decode_activations(core: "EngineCore", token: int) -> int | None:
     """A decode step's activations for ``core``'s model at one sequence, read from the allocator
     (engine/base/memory.StepAllocations) once per loaded model: a throwaway one-token sequence read
     and one token decoded under the watch through the idle core, before the request it serves is
     submitted, so no request's clock or tokens see it (on a CPU the watch slows its step ~3×)."""
     loaded = core.loaded
-    if hasattr(loaded, _MEASURED) or not core.idle:
-        return _known(loaded)
-    probe = GenerationRequest(prompt="(a decode step watched)", mode="raw", max_new_tokens=2, ignore_eos=True, reuse_prefix=False,
-                              top_alternatives=0)
+    if loaded.decode_activations_read or not core.idle:
+        return loaded.decode_activations
+    probe = GenerationRequest(prompt="(a decode step watched)", mode="raw", max_new_tokens=2, ignore_eos=True,
+                              reuse_prefix=False, top_alternatives=0)
     core.submit(probe, CancelToken(), [token])
     core.step()  # its token read
     core.watch_next = True
     measured = next((e.activation_bytes for e in core.step() if isinstance(e, StepCompleted)), None)
     while not core.idle:  # (it ends at its second token: nothing is left)
         core.step()
-    if measured is not None or loaded.device.type not in ("cpu", "cuda"):
-        setattr(loaded, _MEASURED, measured)  # (none on a CPU: another watch was running; next answer)
+    # (none on a CPU: another watch was running; read again at the next answer)
+    loaded.decode_activations = measured
+    loaded.decode_activations_read = measured is not None or loaded.device.type not in ("cpu", "cuda")
     return measured

@@ -35,6 +35,10 @@ class LoadedModel:
         self.batch_invariant = False
         """Compute every request's answer the same alone and in any batch, at a price
         (engine/generation/invariant.py); every engine core on this model reads it at each step."""
+        self.decode_activations: int | None = None
+        """A decode step's activations at one sequence, once read (engine/generation/generate.py)."""
+        self.decode_activations_read = False
+        """Whether they were (``decode_activations`` may stay ``None``: a device with no count)."""
 
     def token_text(self, token_id: int) -> str:
         """How one token reads on its own (cached: alternatives repeat a lot)."""
