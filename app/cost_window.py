@@ -202,7 +202,7 @@ class CostWindow(QMainWindow):
         self.model.setCurrentIndex(index)
         if precision:
             self.precision.setCurrentIndex(self.precision.findData(precision))
-        kv = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(kv_dtype or "")
+        kv = costs.kv_dtype_name(kv_dtype or "")
         if kv:
             self.kv_dtype.setCurrentIndex(self.kv_dtype.findData(kv))
         self.schedule_update()

@@ -31,6 +31,13 @@ GGUF_BITS = {  # bits per weight of llama.cpp's block formats, scales included
     "q8_0": 8.5, "q6_k": 6.5625, "q5_k": 5.5, "q4_k": 4.5, "q4_1": 5.0, "q4_0": 4.5, "q3_k": 3.4375, "q2_k": 2.625,
 }
 KV_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+_TORCH_KV_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def kv_dtype_name(torch_dtype: str) -> str | None:
+    """The cost model's name (:data:`KV_DTYPES`) for a KV cache's torch dtype, as a loaded model
+    reports it (``Loaded.kv_dtype``: ``bfloat16``…); ``None`` for one it doesn't know."""
+    return _TORCH_KV_DTYPES.get(torch_dtype)
 ALL_PRECISIONS = tuple(PRECISIONS) + tuple(GGUF_BITS)
 
 

@@ -17,7 +17,7 @@ from engine.base.cancel import CancelToken
 from engine.base.events import BatchEvent, BatchFinished
 from engine.base.request import GenerationRequest
 from engine.units import format_bytes
-from engine.estimates.costs import activation_bytes, estimate
+from engine.estimates.costs import activation_bytes, estimate, kv_dtype_name
 from engine.models.precision import dtype_bytes
 from engine.estimates import hardware
 from engine.estimates.estimate import available_bytes
@@ -114,7 +114,7 @@ def estimate_for(loaded, batch: int, context: int, profile: hardware.Hardware | 
     yet or the model's layout is unknown."""
     try:
         profile = profile or profile_for(loaded)
-        kv_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(loaded.info.kv_dtype, "fp32")
+        kv_dtype = kv_dtype_name(loaded.info.kv_dtype) or "fp32"
         return estimate(loaded.model.config, profile, loaded.info.precision, kv_dtype, context, batch)
     except Exception:
         return None
