@@ -159,6 +159,14 @@ NARROWEST = 340
 PANEL_MARGIN = 8
 
 
+def _on_screen(target: QWidget | None) -> QRect | None:
+    """Where ``target`` lies on the screen; ``None``: no target, hidden, or its window closed."""
+    try:
+        return QRect(target.mapToGlobal(target.rect().topLeft()), target.size()) if target.isVisible() else None
+    except (AttributeError, RuntimeError):
+        return None
+
+
 class Tour(QDialog):
     """The tour's panel: the step, what to look at, the figure measured, and Back / Next / Leave."""
 
@@ -236,10 +244,7 @@ class Tour(QDialog):
         where that fits it into the space beside the target."""
         self.setFixedWidth(WIDEST)
         self._corner(target)
-        try:
-            covered = QRect(target.mapToGlobal(target.rect().topLeft()), target.size()) if target.isVisible() else None
-        except (AttributeError, RuntimeError):
-            covered = None
+        covered = _on_screen(target)  # (where it is now: placing may have narrowed its window)
         frame = self.frameGeometry()
         if covered is None or not frame.intersects(covered):
             return
@@ -259,10 +264,7 @@ class Tour(QDialog):
                          size.width(), size.height()),
                    QRect(screen.right() - size.width() - margin, screen.top() + margin, size.width(), size.height()),
                    QRect(screen.left() + margin, screen.top() + margin, size.width(), size.height())]
-        try:
-            covered = QRect(target.mapToGlobal(target.rect().topLeft()), target.size()) if target.isVisible() else None
-        except (AttributeError, RuntimeError):  # none, or its window was closed meanwhile
-            covered = None
+        covered = _on_screen(target)
         if covered is None:
             self.move(corners[0].topLeft())
             return
@@ -283,7 +285,7 @@ class Tour(QDialog):
         # the least of the target covered, then the least of what else its window shows
         best = min(corners, key=lambda rect: (overlap(rect), filled(rect)))
         if overlap(best) and self._make_room(target.window(), screen, size.width() + 2 * margin):
-            covered = QRect(target.mapToGlobal(target.rect().topLeft()), target.size())
+            covered = _on_screen(target)
             top = min(max(covered.top(), screen.top() + margin), screen.bottom() - size.height() - margin)
             self.move(screen.right() - size.width() - margin, top)
             return

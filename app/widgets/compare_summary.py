@@ -13,7 +13,8 @@ from engine.units import format_bytes, format_rate, format_seconds
 
 COLUMNS = (
     ("lane", "Lane"), ("label", "Configuration"), ("load_s", "Load"), ("weights_bytes", "Weights"),
-    ("model_memory_bytes", "Model memory"), ("peak_memory_bytes", "Process peak (all lanes)"), ("ttft_s", "TTFT"), ("decode_tokens_per_s", "Decode tok/s"),
+    ("model_memory_bytes", "Model memory"), ("peak_memory_bytes", "Process peak (all lanes)"), ("ttft_s", "TTFT"),
+    ("decode_tokens_per_s", "Decode tok/s"),
     ("latency_mean_s", "Latency mean"), ("latency_p50_s", "p50"), ("latency_p95_s", "p95"), ("tokens", "Tokens"),
     ("kv_cache_bytes", "KV cache"), ("token_agreement", "Agreement"), ("first_divergence", "First divergence"),
     ("mean_abs_logprob_delta", "Mean |Δ logprob|"), ("finish_reason", "Stop"),
