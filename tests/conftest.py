@@ -40,7 +40,7 @@ for _variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_ASSETS_CACHE", "H
     os.environ.pop(_variable, None)
 os.environ["HF_HOME"] = str(_SESSION_CACHE / "huggingface")
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "gpt2", "mistral", "gemma2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "gpt2", "mistral", "gemma2", "gemma3")
 
 
 def _users(variable: str, where):

@@ -60,8 +60,8 @@ def sentencepiece_tokenizer():
 
 def tiny_config(arch: str, vocab_size: int, **overrides):
     """A small config of one architecture; ``overrides`` change any field."""
-    from transformers import (Gemma2Config, GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config, SmolLM3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config, SmolLM3Config)
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -82,6 +82,11 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
     elif arch == "gemma2":
         config = Gemma2Config(**{**common, "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 10,
                                  "query_pre_attn_scalar": 16})
+    elif arch == "gemma3":  # local (sliding, their own rotary base) and global layers, four norms a layer
+        config = Gemma3TextConfig(**{**common, "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 10,
+                                     "query_pre_attn_scalar": 16,
+                                     "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                                                     "sliding_attention"]})
     elif arch == "gpt2":
         config = GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                             initializer_range=0.3, bos_token_id=0, eos_token_id=2)
@@ -102,6 +107,11 @@ def build_model_folder(folder: Path, arch: str, tokenizer, seed: int = 0, **over
     config.bos_token_id = tokenizer.bos_token_id
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "gemma3":  # its norms start at w = 0 (x · (1 + 0)): random ones test the offset
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if "norm" in name:
+                    weight.normal_(0.0, 0.3)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -134,12 +144,14 @@ def write_gguf(path: Path, arch: str = "llama", name: str = "small", more=None) 
 
 def kv_held_ok(loaded, measured: int, predicted: int, requests: int = 1) -> bool:
     """A KV figure against the config's prediction: the reference precisions' caches hold exactly
-    the predicted bytes; the fast path's block pool whole 16-token blocks, at least the tokens'
-    bytes and under two blocks more per request (a partly filled last one, the next token's)."""
+    the predicted bytes; the fast path's block pool whole 16-token blocks of each layer, at least
+    the tokens' bytes and under two blocks more per layer and request (a partly filled last one,
+    the next token's; a sliding window's first block, partly before the window)."""
     if loaded.fast is None:
         return measured == predicted
     block = 16 * loaded.info.kv_bytes_per_token
-    return measured % block == 0 and predicted <= measured < predicted + 2 * block * requests
+    layer_block = block // loaded.model.config.num_hidden_layers
+    return measured % layer_block == 0 and predicted <= measured < predicted + 2 * block * requests
 
 
 def write_model_gguf(path: Path, folder: Path, arch: str, tokenizer_gguf: Path) -> Path:

@@ -260,9 +260,10 @@ class EngineCore:
 
     def kv_bytes(self) -> int:
         """Bytes the cache holds for every running request: the pool's held blocks (a shared one
-        once, each block's bytes read from the storage), or what a copying runner's caches hold."""
+        once, each block's bytes read from the storage; sliding-window layers' only within their
+        windows), or what a copying runner's caches hold."""
         if self.paged:
-            return self.kv.block_bytes(self.kv.used_blocks) or 0
+            return self.runner.held_nbytes()
         return sum(self.runner.kv_bytes(r.rid) for r in self.running if r.in_runner)
 
     def kept_bytes(self) -> int:

@@ -46,6 +46,8 @@ class Storage(Protocol):
 
     def storage_nbytes(self) -> int: ...
 
+    def held_nbytes(self) -> int: ...
+
 
 def block_keys(tokens: list[int], blocks: int, block_tokens: int = BLOCK_TOKENS, parent: bytes = b"",
                first: int = 0) -> list[bytes]:
@@ -318,5 +320,11 @@ class KVCacheManager:
         own, read from its tensors (``storage`` is 0 for a copying runner: its caches are its own)."""
         per = self.block_bytes(1) or 0
         pool = self.pool
-        return {"used": pool.held * per, "cached": pool.cached_free * per, "free": len(pool.empty) * per,
-                "storage": self.storage.storage_nbytes() if self.storage is not None else 0}
+        if self.storage is None:
+            return {"used": pool.held * per, "cached": pool.cached_free * per, "free": len(pool.empty) * per,
+                    "storage": 0}
+        # the storage's own count of what is held (sliding-window layers keep only their windows'
+        # blocks, engine/generation/paged_cache.py); free is the rest of its tensors
+        storage = self.storage.storage_nbytes()
+        used, cached = self.storage.held_nbytes(), pool.cached_free * per
+        return {"used": used, "cached": cached, "free": storage - used - cached, "storage": storage}

@@ -7,6 +7,13 @@ reads and writes its blocks through its block table (engine/generation/kv_manage
 step hands the kernels' attention every row's table, and a prefix several sequences share is one
 set of blocks that each reads in place. Nothing is laid out per sequence, so a 4,096-token request
 among short ones holds its own blocks and nobody else's room.
+
+Sliding-window layers (Gemma 3's local layers, Mistral's window) keep only their window's blocks,
+as vLLM's hybrid allocator does: their keys and values live in a pool of their own, and each
+sequence has a second table beside the KV manager's, the same length, whose entries before the
+window are given back as the sequence moves on (the step's table lists the full layers' blocks,
+then the window layers'; the kernels' attention reads only a window's blocks). The KV manager
+charges each block for every layer, so its budget always covers both pools.
 """
 
 from __future__ import annotations
@@ -14,9 +21,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.generation.block_pool import GROW_BLOCKS
 from engine.generation.kv_manager import BLOCK_TOKENS, KVCacheManager
 from engine.models.fast import (MAX_COMPILED_CAPACITY, MIN_CAPACITY, FastDecoder, _bucket, _decode_batch, _decode_rows,
                                 _forward, _rotary_tables)
+
+
+GIVEN_BACK = -1
+"""A window table's entry for a block the sliding windows have moved past (given back to the pool)."""
 
 
 class PagedCache:
@@ -25,7 +37,8 @@ class PagedCache:
     paged = True
     """Keys and values live in the KV manager's pool (the engine core shares blocks in place)."""
     rollback = False
-    """Set while a proposer runs (speculation); nothing changes here: :meth:`crop` always works."""
+    """Set while a proposer runs (speculation): :meth:`crop` always works, and the window layers
+    keep :meth:`margin` positions more."""
     batch_invariant = False
     """Every decode step, one sequence or many, through the same eager step whose attention reads
     each row's own blocks (engine/generation/invariant.py); the compiled steps are left out."""
@@ -34,6 +47,15 @@ class PagedCache:
         self.d = d
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        """Per layer, the pool its keys and values live in (a sliding-window layer's: the window pool)."""
+        self.window = max((layer.window for layer in d.layers if layer.window), default=0)
+        """The widest sliding window (0: no such layer)."""
+        self.window_tables: dict[int, list[int]] = {}
+        """Per sequence, the window layers' blocks, entry for entry beside its KV manager table
+        (:data:`GIVEN_BACK` where the windows have moved past)."""
+        self.window_free: list[int] = []
+        self.window_blocks = 0
+        """Blocks of the window pool that exist."""
         self.lengths: dict[int, int] = {}
         self.rotary = 0
         self.cos = self.sin = None
@@ -52,35 +74,75 @@ class PagedCache:
     @torch.inference_mode()  # every cache tensor an inference tensor, wherever it grows
     def resize(self, blocks: int, block_tokens: int) -> None:
         """The pool now has ``blocks`` blocks of ``block_tokens`` tokens: the storage follows, its
-        first blocks kept (a shrink drops only blocks above the pool's new size)."""
+        first blocks kept (a shrink drops only blocks above the pool's new size). The window pool
+        grows on its own (:meth:`_window_block`); another block size starts it anew."""
+        same = bool(self.keys) and self.keys[0].shape[2] == block_tokens
+        full = [not layer.window for layer in self.d.layers]
+        self._store(full, blocks, block_tokens, same)
+        if not same:
+            self.window_free, self.window_blocks = [], 0
+            self._store([not f for f in full], 0, block_tokens, False)
+
+    def _store(self, which: list[bool], blocks: int, block_tokens: int, same: bool) -> None:
+        """Storage of ``blocks`` blocks for the layers ``which`` names, their first blocks kept."""
         d = self.d
         shape = (blocks, d.kv_heads, block_tokens, d.head_dim)
-        same = bool(self.keys) and self.keys[0].shape[2] == block_tokens
-        kept = min(blocks, self.keys[0].shape[0]) if same else 0
-        keys, values = [], []
-        for old in (self.keys if same else [None] * len(d.layers)):
-            keys.append(torch.zeros(shape, dtype=d.kv_dtype, device=d.device))
-            if old is not None and kept:
-                keys[-1][:kept] = old[:kept]
-        for old in (self.values if same else [None] * len(d.layers)):
-            values.append(torch.zeros(shape, dtype=d.kv_dtype, device=d.device))
-            if old is not None and kept:
-                values[-1][:kept] = old[:kept]
+        keys = self.keys or [None] * len(d.layers)
+        values = self.values or [None] * len(d.layers)
+        for i, mine in enumerate(which):
+            if not mine:
+                continue
+            for tensors in (keys, values):
+                old, tensors[i] = tensors[i], torch.zeros(shape, dtype=d.kv_dtype, device=d.device)
+                kept = min(blocks, old.shape[0]) if same and old is not None else 0
+                if kept:
+                    tensors[i][:kept] = old[:kept]
         self.keys, self.values = keys, values
+        if any(t is None for t in keys):
+            return
         # read from the new tensors once here (a token's event asks for a block's bytes, 60 tensors
         # each time: 0.5 ms of a 16-row step)
+        windowed = [layer.window is not None for layer in d.layers]
+        self._window_block_nbytes = sum(t.element_size() * t.stride(0)
+                                        for t, w in zip(keys + values, windowed + windowed) if w)
         self._block_nbytes = sum(t.element_size() * t.stride(0) for t in keys + values)
         self._storage_nbytes = sum(t.untyped_storage().nbytes() for t in keys + values)
 
     @torch.inference_mode()
+    def _window_block(self) -> int:
+        """A free block of the window pool, grown by a chunk where none is left."""
+        if not self.window_free:
+            grown = self.window_blocks + GROW_BLOCKS
+            self._store([layer.window is not None for layer in self.d.layers], grown, self.keys[0].shape[2], True)
+            self.window_free = list(range(grown - 1, self.window_blocks - 1, -1))
+            self.window_blocks = grown
+        return self.window_free.pop()
+
+    @torch.inference_mode()
     def copy_block(self, source: int, target: int) -> None:
-        for tensor in self.keys + self.values:
-            tensor[target] = tensor[source]
+        """A KV manager block copied (copy on write): the full layers' part (a window layer's
+        blocks are each sequence's own)."""
+        for layer, keys, values in zip(self.d.layers, self.keys, self.values):
+            if not layer.window:
+                keys[target] = keys[source]
+                values[target] = values[source]
 
     def block_nbytes(self) -> int:
-        """One block's keys and values over every layer, read from the storage's tensors (when they
+        """One block's keys and values over every layer (the window pool's part included: what a
+        block costs until the windows move past it), read from the storage's tensors (when they
         were made: they change only then)."""
         return self._block_nbytes
+
+    def held_nbytes(self) -> int:
+        """Bytes of the blocks the running sequences hold: the KV manager's (a shared one once),
+        less the window layers' part of those the windows have given back."""
+        return (self.kv.block_bytes(self.kv.used_blocks) or 0) - self._given_back_nbytes(self.window_tables)
+
+    def _given_back_nbytes(self, tables) -> int:
+        if not self.window:
+            return 0
+        return self._window_block_nbytes * sum(table.count(GIVEN_BACK) for table in tables.values()
+                                               if table is not None)
 
     def storage_nbytes(self) -> int:
         """The storage's bytes, read from its tensors' storages (when they were made)."""
@@ -102,6 +164,7 @@ class PagedCache:
     def add(self, seq: int, tokens: int = 1, hoped: int = 0) -> None:
         """``seq`` starts with no tokens (its blocks are the manager's: taken as it grows)."""
         self.lengths[seq] = 0
+        self._forget_window(seq)  # a preempted sequence starts again
         self._rotary(max(tokens, 1))
 
     def found(self, seq: int, tokens: int) -> None:
@@ -111,6 +174,7 @@ class PagedCache:
     def remove(self, seq: int) -> None:
         del self.lengths[seq]
         self.kv.release(seq)  # where the core's scheduler released it first, nothing is left
+        self._forget_window(seq)
 
     def length(self, seq: int) -> int:
         return self.lengths[seq]
@@ -120,23 +184,63 @@ class PagedCache:
         return len(self.lengths)
 
     def kv_bytes(self, seq: int) -> int:
-        """Bytes of the blocks ``seq`` holds (its last one maybe partly filled, shared ones included)."""
-        return self.kv.table_bytes(seq)
+        """Bytes of the blocks ``seq`` holds (its last one maybe partly filled, shared ones included;
+        a window layer's blocks only while they are in its window)."""
+        return self.kv.table_bytes(seq) - self._given_back_nbytes({seq: self.window_tables.get(seq)})
 
     def _room(self, seq: int, tokens: int) -> None:
         if not self.kv.hold(seq, tokens):
             raise RuntimeError(f"no KV block is left for {tokens} tokens (the scheduler holds them before a step)")
         self._rotary(tokens)
+        if self.window:
+            self._slide(seq)
+
+    def _slide(self, seq: int) -> None:
+        """``seq``'s window table follows its KV manager table: a window block for each new entry,
+        and the blocks before the next token's window (less :attr:`margin`) given back."""
+        table = self.window_tables.setdefault(seq, [])
+        wanted = len(self.kv.tables[seq])
+        while len(table) < wanted:
+            table.append(self._window_block())
+        past = max(0, self.lengths[seq] - self.window + 1 - self.margin()) // self.kv.block_tokens
+        for i in range(min(past, len(table))):
+            if table[i] != GIVEN_BACK:
+                self.window_free.append(table[i])
+                table[i] = GIVEN_BACK
+
+    def margin(self) -> int:
+        """Positions kept before a window's start: while guesses are verified (:attr:`rollback`) a
+        sequence is rolled back this far at most, and its window must still be whole."""
+        if not self.rollback:
+            return 0
+        from engine.generation.speculative import MAX_DRAFT_TOKENS  # lazily: speculative imports this module
+
+        return MAX_DRAFT_TOKENS
+
+    def _forget_window(self, seq: int) -> None:
+        for block in self.window_tables.pop(seq, ()):
+            if block != GIVEN_BACK:
+                self.window_free.append(block)
+
+    def _table(self, seq: int) -> list[int]:
+        """The blocks a step reads for ``seq``: its KV manager table, then its window table (given
+        back entries read as block 0, never read)."""
+        table = self.kv.tables[seq]
+        if not self.window:
+            return table
+        return table + [max(block, 0) for block in self.window_tables[seq]]
 
     def prefill(self, seq: int, ids: torch.Tensor, rows: int = 1) -> torch.Tensor:
         """Put ``ids`` ([1, n]) into ``seq``'s blocks; the logits after the last of them ([vocab]),
         or after each of the last ``rows`` ([rows, vocab])."""
         start = self.lengths[seq]
         self._room(seq, start + ids.shape[1])
-        table = torch.tensor(self.kv.tables[seq], dtype=torch.long, device=self.d.device)
+        table = torch.tensor(self._table(seq), dtype=torch.long, device=self.d.device)
         logits = _forward(self.d, self.keys, self.values, table, self.cos, self.sin, ids, start, rows,
                           in_place=self.batch_invariant)
         self.lengths[seq] = start + ids.shape[1]
+        if self.window:
+            self._slide(seq)
         return logits
 
     def decode(self, seqs: list[int], tokens: list[int]) -> torch.Tensor:
@@ -166,6 +270,8 @@ class PagedCache:
             logits = _decode_batch(d, self.keys, self.values, self.cos, self.sin, ids, positions, table)
         for seq in seqs:
             self.lengths[seq] += 1
+            if self.window:
+                self._slide(seq)
         return logits
 
     def _step_inputs(self, seqs: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -173,7 +279,7 @@ class PagedCache:
         blocks; a shorter row's table is padded with its own first block, never read): numpy-backed
         tensors kept per batch size and width and filled in place (three new tensors a step cost
         ~60 µs), copied to the device where the model isn't on the CPU."""
-        tables = [self.kv.tables[seq] for seq in seqs]
+        tables = [self._table(seq) for seq in seqs]
         width = max(len(t) for t in tables)
         kept = self._inputs.get((len(seqs), width))
         if kept is None:
@@ -184,8 +290,15 @@ class PagedCache:
             kept = self._inputs[len(seqs), width] = (arrays, tuple(torch.from_numpy(a) for a in arrays))
         (ids, positions, table), tensors = kept
         for row, (seq, blocks) in enumerate(zip(seqs, tables)):
-            table[row, :len(blocks)] = blocks
-            table[row, len(blocks):] = blocks[0]
+            if self.window:  # the full layers' half and the window layers' half, each padded
+                half, own = width // 2, len(blocks) // 2
+                table[row, :own] = blocks[:own]
+                table[row, own:half] = blocks[0]
+                table[row, half:half + own] = blocks[own:]
+                table[row, half + own:] = blocks[own]
+            else:
+                table[row, :len(blocks)] = blocks
+                table[row, len(blocks):] = blocks[0]
             positions[row] = self.lengths[seq]
         ids[:, 0] = tokens
         if self.d.device.type != "cpu":
@@ -193,6 +306,8 @@ class PagedCache:
         return tensors
 
     def prefix_cache_reason(self) -> str | None:
+        if self.window:
+            return "its sliding-window layers keep only their window's blocks (a cached prefix would lack them)"
         return None
 
     def crop(self, seq: int, length: int) -> None:

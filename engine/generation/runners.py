@@ -387,7 +387,9 @@ def runner_for(model, fast=None, supports_logits_to_keep: bool = True, rollback:
     if fast is not None:
         from engine.generation.paged_cache import PagedCache  # lazy: importing it loads numpy, torch
 
-        return PagedCache(fast)
+        runner = PagedCache(fast)
+        runner.rollback = rollback
+        return runner
     return ReferenceBatchRunner(model, supports_logits_to_keep, rollback, graphs=graphs_apply(model))
 
 

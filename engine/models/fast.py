@@ -1,11 +1,12 @@
-"""The fast path: a lean decoder for Llama-family models over a preallocated KV cache.
+"""The fast path: a lean decoder for Llama-family models over a paged KV cache.
 
 transformers' forward is general: per layer it builds masks, dispatches attention backends,
 concatenates a growing cache and checks options, and on two CPU cores that bookkeeping is a
 large share of a small model's decode step. For the architectures it knows (Llama, Qwen2 and
-Mistral without a window in play, and those :class:`_Layer` describes: Qwen3, SmolLM3, Phi-3/4)
-this path runs the same modules' weights with only the arithmetic: norms, projections (optionally weight-only int8/int4, engine/models/quantize.py),
-rotary embedding, attention over a static cache written in place, the MLP, the head.
+Mistral, and those :class:`_Layer` describes: Qwen3, SmolLM3, Phi-3/4, Gemma 3)
+this path runs the same modules' weights with only the arithmetic: norms, projections (optionally
+weight-only int8/int4, engine/models/quantize.py), rotary embedding, attention over the cache's
+blocks written in place, the MLP, the head.
 
 It emits exactly the events of the reference path (the engine core, engine/generation/core.py, drives both
 through a runner: the paged cache, engine/generation/paged_cache.py, runs this decoder); fp32 and
@@ -26,7 +27,11 @@ from torch import nn
 from torch.nn import functional as F
 from engine.models.quantize import fuse_rows, has_int8_activations
 
+from engine.base.kv import kv_layout
 from engine.models.precision import unsupported_type_reason
+
+OFFSET_NORMS = ("gemma3_text",)
+"""Model types whose RMSNorm weights are offsets from 1 (``x · (1 + w)``, in fp32), as Gemma's are."""
 
 MIN_CAPACITY = 64
 """The shortest rotary table (positions) a cache starts with; it doubles from there as sequences
@@ -62,12 +67,11 @@ def unsupported_reason(model) -> str | None:
     reason = unsupported_type_reason(config.model_type)
     if reason:
         return reason
-    window = getattr(config, "sliding_window", None)
-    longest = getattr(config, "max_position_embeddings", None) or float("inf")
-    if window and window < longest and getattr(config, "use_sliding_window", True) \
-            and config.model_type in ("mistral", "phi3") \
-            or any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
-        return "sliding-window attention is not on the fast path"
+    if kv_layout(config) is None or any(kind not in ("full_attention", "sliding_attention")
+                                        for kind in getattr(config, "layer_types", None) or ()):
+        return "its attention layers are not all full or sliding-window ones"
+    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
+        return "soft-capped attention scores or logits (Gemma 2) are not on the fast path"
     scaling = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
     if kind in ("longrope", "dynamic"):
@@ -87,15 +91,32 @@ class _Layer:
     - SmolLM3: some layers without the rotary embedding (``no_rope_layers``);
     - Phi-3/4: q/k/v and gate/up already one projection each (``qkv_proj``, ``gate_up_proj``), and
       the rotary embedding on the first part of each head only (``partial_rotary_factor``, the
-      tables' width says how much)."""
+      tables' width says how much);
+    - Gemma 3: norms of ``x · (1 + w)``, a norm after attention and another around the MLP (four
+      a layer), query/key norms, and the rotary base of the layer's kind (local or global);
+    - sliding-window layers (Gemma 3's local layers, Mistral's and Phi-3's windows, Qwen2's where
+      the config turns them on): each token attends to the last ``window`` positions only, the
+      same window the KV prediction counts (engine/base/kv.py)."""
 
-    def __init__(self, layer) -> None:
+    def __init__(self, layer, window: int | None, kind: int, offset_norms: bool) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.norm1 = layer.input_layernorm
+        self.after_attention = self.after_mlp = None
+        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: norms around attention and the MLP
+            self.after_attention, self.norm2 = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
+            self.after_mlp = layer.post_feedforward_layernorm
+        else:
+            self.norm2 = layer.post_attention_layernorm
         self.eps = float(getattr(self.norm1, "variance_epsilon", getattr(self.norm1, "eps", 1e-6)))
+        self.offset = offset_norms
+        """Whether the norms multiply by ``1 + w`` in fp32 (Gemma) rather than by ``w`` after the cast."""
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.qk_eps = float(getattr(self.q_norm, "variance_epsilon", self.eps))
+        self.qk_eps = float(getattr(self.q_norm, "variance_epsilon", getattr(self.q_norm, "eps", self.eps)))
         self.rope = bool(getattr(attn, "use_rope", True))
+        self.window = window
+        """The positions a token attends to (itself and those before it), ``None`` for all."""
+        self.kind = kind
+        """Which of the decoder's rotary tables this layer reads (its attention kind's)."""
         fused = []
         if hasattr(attn, "qkv_proj"):
             self.qkv, self.projections = attn.qkv_proj, (attn.qkv_proj,)
@@ -133,7 +154,17 @@ class FastDecoder:
         base = model.model
         config = model.config
         self.embed = base.embed_tokens
-        self.layers = [_Layer(layer) for layer in base.layers]
+        windows = kv_layout(config).windows
+        types = list(getattr(config, "layer_types", None) or ["full_attention"] * len(windows))
+        self.rope_kinds: tuple[str | None, ...] = tuple(sorted(set(types))) if _rotary_per_kind(base.rotary_emb) else (None,)
+        """The rotary tables the layers read, by attention kind where the model has one per kind
+        (Gemma 3: local layers a base of 10,000, global ones their own), else the one table."""
+        offset = config.model_type in OFFSET_NORMS
+        self.layers = [_Layer(layer, window, self.rope_kinds.index(kind) if kind in self.rope_kinds else 0, offset)
+                       for layer, window, kind in zip(base.layers, windows, types)]
+        self.windowed = any(layer.window for layer in self.layers)
+        """Whether some layers slide a window: the cache keeps only the window's blocks for them, in a
+        pool of their own, and a step's block table lists the full layers' blocks, then theirs."""
         self.norm = base.norm
         self.rotary = base.rotary_emb
         self.head = model.lm_head
@@ -181,33 +212,71 @@ class FastDecoder:
         return [*self.model.modules(), *(m for part in fused for m in part.modules())]
 
 
+def _rotary_per_kind(rotary) -> bool:
+    """Whether a model's rotary embedding takes the layer's attention kind (one table per kind)."""
+    import inspect
+
+    return "layer_type" in inspect.signature(rotary.forward).parameters
+
+
 def _rotary_tables(d: "FastDecoder", capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary cos and sin of every position of a cache, [1, 1, capacity, head_dim] each."""
+    """The rotary cos and sin of every position of a cache, [kinds, 1, capacity, head_dim] each:
+    one table per rotary kind (:attr:`FastDecoder.rope_kinds`, usually one)."""
     positions = torch.arange(capacity, device=d.device).unsqueeze(0)
-    cos, sin = d.rotary(torch.zeros(1, dtype=d.dtype, device=d.device), positions)
-    return cos.unsqueeze(1), sin.unsqueeze(1)
+    x = torch.zeros(1, dtype=d.dtype, device=d.device)
+    tables = [d.rotary(x, positions) if kind is None else d.rotary(x, positions, kind) for kind in d.rope_kinds]
+    return torch.cat([cos for cos, _ in tables]).unsqueeze(1), torch.cat([sin for _, sin in tables]).unsqueeze(1)
 
 
-def _rms(x: torch.Tensor, norm, eps: float) -> torch.Tensor:
-    """transformers' Llama RMSNorm (in fp32, back to the input's dtype, times the weight) as one op."""
+def _rms(x: torch.Tensor, norm, eps: float, offset: bool = False) -> torch.Tensor:
+    """transformers' Llama RMSNorm (in fp32, back to the input's dtype, times the weight) as one op;
+    ``offset``: Gemma's (times ``1 + w`` in fp32, then back to the input's dtype)."""
+    if offset:
+        return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + norm.weight.float())).to(x.dtype)
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def split_table(d: "FastDecoder", table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's block table ([..., W]) as the full layers' and the sliding-window layers' tables:
+    halves of it where some layers slide a window (their blocks are a pool of their own), else the
+    same table twice."""
+    if not d.windowed:
+        return table, table
+    half = table.shape[-1] // 2
+    return table[..., :half], table[..., half:]
+
+
+def _window_mask(count: int, end: int, window: int | None, device) -> torch.Tensor | None:
+    """Which of positions 0 … ``end`` − 1 each of the last ``count`` attends to ([count, end]):
+    those up to itself, and within ``window`` of it (``None``: a plainly causal chunk from
+    position 0 of no window, the flash kernel's own ``is_causal``)."""
+    start = end - count
+    if window is None and start == 0:
+        return None
+    at = torch.arange(start, end, device=device).view(count, 1)
+    slots = torch.arange(end, device=device)
+    mask = slots <= at
+    return mask if window is None else mask & (slots > at - window)
 
 
 def _attention_inputs(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Queries, keys (both with the rotary embedding, applied in one go) and values of a layer."""
+    """Queries, keys (both with the rotary embedding, applied in one go) and values of a layer;
+    ``cos`` and ``sin`` hold every rotary kind's table on their first dimension."""
     batch, count = hidden.shape[:2]
     heads, kv_heads, dim = d.heads, d.kv_heads, d.head_dim
     rotated = heads + kv_heads
-    x = _rms(hidden, layer.norm1, layer.eps)
+    x = _rms(hidden, layer.norm1, layer.eps, layer.offset)
     qkv = layer.qkv(x) if layer.qkv is not None else torch.cat([p(x) for p in layer.projections], dim=-1)
     qkv = qkv.view(batch, count, rotated + kv_heads, dim)
     if layer.q_norm is not None:  # per head, on the head dim
-        qkv = torch.cat((_rms(qkv[:, :, :heads], layer.q_norm, layer.qk_eps),
-                         _rms(qkv[:, :, heads:rotated], layer.k_norm, layer.qk_eps), qkv[:, :, rotated:]), dim=2)
+        qkv = torch.cat((_rms(qkv[:, :, :heads], layer.q_norm, layer.qk_eps, layer.offset),
+                         _rms(qkv[:, :, heads:rotated], layer.k_norm, layer.qk_eps, layer.offset),
+                         qkv[:, :, rotated:]), dim=2)
     qkv = qkv.transpose(1, 2)
     qk = qkv[:, :rotated]
     if layer.rope:
+        cos, sin = cos[layer.kind], sin[layer.kind]  # the layer's kind's table
         turned = cos.shape[-1]  # the whole head, or its first part (partial rotary)
         qk = _rotate(qk, cos, sin) if turned == dim else torch.cat(
             (_rotate(qk[..., :turned], cos, sin), qk[..., turned:]), dim=-1)
@@ -224,14 +293,20 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def _rest_of_layer(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
     """Output projection and residual, then the MLP and its residual."""
     batch, count = hidden.shape[:2]
-    hidden = hidden + layer.o(attended.transpose(1, 2).reshape(batch, count, d.heads * d.head_dim))
-    x = _rms(hidden, layer.norm2, layer.eps)
+    out = layer.o(attended.transpose(1, 2).reshape(batch, count, d.heads * d.head_dim))
+    if layer.after_attention is not None:
+        out = _rms(out, layer.after_attention, layer.eps, layer.offset)
+    hidden = hidden + out
+    x = _rms(hidden, layer.norm2, layer.eps, layer.offset)
     if layer.gate_up is not None:
         gate_up = layer.gate_up(x)
         gate, up = gate_up[..., :layer.intermediate], gate_up[..., layer.intermediate:]
     else:
         gate, up = layer.gate(x), layer.up(x)
-    return hidden + layer.down(layer.act(gate) * up)
+    out = layer.down(layer.act(gate) * up)
+    if layer.after_mlp is not None:
+        out = _rms(out, layer.after_mlp, layer.eps, layer.offset)
+    return hidden + out
 
 
 def _slots(table: torch.Tensor, positions: torch.Tensor, block_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,32 +345,42 @@ def _forward(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: list[to
     block_tokens = key_pools[0].shape[2]
     cos, sin = cos_table[:, :, start:end], sin_table[:, :, start:end]
     positions = torch.arange(start, end, device=d.device)
-    blocks, slots = _slots(table.view(1, -1).expand(count, -1), positions, block_tokens)
+    tables = split_table(d, table)
+    places = [_slots(t.view(1, -1).expand(count, -1), positions, block_tokens) for t in tables]
     paged = d.rows_attention and (start > 0 or in_place)
-    mask = None
-    if start > 0 and not paged:  # each new token sees the cache and the new tokens up to itself
-        mask = torch.ones(count, end, dtype=torch.bool, device=d.device).tril(diagonal=start)
+    masks: dict[int | None, torch.Tensor | None] = {}
     hidden = d.embed(ids).to(d.dtype)
     for layer, keys, values in zip(d.layers, key_pools, value_pools):
+        mine = tables[bool(layer.window)]  # the blocks of this layer's pool
+        blocks, slots = places[bool(layer.window)]
         q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
         keys[blocks, :, slots] = k[0].transpose(0, 1).to(keys.dtype)
         values[blocks, :, slots] = v[0].transpose(0, 1).to(values.dtype)
         if paged:  # a row per new token: [count, heads, 1, dim]
-            attended = torch.ops.workbench.attend_chunk(q[0].transpose(0, 1).unsqueeze(2), keys, values, table,
-                                                        start, layer.scaling)
+            attended = torch.ops.workbench.attend_chunk(q[0].transpose(0, 1).unsqueeze(2), keys, values, mine,
+                                                        start, layer.scaling, layer.window or 0)
             attended = attended.squeeze(2).transpose(0, 1).unsqueeze(0)
         else:
+            # a window layer reads from the first token's window on (the blocks before may be given back)
+            first = max(0, start - layer.window + 1) if layer.window else 0
             if start == 0:  # the new keys and values are the whole cache
                 mine_k, mine_v = k.to(keys.dtype), v.to(values.dtype)
             else:
-                used = table[:-(-end // block_tokens)].view(1, -1)
-                mine_k = gather_blocks(keys, used)[:, :, :end]
-                mine_v = gather_blocks(values, used)[:, :, :end]
-            # from position 0, plainly causal: the flash kernel skips the blocks above the diagonal
-            # (half the work) and reads no mask (prefill of 507 tokens, int4-fast: attention was
-            # 25% of the time with the mask)
+                used = mine[first // block_tokens:-(-end // block_tokens)].view(1, -1)
+                skip = first - first // block_tokens * block_tokens
+                mine_k = gather_blocks(keys, used)[:, :, skip:end - first + skip]
+                mine_v = gather_blocks(values, used)[:, :, skip:end - first + skip]
+            if layer.window not in masks:  # each new token sees the tokens up to itself (in its window)
+                whole = _window_mask(count, end, layer.window, d.device)
+                part = None if whole is None else whole[:, first:]
+                # one token over its window alone: no mask (PyTorch's flash kernel, as transformers' attention)
+                masks[layer.window] = None if part is None or count == 1 and bool(part.all()) else part
+            mask = masks[layer.window]
+            # from position 0 and no window, plainly causal: the flash kernel skips the blocks above
+            # the diagonal (half the work) and reads no mask (prefill of 507 tokens, int4-fast:
+            # attention was 25% of the time with the mask)
             attended = F.scaled_dot_product_attention(q, mine_k.to(q.dtype), mine_v.to(q.dtype), attn_mask=mask,
-                                                      is_causal=start == 0 and count > 1, scale=layer.scaling,
+                                                      is_causal=mask is None and count > 1, scale=layer.scaling,
                                                       enable_gqa=d.kv_heads != d.heads)
         hidden = _rest_of_layer(d, layer, hidden, attended)
     logits = d.head(d.norm(hidden[:, -rows:]))[0]
@@ -312,7 +397,8 @@ def chunk_logits(d: FastDecoder, ids: torch.Tensor, keep: int) -> torch.Tensor:
         q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
         if d.kv_dtype != k.dtype:  # what a cache would have kept (a step reads them from it)
             k, v = k.to(d.kv_dtype).to(k.dtype), v.to(d.kv_dtype).to(v.dtype)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scaling,
+        mask = _window_mask(count, count, layer.window, d.device)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=layer.scaling,
                                                   enable_gqa=d.kv_heads != d.heads)
         hidden = _rest_of_layer(d, layer, hidden, attended)
     return d.head(d.norm(hidden[:, -keep:]))
@@ -344,18 +430,25 @@ def _decode_step(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: lis
     for the matmuls); else two matmuls over a copy of the table's blocks, masked past ``position``."""
     block_tokens = key_pools[0].shape[2]
     cos, sin = cos_table.index_select(2, position), sin_table.index_select(2, position)
-    blocks, slots = _slots(table, position, block_tokens)
-    span = table.shape[1] * block_tokens
-    mask = (torch.arange(span, device=position.device) <= position).view(1, 1, 1, span)
+    tables = split_table(d, table)
+    places = [_slots(t, position, block_tokens) for t in tables]
+    span = tables[0].shape[1] * block_tokens
+    slots_at = torch.arange(span, device=position.device)
+    masks = {window: ((slots_at <= position) & (slots_at > position - (window or span + 1))).view(1, 1, 1, span)
+             for window in {layer.window for layer in d.layers}}
     hidden = d.embed(ids).to(d.dtype)
     for layer, keys, values in zip(d.layers, key_pools, value_pools):
+        mine = tables[bool(layer.window)]
+        blocks, slots = places[bool(layer.window)]
         q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
         keys[blocks, :, slots] = k[:, :, 0].to(keys.dtype)
         values[blocks, :, slots] = v[:, :, 0].to(values.dtype)
         if d.step_attention:
-            attended = torch.ops.workbench.attend_paged(q, keys, values, table, position, layer.scaling)
+            attended = torch.ops.workbench.attend_paged(q, keys, values, mine, position, layer.scaling,
+                                                        layer.window or 0)
         else:
-            attended = _attend_one(q, gather_blocks(keys, table), gather_blocks(values, table), mask, layer.scaling)
+            attended = _attend_one(q, gather_blocks(keys, mine), gather_blocks(values, mine), masks[layer.window],
+                                   layer.scaling)
         hidden = _rest_of_layer(d, layer, hidden, attended)
     return d.head(d.norm(hidden))[0, -1]
 
@@ -365,9 +458,9 @@ ATTENTION_BUCKET = 64
 from this, grouped, rather than all over the longest row's."""
 
 
-def _length_groups(positions: list[int], device) -> list[tuple[object, int, torch.Tensor]]:
+def _length_groups(positions: list[int], device) -> list[tuple[object, int, torch.Tensor, torch.Tensor]]:
     """Rows grouped by the span they attend over: (rows as a slice or an index tensor, span,
-    the group's mask [rows, 1, 1, span])."""
+    the group's mask [rows, 1, 1, span], the rows' positions [rows, 1])."""
     spans: dict[int, list[int]] = {}
     for row, position in enumerate(positions):
         spans.setdefault(_bucket(position + 1, ATTENTION_BUCKET), []).append(row)
@@ -377,17 +470,17 @@ def _length_groups(positions: list[int], device) -> list[tuple[object, int, torc
         selector = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=device)
         at = torch.tensor([positions[r] for r in rows], device=device).view(len(rows), 1)
         mask = (torch.arange(span, device=device) <= at).view(len(rows), 1, 1, span)
-        groups.append((selector, span, mask))
+        groups.append((selector, span, mask, at))
     return groups
 
 
 def _row_tables(cos_table: torch.Tensor, sin_table: torch.Tensor,
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A batched step's rotary cos and sin, each row at its own position ([B, 1, 1, head_dim]),
-    and the rows' indices."""
-    batch = positions.shape[0]
-    cos = cos_table[0, 0].index_select(0, positions).view(batch, 1, 1, -1)
-    sin = sin_table[0, 0].index_select(0, positions).view(batch, 1, 1, -1)
+    """A batched step's rotary cos and sin, each row at its own position ([kinds, B, 1, 1,
+    head_dim]), and the rows' indices."""
+    batch, kinds = positions.shape[0], cos_table.shape[0]
+    cos = cos_table[:, 0].index_select(1, positions).view(kinds, batch, 1, 1, -1)
+    sin = sin_table[:, 0].index_select(1, positions).view(kinds, batch, 1, 1, -1)
     return cos, sin, torch.arange(batch, device=positions.device)
 
 
@@ -410,17 +503,26 @@ def _decode_batch(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: li
     own span with the unwritten positions masked out (a 2,000-token request in the batch costs
     only its own row the long attention). Returns the logits [B, vocab]. Where the kernels'
     attention is loaded, :func:`_decode_rows` runs instead (it reads the blocks in place)."""
-    capacity = table.shape[1] * key_pools[0].shape[2]
+    tables = split_table(d, table)
+    capacity = tables[0].shape[1] * key_pools[0].shape[2]
     cos, sin, _ = _row_tables(cos_table, sin_table, positions)
-    blocks, slots = _slots(table, positions, key_pools[0].shape[2])
-    groups = [(selector, min(span, capacity), mask[..., :capacity])
-              for selector, span, mask in _length_groups(positions.tolist(), positions.device)]
+    places = [_slots(t, positions, key_pools[0].shape[2]) for t in tables]
+    windows = {layer.window for layer in d.layers}
+    groups = []
+    for selector, span, mask, at in _length_groups(positions.tolist(), positions.device):
+        span = min(span, capacity)
+        slots_at = torch.arange(span, device=positions.device)
+        groups.append((selector, span, {window: (mask[..., :span] if window is None else
+                                                 mask[..., :span] & (slots_at > at - window).view(mask.shape[0], 1, 1, span))
+                                        for window in windows}))
     hidden = d.embed(ids).to(d.dtype)
     for layer, key_pool, value_pool in zip(d.layers, key_pools, value_pools):
-        q = _rows_attention_inputs(d, layer, hidden, cos, sin, key_pool, value_pool, blocks, slots)
-        keys, values = gather_blocks(key_pool, table), gather_blocks(value_pool, table)
+        mine = tables[bool(layer.window)]
+        q = _rows_attention_inputs(d, layer, hidden, cos, sin, key_pool, value_pool, *places[bool(layer.window)])
+        keys, values = gather_blocks(key_pool, mine), gather_blocks(value_pool, mine)
         attended = q.new_empty(q.shape) if len(groups) > 1 else None
-        for selector, span, mask in groups:
+        for selector, span, masks in groups:
+            mask = masks[layer.window]
             if isinstance(selector, slice):
                 part_q, part_k, part_v = q[selector], keys[selector, :, :span], values[selector, :, :span]
             else:
@@ -461,11 +563,13 @@ def _decode_rows(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: lis
     (engine/generation/compiled_step.py: those its dynamic dimensions); it also runs eagerly where
     it isn't built yet. Returns the logits [B, vocab]."""
     cos, sin, _ = _row_tables(cos_table, sin_table, positions)
-    blocks, slots = _slots(table, positions, key_pools[0].shape[2])
+    tables = split_table(d, table)
+    places = [_slots(t, positions, key_pools[0].shape[2]) for t in tables]
     hidden = d.embed(ids).to(d.dtype)
     for layer, keys, values in zip(d.layers, key_pools, value_pools):
-        q = _rows_attention_inputs(d, layer, hidden, cos, sin, keys, values, blocks, slots)
-        attended = torch.ops.workbench.attend_paged(q, keys, values, table, positions, layer.scaling)
+        q = _rows_attention_inputs(d, layer, hidden, cos, sin, keys, values, *places[bool(layer.window)])
+        attended = torch.ops.workbench.attend_paged(q, keys, values, tables[bool(layer.window)], positions,
+                                                    layer.scaling, layer.window or 0)
         hidden = _rest_of_layer(d, layer, hidden, attended)
     return d.head(d.norm(hidden))[:, -1]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from engine.base.errors import UnsupportedPrecisionError
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "mistral")
+SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "mistral", "gemma3_text")
 """The model types the fast path (engine/models/fast.py) runs."""
 
 

@@ -350,10 +350,13 @@ class BlockedEmbedding(nn.Module):
     row blocks (:class:`BlockedDenseLinear`): one copy of the table, as the tied model had, where a
     copy for the head would add its whole size (fp32 +108 MiB on the default model)."""
 
-    def __init__(self, head: BlockedDenseLinear, padding_idx: int | None = None) -> None:
+    def __init__(self, head: BlockedDenseLinear, padding_idx: int | None = None,
+                 scale: torch.Tensor | None = None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self.padding_idx = padding_idx
+        # what the rows are multiplied by, in their dtype (Gemma's embedding buffer: √hidden size), or None
+        self.register_buffer("embed_scale", scale, persistent=False)
         self.blocks = head.blocks
         for i in range(len(self.blocks)):  # the same tensors as the head's (no copy)
             self.register_buffer(f"block{i}", getattr(head, f"block{i}"))
@@ -367,6 +370,8 @@ class BlockedEmbedding(nn.Module):
         for i, (start, end) in enumerate(self.blocks):
             rows = nn.functional.embedding((ids - start).clamp(0, end - start - 1), getattr(self, f"block{i}"))
             out = rows if out is None else torch.where((ids >= start).unsqueeze(-1), rows, out)
+        if self.embed_scale is not None:
+            out = out * self.embed_scale.to(out.dtype)
         return out
 
     def extra_repr(self) -> str:
@@ -440,7 +445,8 @@ def quantize_linears(model: nn.Module, scheme: str) -> int:
         setattr(parent, name, replacement)
         swapped += 1
         if child is head and tied and isinstance(replacement, BlockedDenseLinear):
-            model.set_input_embeddings(BlockedEmbedding(replacement, getattr(embed, "padding_idx", None)))
+            model.set_input_embeddings(BlockedEmbedding(replacement, getattr(embed, "padding_idx", None),
+                                                        getattr(embed, "embed_scale", None)))
     if hasattr(model.config, "tie_word_embeddings") and swapped:
         model.config.tie_word_embeddings = False  # the head is a separate (quantized) copy now
     return swapped

@@ -52,7 +52,9 @@ def drive(loaded, plan, settings=None, check_kv=True):
                 assert_kv(core, event.kv_cache_bytes, event.kv_cache_bytes_predicted, event)
                 if core.paged:  # the pool: held + cached + empty blocks = its storage, read from the tensors
                     held = core.kv.pool_bytes()
-                    assert event.kv_cache_bytes == held["used"] == event.kv_blocks_used * core.kv.block_bytes(1)
+                    assert event.kv_cache_bytes == held["used"] <= event.kv_blocks_used * core.kv.block_bytes(1)
+                    if not core.runner.window:  # else the windows' blocks given back are not held
+                        assert held["used"] == event.kv_blocks_used * core.kv.block_bytes(1)
                     assert held["used"] + held["cached"] + held["free"] == held["storage"] == event.kv_pool_bytes
                 assert event.running == len(core.running) == len(core.runner)  # ended ones freed
                 # a request that ended (cancelled, finished) holds nothing from the next step on
@@ -71,7 +73,7 @@ def assert_kv(core, measured, predicted, step):
         assert measured == predicted
         return
     block = core.kv.block_bytes(1)
-    assert measured % block == 0 and predicted <= measured
+    assert measured % (block // core.loaded.model.config.num_hidden_layers) == 0 and predicted <= measured
     for r in core.running:
         need = max(len(r.feed), r.computed) + 1 + core.scheduler.lookahead
         assert len(core.kv.tables.get(r.rid, ())) <= core.kv.blocks_for(need)
@@ -107,7 +109,7 @@ def test_every_request_gets_its_solo_answer_on_the_reference_runner(tiny_models,
     assert max(len(loaded.encode(r)) for _, r, _ in plan) > 20 or arch not in ("gemma2", "mistral")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma3", "mistral"])
 def test_the_fast_runner_batches_and_matches_solo_in_fp32(tiny_models, arch):
     loaded = load_model(LoadRequest(str(tiny_models[arch]), "fp32-fast", "cpu"))
     plan = random_plan(seed=7, count=8, cancels=2)

@@ -372,6 +372,45 @@ def test_a_chunk_attends_through_its_block_table_each_token_as_alone(heads, kv_h
         torch.ops.workbench.attend_chunk(q, pool_keys, pool_values, table[:-1], start + tokens, dim ** -0.5)
 
 
+@pytest.mark.parametrize("dim", [64, 24])
+@pytest.mark.parametrize("dtype,cache", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                         (torch.float32, torch.float16)])
+def test_a_sliding_window_reads_only_its_last_slots_and_their_blocks(dim, dtype, cache):
+    """With a window W, a row at position p attends to slots p - W + 1 … p only: the same as the
+    whole row's attention with the earlier slots masked out, and the blocks wholly before them are
+    never read (given back, their table entries may name anything)."""
+    from engine.models.fast import _attend_one, gather_blocks
+
+    generator = torch.Generator().manual_seed(dim)
+    tokens, window, start, count = 16, 21, 40, 9
+    end = start + count
+    width = -(-end // tokens)
+    pool_keys = torch.randn(width + 3, 2, tokens, dim, generator=generator).to(cache)
+    pool_values = torch.randn(width + 3, 2, tokens, dim, generator=generator).to(cache)
+    order = torch.randperm(width + 3, generator=generator)
+    table, spare = order[:width], int(order[width])  # the sequence's blocks, and one it doesn't hold
+    keys, values = gather_blocks(pool_keys, table.view(1, -1))[0], gather_blocks(pool_values, table.view(1, -1))[0]
+    q = torch.randn(count, 6, 1, dim, generator=generator).to(dtype)
+    positions = torch.arange(start, end)
+    at = positions.view(count, 1)
+    slots = torch.arange(keys.shape[1])
+    mask = ((slots <= at) & (slots > at - window)).view(count, 1, 1, -1)
+    expected = _attend_one(q.double(), keys.double().expand(count, -1, -1, -1),
+                           values.double().expand(count, -1, -1, -1), mask, dim ** -0.5)
+    given_back = table.clone()
+    given_back[0] = spare  # block 0 holds slots 0-15, before every row's window (first slot 20)
+    pool_keys[spare] = float("nan")
+    pool_values[spare] = float("nan")
+    rows = given_back.view(1, -1).expand(count, -1).contiguous()
+    paged = torch.ops.workbench.attend_paged(q, pool_keys, pool_values, rows, positions, dim ** -0.5, window)
+    chunk = torch.ops.workbench.attend_chunk(q, pool_keys, pool_values, given_back, start, dim ** -0.5, window)
+    tolerance = 2e-6 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(paged.double(), expected, rtol=tolerance, atol=tolerance)
+    assert torch.equal(chunk, paged)
+    whole = torch.ops.workbench.attend_paged(q, pool_keys, pool_values, rows, positions, dim ** -0.5)
+    assert whole.isnan().all()  # without the window the given-back block is read
+
+
 @pytest.mark.parametrize("dtype,cache", [(torch.float32, torch.float32), (torch.float32, torch.float16)])
 def test_attention_softmax_over_a_nan_is_nan_for_that_row_alone(dtype, cache):
     """A NaN in a key a row reads makes that row's result NaN for the query heads sharing the key

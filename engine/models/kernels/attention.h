@@ -35,14 +35,17 @@ struct Strided {
     const T* operator()(int64_t t) const { return base + t * stride; }
 };
 
-// The same in a pool laid out [blocks, KV heads, block tokens, D], through a row's block table.
+// The same in a pool laid out [blocks, KV heads, block tokens, D], through a row's block table,
+// from slot ``first`` on (a sliding window's first slot: the loops count from 0 either way).
 template <typename T>
 struct Paged {
     const T* base;  // the pool at this KV head
     const int64_t* table;
     int64_t block_stride, slot_stride, block_tokens;
     int shift;  // log2(block_tokens) where it is a power of two, else -1
+    int64_t first = 0;
     const T* operator()(int64_t t) const {
+        t += first;
         const int64_t i = shift >= 0 ? t >> shift : t / block_tokens;
         const int64_t at = shift >= 0 ? t & (block_tokens - 1) : t - i * block_tokens;
         return base + table[i] * block_stride + at * slot_stride;
@@ -397,9 +400,11 @@ void attend_chunk_tiles(const torch::Tensor& q, const torch::Tensor& keys, const
 
 // T: the queries' and the result's type; C: the cache's (the same, or fp16 under fp32 queries).
 // rows_of(b, h) gives the accessors of row b's keys and values at KV head h.
+// window > 0: row b attends to its last ``window`` slots only (positions[b] - window + 1 …), a
+// sliding-window layer's; rows_of(b, h, first) then gives accessors from slot ``first`` on.
 template <typename T, typename C, typename At>
 void attend_impl(const torch::Tensor& q, int64_t kv_heads, int64_t dim, const At& rows_of, const int64_t* positions,
-                 double scale, torch::Tensor& out) {
+                 double scale, torch::Tensor& out, int64_t window = 0) {
     const int64_t batch = q.size(0);
     const int64_t group = q.size(1) / kv_heads;
     const T* qp = q.data_ptr<T>();
@@ -418,13 +423,15 @@ void attend_impl(const torch::Tensor& q, int64_t kv_heads, int64_t dim, const At
     at::parallel_for(0, pairs * parts, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> query(group * dim), acc(group * dim), key(dim), total(group), scores;
         for (int64_t task = begin; task < end; ++task) {
-            const int64_t pair = task / parts, b = pair / kv_heads, h = pair % kv_heads, n = positions[b] + 1;
+            const int64_t pair = task / parts, b = pair / kv_heads, h = pair % kv_heads;
+            const int64_t first = window > 0 ? std::max<int64_t>(0, positions[b] - window + 1) : 0;
+            const int64_t n = positions[b] + 1 - first;
             const int64_t g0 = task % parts * share, g1 = std::min(group, g0 + share);
             if (g0 >= g1) continue;
             const T* qrow = qp + b * q.stride(0) + h * group * dim;  // a row's heads lie side by side
             for (int64_t i = g0 * dim; i < g1 * dim; ++i) query[i] = static_cast<float>(qrow[i]) * s;
             scores.resize(group * n);
-            const auto rows = rows_of(b, h);
+            const auto rows = rows_of(b, h, first);
 #ifdef WORKBENCH_AVX512
             if (vectors)
                 attend_vectors<C>(query.data(), rows.first, rows.second, n, dim, g0, g1, parts == 1, reduced, scores.data(),
@@ -449,7 +456,7 @@ void attend_rows_impl(const torch::Tensor& q, const torch::Tensor& keys, const t
     const C* vp = values.data_ptr<C>();
     const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2);
     const int64_t vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2);
-    auto rows_of = [=](int64_t b, int64_t h) {
+    auto rows_of = [=](int64_t b, int64_t h, int64_t) {  // no window here: first is 0
         return std::make_pair(Strided<C>{kp + b * ks0 + h * ks1, ks2}, Strided<C>{vp + b * vs0 + h * vs1, vs2});
     };
     attend_impl<T, C>(q, keys.size(1), keys.size(3), rows_of, positions, scale, out);
@@ -457,7 +464,8 @@ void attend_rows_impl(const torch::Tensor& q, const torch::Tensor& keys, const t
 
 template <typename T, typename C>
 void attend_paged_impl(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                       const torch::Tensor& table, const int64_t* positions, double scale, torch::Tensor& out) {
+                       const torch::Tensor& table, const int64_t* positions, double scale, torch::Tensor& out,
+                       int64_t window) {
     const C* kp = keys.data_ptr<C>();
     const C* vp = values.data_ptr<C>();
     const int64_t* tp = table.data_ptr<int64_t>();
@@ -467,11 +475,11 @@ void attend_paged_impl(const torch::Tensor& q, const torch::Tensor& keys, const 
         if ((int64_t{1} << i) == tokens) shift = i;
     const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2);
     const int64_t vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2);
-    auto rows_of = [=](int64_t b, int64_t h) {
-        return std::make_pair(Paged<C>{kp + h * ks1, tp + b * ts, ks0, ks2, tokens, shift},
-                              Paged<C>{vp + h * vs1, tp + b * ts, vs0, vs2, tokens, shift});
+    auto rows_of = [=](int64_t b, int64_t h, int64_t first) {
+        return std::make_pair(Paged<C>{kp + h * ks1, tp + b * ts, ks0, ks2, tokens, shift, first},
+                              Paged<C>{vp + h * vs1, tp + b * ts, vs0, vs2, tokens, shift, first});
     };
-    attend_impl<T, C>(q, keys.size(1), keys.size(3), rows_of, positions, scale, out);
+    attend_impl<T, C>(q, keys.size(1), keys.size(3), rows_of, positions, scale, out, window);
 }
 
 void check_attention_types(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
@@ -530,8 +538,11 @@ void check_pool(const torch::Tensor& q, const torch::Tensor& keys, const torch::
 // The same through block tables: keys and values are the pool, [blocks, KV heads, block tokens,
 // D]; table [B, W] int64 names row b's blocks in the order of its tokens; row b attends to its
 // slots 0…positions[b], so its first positions[b] / block tokens + 1 entries must be blocks of the pool.
+// window > 0 (a sliding-window layer): only its last ``window`` slots, and only their blocks are read
+// (the entries before them may name blocks given back).
 torch::Tensor attend_paged(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                           const torch::Tensor& table, const torch::Tensor& positions, double scale) {
+                           const torch::Tensor& table, const torch::Tensor& positions, double scale,
+                           int64_t window) {
     check_pool(q, keys, values, "attend_paged");
     TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(0) == q.size(0) &&
                     table.stride(1) == 1,
@@ -545,24 +556,28 @@ torch::Tensor attend_paged(const torch::Tensor& q, const torch::Tensor& keys, co
     const int64_t tokens = keys.size(2), blocks = keys.size(0);
     for (int64_t b = 0; b < pc.size(0); ++b) {
         TORCH_CHECK(pp[b] >= 0 && pp[b] / tokens < table.size(1), "attend_paged: a position past its block table");
-        for (int64_t i = 0; i <= pp[b] / tokens; ++i) {
+        const int64_t first = window > 0 ? std::max<int64_t>(0, pp[b] - window + 1) : 0;
+        for (int64_t i = first / tokens; i <= pp[b] / tokens; ++i) {
             const int64_t block = tp[b * table.stride(0) + i];
             TORCH_CHECK(block >= 0 && block < blocks, "attend_paged: a block outside the pool");
         }
     }
     auto out = torch::empty({q.size(0), q.size(1), 1, q.size(3)}, q.options());
-    if (keys.scalar_type() == at::kHalf) attend_paged_impl<float, at::Half>(qc, keys, values, table, pp, scale, out);
-    else if (q.scalar_type() == at::kFloat) attend_paged_impl<float, float>(qc, keys, values, table, pp, scale, out);
-    else attend_paged_impl<at::BFloat16, at::BFloat16>(qc, keys, values, table, pp, scale, out);
+    if (keys.scalar_type() == at::kHalf)
+        attend_paged_impl<float, at::Half>(qc, keys, values, table, pp, scale, out, window);
+    else if (q.scalar_type() == at::kFloat)
+        attend_paged_impl<float, float>(qc, keys, values, table, pp, scale, out, window);
+    else attend_paged_impl<at::BFloat16, at::BFloat16>(qc, keys, values, table, pp, scale, out, window);
     return out;
 }
 
 // A prompt chunk's attention through its sequence's block table: q [count, H, 1, D], one row per
 // new token at positions start … start + count - 1 (their keys and values already in the pool);
 // table [W] int64, the sequence's blocks in the order of its tokens. Row i attends to slots
-// 0 … start + i. Returns [count, H, 1, D], q's type: each row as attend_paged gives it alone.
+// 0 … start + i (its last ``window`` of them where window > 0). Returns [count, H, 1, D], q's
+// type: each row as attend_paged gives it alone.
 torch::Tensor attend_chunk(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                           const torch::Tensor& table, int64_t start, double scale) {
+                           const torch::Tensor& table, int64_t start, double scale, int64_t window) {
     check_pool(q, keys, values, "attend_chunk");
     TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 1 && table.stride(0) == 1,
                 "attend_chunk: table, int64 [W], the blocks side by side");
@@ -570,12 +585,13 @@ torch::Tensor attend_chunk(const torch::Tensor& q, const torch::Tensor& keys, co
     TORCH_CHECK(start >= 0 && count > 0 && (start + count - 1) / tokens < table.size(0),
                 "attend_chunk: the chunk's positions past its block table");
     const int64_t* tp = table.data_ptr<int64_t>();
-    for (int64_t i = 0; i <= (start + count - 1) / tokens; ++i)
+    const int64_t first = window > 0 ? std::max<int64_t>(0, start - window + 1) : 0;
+    for (int64_t i = first / tokens; i <= (start + count - 1) / tokens; ++i)
         TORCH_CHECK(tp[i] >= 0 && tp[i] < keys.size(0), "attend_chunk: a block outside the pool");
     auto qc = heads_side_by_side(q);
     auto out = torch::empty({count, q.size(1), 1, q.size(3)}, q.options());
 #ifdef WORKBENCH_AVX512
-    if (q.size(3) % 16 == 0 && q.size(3) <= FAST_DIM) {
+    if (q.size(3) % 16 == 0 && q.size(3) <= FAST_DIM && window <= 0) {  // a window: a row at a time
         if (keys.scalar_type() == at::kHalf) attend_chunk_tiles<float, at::Half>(qc, keys, values, tp, start, scale, out);
         else if (q.scalar_type() == at::kFloat) attend_chunk_tiles<float, float>(qc, keys, values, tp, start, scale, out);
         else attend_chunk_tiles<at::BFloat16, at::BFloat16>(qc, keys, values, tp, start, scale, out);
@@ -586,9 +602,9 @@ torch::Tensor attend_chunk(const torch::Tensor& q, const torch::Tensor& keys, co
     auto positions = torch::arange(start, start + count, table.options());
     auto rows = table.view({1, -1}).expand({count, table.size(0)});
     const int64_t* pp = positions.data_ptr<int64_t>();
-    if (keys.scalar_type() == at::kHalf) attend_paged_impl<float, at::Half>(qc, keys, values, rows, pp, scale, out);
-    else if (q.scalar_type() == at::kFloat) attend_paged_impl<float, float>(qc, keys, values, rows, pp, scale, out);
-    else attend_paged_impl<at::BFloat16, at::BFloat16>(qc, keys, values, rows, pp, scale, out);
+    if (keys.scalar_type() == at::kHalf) attend_paged_impl<float, at::Half>(qc, keys, values, rows, pp, scale, out, window);
+    else if (q.scalar_type() == at::kFloat) attend_paged_impl<float, float>(qc, keys, values, rows, pp, scale, out, window);
+    else attend_paged_impl<at::BFloat16, at::BFloat16>(qc, keys, values, rows, pp, scale, out, window);
     return out;
 }
 
