@@ -82,11 +82,9 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
     elif arch == "gemma2":
         config = Gemma2Config(**{**common, "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 10,
                                  "query_pre_attn_scalar": 16})
-    elif arch == "gemma3":  # local (sliding, their own rotary base) and global layers, four norms a layer
-        config = Gemma3TextConfig(**{**common, "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 10,
-                                     "query_pre_attn_scalar": 16,
-                                     "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
-                                                     "sliding_attention"]})
+    elif arch == "gemma3":  # five local layers (sliding, their own rotary base) then a global one, four norms a layer
+        config = Gemma3TextConfig(**{**common, "num_hidden_layers": 6, "head_dim": 16, "sliding_window": 10,
+                                     "query_pre_attn_scalar": 16})
     elif arch == "gpt2":
         config = GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                             initializer_range=0.3, bos_token_id=0, eos_token_id=2)
@@ -180,8 +178,12 @@ def write_model_gguf(path: Path, folder: Path, arch: str, tokenizer_gguf: Path) 
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or getattr(config, "rope_theta", 10000.0)
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3's: per kind of layer, the file keeps the global one's
+    theta = rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0)
     writer.add_rope_freq_base(float(theta))
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(config.sliding_window)
     factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor") or 1.0
     if factor < 1.0:
         writer.add_rope_dimension_count(int(head_dim * factor))
@@ -201,6 +203,8 @@ def write_model_gguf(path: Path, folder: Path, arch: str, tokenizer_gguf: Path) 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     for name, tensor in load_file(str(folder / "model.safetensors")).items():
         stem, suffix = name.rsplit(".", 1)
+        if arch == "gemma3" and stem.endswith("norm"):  # llama.cpp keeps Gemma's norms as 1 + w
+            tensor = tensor + 1
         writer.add_tensor(f"{names.get_name(stem)}.{suffix}", np.ascontiguousarray(tensor.float().numpy()))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -172,23 +172,34 @@ def _failed(path: Path) -> Path:
 
 
 def _example_pool(d, blocks: int = 64, block_tokens: int = BLOCK_TOKENS) -> tuple[list, list]:
-    shape = (blocks, d.kv_heads, block_tokens, d.head_dim)
-    keys = [torch.zeros(shape, dtype=d.kv_dtype, device=d.device) for _ in d.layers]
-    values = [torch.zeros(shape, dtype=d.kv_dtype, device=d.device) for _ in d.layers]
-    return keys, values
+    """Example pools: ``blocks`` blocks for the full layers, fewer for the sliding-window layers'
+    own pool (so the export sees two sizes)."""
+    def pool(layer):
+        shape = (blocks // 2 if layer.window else blocks, d.kv_heads, block_tokens, d.head_dim)
+        return torch.zeros(shape, dtype=d.kv_dtype, device=d.device)
+
+    return [pool(layer) for layer in d.layers], [pool(layer) for layer in d.layers]
 
 
-def _pool_dims(keys, values, rows=None) -> tuple:
-    """The dynamic dimensions of a step's inputs: the pool's blocks, the rotary tables' length, the
-    block table's width (and the batch's rows)."""
+def _example_table(d, rows: int, width: int) -> torch.Tensor:
+    """An example block table of ``width`` blocks a row (twice that where some layers slide a window:
+    the full layers' blocks, then theirs)."""
+    halves = 2 if d.windowed else 1
+    return torch.arange(rows * width * halves, dtype=torch.long, device=d.device).view(rows, width * halves) % 32
+
+
+def _pool_dims(d, rows=None) -> tuple:
+    """The dynamic dimensions of a step's inputs: the pools' blocks (the full layers' and the
+    window layers'), the rotary tables' length, the block table's width (and the batch's rows)."""
     blocks = torch.export.Dim("blocks", min=2, max=MAX_POOL_BLOCKS)
+    window_blocks = torch.export.Dim("window_blocks", min=2, max=MAX_POOL_BLOCKS)
     rotary = torch.export.Dim("rotary", min=MIN_CAPACITY, max=MAX_COMPILED_CAPACITY)
     width = torch.export.Dim("width", min=1, max=MAX_COMPILED_CAPACITY)
-    pool = {0: blocks}
+    pools = [{0: window_blocks if layer.window else blocks} for layer in d.layers]
+    table_width = 2 * width if d.windowed else width
     if rows is None:
-        return ([pool] * len(keys), [pool] * len(values), {2: rotary}, {2: rotary}, None, None, {1: width})
-    return ([pool] * len(keys), [pool] * len(values), {2: rotary}, {2: rotary}, {0: rows}, {0: rows},
-            {0: rows, 1: width})
+        return (pools, pools, {2: rotary}, {2: rotary}, None, None, {1: table_width})
+    return (pools, pools, {2: rotary}, {2: rotary}, {0: rows}, {0: rows}, {0: rows, 1: table_width})
 
 
 def export_step(d):
@@ -199,10 +210,10 @@ def export_step(d):
     cos, sin = _rotary_tables(d, 512)
     ids = torch.zeros((1, 1), dtype=torch.long, device=d.device)
     position = torch.zeros(1, dtype=torch.long, device=d.device)
-    table = torch.arange(8, dtype=torch.long, device=d.device).view(1, 8)
+    table = _example_table(d, 1, 8)
     with torch.no_grad():
         return torch.export.export(StepModule(d), (keys, values, cos.clone(), sin.clone(), ids, position, table),
-                                   dynamic_shapes=_pool_dims(keys, values), strict=False)
+                                   dynamic_shapes=_pool_dims(d), strict=False)
 
 
 def export_rows(d):
@@ -215,11 +226,11 @@ def export_rows(d):
     cos, sin = _rotary_tables(d, 512)
     ids = torch.zeros((batch, 1), dtype=torch.long, device=d.device)
     positions = torch.arange(batch, dtype=torch.long, device=d.device)
-    table = torch.arange(batch * 4, dtype=torch.long, device=d.device).view(batch, 4)
+    table = _example_table(d, batch, 4)
     rows = torch.export.Dim("rows", min=2, max=MAX_ROWS)
     with torch.no_grad():
         return torch.export.export(RowsModule(d), (keys, values, cos.clone(), sin.clone(), ids, positions, table),
-                                   dynamic_shapes=_pool_dims(keys, values, rows), strict=False)
+                                   dynamic_shapes=_pool_dims(d, rows), strict=False)
 
 
 def _partial(path: Path, pid: int) -> Path:

@@ -12,14 +12,16 @@ from dataclasses import dataclass
 
 from engine.base.errors import UnsupportedPrecisionError
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "mistral", "gemma3_text")
-"""The model types the fast path (engine/models/fast.py) runs."""
+SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "mistral", "gemma3")
+"""The model types the fast path (engine/models/fast.py) runs (GGUF's architecture names)."""
+SAME_TYPES = {"gemma3_text": "gemma3"}
+"""A config's model type where it is not the GGUF's name (Gemma 3's text-only model)."""
 
 
 def unsupported_type_reason(model_type: str) -> str | None:
     """Why a model of this type can't take the fast path (from a config or a GGUF header,
     before any weight is read), or ``None`` if it may."""
-    if model_type not in SUPPORTED:
+    if SAME_TYPES.get(model_type, model_type) not in SUPPORTED:
         return f"the fast path runs {', '.join(SUPPORTED)} models, not {model_type}"
     return None
 

@@ -700,13 +700,14 @@ def test_old_packages_and_stale_partial_files_are_pruned(tmp_path):
                                                                     for p in packages[:PACKAGES_KEPT - 1] + [keep])
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3"])
 def test_the_compiled_step_runs_what_an_architecture_does_otherwise(long_models, isolated_cache, arch):
     """The compiled one-sequence step of a Qwen3 (its queries and keys normed per head before the
-    rotary embedding) and of a Phi-3 (fused projections, the rotary embedding on part of each
-    head) gives the eager step's tokens."""
+    rotary embedding), of a Phi-3 (fused projections, the rotary embedding on part of each head)
+    and of a Gemma 3 (sliding-window layers over their own pool, past their window here) gives the
+    eager step's tokens."""
     loaded = load_model(LoadRequest(str(long_models[arch]), "fp32-fast", "cpu"))
-    request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=12, ignore_eos=True)
+    request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=24, ignore_eos=True)
     _, eager = run(loaded, request)
     report = compile_decoder(loaded.fast, rows=False)
     assert report.error is None and report.built

@@ -65,16 +65,17 @@ def test_the_architecture_is_read_from_the_header_alone(tmp_path, arch):
 
 
 def test_a_fast_precision_for_an_unsupported_gguf_is_refused_before_the_imports(tmp_path, monkeypatch):
-    """Refusing int8-fast for a Gemma 3 GGUF took 10 s: torch and transformers imported, then
-    the whole 262k-token header parsed, for one string."""
+    """Refusing int8-fast for a Gemma 2 GGUF took 10 s: torch and transformers imported, then
+    the whole 256k-token header parsed, for one string."""
     import gguf
 
     from engine.base.errors import UnsupportedPrecisionError
 
-    path = big_vocabulary_gguf(tmp_path / "gemma3.gguf", "gemma3")
+    path = big_vocabulary_gguf(tmp_path / "gemma2.gguf", "gemma2")
     monkeypatch.setattr(gguf, "GGUFReader", None)  # the full reader is not needed for this
     stages = []
-    with pytest.raises(UnsupportedPrecisionError, match="fast path runs llama, qwen2, qwen3, smollm3, phi3, mistral models, not gemma3"):
+    with pytest.raises(UnsupportedPrecisionError,
+                       match="fast path runs llama, qwen2, qwen3, smollm3, phi3, mistral, gemma3 models, not gemma2"):
         load_model(LoadRequest(str(path), "int8-fast", "cpu"), progress=lambda e: stages.append(e.stage))
     assert "imports" not in stages
 
@@ -144,21 +145,25 @@ def test_a_conversion_waits_for_another_into_the_same_folder(small_gguf, isolate
 
 
 @pytest.mark.parametrize("arch,supplied", [("qwen3", "head_dim 24 (attention.key_length)"),
-                                           ("phi3", "partial_rotary_factor 12/16 (rope.dimension_count)")])
+                                           ("phi3", "partial_rotary_factor 12/16 (rope.dimension_count)"),
+                                           ("gemma3", "query_pre_attn_scalar 16 (llama.cpp's rule)")])
 def test_a_gguf_of_a_fast_path_architecture_loads_as_its_original_and_runs_fast(
         tmp_path, default_model_folder, default_gguf, isolated_cache, arch, supplied):
-    """A Qwen3 (heads 24 wide where hidden ÷ heads is 16) and a Phi-3 (the rotary embedding on 12 of
-    each head's 16) written as llama.cpp writes them: transformers' GGUF reading misses the head
-    width and the rotary share, the conversion supplies them from the header (and keeps in words
-    that it did), and the GGUF answers as the original does, on the reference and the fast path."""
+    """A Qwen3 (heads 24 wide where hidden ÷ heads is 16), a Phi-3 (the rotary embedding on 12 of
+    each head's 16) and a Gemma 3 (norms kept as 1 + w, local and global layers) written as
+    llama.cpp writes them: transformers' GGUF reading misses the head width, the rotary share and
+    Gemma's query scale, the conversion supplies them from the header or llama.cpp's rule (and
+    keeps in words that it did), and the GGUF answers as the original does, on the reference and
+    the fast path. (The same prompt ids for each: transformers reads a Gemma GGUF's vocabulary as
+    a Gemma tokenizer, and this one carries the default model's.)"""
     import json
     from pathlib import Path
 
     from transformers import AutoTokenizer
 
     from engine.base.request import GenerationRequest
-    from engine.generation.generate import generate
     from engine.base.events import Finished
+    from engine.generation.core import CoreSettings, EngineCore
     from engine.models.gguf_files import PROVENANCE
     from tests.tiny import build_model_folder, write_model_gguf
 
@@ -166,14 +171,18 @@ def test_a_gguf_of_a_fast_path_architecture_loads_as_its_original_and_runs_fast(
     overrides = {"head_dim": 24} if arch == "qwen3" else {}
     folder = build_model_folder(tmp_path / arch, arch, tokenizer, vocab_size=len(tokenizer), **overrides)
     path = write_model_gguf(tmp_path / f"{arch}.gguf", folder, arch, default_gguf)
-    request = GenerationRequest("The quick brown fox", mode="raw", max_new_tokens=12, ignore_eos=True)
+    request = GenerationRequest("(given as ids)", mode="raw", max_new_tokens=12, ignore_eos=True)
+    ids = tokenizer("The quick brown fox")["input_ids"]
 
     def answer(model: str, precision: str) -> tuple:
         loaded = load_model(LoadRequest(model, precision, "cpu"))
-        return next(e for e in generate(loaded, request) if isinstance(e, Finished)).token_ids, loaded
+        core = EngineCore(loaded, CoreSettings())
+        core.submit(request, prompt_ids=ids)
+        return next(e for e in core.run() if isinstance(e, Finished)).token_ids, loaded
 
     original, _ = answer(str(folder), "fp32")
     converted, loaded = answer(str(path), "fp32")
     assert converted == original
-    assert supplied in json.loads((Path(loaded.info.path) / PROVENANCE).read_text())["supplied"]
+    said = json.loads((Path(loaded.info.path) / PROVENANCE).read_text()).get("supplied", [])
+    assert supplied in said if supplied else not said
     assert answer(str(path), "fp32-fast")[0] == original
