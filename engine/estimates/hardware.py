@@ -146,14 +146,15 @@ def this_machine(measure: bool = False, bandwidth: bool = False) -> Hardware:
         cache.write_text(json.dumps(measured, indent=2), encoding="utf-8")
     when = measured.get("bandwidth_measured_at", measured["measured_at"])
     level = measured.get("cache_bytes")
+    method = measured.get("bandwidth_method", "a sum")
 
     return Hardware(
         id=THIS_MACHINE, name=f"This machine: {_cpu_model()} ({platform.machine()})", kind="cpu",
         memory_bytes=int(psutil.virtual_memory().total), bandwidth_bytes_per_s=measured["bandwidth_bytes_per_s"],
         bf16_flops=measured["bf16_flops"], usd_per_hour=0.0, watts=None,
-        sources={"bandwidth_bytes_per_s": f"measured {when}: sum over a 512 MiB fp32 tensor, best of 5",
+        sources={"bandwidth_bytes_per_s": f"measured {when}: {method} over a 512 MiB tensor, best of 5",
                  "bf16_flops": f"measured {measured['measured_at']}: 1024² bf16 matmul, best of 5",
-                 "cache_bandwidth_bytes_per_s": (f"measured {when}: 16 sums over a quarter of the "
+                 "cache_bandwidth_bytes_per_s": (f"measured {when}: {method} 16 times over a quarter of the "
                                                  f"{level / 2**20:,.0f} MiB L3, best of 20" if level else ""),
                  "memory_bytes": "psutil: total RAM", "usd_per_hour": "your own machine: set a price to compare"},
         cache_bytes=level, cache_bandwidth_bytes_per_s=measured.get("cache_bandwidth_bytes_per_s"),
@@ -175,34 +176,54 @@ def last_level_cache_bytes() -> int | None:
     return largest
 
 
-def _read_bandwidth(data, rounds: int, passes: int = 1) -> float:
-    """Bytes a second summing ``data`` ``passes`` times in a row, the best of ``rounds`` (several
-    passes a round: over a tensor the cache holds, one pass is short enough for a call's own cost to
-    count)."""
+def _read_bandwidth(data, rounds: int, passes: int = 1, read=None) -> float:
+    """Bytes a second reading ``data`` ``passes`` times in a row (``read``, else a sum), the best
+    of ``rounds`` (several passes a round: over a tensor the cache holds, one pass is short enough
+    for a call's own cost to count)."""
+    read = read or (lambda tensor: tensor.sum())
     best = float("inf")
     for _ in range(rounds):
         start = time.perf_counter()
         for _ in range(passes):
-            data.sum()
+            read(data)
         best = min(best, time.perf_counter() - start)
     return passes * data.numel() * data.element_size() / best
 
 
+def _streaming_read():
+    """The fast path's kernels' ``read_bytes`` (every thread streams its own piece, as a decode step
+    reads its weights) where they are built on this machine already (loading them is a moment;
+    building them a minute, not done here), else ``None``."""
+    from engine.models import kernels
+
+    if kernels.loaded() is None and kernels.unavailable() is None and kernels.expected() and kernels.is_built():
+        kernels.kernels()
+    if kernels.loaded() is None:
+        return None
+    import torch
+
+    return torch.ops.workbench.read_bytes
+
+
 def measure_bandwidth() -> dict:
-    """Read bandwidth from memory (a reduction over a tensor far bigger than the caches) and, where
+    """Read bandwidth from memory (a read over a tensor far bigger than the caches) and, where
     the last-level cache's size is known, from that cache (over a quarter of it, read again and
-    again), with the threads torch uses. A second or two."""
+    again), with the threads torch uses. A second or two. The read is the kernels' streaming one
+    where they are built (a PyTorch sum reads slower than a decode step does: a step came out at
+    more than 100% of its figure), else a sum; ``bandwidth_method`` says which."""
     heavy_imports()
     import torch
 
+    read = _streaming_read()
+    method = "the kernels' streaming read" if read else "a sum"
     data = torch.ones(128 * 1024 * 1024, dtype=torch.float32)  # 512 MiB
-    result = {"bandwidth_bytes_per_s": _read_bandwidth(data, 5)}
+    result = {"bandwidth_bytes_per_s": _read_bandwidth(data, 5, read=read), "bandwidth_method": method}
     del data
     cache = last_level_cache_bytes()
     if cache:
         data = torch.ones(cache // 16, dtype=torch.float32)  # a quarter of it
         data.sum()  # in the cache now
-        cached = _read_bandwidth(data, 20, passes=16)
+        cached = _read_bandwidth(data, 20, passes=16, read=read)
         if cached > result["bandwidth_bytes_per_s"]:  # else the cache's figure says nothing the memory's doesn't
             result.update(cache_bytes=cache, cache_bandwidth_bytes_per_s=cached)
     result["bandwidth_measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -30,7 +30,7 @@ def test_llama_3_1_8b_sanity_values(llama8b):
 @pytest.mark.parametrize("hub_id,billions", [
     ("Qwen/Qwen2.5-0.5B", 0.494), ("Qwen/Qwen2.5-7B", 7.616), ("meta-llama/Llama-3.1-70B", 70.554),
     ("mistralai/Mistral-7B-v0.3", 7.248), ("google/gemma-2-9b", 9.242), ("HuggingFaceTB/SmolLM2-135M-Instruct", 0.135),
-    ("Qwen/Qwen3-0.6B", 0.596),
+    ("Qwen/Qwen3-0.6B", 0.596), ("google/gemma-3-1b-it", 1.000),
 ])
 def test_shipped_configs_match_the_model_cards(hub_id, billions):
     assert count_parameters(config_for(hub_id)).total / 1e9 == pytest.approx(billions, abs=0.001)

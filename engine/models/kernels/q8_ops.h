@@ -88,7 +88,36 @@ torch::Tensor q4_linear(const torch::Tensor& x, const torch::Tensor& w, const to
     return y;
 }
 
+// Reads every byte of ``data`` (contiguous, any dtype) once, in one contiguous piece per thread, as
+// a decode step streams its weights: 64-byte lines OR-ed together in registers, the result returned
+// so the reads can't be dropped. What the memory's read bandwidth is measured with
+// (engine/estimates/hardware.py): a reduction in PyTorch (sum, amax) reads slower than a decode
+// step does, so a step's share of it came out above 100%.
+torch::Tensor read_bytes(const torch::Tensor& data) {
+    TORCH_CHECK(data.is_contiguous() && data.nbytes() % 64 == 0, "read_bytes: a contiguous tensor of whole 64-byte lines");
+    const auto* words = static_cast<const uint64_t*>(data.data_ptr());
+    const int64_t lines = static_cast<int64_t>(data.nbytes() / 64);
+    const int threads = at::get_num_threads();
+    std::vector<uint64_t> seen(static_cast<size_t>(threads) * 8, 0);
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+            const int64_t first = lines * t / threads, last = lines * (t + 1) / threads;
+            uint64_t acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int64_t line = first; line < last; ++line) {
+                const uint64_t* w = words + line * 8;
+#pragma omp simd
+                for (int i = 0; i < 8; ++i) acc[i] |= w[i];
+            }
+            for (int i = 0; i < 8; ++i) seen[t * 8 + i] = acc[i];
+        }
+    });
+    uint64_t all = 0;
+    for (uint64_t v : seen) all |= v;
+    return torch::tensor(static_cast<int64_t>(all & 0x7FFFFFFFFFFFFFFFull));
+}
+
 TORCH_LIBRARY(workbench, m) {
+    m.def("read_bytes(Tensor data) -> Tensor");
     m.def("q8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
     m.def("q4_linear(Tensor x, Tensor w, Tensor d, Tensor mins) -> Tensor");
     m.def("attend_rows(Tensor q, Tensor keys, Tensor values, Tensor positions, float scale) -> Tensor");
@@ -100,6 +129,7 @@ TORCH_LIBRARY(workbench, m) {
 }
 
 TORCH_LIBRARY_IMPL(workbench, CPU, m) {
+    m.impl("read_bytes", &read_bytes);
     m.impl("q8_linear", &q8_linear);
     m.impl("q4_linear", &q4_linear);
     m.impl("attend_rows", &attend_rows);
