@@ -194,7 +194,7 @@ def _streaming_read():
     """The fast path's kernels' ``read_bytes`` (every thread streams its own piece, as a decode step
     reads its weights) where they are built on this machine already (loading them is a moment;
     building them a minute, not done here), else ``None``."""
-    from engine.models import kernels
+    from engine.models import kernels  # lazy: kernels imports torch's extension tools
 
     if kernels.loaded() is None and kernels.unavailable() is None and kernels.expected() and kernels.is_built():
         kernels.kernels()

@@ -23,6 +23,7 @@ import torch
 
 from engine.generation.block_pool import GROW_BLOCKS
 from engine.generation.kv_manager import BLOCK_TOKENS, KVCacheManager
+from engine.generation.proposer import MAX_DRAFT_TOKENS
 from engine.models.fast import (MAX_COMPILED_CAPACITY, MIN_CAPACITY, FastDecoder, _bucket, _decode_batch, _decode_rows,
                                 _forward, _rotary_tables)
 
@@ -211,11 +212,7 @@ class PagedCache:
     def margin(self) -> int:
         """Positions kept before a window's start: while guesses are verified (:attr:`rollback`) a
         sequence is rolled back this far at most, and its window must still be whole."""
-        if not self.rollback:
-            return 0
-        from engine.generation.speculative import MAX_DRAFT_TOKENS  # lazily: speculative imports this module
-
-        return MAX_DRAFT_TOKENS
+        return MAX_DRAFT_TOKENS if self.rollback else 0
 
     def _forget_window(self, seq: int) -> None:
         for block in self.window_tables.pop(seq, ()):

@@ -33,6 +33,9 @@ class Proposal:
 
 NOTHING = Proposal()
 
+MAX_DRAFT_TOKENS = 16
+"""The most tokens a proposer guesses per step (so the most a sequence's cache is rolled back)."""
+
 
 class Proposer:
     """Guesses nothing: one token per request per step. Subclasses guess (speculation)."""

@@ -29,7 +29,7 @@ from engine.base.events import DraftVerified, GenerationEvent
 from engine.base.kv import kv_layout
 from engine.models.precision import PRECISIONS
 from engine.base.request import GenerationRequest
-from engine.generation.proposer import NOTHING, Proposal, Proposer
+from engine.generation.proposer import MAX_DRAFT_TOKENS, NOTHING, Proposal, Proposer
 from engine.models.loading import LoadRequest, load_model
 from engine.generation.generate import stream
 from engine.generation.kv_manager import KVCacheManager
@@ -41,9 +41,6 @@ if TYPE_CHECKING:
     from engine.generation.core import EngineCore
     from engine.generation.sampling import RequestSampler
     from engine.models.model import LoadedModel
-
-MAX_DRAFT_TOKENS = 16
-
 
 @dataclass(frozen=True)
 class DraftSpec:
