@@ -507,3 +507,16 @@ def test_the_loaded_build_is_the_one_chosen():
     assert kernels.build_dir().name.startswith(kernels.loaded().name)
     if os.environ.get(kernels.ISA_ENV):
         assert kernels.loaded().name == os.environ[kernels.ISA_ENV]
+
+
+@pytest.mark.parametrize("streams", [1, 2, 3, 8])
+def test_the_bandwidth_read_reads_every_line_whatever_the_runs(streams):
+    """``read_bytes`` (the memory's read bandwidth, engine/estimates/hardware.py) touches every
+    64-byte line once however its share is cut into runs: a bit set in any one line, the runs'
+    leftovers included, shows in what it returns, and nothing else does."""
+    lines = 1000 + 7  # not a multiple of the runs
+    for line in (0, 499, lines - 1):
+        data = torch.zeros(lines * 64, dtype=torch.uint8)
+        data[line * 64 + 3] = 4
+        assert int(torch.ops.workbench.read_bytes(data, streams)) == 4 << 24
+    assert int(torch.ops.workbench.read_bytes(torch.zeros(lines * 64, dtype=torch.uint8), streams)) == 0
