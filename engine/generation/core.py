@@ -171,11 +171,12 @@ class EngineCore:
             reason = getattr(self.runner, "prefix_cache_reason", lambda: "this runner can't copy blocks")()
             if blocks is None:
                 reason = "it needs a KV budget to evict kept blocks against"
-        sliding = None if self.paged else getattr(self.runner, "sliding_tokens", lambda: None)()
+        sliding = getattr(self.runner, "sliding_tokens", lambda: None)()
         kv = KVCacheManager(per_token or None, blocks, settings.prefix_caching and reason is None,
                             settings.block_tokens, storage=self.runner if self.paged else None,
                             sizer=lambda data: sum(t.nbytes for part in data for t in part if t is not None),
-                            sliding_tokens=sliding, lacks_window=lambda data: any(t is None for t in data[0]))
+                            sliding_tokens=sliding, lacks_window=self.runner.lacks_window if self.paged else
+                            lambda data: any(t is None for t in data[0]))
         if kept is not None:
             kv.adopt(kept)
         if self.paged:

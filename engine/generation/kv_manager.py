@@ -48,6 +48,10 @@ class Storage(Protocol):
 
     def held_nbytes(self) -> int: ...
 
+    def kept_nbytes(self) -> int: ...
+
+    def forget_block(self, block: int) -> None: ...
+
 
 def block_keys(tokens: list[int], blocks: int, block_tokens: int = BLOCK_TOKENS, parent: bytes = b"",
                first: int = 0) -> list[bytes]:
@@ -92,7 +96,8 @@ class KVCacheManager:
         self.sliding_tokens = sliding_tokens
         """The most tokens a sliding-window layer keeps (``None``: no such layer)."""
         self.lacks_window = lacks_window
-        """Whether a copy of a block lacks its sliding-window layers' part (it had left their window)."""
+        """Whether a block lacks its sliding-window layers' part (it had left their window): asked of
+        a copying runner's copy of it, or of a block of the ``storage``'s."""
         self.windowless: set[int] = set()
         """Cached blocks whose copies lack the sliding-window layers' part: a hit may hold them only
         before its last :attr:`sliding_tokens` tokens (as vLLM's hybrid allocator keeps only a
@@ -108,6 +113,8 @@ class KVCacheManager:
 
     def _forget(self, block: int) -> None:
         self.windowless.discard(block)
+        if self.storage is not None:
+            self.storage.forget_block(block)
         data = self.copies.pop(block, None)
         if data is not None and self.sizer is not None:
             self.copied_bytes -= self.sizer(data)
@@ -156,7 +163,7 @@ class KVCacheManager:
     def kept_bytes(self) -> int:
         """Bytes of the cached blocks no request holds: the storage's, or a copying runner's copies."""
         if self.storage is not None:
-            return self.block_bytes(self.kept_blocks) or 0
+            return self.storage.kept_nbytes()
         return self.copied_bytes
 
     def table_bytes(self, rid: int) -> int:
@@ -285,6 +292,8 @@ class KVCacheManager:
                         self.copied_bytes += self.sizer(data)
                     if self.lacks_window is not None and self.lacks_window(data):
                         self.windowless.add(block)
+                elif self.storage is not None and self.lacks_window is not None and self.lacks_window(block):
+                    self.windowless.add(block)  # its window part went back before it was cached
                 self.pool.cache(block, key)
                 cached += 1
             parent = key
@@ -326,5 +335,5 @@ class KVCacheManager:
         # the storage's own count of what is held (sliding-window layers keep only their windows'
         # blocks, engine/generation/paged_cache.py); free is the rest of its tensors
         storage = self.storage.storage_nbytes()
-        used, cached = self.storage.held_nbytes(), pool.cached_free * per
+        used, cached = self.storage.held_nbytes(), self.storage.kept_nbytes()
         return {"used": used, "cached": cached, "free": storage - used - cached, "storage": storage}

@@ -9,11 +9,14 @@ set of blocks that each reads in place. Nothing is laid out per sequence, so a 4
 among short ones holds its own blocks and nobody else's room.
 
 Sliding-window layers (Gemma 3's local layers, Mistral's window) keep only their window's blocks,
-as vLLM's hybrid allocator does: their keys and values live in a pool of their own, and each
-sequence has a second table beside the KV manager's, the same length, whose entries before the
-window are given back as the sequence moves on (the step's table lists the full layers' blocks,
-then the window layers'; the kernels' attention reads only a window's blocks). The KV manager
-charges each block for every layer, so its budget always covers both pools.
+as vLLM's hybrid allocator does: their keys and values live in a pool of their own, a block of it
+the window part of one KV manager block, and a step's table lists a sequence's blocks, then their
+window parts (the kernels' attention reads only a window's). A sequence reads the window parts of
+its blocks from its window's start on; once no sequence reads one, it goes back to the window pool,
+unless its block is in the prefix cache: then it stays with it (a later prompt that ends there
+needs its window whole; the KV manager trims a hit to where the window parts are there), until the
+block leaves the cache. The KV manager charges each block for every layer, so its budget always
+covers both pools.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from engine.models.fast import (MAX_COMPILED_CAPACITY, MIN_CAPACITY, FastDecoder
                                 _forward, _rotary_tables)
 
 
-GIVEN_BACK = -1
-"""A window table's entry for a block the sliding windows have moved past (given back to the pool)."""
+GIVEN_BACK = 0
+"""What a step's table names for a window part a sequence no longer reads (a block of the window
+pool the kernels' attention never reads for it: it lies before the window)."""
 
 
 class PagedCache:
@@ -51,9 +55,12 @@ class PagedCache:
         """Per layer, the pool its keys and values live in (a sliding-window layer's: the window pool)."""
         self.window = max((layer.window for layer in d.layers if layer.window), default=0)
         """The widest sliding window (0: no such layer)."""
-        self.window_tables: dict[int, list[int]] = {}
-        """Per sequence, the window layers' blocks, entry for entry beside its KV manager table
-        (:data:`GIVEN_BACK` where the windows have moved past)."""
+        self.window_of: dict[int, int] = {}
+        """KV manager block → its window part (a block of the window pool)."""
+        self.readers: dict[int, int] = {}
+        """KV manager block → how many sequences read its window part."""
+        self.reading: dict[int, tuple[int, list[int]]] = {}
+        """Per sequence: the index in its table from which it reads window parts, and those blocks."""
         self.window_free: list[int] = []
         self.window_blocks = 0
         """Blocks of the window pool that exist."""
@@ -80,8 +87,9 @@ class PagedCache:
         same = bool(self.keys) and self.keys[0].shape[2] == block_tokens
         full = [not layer.window for layer in self.d.layers]
         self._store(full, blocks, block_tokens, same)
-        if not same:
+        if not same:  # a new pool (idle): the window parts start anew too
             self.window_free, self.window_blocks = [], 0
+            self.window_of, self.readers, self.reading = {}, {}, {}
             self._store([not f for f in full], 0, block_tokens, False)
 
     def _store(self, which: list[bool], blocks: int, block_tokens: int, same: bool) -> None:
@@ -121,12 +129,36 @@ class PagedCache:
 
     @torch.inference_mode()
     def copy_block(self, source: int, target: int) -> None:
-        """A KV manager block copied (copy on write): the full layers' part (a window layer's
-        blocks are each sequence's own)."""
+        """A KV manager block copied (copy on write), its window part too (into a new block of the
+        window pool, read by nobody yet: the sequence that asked takes it in :meth:`crop`)."""
+        part = self.window_of.get(source)
+        fresh = None if part is None else self._window_block()
         for layer, keys, values in zip(self.d.layers, self.keys, self.values):
             if not layer.window:
-                keys[target] = keys[source]
-                values[target] = values[source]
+                keys[target], values[target] = keys[source], values[source]
+            elif fresh is not None:
+                keys[fresh], values[fresh] = keys[part], values[part]
+        if fresh is not None:
+            self.window_of[target], self.readers[target] = fresh, 0
+
+    def forget_block(self, block: int) -> None:
+        """The KV manager's cache dropped ``block``: its window part goes back if nobody reads it."""
+        if self.readers.get(block, 0) == 0:
+            self._drop_part(block)
+
+    def _drop_part(self, block: int) -> None:
+        part = self.window_of.pop(block, None)
+        self.readers.pop(block, None)
+        if part is not None:
+            self.window_free.append(part)
+
+    def lacks_window(self, block: int) -> bool:
+        """Whether ``block`` has no window part (it went back before the block was cached)."""
+        return bool(self.window) and block not in self.window_of
+
+    def sliding_tokens(self) -> int | None:
+        """The most tokens before a position a sliding-window layer reads (``None``: no such layer)."""
+        return self.window - 1 if self.window else None
 
     def block_nbytes(self) -> int:
         """One block's keys and values over every layer (the window pool's part included: what a
@@ -136,14 +168,20 @@ class PagedCache:
 
     def held_nbytes(self) -> int:
         """Bytes of the blocks the running sequences hold: the KV manager's (a shared one once),
-        less the window layers' part of those the windows have given back."""
-        return (self.kv.block_bytes(self.kv.used_blocks) or 0) - self._given_back_nbytes(self.window_tables)
-
-    def _given_back_nbytes(self, tables) -> int:
+        their window parts only where a sequence reads them."""
         if not self.window:
-            return 0
-        return self._window_block_nbytes * sum(table.count(GIVEN_BACK) for table in tables.values()
-                                               if table is not None)
+            return self.kv.block_bytes(self.kv.used_blocks) or 0
+        full = self._block_nbytes - self._window_block_nbytes
+        read = sum(1 for readers in self.readers.values() if readers)
+        return self.kv.used_blocks * full + read * self._window_block_nbytes
+
+    def kept_nbytes(self) -> int:
+        """Bytes of the cached blocks no sequence holds, with the window parts kept for them."""
+        if not self.window:
+            return self.kv.block_bytes(self.kv.kept_blocks) or 0
+        full = self._block_nbytes - self._window_block_nbytes
+        parked = sum(1 for readers in self.readers.values() if not readers)
+        return self.kv.kept_blocks * full + parked * self._window_block_nbytes
 
     def storage_nbytes(self) -> int:
         """The storage's bytes, read from its tensors' storages (when they were made)."""
@@ -165,17 +203,26 @@ class PagedCache:
     def add(self, seq: int, tokens: int = 1, hoped: int = 0) -> None:
         """``seq`` starts with no tokens (its blocks are the manager's: taken as it grows)."""
         self.lengths[seq] = 0
-        self._forget_window(seq)  # a preempted sequence starts again
+        self._stop_reading(seq)  # a preempted sequence starts again
         self._rotary(max(tokens, 1))
 
     def found(self, seq: int, tokens: int) -> None:
-        """``seq``'s table begins with ``tokens`` tokens found in the prefix cache: read in place."""
+        """``seq``'s table begins with ``tokens`` tokens found in the prefix cache: read in place
+        (their window parts from its window's start on: the KV manager's hit ends where they are whole)."""
         self.lengths[seq] = tokens
+        if self.window:
+            table = self.kv.tables[seq][:tokens // self.kv.block_tokens]  # (the blocks held after them are new)
+            start = max(0, tokens - self.window + 1 - self.margin()) // self.kv.block_tokens
+            while start < len(table) and any(block not in self.window_of for block in table[start:]):
+                start += 1  # only before the window (a hit is trimmed to whole windows)
+            for block in table[start:]:
+                self.readers[block] += 1
+            self.reading[seq] = (start, list(table[start:]))
 
     def remove(self, seq: int) -> None:
         del self.lengths[seq]
         self.kv.release(seq)  # where the core's scheduler released it first, nothing is left
-        self._forget_window(seq)
+        self._stop_reading(seq)
 
     def length(self, seq: int) -> int:
         return self.lengths[seq]
@@ -186,8 +233,11 @@ class PagedCache:
 
     def kv_bytes(self, seq: int) -> int:
         """Bytes of the blocks ``seq`` holds (its last one maybe partly filled, shared ones included;
-        a window layer's blocks only while they are in its window)."""
-        return self.kv.table_bytes(seq) - self._given_back_nbytes({seq: self.window_tables.get(seq)})
+        their window parts only while it reads them)."""
+        if not self.window:
+            return self.kv.table_bytes(seq)
+        full = self._block_nbytes - self._window_block_nbytes
+        return len(self.kv.tables.get(seq, ())) * full + len(self.reading.get(seq, (0, []))[1]) * self._window_block_nbytes
 
     def _room(self, seq: int, tokens: int) -> None:
         if not self.kv.hold(seq, tokens):
@@ -197,35 +247,45 @@ class PagedCache:
             self._slide(seq)
 
     def _slide(self, seq: int) -> None:
-        """``seq``'s window table follows its KV manager table: a window block for each new entry,
-        and the blocks before the next token's window (less :attr:`margin`) given back."""
-        table = self.window_tables.setdefault(seq, [])
-        wanted = len(self.kv.tables[seq])
-        while len(table) < wanted:
-            table.append(self._window_block())
+        """``seq`` reads the window parts of its table's blocks from its next token's window on
+        (less :attr:`margin`): a new block gets a window part, and those before the window are let go."""
+        table = self.kv.tables[seq]
+        start, blocks = self.reading.get(seq, (0, []))
+        for block in table[start + len(blocks):]:
+            if block not in self.window_of:
+                self.window_of[block], self.readers[block] = self._window_block(), 0
+            self.readers[block] += 1
+            blocks.append(block)
         past = max(0, self.lengths[seq] - self.window + 1 - self.margin()) // self.kv.block_tokens
-        for i in range(min(past, len(table))):
-            if table[i] != GIVEN_BACK:
-                self.window_free.append(table[i])
-                table[i] = GIVEN_BACK
+        while start < past and blocks:
+            self._let_go(blocks.pop(0))
+            start += 1
+        self.reading[seq] = (start, blocks)
+
+    def _let_go(self, block: int) -> None:
+        """One sequence fewer reads ``block``'s window part: at none it goes back to the window pool,
+        unless the block is cached (it stays with it, for a hit that ends there)."""
+        self.readers[block] -= 1
+        if self.readers[block] == 0 and self.kv.pool.key_of[block] is None:
+            self._drop_part(block)
 
     def margin(self) -> int:
         """Positions kept before a window's start: while guesses are verified (:attr:`rollback`) a
         sequence is rolled back this far at most, and its window must still be whole."""
         return MAX_DRAFT_TOKENS if self.rollback else 0
 
-    def _forget_window(self, seq: int) -> None:
-        for block in self.window_tables.pop(seq, ()):
-            if block != GIVEN_BACK:
-                self.window_free.append(block)
+    def _stop_reading(self, seq: int) -> None:
+        for block in self.reading.pop(seq, (0, []))[1]:
+            self._let_go(block)
 
     def _table(self, seq: int) -> list[int]:
-        """The blocks a step reads for ``seq``: its KV manager table, then its window table (given
-        back entries read as block 0, never read)."""
+        """The blocks a step reads for ``seq``: its KV manager table, then their window parts
+        (:data:`GIVEN_BACK` before its window, never read)."""
         table = self.kv.tables[seq]
         if not self.window:
             return table
-        return table + [max(block, 0) for block in self.window_tables[seq]]
+        start, blocks = self.reading[seq]
+        return table + [GIVEN_BACK] * start + [self.window_of[block] for block in blocks]
 
     def prefill(self, seq: int, ids: torch.Tensor, rows: int = 1) -> torch.Tensor:
         """Put ``ids`` ([1, n]) into ``seq``'s blocks; the logits after the last of them ([vocab]),
@@ -303,11 +363,17 @@ class PagedCache:
         return tensors
 
     def prefix_cache_reason(self) -> str | None:
-        if self.window:
-            return "its sliding-window layers keep only their window's blocks (a cached prefix would lack them)"
         return None
 
     def crop(self, seq: int, length: int) -> None:
         """Forget ``seq``'s tokens after the first ``length`` (speculation rolls back); the blocks
-        it will write again are its own (the engine core asks the manager first: copy on write)."""
+        it will write again are its own (the engine core asks the manager first: copy on write; a
+        copied block's window part is read from its copy now)."""
         self.lengths[seq] = min(self.lengths[seq], length)
+        if self.window and seq in self.reading:
+            start, blocks = self.reading[seq]
+            for i, block in enumerate(self.kv.tables[seq][start:start + len(blocks)]):
+                if block != blocks[i]:
+                    self.readers[block] += 1
+                    self._let_go(blocks[i])
+                    blocks[i] = block

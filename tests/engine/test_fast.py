@@ -299,8 +299,7 @@ def test_sliding_window_layers_keep_only_their_windows_blocks(long_models, rollb
     bytes held, read from the tensors, stay within whole blocks of the config's prediction (window
     included); while guesses are verified, the windows keep the most a sequence is rolled back."""
     from engine.base.kv import kv_layout
-    from engine.generation.paged_cache import GIVEN_BACK
-    from engine.generation.speculative import MAX_DRAFT_TOKENS
+    from engine.generation.proposer import MAX_DRAFT_TOKENS
 
     loaded = load_model(LoadRequest(str(long_models["gemma3"]), "fp32-fast", "cpu"))
     layout = kv_layout(loaded.model.config)
@@ -316,13 +315,13 @@ def test_sliding_window_layers_keep_only_their_windows_blocks(long_models, rollb
         for _ in range(40):
             logits = cache.decode([0], [int(logits.argmax())])[0]
         length = cache.length(0)
-        kept = [b for b in cache.window_tables[0] if b != GIVEN_BACK]
+        start, read = cache.reading[0]
         reach = window - 1 + (MAX_DRAFT_TOKENS if rollback else 0)  # positions before the next token's
-        assert len(kept) <= -(-reach // 16) + 1 and len(cache.window_tables[0]) == len(cache.kv.tables[0])
-        assert cache.window_tables[0][:-len(kept)] == [GIVEN_BACK] * (len(cache.kv.tables[0]) - len(kept))
+        assert len(read) <= -(-reach // 16) + 1 and read == cache.kv.tables[0][start:]
+        assert set(cache.window_of) == set(read)  # nothing cached: the parts left behind went back
         measured = cache.kv_bytes(0)
         assert measured == len(cache.kv.tables[0]) * (layout.num_layers - windowed) * per_layer \
-            + len(kept) * windowed * per_layer
+            + len(read) * windowed * per_layer == cache.held_nbytes()
         predicted = layout.bytes_for(length, 4)
         assert predicted <= measured < predicted + 2 * per_layer * layout.num_layers + windowed * reach * per_layer // 16
         assert cache.storage_nbytes() == sum(t.untyped_storage().nbytes() for t in cache.keys + cache.values)

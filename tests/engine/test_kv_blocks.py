@@ -76,6 +76,12 @@ def test_a_write_into_a_shared_block_copies_it_first():
         def held_nbytes(self):
             return 8 * kv.pool.held
 
+        def kept_nbytes(self):
+            return 8 * kv.pool.cached_free
+
+        def forget_block(self, block):
+            pass
+
     kv = KVCacheManager(bytes_per_token=1, total_blocks=8, prefix_caching=True, block_tokens=2, storage=Storage())
     tokens = [1, 2, 3, 4, 5]
     assert kv.hold(1, 5) and kv.keep(1, tokens, 4) == 2
@@ -231,25 +237,47 @@ def pool_accounts(core):
     return storage
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "mistral"])
-def test_sliding_window_models_cache_prefixes_too(byte_tokenizer, tmp_path, arch):
+@pytest.mark.parametrize("arch,precision", [("gemma2", "fp32"), ("mistral", "fp32"), ("gemma3", "fp32-fast"),
+                                            ("mistral", "fp32-fast")])
+def test_sliding_window_models_cache_prefixes_too(byte_tokenizer, tmp_path, arch, precision):
     """A sliding-window layer keeps only its window's last tokens, so a block copied once it has
-    left the window lacks that layer's part; a hit needs it only for its last window of tokens
-    (vLLM's hybrid allocator). Answers with the prefix cache, concurrent and alone, equal the
-    answers without it."""
+    left the window lacks that layer's part (the reference runner's copies), or its part went back
+    before it was cached (the fast path's window pool; a cached block keeps its part otherwise); a
+    hit needs it only for its last window of tokens (vLLM's hybrid allocator). Answers with the
+    prefix cache, concurrent and alone, equal the answers without it, and the fast path's pools
+    add up to their tensors' bytes."""
     from tests.tiny import build_model_folder
 
     folder = build_model_folder(tmp_path / arch, arch, byte_tokenizer, sliding_window=40, max_position_embeddings=512)
-    loaded = load_model(LoadRequest(str(folder), "fp32", "cpu"))
+    loaded = load_model(LoadRequest(str(folder), precision, "cpu"))
     requests = [chat(q, n=30) for q in QUESTIONS]
     expected = [solo(loaded, r) for r in requests]
+
+    def check(step):
+        if core.paged:
+            pool = core.kv.pool_bytes()
+            assert step.kv_cache_bytes == pool["used"] == core.runner.held_nbytes()
+            assert pool["used"] + pool["cached"] + pool["free"] == pool["storage"] == \
+                sum(t.untyped_storage().nbytes() for t in core.runner.keys + core.runner.values)
+            assert pool["free"] >= 0 and step.kv_kept_bytes == pool["cached"]
+            runner = core.runner  # each block's window part its own, none also free, read as counted
+            parts = list(runner.window_of.values())
+            assert len(set(parts)) == len(parts) and not set(parts) & set(runner.window_free)
+            counted = {}
+            for seq, (start, blocks) in runner.reading.items():
+                assert blocks == runner.kv.tables[seq][start:start + len(blocks)]  # (blocks held ahead: next step)
+                for block in blocks:
+                    counted[block] = counted.get(block, 0) + 1
+            assert {b: n for b, n in runner.readers.items() if n} == counted
+
     for gap in (None, 40):  # together, then one after another
         core = EngineCore(loaded, CoreSettings(token_budget=40, prefill_chunk=16, kv_budget_bytes=1 << 24,
                                                prefix_caching=True))
-        tokens, prefilled, _, _ = run(core, requests, gap=gap)
+        tokens, prefilled, _, _ = run(core, requests, gap=gap, on_step=check)
         assert tokens == expected
         assert core.prefix_caching_off is None and all(p.cached_tokens > 0 for p in prefilled[1:])
-        assert core.kv.windowless  # blocks whose window part had gone were kept for the full layers
+        if not core.paged:
+            assert core.kv.windowless  # blocks whose window part had gone were kept for the full layers
     # a prompt whose whole window lies in blocks that lack it finds a shorter prefix, not a wrong one
     history = loaded.encode(requests[0]) + tokens[0]
     again = GenerationRequest("(given as ids)", mode="raw", max_new_tokens=6, ignore_eos=True)
