@@ -105,7 +105,7 @@ def build_model_folder(folder: Path, arch: str, tokenizer, seed: int = 0, **over
     config.bos_token_id = tokenizer.bos_token_id
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if arch == "gemma3":  # its norms start at w = 0 (x · (1 + 0)): random ones test the offset
+    if arch in ("gemma2", "gemma3"):  # their norms start at w = 0 (x · (1 + 0)): random ones test the offset
         with torch.no_grad():
             for name, weight in model.named_parameters():
                 if "norm" in name:
@@ -184,6 +184,9 @@ def write_model_gguf(path: Path, folder: Path, arch: str, tokenizer_gguf: Path) 
     writer.add_rope_freq_base(float(theta))
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
+    if getattr(config, "attn_logit_softcapping", None):
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor") or 1.0
     if factor < 1.0:
         writer.add_rope_dimension_count(int(head_dim * factor))
@@ -203,7 +206,7 @@ def write_model_gguf(path: Path, folder: Path, arch: str, tokenizer_gguf: Path) 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     for name, tensor in load_file(str(folder / "model.safetensors")).items():
         stem, suffix = name.rsplit(".", 1)
-        if arch == "gemma3" and stem.endswith("norm"):  # llama.cpp keeps Gemma's norms as 1 + w
+        if arch in ("gemma2", "gemma3") and stem.endswith("norm"):  # llama.cpp keeps Gemma's norms as 1 + w
             tensor = tensor + 1
         writer.add_tensor(f"{names.get_name(stem)}.{suffix}", np.ascontiguousarray(tensor.float().numpy()))
     writer.write_header_to_file()

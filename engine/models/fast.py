@@ -3,7 +3,7 @@
 transformers' forward is general: per layer it builds masks, dispatches attention backends,
 concatenates a growing cache and checks options, and on two CPU cores that bookkeeping is a
 large share of a small model's decode step. For the architectures it knows (Llama, Qwen2 and
-Mistral, and those :class:`_Layer` describes: Qwen3, SmolLM3, Phi-3/4, Gemma 3)
+Mistral, and those :class:`_Layer` describes: Qwen3, SmolLM3, Phi-3/4, Gemma 2 and 3)
 this path runs the same modules' weights with only the arithmetic: norms, projections (optionally
 weight-only int8/int4, engine/models/quantize.py), rotary embedding, attention over the cache's
 blocks written in place, the MLP, the head.
@@ -30,7 +30,7 @@ from engine.models.quantize import fuse_rows, has_int8_activations
 from engine.base.kv import kv_layout
 from engine.models.precision import unsupported_type_reason
 
-OFFSET_NORMS = ("gemma3_text",)
+OFFSET_NORMS = ("gemma2", "gemma3_text")
 """Model types whose RMSNorm weights are offsets from 1 (``x · (1 + w)``, in fp32), as Gemma's are."""
 
 MIN_CAPACITY = 64
@@ -70,8 +70,6 @@ def unsupported_reason(model) -> str | None:
     if kv_layout(config) is None or any(kind not in ("full_attention", "sliding_attention")
                                         for kind in getattr(config, "layer_types", None) or ()):
         return "its attention layers are not all full or sliding-window ones"
-    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
-        return "soft-capped attention scores or logits (Gemma 2) are not on the fast path"
     scaling = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
     if kind in ("longrope", "dynamic"):
@@ -92,8 +90,10 @@ class _Layer:
     - Phi-3/4: q/k/v and gate/up already one projection each (``qkv_proj``, ``gate_up_proj``), and
       the rotary embedding on the first part of each head only (``partial_rotary_factor``, the
       tables' width says how much);
-    - Gemma 3: norms of ``x · (1 + w)``, a norm after attention and another around the MLP (four
-      a layer), query/key norms, and the rotary base of the layer's kind (local or global);
+    - Gemma 2 and 3: norms of ``x · (1 + w)``, a norm after attention and another around the MLP
+      (four a layer); Gemma 2's attention scores soft-capped (``cap · tanh(score / cap)``, and its
+      logits, :func:`_logits`); Gemma 3's query/key norms and the rotary base of the layer's kind
+      (local or global);
     - sliding-window layers (Gemma 3's local layers, Mistral's and Phi-3's windows, Qwen2's where
       the config turns them on): each token attends to the last ``window`` positions only, the
       same window the KV prediction counts (engine/base/kv.py)."""
@@ -115,6 +115,8 @@ class _Layer:
         self.rope = bool(getattr(attn, "use_rope", True))
         self.window = window
         """The positions a token attends to (itself and those before it), ``None`` for all."""
+        self.cap = float(getattr(attn, "attn_logit_softcapping", None) or 0.0)
+        """Where the attention scores are soft-capped (Gemma 2's 50), else 0."""
         self.kind = kind
         """Which of the decoder's rotary tables this layer reads (its attention kind's)."""
         fused = []
@@ -162,6 +164,8 @@ class FastDecoder:
         offset = config.model_type in OFFSET_NORMS
         self.layers = [_Layer(layer, window, self.rope_kinds.index(kind) if kind in self.rope_kinds else 0, offset)
                        for layer, window, kind in zip(base.layers, windows, types)]
+        self.final_cap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
+        """Where the logits are soft-capped (Gemma 2's 30), else 0."""
         self.windowed = any(layer.window for layer in self.layers)
         """Whether some layers slide a window: the cache keeps only the window's blocks for them, in a
         pool of their own, and a step's block table lists the full layers' blocks, then theirs."""
@@ -234,6 +238,30 @@ def _rms(x: torch.Tensor, norm, eps: float, offset: bool = False) -> torch.Tenso
     if offset:
         return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + norm.weight.float())).to(x.dtype)
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _logits(d: "FastDecoder", hidden: torch.Tensor) -> torch.Tensor:
+    """The final norm and the head (soft-capped where the model caps its logits)."""
+    logits = d.head(d.norm(hidden))
+    if d.final_cap:
+        logits = torch.tanh(logits / d.final_cap) * d.final_cap
+    return logits
+
+
+def _attend_capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float, cap: float) -> torch.Tensor:
+    """Attention with soft-capped scores (PyTorch's kernels can't cap), the queries ``[B, H, n,
+    D]`` over ``k``/``v`` ``[B, KV heads, m, D]``: ``mask`` [n, m] (``None``: causal, the
+    queries the last ``n`` positions); as transformers' eager attention for Gemma 2 computes it."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if mask is None:
+        n, m = q.shape[2], k.shape[2]
+        mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(diagonal=m - n)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def split_table(d: "FastDecoder", table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,7 +386,7 @@ def _forward(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: list[to
         values[blocks, :, slots] = v[0].transpose(0, 1).to(values.dtype)
         if paged:  # a row per new token: [count, heads, 1, dim]
             attended = torch.ops.workbench.attend_chunk(q[0].transpose(0, 1).unsqueeze(2), keys, values, mine,
-                                                        start, layer.scaling, layer.window or 0)
+                                                        start, layer.scaling, layer.window or 0, layer.cap)
             attended = attended.squeeze(2).transpose(0, 1).unsqueeze(0)
         else:
             # a window layer reads from the first token's window on (the blocks before may be given back)
@@ -379,11 +407,14 @@ def _forward(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: list[to
             # from position 0 and no window, plainly causal: the flash kernel skips the blocks above
             # the diagonal (half the work) and reads no mask (prefill of 507 tokens, int4-fast:
             # attention was 25% of the time with the mask)
-            attended = F.scaled_dot_product_attention(q, mine_k.to(q.dtype), mine_v.to(q.dtype), attn_mask=mask,
-                                                      is_causal=mask is None and count > 1, scale=layer.scaling,
-                                                      enable_gqa=d.kv_heads != d.heads)
+            if layer.cap:
+                attended = _attend_capped(q, mine_k.to(q.dtype), mine_v.to(q.dtype), mask, layer.scaling, layer.cap)
+            else:
+                attended = F.scaled_dot_product_attention(q, mine_k.to(q.dtype), mine_v.to(q.dtype), attn_mask=mask,
+                                                          is_causal=mask is None and count > 1, scale=layer.scaling,
+                                                          enable_gqa=d.kv_heads != d.heads)
         hidden = _rest_of_layer(d, layer, hidden, attended)
-    logits = d.head(d.norm(hidden[:, -rows:]))[0]
+    logits = _logits(d, hidden[:, -rows:])[0]
     return logits[-1] if rows == 1 else logits
 
 
@@ -398,14 +429,17 @@ def chunk_logits(d: FastDecoder, ids: torch.Tensor, keep: int) -> torch.Tensor:
         if d.kv_dtype != k.dtype:  # what a cache would have kept (a step reads them from it)
             k, v = k.to(d.kv_dtype).to(k.dtype), v.to(d.kv_dtype).to(v.dtype)
         mask = _window_mask(count, count, layer.window, d.device)
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=layer.scaling,
-                                                  enable_gqa=d.kv_heads != d.heads)
+        if layer.cap:
+            attended = _attend_capped(q, k, v, mask, layer.scaling, layer.cap)
+        else:
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                      scale=layer.scaling, enable_gqa=d.kv_heads != d.heads)
         hidden = _rest_of_layer(d, layer, hidden, attended)
-    return d.head(d.norm(hidden[:, -keep:]))
+    return _logits(d, hidden[:, -keep:])
 
 
 def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                scale: float) -> torch.Tensor:
+                scale: float, cap: float = 0.0) -> torch.Tensor:
     """Attention of one query token over a whole cache, as two small matmuls and a softmax in fp32,
     the query heads of a KV head side by side (GQA without copying K and V). PyTorch's CPU flash
     kernel blocks for long queries: for a single one it cost ~0.1 ms (fp32) to ~0.3 ms (bf16) a
@@ -414,6 +448,8 @@ def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     kv_heads = keys.shape[1]
     grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim).float()
     scores = torch.matmul(grouped, keys.float().transpose(-1, -2)) * scale
+    if cap:  # soft-capped (Gemma 2)
+        scores = torch.tanh(scores / cap) * cap
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return torch.matmul(probs, values.float()).reshape(batch, heads, 1, dim).to(q.dtype)
 
@@ -445,12 +481,12 @@ def _decode_step(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: lis
         values[blocks, :, slots] = v[:, :, 0].to(values.dtype)
         if d.step_attention:
             attended = torch.ops.workbench.attend_paged(q, keys, values, mine, position, layer.scaling,
-                                                        layer.window or 0)
+                                                        layer.window or 0, layer.cap)
         else:
             attended = _attend_one(q, gather_blocks(keys, mine), gather_blocks(values, mine), masks[layer.window],
-                                   layer.scaling)
+                                   layer.scaling, layer.cap)
         hidden = _rest_of_layer(d, layer, hidden, attended)
-    return d.head(d.norm(hidden))[0, -1]
+    return _logits(d, hidden)[0, -1]
 
 
 ATTENTION_BUCKET = 64
@@ -529,7 +565,7 @@ def _decode_batch(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: li
                 part_q = q.index_select(0, selector)
                 part_k = keys[:, :, :span].index_select(0, selector)
                 part_v = values[:, :, :span].index_select(0, selector)
-            out = _attend_one(part_q, part_k, part_v, mask, layer.scaling)
+            out = _attend_one(part_q, part_k, part_v, mask, layer.scaling, layer.cap)
             if attended is None:
                 attended = out
             elif isinstance(selector, slice):
@@ -537,7 +573,7 @@ def _decode_batch(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: li
             else:
                 attended.index_copy_(0, selector, out)
         hidden = _rest_of_layer(d, layer, hidden, attended)
-    return d.head(d.norm(hidden))[:, -1]
+    return _logits(d, hidden)[:, -1]
 
 
 def attention_op() -> bool:
@@ -569,9 +605,9 @@ def _decode_rows(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: lis
     for layer, keys, values in zip(d.layers, key_pools, value_pools):
         q = _rows_attention_inputs(d, layer, hidden, cos, sin, keys, values, *places[bool(layer.window)])
         attended = torch.ops.workbench.attend_paged(q, keys, values, tables[bool(layer.window)], positions,
-                                                    layer.scaling, layer.window or 0)
+                                                    layer.scaling, layer.window or 0, layer.cap)
         hidden = _rest_of_layer(d, layer, hidden, attended)
-    return d.head(d.norm(hidden))[:, -1]
+    return _logits(d, hidden)[:, -1]
 
 
 def early_exit_decoder(d: FastDecoder, layers: int) -> FastDecoder:

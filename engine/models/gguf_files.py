@@ -36,6 +36,9 @@ class GGUFSummary:
     rope_scaling: float | None = None
     """``{architecture}.rope.scaling.factor`` where ``rope.scaling.type`` is linear (Gemma 3 4B and
     up: their global layers' positions divided by it)."""
+    softcaps: dict[str, float] | None = None
+    """``{architecture}.attn_logit_softcapping`` and ``final_logit_softcapping`` (Gemma 2), by
+    transformers' names, where the file says them."""
 
 
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -120,6 +123,8 @@ def summarize_gguf(path: Path) -> GGUFSummary:
         ftype_field = reader.fields.get("general.file_type")
         numbers = {key: int(field.contents()) for key in ("attention.key_length", "rope.dimension_count")
                    if (field := reader.fields.get(f"{arch}.{key}")) is not None}
+        caps = {key: float(field.contents()) for key in ("attn_logit_softcapping", "final_logit_softcapping")
+                if (field := reader.fields.get(f"{arch}.{key}")) is not None}
         scaling = reader.fields.get(f"{arch}.rope.scaling.factor")
         kind = reader.fields.get(f"{arch}.rope.scaling.type")
         linear = scaling is not None and (kind is None or str(kind.contents()) == "linear")
@@ -144,6 +149,7 @@ def summarize_gguf(path: Path) -> GGUFSummary:
         key_length=numbers.get("attention.key_length"),
         rope_dimensions=numbers.get("rope.dimension_count"),
         rope_scaling=float(scaling.contents()) if linear else None,
+        softcaps=caps or None,
     )
 
 
@@ -207,9 +213,11 @@ def _gguf_config(gguf_path: Path, summary: GGUFSummary):
     """transformers' config for a GGUF, and what its GGUF reading lacks, supplied from the header
     (in words, kept with the conversion): the heads' width where it is not the hidden size over the
     heads (``attention.key_length``: Qwen3's, Gemma's), the share of each head the rotary
-    embedding turns (``rope.dimension_count``: Phi-4-mini's three quarters), and for Gemma 3 the
-    queries' scale (no field says it: llama.cpp's rule, the head width, or hidden ÷ heads for the
-    62-layer 27B) and its global layers' linear rotary scaling (``rope.scaling.factor``)."""
+    embedding turns (``rope.dimension_count``: Phi-4-mini's three quarters), and for Gemma 2 and 3
+    the queries' scale (no field says it: llama.cpp's rule, the head width, or hidden ÷ heads for
+    the 27B models, 46 and 62 layers), Gemma 2's soft-caps (``attn_logit_softcapping``,
+    ``final_logit_softcapping``) and Gemma 3's global layers' linear rotary scaling
+    (``rope.scaling.factor``)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
@@ -228,8 +236,9 @@ def _gguf_config(gguf_path: Path, summary: GGUFSummary):
         if hasattr(config, "partial_rotary_factor"):
             config.partial_rotary_factor = turned / head
         supplied.append(f"partial_rotary_factor {turned}/{head} (rope.dimension_count)")
-    if summary.architecture == "gemma3" and head:
-        scalar = config.hidden_size // heads if config.num_hidden_layers == 62 else head
+    if summary.architecture in ("gemma2", "gemma3") and head:
+        big = {"gemma2": 46, "gemma3": 62}[summary.architecture]  # the 27B's layers
+        scalar = config.hidden_size // heads if config.num_hidden_layers == big else head
         if getattr(config, "query_pre_attn_scalar", None) != scalar:
             config.query_pre_attn_scalar = scalar
             supplied.append(f"query_pre_attn_scalar {scalar} (llama.cpp's rule)")
@@ -237,6 +246,10 @@ def _gguf_config(gguf_path: Path, summary: GGUFSummary):
         if summary.rope_scaling and isinstance(full, dict) and full.get("factor") != summary.rope_scaling:
             full.update(rope_type="linear", factor=summary.rope_scaling)
             supplied.append(f"global layers' rotary scaling linear ×{summary.rope_scaling:g} (rope.scaling.factor)")
+    for key, value in (summary.softcaps or {}).items():
+        if getattr(config, key, None) != value:
+            setattr(config, key, value)
+            supplied.append(f"{key} {value:g}")
     return config, supplied
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from engine.base.errors import UnsupportedPrecisionError
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "mistral", "gemma3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "mistral", "gemma2", "gemma3")
 """The model types the fast path (engine/models/fast.py) runs (GGUF's architecture names)."""
 SAME_TYPES = {"gemma3_text": "gemma3"}
 """A config's model type where it is not the GGUF's name (Gemma 3's text-only model)."""

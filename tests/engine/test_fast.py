@@ -22,9 +22,9 @@ def run(loaded, request):
 @pytest.fixture(scope="module")
 def long_models(tmp_path_factory, byte_tokenizer):
     """Tiny llama, qwen2 (with q/k/v biases), qwen3 (query/key norms), smollm3 (layers without the
-    rotary embedding), phi3 (fused projections, partial rotary), gemma3 (sliding-window and global
-    layers, each kind its own rotary base, four norms a layer) and mistral (a window in every layer)
-    that read 2048 tokens."""
+    rotary embedding), phi3 (fused projections, partial rotary), gemma2 (soft-capped scores and
+    logits, sliding-window and global layers), gemma3 (each kind of layer its own rotary base, four
+    norms a layer) and mistral (a window in every layer) that read 2048 tokens."""
     from tests.tiny import build_model_folder
 
     root = tmp_path_factory.mktemp("long")
@@ -32,7 +32,7 @@ def long_models(tmp_path_factory, byte_tokenizer):
             for arch in FAST_ARCHITECTURES}
 
 
-FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma3", "mistral")
+FAST_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "mistral")
 
 
 @pytest.mark.parametrize("arch", FAST_ARCHITECTURES)
@@ -164,16 +164,9 @@ def test_int4_falls_back_to_int8_for_shapes_its_kernel_refuses(tiny_models):
     assert isinstance(model.model.layers[0].mlp.up_proj, kind)
 
 
-def test_unsupported_models_and_devices_are_refused_clearly(tiny_models, tmp_path, byte_tokenizer):
-    from tests.tiny import build_model_folder
-
+def test_unsupported_models_and_devices_are_refused_clearly(tiny_models):
     with pytest.raises(UnsupportedPrecisionError, match="fast path runs"):
         load_model(LoadRequest(str(tiny_models["gpt2"]), "int8-fast", "cpu"))
-    with pytest.raises(UnsupportedPrecisionError, match="not gemma2"):
-        load_model(LoadRequest(str(tiny_models["gemma2"]), "int8-fast", "cpu"))
-    capped = build_model_folder(tmp_path / "capped", "gemma3", byte_tokenizer, attn_logit_softcapping=50.0)
-    with pytest.raises(UnsupportedPrecisionError, match="soft-capped"):
-        load_model(LoadRequest(str(capped), "fp32-fast", "cpu"))
     from engine.models.precision import get_precision
 
     with pytest.raises(UnsupportedPrecisionError, match="CPU"):
@@ -699,12 +692,12 @@ def test_old_packages_and_stale_partial_files_are_pruned(tmp_path):
                                                                     for p in packages[:PACKAGES_KEPT - 1] + [keep])
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma2", "gemma3"])
 def test_the_compiled_step_runs_what_an_architecture_does_otherwise(long_models, isolated_cache, arch):
     """The compiled one-sequence step of a Qwen3 (its queries and keys normed per head before the
-    rotary embedding), of a Phi-3 (fused projections, the rotary embedding on part of each head)
-    and of a Gemma 3 (sliding-window layers over their own pool, past their window here) gives the
-    eager step's tokens."""
+    rotary embedding), of a Phi-3 (fused projections, the rotary embedding on part of each head),
+    of a Gemma 2 (soft-capped scores and logits) and of a Gemma 3 (sliding-window layers over
+    their own pool, past their window here) gives the eager step's tokens."""
     loaded = load_model(LoadRequest(str(long_models[arch]), "fp32-fast", "cpu"))
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=24, ignore_eos=True)
     _, eager = run(loaded, request)

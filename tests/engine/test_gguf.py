@@ -65,17 +65,17 @@ def test_the_architecture_is_read_from_the_header_alone(tmp_path, arch):
 
 
 def test_a_fast_precision_for_an_unsupported_gguf_is_refused_before_the_imports(tmp_path, monkeypatch):
-    """Refusing int8-fast for a Gemma 2 GGUF took 10 s: torch and transformers imported, then
+    """Refusing int8-fast for a Gemma (1) GGUF took 10 s: torch and transformers imported, then
     the whole 256k-token header parsed, for one string."""
     import gguf
 
     from engine.base.errors import UnsupportedPrecisionError
 
-    path = big_vocabulary_gguf(tmp_path / "gemma2.gguf", "gemma2")
+    path = big_vocabulary_gguf(tmp_path / "gemma.gguf", "gemma")
     monkeypatch.setattr(gguf, "GGUFReader", None)  # the full reader is not needed for this
     stages = []
     with pytest.raises(UnsupportedPrecisionError,
-                       match="fast path runs llama, qwen2, qwen3, smollm3, phi3, mistral, gemma3 models, not gemma2"):
+                       match="fast path runs llama, qwen2, qwen3, smollm3, phi3, mistral, gemma2, gemma3 models, not gemma\\."):
         load_model(LoadRequest(str(path), "int8-fast", "cpu"), progress=lambda e: stages.append(e.stage))
     assert "imports" not in stages
 
@@ -146,11 +146,13 @@ def test_a_conversion_waits_for_another_into_the_same_folder(small_gguf, isolate
 
 @pytest.mark.parametrize("arch,supplied", [("qwen3", "head_dim 24 (attention.key_length)"),
                                            ("phi3", "partial_rotary_factor 12/16 (rope.dimension_count)"),
-                                           ("gemma3", "query_pre_attn_scalar 16 (llama.cpp's rule)")])
+                                           ("gemma3", "query_pre_attn_scalar 16 (llama.cpp's rule)"),
+                                           ("gemma2", "query_pre_attn_scalar 16 (llama.cpp's rule)")])
 def test_a_gguf_of_a_fast_path_architecture_loads_as_its_original_and_runs_fast(
         tmp_path, default_model_folder, default_gguf, isolated_cache, arch, supplied):
     """A Qwen3 (heads 24 wide where hidden ÷ heads is 16), a Phi-3 (the rotary embedding on 12 of
-    each head's 16) and a Gemma 3 (norms kept as 1 + w, local and global layers) written as
+    each head's 16), a Gemma 3 (norms kept as 1 + w, local and global layers) and a Gemma 2
+    (soft-capped scores and logits) written as
     llama.cpp writes them: transformers' GGUF reading misses the head width, the rotary share and
     Gemma's query scale, the conversion supplies them from the header or llama.cpp's rule (and
     keeps in words that it did), and the GGUF answers as the original does, on the reference and
@@ -168,7 +170,8 @@ def test_a_gguf_of_a_fast_path_architecture_loads_as_its_original_and_runs_fast(
     from tests.tiny import build_model_folder, write_model_gguf
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_folder)
-    overrides = {"head_dim": 24} if arch == "qwen3" else {}
+    # (llama.cpp's Gemma 2 has no head of its own: the embedding's)
+    overrides = {"qwen3": {"head_dim": 24}, "gemma2": {"tie_word_embeddings": True}}.get(arch, {})
     folder = build_model_folder(tmp_path / arch, arch, tokenizer, vocab_size=len(tokenizer), **overrides)
     path = write_model_gguf(tmp_path / f"{arch}.gguf", folder, arch, default_gguf)
     request = GenerationRequest("(given as ids)", mode="raw", max_new_tokens=12, ignore_eos=True)

@@ -88,9 +88,9 @@ def test_batched_and_sweep_paths_refuse_non_finite_scores(tiny_llama, tmp_path):
 def test_fast_precision_refused_from_the_gguf_header_before_converting(tmp_path, isolated_cache, precision):
     from engine.models.gguf_files import converted_dir_for
 
-    path = write_gguf(tmp_path / "tiny-gemma2.gguf", "gemma2")
+    path = write_gguf(tmp_path / "tiny-gemma.gguf", "gemma")
     stages = []
-    with pytest.raises(UnsupportedPrecisionError, match="gemma2") as caught:
+    with pytest.raises(UnsupportedPrecisionError, match="not gemma") as caught:
         load_model(LoadRequest(str(path), precision, "cpu"), progress=lambda e: stages.append(e.stage))
     assert "fp32, bf16, int8 or nf4" in str(caught.value)
     assert "convert" not in stages and not converted_dir_for(path).exists()

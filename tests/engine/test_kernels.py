@@ -375,10 +375,12 @@ def test_a_chunk_attends_through_its_block_table_each_token_as_alone(heads, kv_h
 @pytest.mark.parametrize("dim", [64, 24])
 @pytest.mark.parametrize("dtype,cache", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                          (torch.float32, torch.float16)])
-def test_a_sliding_window_reads_only_its_last_slots_and_their_blocks(dim, dtype, cache):
+@pytest.mark.parametrize("cap", [0.0, 0.5])
+def test_a_sliding_window_reads_only_its_last_slots_and_their_blocks(dim, dtype, cache, cap):
     """With a window W, a row at position p attends to slots p - W + 1 … p only: the same as the
     whole row's attention with the earlier slots masked out, and the blocks wholly before them are
-    never read (given back, their table entries may name anything)."""
+    never read (given back, their table entries may name anything). With a soft cap (Gemma 2's),
+    each score is cap · tanh(score / cap) before the softmax (a small cap here, so it bites)."""
     from engine.models.fast import _attend_one, gather_blocks
 
     generator = torch.Generator().manual_seed(dim)
@@ -396,14 +398,17 @@ def test_a_sliding_window_reads_only_its_last_slots_and_their_blocks(dim, dtype,
     slots = torch.arange(keys.shape[1])
     mask = ((slots <= at) & (slots > at - window)).view(count, 1, 1, -1)
     expected = _attend_one(q.double(), keys.double().expand(count, -1, -1, -1),
+                           values.double().expand(count, -1, -1, -1), mask, dim ** -0.5, cap)
+    uncapped = _attend_one(q.double(), keys.double().expand(count, -1, -1, -1),
                            values.double().expand(count, -1, -1, -1), mask, dim ** -0.5)
+    assert not cap or not torch.allclose(expected, uncapped, atol=1e-2)
     given_back = table.clone()
     given_back[0] = spare  # block 0 holds slots 0-15, before every row's window (first slot 20)
     pool_keys[spare] = float("nan")
     pool_values[spare] = float("nan")
     rows = given_back.view(1, -1).expand(count, -1).contiguous()
-    paged = torch.ops.workbench.attend_paged(q, pool_keys, pool_values, rows, positions, dim ** -0.5, window)
-    chunk = torch.ops.workbench.attend_chunk(q, pool_keys, pool_values, given_back, start, dim ** -0.5, window)
+    paged = torch.ops.workbench.attend_paged(q, pool_keys, pool_values, rows, positions, dim ** -0.5, window, cap)
+    chunk = torch.ops.workbench.attend_chunk(q, pool_keys, pool_values, given_back, start, dim ** -0.5, window, cap)
     tolerance = 2e-6 if dtype == torch.float32 else 2e-2
     assert torch.allclose(paged.double(), expected, rtol=tolerance, atol=tolerance)
     assert torch.equal(chunk, paged)

@@ -210,9 +210,9 @@ def _register_fakes() -> None:
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("workbench::attend_paged")
-    def _(q, keys, values, table, positions, scale, window=0):
+    def _(q, keys, values, table, positions, scale, window=0, softcap=0.0):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("workbench::attend_chunk")
-    def _(q, keys, values, table, start, scale, window=0):
+    def _(q, keys, values, table, start, scale, window=0, softcap=0.0):
         return q.new_empty(q.shape)

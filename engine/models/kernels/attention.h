@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -99,9 +100,15 @@ inline void round_numerators_bf16(float* scores, int64_t n, int64_t g0, int64_t 
 // slots 0 … n - 1 of its keys and values (rows ks and vs elements apart): scores [group, n]
 // become the softmax's numerators, total[g] their sums, acc [group, dim] the weighted values.
 // The plain loops, for any head size; the AVX-512 ones below where they apply.
+// Soft-capped scores (Gemma 2's attention): cap · tanh(score / cap), where cap > 0.
+inline void cap_scores(float* scores, int64_t n, int64_t g0, int64_t g1, float cap) {
+    if (cap <= 0.0f) return;
+    for (int64_t i = g0 * n; i < g1 * n; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
+}
+
 template <typename T, typename K, typename V>
 void attend_plain(const float* query, const K& keys, const V& values, int64_t n, int64_t dim, int64_t g0,
-                  int64_t g1, bool reduced, float* key, float* scores, float* total, float* acc) {
+                  int64_t g1, bool reduced, float* key, float* scores, float* total, float* acc, float cap = 0.0f) {
     for (int64_t t = 0; t < n; ++t) {
         const T* krow = keys(t);
         for (int64_t d = 0; d < dim; ++d) key[d] = static_cast<float>(krow[d]);
@@ -113,6 +120,7 @@ void attend_plain(const float* query, const K& keys, const V& values, int64_t n,
             scores[g * n + t] = dot;
         }
     }
+    cap_scores(scores, n, g0, g1, cap);
     softmax_numerators(scores, n, g0, g1, total);
     if (reduced) round_numerators_bf16(scores, n, g0, g1);
     std::fill(acc + g0 * dim, acc + g1 * dim, 0.0f);
@@ -303,13 +311,14 @@ inline void score_slots(const float* query, const K& keys, const V& values, int6
 
 template <typename T, typename K, typename V>
 void attend_vectors(const float* query, const K& keys, const V& values, int64_t n, int64_t dim, int64_t g0,
-                    int64_t g1, bool ahead, bool reduced, float* scores, float* total, float* acc) {
+                    int64_t g1, bool ahead, bool reduced, float* scores, float* total, float* acc, float cap = 0.0f) {
     const int64_t chunks = dim / 16;
     switch (chunks) {
         case 4: score_slots<4, T>(query, keys, values, n, dim, g0, g1, ahead, scores); break;
         case 8: score_slots<8, T>(query, keys, values, n, dim, g0, g1, ahead, scores); break;
         default: score_slots<0, T>(query, keys, values, n, dim, g0, g1, ahead, scores); break;
     }
+    cap_scores(scores, n, g0, g1, cap);
     softmax_numerators16(scores, n, g0, g1, total);
     if (reduced) round_numerators_bf16(scores, n, g0, g1);
     int64_t g = g0;
@@ -402,9 +411,11 @@ void attend_chunk_tiles(const torch::Tensor& q, const torch::Tensor& keys, const
 // rows_of(b, h) gives the accessors of row b's keys and values at KV head h.
 // window > 0: row b attends to its last ``window`` slots only (positions[b] - window + 1 …), a
 // sliding-window layer's; rows_of(b, h, first) then gives accessors from slot ``first`` on.
+// softcap > 0: the scores soft-capped before the softmax (Gemma 2).
 template <typename T, typename C, typename At>
 void attend_impl(const torch::Tensor& q, int64_t kv_heads, int64_t dim, const At& rows_of, const int64_t* positions,
-                 double scale, torch::Tensor& out, int64_t window = 0) {
+                 double scale, torch::Tensor& out, int64_t window = 0, double softcap = 0.0) {
+    const float cap = static_cast<float>(softcap);
     const int64_t batch = q.size(0);
     const int64_t group = q.size(1) / kv_heads;
     const T* qp = q.data_ptr<T>();
@@ -435,11 +446,11 @@ void attend_impl(const torch::Tensor& q, int64_t kv_heads, int64_t dim, const At
 #ifdef WORKBENCH_AVX512
             if (vectors)
                 attend_vectors<C>(query.data(), rows.first, rows.second, n, dim, g0, g1, parts == 1, reduced, scores.data(),
-                                  total.data(), acc.data());
+                                  total.data(), acc.data(), cap);
             else
 #endif
                 attend_plain<C>(query.data(), rows.first, rows.second, n, dim, g0, g1, reduced, key.data(), scores.data(),
-                                total.data(), acc.data());
+                                total.data(), acc.data(), cap);
             T* orow = op + (b * q.size(1) + h * group) * dim;
             for (int64_t g = g0; g < g1; ++g) {
                 const float inv = 1.0f / total[g];
@@ -465,7 +476,7 @@ void attend_rows_impl(const torch::Tensor& q, const torch::Tensor& keys, const t
 template <typename T, typename C>
 void attend_paged_impl(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                        const torch::Tensor& table, const int64_t* positions, double scale, torch::Tensor& out,
-                       int64_t window) {
+                       int64_t window, double softcap) {
     const C* kp = keys.data_ptr<C>();
     const C* vp = values.data_ptr<C>();
     const int64_t* tp = table.data_ptr<int64_t>();
@@ -479,7 +490,7 @@ void attend_paged_impl(const torch::Tensor& q, const torch::Tensor& keys, const 
         return std::make_pair(Paged<C>{kp + h * ks1, tp + b * ts, ks0, ks2, tokens, shift, first},
                               Paged<C>{vp + h * vs1, tp + b * ts, vs0, vs2, tokens, shift, first});
     };
-    attend_impl<T, C>(q, keys.size(1), keys.size(3), rows_of, positions, scale, out, window);
+    attend_impl<T, C>(q, keys.size(1), keys.size(3), rows_of, positions, scale, out, window, softcap);
 }
 
 void check_attention_types(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
@@ -539,10 +550,10 @@ void check_pool(const torch::Tensor& q, const torch::Tensor& keys, const torch::
 // D]; table [B, W] int64 names row b's blocks in the order of its tokens; row b attends to its
 // slots 0…positions[b], so its first positions[b] / block tokens + 1 entries must be blocks of the pool.
 // window > 0 (a sliding-window layer): only its last ``window`` slots, and only their blocks are read
-// (the entries before them may name blocks given back).
+// (the entries before them may name blocks given back). softcap > 0: scores soft-capped (Gemma 2).
 torch::Tensor attend_paged(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                            const torch::Tensor& table, const torch::Tensor& positions, double scale,
-                           int64_t window) {
+                           int64_t window, double softcap) {
     check_pool(q, keys, values, "attend_paged");
     TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(0) == q.size(0) &&
                     table.stride(1) == 1,
@@ -564,10 +575,10 @@ torch::Tensor attend_paged(const torch::Tensor& q, const torch::Tensor& keys, co
     }
     auto out = torch::empty({q.size(0), q.size(1), 1, q.size(3)}, q.options());
     if (keys.scalar_type() == at::kHalf)
-        attend_paged_impl<float, at::Half>(qc, keys, values, table, pp, scale, out, window);
+        attend_paged_impl<float, at::Half>(qc, keys, values, table, pp, scale, out, window, softcap);
     else if (q.scalar_type() == at::kFloat)
-        attend_paged_impl<float, float>(qc, keys, values, table, pp, scale, out, window);
-    else attend_paged_impl<at::BFloat16, at::BFloat16>(qc, keys, values, table, pp, scale, out, window);
+        attend_paged_impl<float, float>(qc, keys, values, table, pp, scale, out, window, softcap);
+    else attend_paged_impl<at::BFloat16, at::BFloat16>(qc, keys, values, table, pp, scale, out, window, softcap);
     return out;
 }
 
@@ -577,7 +588,7 @@ torch::Tensor attend_paged(const torch::Tensor& q, const torch::Tensor& keys, co
 // 0 … start + i (its last ``window`` of them where window > 0). Returns [count, H, 1, D], q's
 // type: each row as attend_paged gives it alone.
 torch::Tensor attend_chunk(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                           const torch::Tensor& table, int64_t start, double scale, int64_t window) {
+                           const torch::Tensor& table, int64_t start, double scale, int64_t window, double softcap) {
     check_pool(q, keys, values, "attend_chunk");
     TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 1 && table.stride(0) == 1,
                 "attend_chunk: table, int64 [W], the blocks side by side");
@@ -591,7 +602,7 @@ torch::Tensor attend_chunk(const torch::Tensor& q, const torch::Tensor& keys, co
     auto qc = heads_side_by_side(q);
     auto out = torch::empty({count, q.size(1), 1, q.size(3)}, q.options());
 #ifdef WORKBENCH_AVX512
-    if (q.size(3) % 16 == 0 && q.size(3) <= FAST_DIM && window <= 0) {  // a window: a row at a time
+    if (q.size(3) % 16 == 0 && q.size(3) <= FAST_DIM && window <= 0 && softcap <= 0) {  // else a row at a time
         if (keys.scalar_type() == at::kHalf) attend_chunk_tiles<float, at::Half>(qc, keys, values, tp, start, scale, out);
         else if (q.scalar_type() == at::kFloat) attend_chunk_tiles<float, float>(qc, keys, values, tp, start, scale, out);
         else attend_chunk_tiles<at::BFloat16, at::BFloat16>(qc, keys, values, tp, start, scale, out);
@@ -602,9 +613,9 @@ torch::Tensor attend_chunk(const torch::Tensor& q, const torch::Tensor& keys, co
     auto positions = torch::arange(start, start + count, table.options());
     auto rows = table.view({1, -1}).expand({count, table.size(0)});
     const int64_t* pp = positions.data_ptr<int64_t>();
-    if (keys.scalar_type() == at::kHalf) attend_paged_impl<float, at::Half>(qc, keys, values, rows, pp, scale, out, window);
-    else if (q.scalar_type() == at::kFloat) attend_paged_impl<float, float>(qc, keys, values, rows, pp, scale, out, window);
-    else attend_paged_impl<at::BFloat16, at::BFloat16>(qc, keys, values, rows, pp, scale, out, window);
+    if (keys.scalar_type() == at::kHalf) attend_paged_impl<float, at::Half>(qc, keys, values, rows, pp, scale, out, window, softcap);
+    else if (q.scalar_type() == at::kFloat) attend_paged_impl<float, float>(qc, keys, values, rows, pp, scale, out, window, softcap);
+    else attend_paged_impl<at::BFloat16, at::BFloat16>(qc, keys, values, rows, pp, scale, out, window, softcap);
     return out;
 }
 

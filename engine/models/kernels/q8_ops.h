@@ -128,9 +128,9 @@ TORCH_LIBRARY(workbench, m) {
     m.def("q4_linear(Tensor x, Tensor w, Tensor d, Tensor mins) -> Tensor");
     m.def("attend_rows(Tensor q, Tensor keys, Tensor values, Tensor positions, float scale) -> Tensor");
     m.def("attend_paged(Tensor q, Tensor keys, Tensor values, Tensor table, Tensor positions, float scale, "
-          "int window=0) -> Tensor");
+          "int window=0, float softcap=0.) -> Tensor");
     m.def("attend_chunk(Tensor q, Tensor keys, Tensor values, Tensor table, int start, float scale, "
-          "int window=0) -> Tensor");
+          "int window=0, float softcap=0.) -> Tensor");
     m.def("row_totals(Tensor scores, int k) -> (Tensor, Tensor, Tensor)");
 }
 
