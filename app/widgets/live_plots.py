@@ -283,9 +283,9 @@ class LivePlots:
             "token. Spikes are the machine doing something else.", "latency (ms)", "token")
         self.kv = PlotPanel(
             "kv", "KV-cache bytes held after each token (dots): on a *-fast precision the whole "
-            "16-token blocks of the pool this request holds, on the others its cache tensors' bytes, "
-            "read from the tensors; and predicted from the config: 2 × layers × KV heads × head dim × "
-            "bytes (line). Shaded: the prompt's part found in the prefix cache (earlier turns), not "
+            "16-token blocks of the pool this request holds (a sliding-window layer's only while in its "
+            "window), on the others its cache tensors' bytes, read from the tensors; and predicted from "
+            "the config: 2 × layers × KV heads × head dim × bytes, a window's tokens at most (line). Shaded: the prompt's part found in the prefix cache (earlier turns), not "
             "computed: read in place on *-fast, copied in on the others.",
             "KV cache", "token")
         self.memory = PlotPanel(
