@@ -697,11 +697,26 @@ def test_the_compiled_step_runs_what_an_architecture_does_otherwise(long_models,
     """The compiled one-sequence step of a Qwen3 (its queries and keys normed per head before the
     rotary embedding), of a Phi-3 (fused projections, the rotary embedding on part of each head),
     of a Gemma 2 (soft-capped scores and logits) and of a Gemma 3 (sliding-window layers over
-    their own pool, past their window here) gives the eager step's tokens."""
+    their own pool, past their window here) gives the eager step's tokens; Gemma 3's batched step
+    too (three sequences of different lengths through the engine core)."""
+    from engine.generation.core import CoreSettings, EngineCore
+
     loaded = load_model(LoadRequest(str(long_models[arch]), "fp32-fast", "cpu"))
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=24, ignore_eos=True)
+    batch = [GenerationRequest(PROMPT * k, mode="raw", max_new_tokens=16, ignore_eos=True) for k in (1, 2, 4)]
+
+    def together() -> list[tuple[int, ...]]:
+        core = EngineCore(loaded, CoreSettings())
+        ids = [core.submit(r) for r in batch]
+        finals = {e.request_id: e.token_ids for e in core.run() if isinstance(e, Finished)}
+        return [finals[rid] for rid in ids]
+
     _, eager = run(loaded, request)
-    report = compile_decoder(loaded.fast, rows=False)
+    rows = arch == "gemma3"
+    eager_batch = together() if rows else None
+    report = compile_decoder(loaded.fast, rows=rows)
     assert report.error is None and report.built
     _, compiled = run(loaded, request)
     assert compiled.token_ids == eager.token_ids
+    if rows:
+        assert loaded.fast.compiled_rows is not None and together() == eager_batch
