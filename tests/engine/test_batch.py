@@ -124,9 +124,20 @@ def test_bad_batches_are_refused(loaded_llama):
 
 
 def test_sweep_measures_each_batch_size(loaded_llama, tmp_path, monkeypatch):
+    import torch
+
     request = GenerationRequest("fox", mode="raw", max_new_tokens=6, ignore_eos=True)
     seen = []
-    points, skipped = run_sweep(loaded_llama, request, [4, 1, 2], on_point=seen.append, with_ceiling=False)
+    # one thread throughout: a kernel's scratch per thread, which moves with the threads the core
+    # takes on a busy machine, can weigh as much as this tiny model's rows (batch 1 read 1,600 B
+    # against batch 4's 1,040 B where the count changed between them)
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("INFERENCE_WORKBENCH_THREADS", "1")
+    try:
+        points, skipped = run_sweep(loaded_llama, request, [4, 1, 2], on_point=seen.append, with_ceiling=False)
+    finally:
+        monkeypatch.delenv("INFERENCE_WORKBENCH_THREADS")
+        torch.set_num_threads(threads)
     assert [p.batch for p in points] == [1, 2, 4] and seen == points and not skipped
     for point in points:
         assert point.generated_tokens == 6 * point.batch
@@ -135,9 +146,7 @@ def test_sweep_measures_each_batch_size(loaded_llama, tmp_path, monkeypatch):
             len(loaded_llama.encode(request)) + 4, point.batch)
         assert point.aggregate_tokens_per_s > 0 and point.mean_per_token_latency_s > 0
     assert points[2].predicted_extra_bytes > points[0].predicted_extra_bytes
-    # a decode step's activations, read from the allocator, grow with the rows in the step (batch 1
-    # against 4: between 1 and 2 a kernel's scratch per thread, which moves with the threads the
-    # core takes on a busy machine, can weigh as much as this tiny model's row)
+    # a decode step's activations, read from the allocator, grow with the rows in the step
     assert all(p.activation_bytes > 0 for p in points)
     assert points[0].activation_bytes < points[2].activation_bytes
     # the points land in the run history, where the cost explorer reads them
