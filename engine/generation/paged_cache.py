@@ -59,6 +59,9 @@ class PagedCache:
         """KV manager block → its window part (a block of the window pool)."""
         self.readers: dict[int, int] = {}
         """KV manager block → how many sequences read its window part."""
+        self._parts_read = 0
+        """How many of :attr:`readers` are read by one sequence or more (the rest are kept for the
+        prefix cache): counted as they change, not by a walk over them at every token's event."""
         self.reading: dict[int, tuple[int, list[int]]] = {}
         """Per sequence: the index in its table from which it reads window parts, and those blocks."""
         self.window_free: list[int] = []
@@ -90,6 +93,7 @@ class PagedCache:
         if not same:  # a new pool (idle): the window parts start anew too
             self.window_free, self.window_blocks = [], 0
             self.window_of, self.readers, self.reading = {}, {}, {}
+            self._parts_read = 0
             self._store([not f for f in full], 0, block_tokens, False)
 
     def _store(self, which: list[bool], blocks: int, block_tokens: int, same: bool) -> None:
@@ -115,6 +119,8 @@ class PagedCache:
         self._window_block_nbytes = sum(t.element_size() * t.stride(0)
                                         for t, w in zip(keys + values, windowed + windowed) if w)
         self._block_nbytes = sum(t.element_size() * t.stride(0) for t in keys + values)
+        self._full_block_nbytes = self._block_nbytes - self._window_block_nbytes
+        """A block's bytes in the full layers (the KV manager's block, less its window part)."""
         self._storage_nbytes = sum(t.untyped_storage().nbytes() for t in keys + values)
 
     @torch.inference_mode()
@@ -171,17 +177,14 @@ class PagedCache:
         their window parts only where a sequence reads them."""
         if not self.window:
             return self.kv.block_bytes(self.kv.used_blocks) or 0
-        full = self._block_nbytes - self._window_block_nbytes
-        read = sum(1 for readers in self.readers.values() if readers)
-        return self.kv.used_blocks * full + read * self._window_block_nbytes
+        return self.kv.used_blocks * self._full_block_nbytes + self._parts_read * self._window_block_nbytes
 
     def kept_nbytes(self) -> int:
         """Bytes of the cached blocks no sequence holds, with the window parts kept for them."""
         if not self.window:
             return self.kv.block_bytes(self.kv.kept_blocks) or 0
-        full = self._block_nbytes - self._window_block_nbytes
-        parked = sum(1 for readers in self.readers.values() if not readers)
-        return self.kv.kept_blocks * full + parked * self._window_block_nbytes
+        parked = len(self.readers) - self._parts_read
+        return self.kv.kept_blocks * self._full_block_nbytes + parked * self._window_block_nbytes
 
     def storage_nbytes(self) -> int:
         """The storage's bytes, read from its tensors' storages (when they were made)."""
@@ -216,7 +219,7 @@ class PagedCache:
             while start < len(table) and any(block not in self.window_of for block in table[start:]):
                 start += 1  # only before the window (a hit is trimmed to whole windows)
             for block in table[start:]:
-                self.readers[block] += 1
+                self._read(block)
             self.reading[seq] = (start, list(table[start:]))
 
     def remove(self, seq: int) -> None:
@@ -236,8 +239,8 @@ class PagedCache:
         their window parts only while it reads them)."""
         if not self.window:
             return self.kv.table_bytes(seq)
-        full = self._block_nbytes - self._window_block_nbytes
-        return len(self.kv.tables.get(seq, ())) * full + len(self.reading.get(seq, (0, []))[1]) * self._window_block_nbytes
+        return (len(self.kv.tables.get(seq, ())) * self._full_block_nbytes
+                + len(self.reading.get(seq, (0, []))[1]) * self._window_block_nbytes)
 
     def _room(self, seq: int, tokens: int) -> None:
         if not self.kv.hold(seq, tokens):
@@ -254,7 +257,7 @@ class PagedCache:
         for block in table[start + len(blocks):]:
             if block not in self.window_of:
                 self.window_of[block], self.readers[block] = self._window_block(), 0
-            self.readers[block] += 1
+            self._read(block)
             blocks.append(block)
         past = max(0, self.lengths[seq] - self.window + 1 - self.margin()) // self.kv.block_tokens
         while start < past and blocks:
@@ -266,8 +269,16 @@ class PagedCache:
         """One sequence fewer reads ``block``'s window part: at none it goes back to the window pool,
         unless the block is cached (it stays with it, for a hit that ends there)."""
         self.readers[block] -= 1
-        if self.readers[block] == 0 and self.kv.pool.key_of[block] is None:
-            self._drop_part(block)
+        if self.readers[block] == 0:
+            self._parts_read -= 1
+            if self.kv.pool.key_of[block] is None:
+                self._drop_part(block)
+
+    def _read(self, block: int) -> None:
+        """One sequence more reads ``block``'s window part."""
+        self.readers[block] += 1
+        if self.readers[block] == 1:
+            self._parts_read += 1
 
     def margin(self) -> int:
         """Positions kept before a window's start: while guesses are verified (:attr:`rollback`) a
@@ -374,6 +385,6 @@ class PagedCache:
             start, blocks = self.reading[seq]
             for i, block in enumerate(self.kv.tables[seq][start:start + len(blocks)]):
                 if block != blocks[i]:
-                    self.readers[block] += 1
+                    self._read(block)
                     self._let_go(blocks[i])
                     blocks[i] = block
