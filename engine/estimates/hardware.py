@@ -196,9 +196,7 @@ def _streaming_read():
     already (loading them is a moment; building them a minute, not done here), else ``None``."""
     from engine.models import kernels  # lazy: kernels imports torch's extension tools
 
-    if kernels.loaded() is None and kernels.unavailable() is None and kernels.expected() and kernels.is_built():
-        kernels.kernels()
-    if kernels.loaded() is None:
+    if kernels.load_if_built() is None:
         return None
     import torch
 

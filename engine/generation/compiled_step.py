@@ -473,6 +473,7 @@ def _child(request, threads: int, paths: dict[str, str], weights: str, conn) -> 
         # the one-sequence step attends with the kernels wherever they load (the parent loads
         # them before the package, package_path's key says whether they were expected)
         loaded.fast.step_attention = kernels.expected() and kernels.kernels()
+        loaded.fast.dense = False  # its products are Inductor's (faster there than the kernels' dense_linear)
         if STEP in paths:
             build_package(loaded.fast, Path(paths[STEP]), threads, weights)
         if ROWS in paths:
@@ -553,6 +554,7 @@ def compile_step(d, threads: int, cancelled: Callable[[], bool] = lambda: False,
 
         if kernels.expected():  # the step may call their attention: it loads them (built by the child)
             kernels.kernels()
+            d.dense = fast.dense_op()  # the eager steps' products too
         step = load_package(d, path, weights)
     except Exception as exc:  # a damaged or foreign package: removed, so the next load builds afresh
         path.unlink(missing_ok=True)

@@ -197,6 +197,15 @@ class FastDecoder:
         """Whether :func:`_decode_step` attends with the kernels' ``attend_rows``: set in the
         build process (engine/generation/compiled_step.py) wherever the kernels load, so the
         compiled step is exported with it."""
+        self.dense = dense_op()
+        """Whether an eager decode step's fp32 and bf16 products run the kernels' ``dense_linear``
+        (:func:`_project`): where their AVX-512 build is loaded (set again once a compiled step's
+        build has loaded them). The compiled steps are built without it: their products are
+        Inductor's, which read the weights packed for them, faster there (benchmarks/fast_path.py
+        with ``INFERENCE_WORKBENCH_NO_DENSE_KERNELS``: Gemma-3-1B's config, bf16 1.26-1.38×
+        llama.cpp's BF16 compiled without it, 0.67-0.86× with it). Eagerly they double fp32's
+        one-sequence decode and make bf16's 1.4× as fast (the same model, alternating in one
+        process)."""
         self.compiled_threads: int | None = None
         """PyTorch threads the step was built for: its generated code runs that many, so at another
         count (the thread count adapts to the machine's load) the eager step runs instead."""
@@ -240,9 +249,21 @@ def _rms(x: torch.Tensor, norm, eps: float, offset: bool = False) -> torch.Tenso
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def _project(d: "FastDecoder", module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``; an eager decode step's rows (one position each, ``x`` [B, 1, K]) through
+    the kernels' ``dense_linear`` where the decoder uses it (:attr:`FastDecoder.dense`) and
+    ``module`` is a plain fp32 or bf16 ``nn.Linear``. A prompt's positions keep ``module``."""
+    if d.dense and type(module) is nn.Linear and x.dim() == 3 and x.shape[1] == 1 and module.weight.dtype == x.dtype:
+        out = torch.ops.workbench.dense_linear(x.reshape(x.shape[0], x.shape[2]), module.weight)
+        if module.bias is not None:
+            out = out + module.bias
+        return out.view(x.shape[0], 1, out.shape[-1])
+    return module(x)
+
+
 def _logits(d: "FastDecoder", hidden: torch.Tensor) -> torch.Tensor:
     """The final norm and the head (soft-capped where the model caps its logits)."""
-    logits = d.head(d.norm(hidden))
+    logits = _project(d, d.head, d.norm(hidden))
     if d.final_cap:
         logits = torch.tanh(logits / d.final_cap) * d.final_cap
     return logits
@@ -295,7 +316,8 @@ def _attention_inputs(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, cos: 
     heads, kv_heads, dim = d.heads, d.kv_heads, d.head_dim
     rotated = heads + kv_heads
     x = _rms(hidden, layer.norm1, layer.eps, layer.offset)
-    qkv = layer.qkv(x) if layer.qkv is not None else torch.cat([p(x) for p in layer.projections], dim=-1)
+    qkv = _project(d, layer.qkv, x) if layer.qkv is not None else torch.cat(
+        [_project(d, p, x) for p in layer.projections], dim=-1)
     qkv = qkv.view(batch, count, rotated + kv_heads, dim)
     if layer.q_norm is not None:  # per head, on the head dim
         qkv = torch.cat((_rms(qkv[:, :, :heads], layer.q_norm, layer.qk_eps, layer.offset),
@@ -321,17 +343,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def _rest_of_layer(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
     """Output projection and residual, then the MLP and its residual."""
     batch, count = hidden.shape[:2]
-    out = layer.o(attended.transpose(1, 2).reshape(batch, count, d.heads * d.head_dim))
+    out = _project(d, layer.o, attended.transpose(1, 2).reshape(batch, count, d.heads * d.head_dim))
     if layer.after_attention is not None:
         out = _rms(out, layer.after_attention, layer.eps, layer.offset)
     hidden = hidden + out
     x = _rms(hidden, layer.norm2, layer.eps, layer.offset)
     if layer.gate_up is not None:
-        gate_up = layer.gate_up(x)
+        gate_up = _project(d, layer.gate_up, x)
         gate, up = gate_up[..., :layer.intermediate], gate_up[..., layer.intermediate:]
     else:
-        gate, up = layer.gate(x), layer.up(x)
-    out = layer.down(layer.act(gate) * up)
+        gate, up = _project(d, layer.gate, x), _project(d, layer.up, x)
+    out = _project(d, layer.down, layer.act(gate) * up)
     if layer.after_mlp is not None:
         out = _rms(out, layer.after_mlp, layer.eps, layer.offset)
     return hidden + out
@@ -584,9 +606,23 @@ def attention_op() -> bool:
     compiles them once) they are loaded here: a moment, not a minute."""
     from engine.models import kernels  # lazy: kernels imports torch's extension tools
 
-    if kernels.loaded() is None and kernels.unavailable() is None and kernels.expected() and kernels.is_built():
-        kernels.kernels()
-    return kernels.loaded() is not None
+    return kernels.load_if_built() is not None
+
+
+NO_DENSE_ENV = "INFERENCE_WORKBENCH_NO_DENSE_KERNELS"
+"""Set (to anything): an eager decode step's fp32 and bf16 products are PyTorch's, not the
+kernels' ``dense_linear`` (for comparisons)."""
+
+
+def dense_op() -> bool:
+    """Whether eager decode steps multiply fp32 and bf16 weights with the kernels' ``dense_linear``:
+    where the kernels are loaded (:func:`attention_op`) in an AVX-512 build (the AVX2 build's is
+    PyTorch's own product) and :data:`NO_DENSE_ENV` isn't set."""
+    import os
+
+    from engine.models import kernels  # lazy: as above
+
+    return attention_op() and kernels.loaded().name != "avx2" and not os.environ.get(NO_DENSE_ENV)
 
 
 def _decode_rows(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: list[torch.Tensor],

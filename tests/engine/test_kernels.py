@@ -447,6 +447,67 @@ def test_attention_refuses_what_it_cannot_read():
         torch.ops.workbench.attend_rows(q.bfloat16(), cache.half(), cache.half(), torch.tensor([3, 4]), 0.25)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, inputs, outputs", [(1, 1152, 45), (1, 100, 8), (2, 31, 21), (5, 576, 67), (16, 96, 40)])
+def test_dense_products_are_the_product_and_each_row_its_own(rows, inputs, outputs, dtype):
+    """``dense_linear`` (a decode step's fp32/bf16 products): the float64 product within the
+    dtype's rounding, for any row count, inputs not a multiple of the vector (masked tails) and
+    outputs not a multiple of the row tile; a batched row equals the row alone, bit for bit.
+    (The AVX2 build's is PyTorch's product, which the fast path doesn't call.)"""
+    if kernels.loaded().name == "avx2":
+        pytest.skip("the AVX2 build has no products of its own")
+    generator = torch.Generator().manual_seed(rows * 1000 + inputs)
+    w = torch.randn(outputs, inputs, generator=generator).to(dtype)
+    x = torch.randn(rows, inputs, generator=generator).to(dtype)
+    got = torch.ops.workbench.dense_linear(x, w)
+    assert got.dtype == dtype and got.shape == (rows, outputs)
+    exact = x.double() @ w.double().T
+    worst = float((got.double() - exact).abs().max() / exact.abs().max())
+    assert worst < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(torch.cat([torch.ops.workbench.dense_linear(x[i:i + 1], w) for i in range(rows)]), got)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(torch.ops.workbench.dense_linear(x, w), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("precision", ["fp32-fast", "bf16-fast"])
+def test_the_decode_steps_dense_products_give_pytorchs_tokens(tiny_llama, precision):
+    """fp32-fast and bf16-fast decode with the kernels' ``dense_linear`` (one sequence and four
+    together) and with PyTorch's products: the same greedy tokens, scores within rounding."""
+    from engine.base.request import GenerationRequest
+    from engine.generation.paged_cache import PagedCache
+    from engine.models.loading import LoadRequest, load_model
+    from tests.tiny import CORPUS
+
+    loaded = load_model(LoadRequest(str(tiny_llama), precision, "cpu"))
+    assert loaded.fast.dense == (kernels.loaded().name != "avx2")
+    if not loaded.fast.dense:
+        pytest.skip("the AVX2 build has no products of its own")
+    prompts = [torch.tensor([loaded.encode(GenerationRequest(text, mode="raw"))]) for text in CORPUS[:4]]
+    runs = {}
+    for dense in (True, False):
+        loaded.fast.dense = dense
+        tokens, scores = [[] for _ in prompts], []
+        with torch.inference_mode():
+            for together in ([0], [1, 2, 3]):
+                cache = PagedCache(loaded.fast)
+                for seq in together:
+                    cache.add(seq, prompts[seq].shape[1] + 16)
+                    tokens[seq].append(int(cache.prefill(seq, prompts[seq]).argmax()))
+                for _ in range(10):
+                    logits = cache.decode(together, [tokens[seq][-1] for seq in together])
+                    scores.append(logits.float())
+                    for seq, row in zip(together, logits):
+                        tokens[seq].append(int(row.argmax()))
+        runs[dense] = tokens, torch.cat(scores)
+    assert runs[True][0] == runs[False][0]
+    tolerance = 1e-3 if precision == "fp32-fast" else 5e-2
+    assert torch.allclose(runs[True][1], runs[False][1], atol=tolerance * float(runs[False][1].abs().max()))
+
+
 @pytest.mark.parametrize("precision", ["fp32-fast", "int8-fast"])
 def test_the_batched_step_with_the_kernels_attention_is_the_one_without(tiny_llama, precision):
     """The engine core's eager batched step with the kernels' attention (each row up to its own

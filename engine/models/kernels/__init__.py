@@ -38,7 +38,7 @@ class Isa:
 
 _HERE = Path(__file__).parent
 HEADERS = (_HERE / "q8_common.h", _HERE / "q8_ops.h", _HERE / "q8_avx512.h", _HERE / "attention.h",
-           _HERE / "scores.h")
+           _HERE / "scores.h", _HERE / "dense.h")
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma")
 _AVX512_CFLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
                   "-mfma")
@@ -183,6 +183,14 @@ def kernels() -> bool:
         return _ready
 
 
+def load_if_built() -> Isa | None:
+    """The loaded build, loading it first where it was built on this machine already (a moment,
+    not the minute a build takes: nothing is compiled here); ``None`` where none is loaded."""
+    if _loaded is None and _why_not is None and expected() and is_built():
+        kernels()
+    return _loaded
+
+
 def loaded() -> Isa | None:
     """The build :func:`kernels` loaded (``None`` before, or where it couldn't)."""
     return _loaded
@@ -204,6 +212,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("workbench::q4_linear")
     def _(x, w, d, mins):
         return x.new_empty((x.shape[0], w.shape[0] * 16))
+
+    @torch.library.register_fake("workbench::dense_linear")
+    def _(x, w):
+        return x.new_empty((x.shape[0], w.shape[0]))
 
     @torch.library.register_fake("workbench::attend_rows")
     def _(q, keys, values, positions, scale):

@@ -21,6 +21,14 @@
 #include "attention.h"
 #include "scores.h"
 
+#ifdef WORKBENCH_AVX512
+#include "dense.h"
+#else
+namespace {
+torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& w) { return at::linear(x, w); }
+}  // namespace
+#endif
+
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
     TORCH_CHECK(w.dim() == 5 && w.size(2) == 8 && w.size(3) == 16 && w.size(4) == 4 && w.scalar_type() == at::kChar &&
                     w.is_contiguous(), "q8 weights: contiguous int8 [N/16, K/32, 8, 16, 4]");
@@ -126,6 +134,7 @@ TORCH_LIBRARY(workbench, m) {
     m.def("read_bytes(Tensor data, int streams=1) -> Tensor");
     m.def("q8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
     m.def("q4_linear(Tensor x, Tensor w, Tensor d, Tensor mins) -> Tensor");
+    m.def("dense_linear(Tensor x, Tensor w) -> Tensor");
     m.def("attend_rows(Tensor q, Tensor keys, Tensor values, Tensor positions, float scale) -> Tensor");
     m.def("attend_paged(Tensor q, Tensor keys, Tensor values, Tensor table, Tensor positions, float scale, "
           "int window=0, float softcap=0.) -> Tensor");
@@ -138,6 +147,7 @@ TORCH_LIBRARY_IMPL(workbench, CPU, m) {
     m.impl("read_bytes", &read_bytes);
     m.impl("q8_linear", &q8_linear);
     m.impl("q4_linear", &q4_linear);
+    m.impl("dense_linear", &dense_linear);
     m.impl("attend_rows", &attend_rows);
     m.impl("attend_paged", &attend_paged);
     m.impl("attend_chunk", &attend_chunk);
