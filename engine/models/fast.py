@@ -252,8 +252,10 @@ def _rms(x: torch.Tensor, norm, eps: float, offset: bool = False) -> torch.Tenso
 def _project(d: "FastDecoder", module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)``; an eager decode step's rows (one position each, ``x`` [B, 1, K]) through
     the kernels' ``dense_linear`` where the decoder uses it (:attr:`FastDecoder.dense`) and
-    ``module`` is a plain fp32 or bf16 ``nn.Linear``. A prompt's positions keep ``module``."""
-    if d.dense and type(module) is nn.Linear and x.dim() == 3 and x.shape[1] == 1 and module.weight.dtype == x.dtype:
+    ``module`` is a plain fp32 or bf16 ``nn.Linear`` with contiguous weights (a view of a tied
+    table may not be). A prompt's positions keep ``module``."""
+    if (d.dense and type(module) is nn.Linear and x.dim() == 3 and x.shape[1] == 1 and module.weight.dtype == x.dtype
+            and module.weight.is_contiguous()):
         out = torch.ops.workbench.dense_linear(x.reshape(x.shape[0], x.shape[2]), module.weight)
         if module.bias is not None:
             out = out + module.bias
