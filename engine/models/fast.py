@@ -201,11 +201,8 @@ class FastDecoder:
         """Whether an eager decode step's fp32 and bf16 products run the kernels' ``dense_linear``
         (:func:`_project`): where their AVX-512 build is loaded (set again once a compiled step's
         build has loaded them). The compiled steps are built without it: their products are
-        Inductor's, which read the weights packed for them, faster there (benchmarks/fast_path.py
-        with ``INFERENCE_WORKBENCH_NO_DENSE_KERNELS``: Gemma-3-1B's config, bf16 1.26-1.38×
-        llama.cpp's BF16 compiled without it, 0.67-0.86× with it). Eagerly they double fp32's
-        one-sequence decode and make bf16's 1.4× as fast (the same model, alternating in one
-        process)."""
+        Inductor's, on weights it packs for them, which measured faster there; eagerly
+        ``dense_linear`` is the faster (docs/benchmarks.md, "The eager step's products")."""
         self.compiled_threads: int | None = None
         """PyTorch threads the step was built for: its generated code runs that many, so at another
         count (the thread count adapts to the machine's load) the eager step runs instead."""

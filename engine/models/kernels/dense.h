@@ -12,11 +12,7 @@
 // rows: tiles of 4 weight rows × 4 activation rows (16 sums in registers). Every output's sum runs
 // in the same order whatever the tile, so a row's answer is the same alone or beside others.
 //
-// Against PyTorch's own kernels for one row (eager F.linear: oneDNN/MKL), on a 2-core AVX-512 EPYC
-// reading 4-6 matrices of 13,824 × 1,152 (larger than the L3) in turns with the memory's plain read
-// (read_bytes): fp32 29 GB/s where F.linear read 15 and the plain read 31; bf16 27-29 GB/s where
-// F.linear read 21 and the plain read 33; 16 rows 12.5 GB/s in both where F.linear read 6.7 (fp32)
-// and 12.2 (bf16).
+// Measured against PyTorch's F.linear and Inductor's products: docs/benchmarks.md, "The eager step's products".
 // Built only on q8_avx512.h's builds (AVX-512); the AVX2 build defines the operator as F.linear.
 
 #pragma once
