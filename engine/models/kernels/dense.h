@@ -29,8 +29,7 @@ inline bool has_avx512_bf16() {
 
 inline __m512 load16_masked(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 inline __m512 load16_masked(const at::BFloat16* p, __mmask16 mask) {
-    __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    return widen_bf16(_mm256_maskz_loadu_epi16(mask, p));
 }
 
 template <typename T>

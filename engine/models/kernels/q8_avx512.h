@@ -30,9 +30,11 @@ constexpr bool Q8_OFFSET = true;
 constexpr int ROW_TILE = 4, COL_TILE = 2, ROW1_COL_TILE = 2;
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+inline __m512 widen_bf16(__m256i raw) {  // 16 bf16 values as fp32 (the same bits, 16 places up)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::BFloat16* p) {
+    return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 load16(const at::Half* p) {  // the quantized precisions' KV cache (AVX-512F's vcvtph2ps)
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
