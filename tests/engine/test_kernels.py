@@ -473,36 +473,46 @@ def test_dense_products_are_the_product_and_each_row_its_own(rows, inputs, outpu
         torch.set_num_threads(threads)
 
 
+def greedy_through_cache(loaded, groups, steps: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy tokens of the first four texts of the tests' corpus through a paged cache of the
+    loaded model's fast decoder, each group of them (their indices) read and then decoded ``steps``
+    tokens together in a cache of its own; returns every prompt's tokens and the decode steps'
+    scores (fp32, their rows one after another)."""
+    from engine.base.request import GenerationRequest
+    from engine.generation.paged_cache import PagedCache
+    from tests.tiny import CORPUS
+
+    d = loaded.fast
+    prompts = [torch.tensor([loaded.encode(GenerationRequest(text, mode="raw"))]) for text in CORPUS[:4]]
+    tokens, scores = [[] for _ in prompts], []
+    with torch.inference_mode():
+        for together in groups:
+            cache = PagedCache(d)
+            for seq in together:
+                cache.add(seq, prompts[seq].shape[1] + steps + 4)
+                tokens[seq].append(int(cache.prefill(seq, prompts[seq]).argmax()))
+            for _ in range(steps):
+                logits = cache.decode(together, [tokens[seq][-1] for seq in together])
+                scores.append(logits.float())
+                for seq, row in zip(together, logits):
+                    tokens[seq].append(int(row.argmax()))
+    return tokens, torch.cat(scores)
+
+
 @pytest.mark.parametrize("precision", ["fp32-fast", "bf16-fast"])
 def test_the_decode_steps_dense_products_give_pytorchs_tokens(tiny_llama, precision):
     """fp32-fast and bf16-fast decode with the kernels' ``dense_linear`` (one sequence and four
     together) and with PyTorch's products: the same greedy tokens, scores within rounding."""
-    from engine.base.request import GenerationRequest
-    from engine.generation.paged_cache import PagedCache
     from engine.models.loading import LoadRequest, load_model
-    from tests.tiny import CORPUS
 
     loaded = load_model(LoadRequest(str(tiny_llama), precision, "cpu"))
     assert loaded.fast.dense == (kernels.loaded().name != "avx2")
     if not loaded.fast.dense:
         pytest.skip("the AVX2 build has no products of its own")
-    prompts = [torch.tensor([loaded.encode(GenerationRequest(text, mode="raw"))]) for text in CORPUS[:4]]
     runs = {}
     for dense in (True, False):
         loaded.fast.dense = dense
-        tokens, scores = [[] for _ in prompts], []
-        with torch.inference_mode():
-            for together in ([0], [1, 2, 3]):
-                cache = PagedCache(loaded.fast)
-                for seq in together:
-                    cache.add(seq, prompts[seq].shape[1] + 16)
-                    tokens[seq].append(int(cache.prefill(seq, prompts[seq]).argmax()))
-                for _ in range(10):
-                    logits = cache.decode(together, [tokens[seq][-1] for seq in together])
-                    scores.append(logits.float())
-                    for seq, row in zip(together, logits):
-                        tokens[seq].append(int(row.argmax()))
-        runs[dense] = tokens, torch.cat(scores)
+        runs[dense] = greedy_through_cache(loaded, ([0], [1, 2, 3]), 10)
     assert runs[True][0] == runs[False][0]
     tolerance = 1e-3 if precision == "fp32-fast" else 5e-2
     assert torch.allclose(runs[True][1], runs[False][1], atol=tolerance * float(runs[False][1].abs().max()))
@@ -513,29 +523,14 @@ def test_the_batched_step_with_the_kernels_attention_is_the_one_without(tiny_lla
     """The engine core's eager batched step with the kernels' attention (each row up to its own
     position) and without it (rows grouped by length, masked matrix products): the same tokens,
     scores within rounding."""
-    from engine.base.request import GenerationRequest
-    from engine.generation.paged_cache import PagedCache
     from engine.models.loading import LoadRequest, load_model
-    from tests.tiny import CORPUS
 
     loaded = load_model(LoadRequest(str(tiny_llama), precision, "cpu"))
     assert loaded.fast.rows_attention  # the kernels are loaded in this process
-    prompts = [torch.tensor([loaded.encode(GenerationRequest(text, mode="raw"))]) for text in CORPUS[:4]]
     runs = {}
     for attention in (True, False):
         loaded.fast.rows_attention = attention
-        cache = PagedCache(loaded.fast)
-        tokens, scores = [[] for _ in prompts], []
-        with torch.inference_mode():
-            for seq, ids in enumerate(prompts):
-                cache.add(seq, ids.shape[1] + 16)
-                tokens[seq].append(int(cache.prefill(seq, ids).argmax()))
-            for _ in range(12):
-                logits = cache.decode(list(range(len(prompts))), [t[-1] for t in tokens])
-                scores.append(logits)
-                for seq, row in enumerate(logits):
-                    tokens[seq].append(int(row.argmax()))
-        runs[attention] = tokens, torch.stack(scores)
+        runs[attention] = greedy_through_cache(loaded, ([0, 1, 2, 3],), 12)
     assert runs[True][0] == runs[False][0]
     assert torch.allclose(runs[True][1], runs[False][1], atol=1e-3 * float(runs[False][1].abs().max()))
 
