@@ -5,7 +5,11 @@ A B C …), each making exactly N greedy tokens of the same prompt on the defaul
 drift of a shared machine lands on all alike. Per engine: decode tok/s as the median of the
 per-token times over all rounds; the ratio to ``generate`` in fp32; the share of this machine's
 measured read bandwidth the weights a token reads stream at (the roofline: all the weights but
-an embedding table the head doesn't share, of which a token reads one row).
+an embedding table the head doesn't share, of which a token reads one row). The bandwidth is read
+again right before and right after each engine's round (a fraction of a second each), and each
+round's share is its own rate over the mean of those two: on a machine whose memory's speed drifts
+(a shared host's moves by half within minutes) a figure taken once would make the share drift
+with it. The table gives the median share and the range of the rounds'.
 
 When ``llama-bench`` is on PATH (and ``llama-quantize`` to make the F32/BF16/Q8_0 files from the
 default model's Q4_1 GGUF: the bit width is what sets the speed, not the values), each of our four
@@ -257,7 +261,7 @@ def main() -> int:
     MODEL = random_model(args.random_config) if args.random_config else args.model
     LLAMA_SOURCE = args.gguf
 
-    from engine.estimates.hardware import measure_cpu
+    from engine.estimates.hardware import bandwidth_probe, measure_cpu
 
     # a fixed thread count: llama.cpp's runs between ours would otherwise read as another program's
     # load, and ours would give up a thread (and the compiled step, built for two)
@@ -265,6 +269,7 @@ def main() -> int:
     # measured now, before the engines load and after the rounds (the hardware profile's cached
     # figure is from whenever it was first taken: this machine's bandwidth moves by a third)
     bandwidth_before = measure_cpu()["bandwidth_bytes_per_s"]
+    probe = bandwidth_probe()
     names = [n.strip() for n in args.engines.split(",") if n.strip()]
     peer = _tool("llama-bench") is not None and _tool("llama-quantize") is not None
     if not peer:
@@ -320,14 +325,20 @@ def main() -> int:
             prompt_pairs[precision] = (f"ours {precision}", theirs, count)
     steps: dict[str, list[float]] = {name: [] for name in engines}
     per_round: dict[str, list[float]] = {name: [] for name in engines}
+    shares: dict[str, list[float]] = {name: [] for name in engines}  # of the bandwidth read around each round
+    probes: list[float] = []
     batch_rates: dict[str, list[float]] = {name: [] for name in batched}
     prompt_rates: dict[str, list[float]] = {name: [] for name in prompts}
     for round_ in range(args.rounds + 1):  # round 0 warms every engine up and is dropped
-        for name, (run, *_) in engines.items():
+        for name, (run, _, read) in engines.items():
+            before = probe()
             times = run()
+            after = probe()
             if round_:
                 steps[name] += times
                 per_round[name].append(1.0 / statistics.median(times))
+                shares[name].append(100 * read * per_round[name][-1] / ((before + after) / 2))
+                probes += [before, after]
         for name, run in batched.items():
             rate = run()
             if round_:
@@ -350,20 +361,22 @@ def main() -> int:
           "that fit in it come from the cache, the rest from the memory (column 'from')")
     print(f"{args.tokens} greedy tokens × {args.rounds} rounds, interleaved; {torch.get_num_threads()} threads; "
           f"read bandwidth measured before and after the rounds {bandwidth_before / 1e9:.1f} and "
-          f"{bandwidth_after / 1e9:.1f} GB/s (the roofline takes their mean)\nCPU flags: {' '.join(flags)}; int8-activation "
+          f"{bandwidth_after / 1e9:.1f} GB/s, around each engine's rounds {min(probes) / 1e9:.1f}-"
+          f"{max(probes) / 1e9:.1f} GB/s (each round's share of the roofline is over the mean of its two)\nCPU flags: {' '.join(flags)}; int8-activation "
           f"kernels: {'on' if kernels.kernels() else 'off (' + str(kernels.unavailable()) + ')'}")
     print(f"{'engine':<20} {'tok/s':>7} {'vs generate fp32':>17} {'weights':>10} {'read/token':>11} "
-          f"{'from':>7} {'% of roofline':>14}")
+          f"{'from':>7} {'% of roofline (range)':>22}")
     rows = []
     for name in engines:
         weights, read = engines[name][1:]
-        roofline = 100 * read * rate[name] / bandwidth  # what a token reads, not what is held
+        roofline = statistics.median(shares[name])  # what a token reads, not what is held
         source = "?" if not l3 else ("L3" if read <= l3 else "memory")
+        spread = f"{min(shares[name]):.0f}-{max(shares[name]):.0f}"
         print(f"{name:<20} {rate[name]:7.1f} {(f'{rate[name] / base:.2f}×' if base else ''):>17} "
-              f"{weights / 2**20:8.1f}Mi {read / 2**20:9.1f}Mi {source:>7} {roofline:13.0f}%")
+              f"{weights / 2**20:8.1f}Mi {read / 2**20:9.1f}Mi {source:>7} {roofline:11.0f}% ({spread:>7})")
         rows.append({"engine": name, "tokens_per_s": rate[name], "vs_generate_fp32": rate[name] / base if base else None,
                      "weights_bytes": weights, "read_per_token_bytes": read, "roofline_percent": roofline,
-                     "reads_from": source})
+                     "roofline_percent_rounds": shares[name], "reads_from": source})
     if pairs:
         print(f"\n{'ours':<20} {'tok/s':>7}   {'llama.cpp':<15} {'tok/s':>7}   ratio (median of {args.rounds} rounds)")
         for ours, theirs in pairs.items():
@@ -400,7 +413,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"rows": rows, "bandwidth_bytes_per_s": bandwidth,
-                       "bandwidth_before_after": [bandwidth_before, bandwidth_after], "tokens": args.tokens,
+                       "bandwidth_before_after": [bandwidth_before, bandwidth_after],
+                       "bandwidth_around_rounds": probes, "tokens": args.tokens,
                        "rounds": args.rounds, "versions": versions()}, f, indent=2)
     return 0
 

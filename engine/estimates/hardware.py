@@ -203,6 +203,21 @@ def _streaming_read():
     return torch.ops.workbench.read_bytes
 
 
+def _memory_read(data) -> tuple[float, object, str]:
+    """How :func:`measure_bandwidth` reads ``data`` (a tensor far bigger than the caches): the
+    kernels' read at the best count of runs side by side (1-8; one a thread reads well below what
+    two do) where they are built, else a sum. (bytes a second, the read, what it is)."""
+    kernel = _streaming_read()
+    if kernel is None:
+        return _read_bandwidth(data, 5), None, "a sum"
+    rates = {count: _read_bandwidth(data, 3, read=lambda t, c=count: kernel(t, c)) for count in (1, 2, 4, 8)}
+    streams = max(rates, key=rates.get)
+
+    def read(tensor):
+        return kernel(tensor, streams)
+    return rates[streams], read, f"the kernels' read ({streams} runs a thread, the best of 1-8)"
+
+
 def measure_bandwidth() -> dict:
     """Read bandwidth from memory (a read over a tensor far bigger than the caches) and, where
     the last-level cache's size is known, from that cache (over a quarter of it, read again and
@@ -213,19 +228,9 @@ def measure_bandwidth() -> dict:
     heavy_imports()
     import torch
 
-    kernel = _streaming_read()
     data = torch.ones(128 * 1024 * 1024, dtype=torch.float32)  # 512 MiB
-    read = None
-    if kernel is None:
-        result = {"bandwidth_bytes_per_s": _read_bandwidth(data, 5), "bandwidth_method": "a sum"}
-    else:  # the best count of runs read side by side (one a thread reads well below what two do)
-        rates = {count: _read_bandwidth(data, 3, read=lambda t, c=count: kernel(t, c)) for count in (1, 2, 4, 8)}
-        streams = max(rates, key=rates.get)
-        result = {"bandwidth_bytes_per_s": rates[streams],
-                  "bandwidth_method": f"the kernels' read ({streams} runs a thread, the best of 1-8)"}
-
-        def read(tensor):  # the cache read the same way
-            return kernel(tensor, streams)
+    rate, read, method = _memory_read(data)
+    result = {"bandwidth_bytes_per_s": rate, "bandwidth_method": method}
     del data
     cache = last_level_cache_bytes()
     if cache:
@@ -236,6 +241,19 @@ def measure_bandwidth() -> dict:
             result.update(cache_bytes=cache, cache_bandwidth_bytes_per_s=cached)
     result["bandwidth_measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return result
+
+
+def bandwidth_probe():
+    """A function that measures the memory's read bandwidth again, as :func:`measure_bandwidth`
+    reads it, in a fraction of a second (the best of three reads of 512 MiB, held while the
+    function lives): for a figure taken right before and after another measurement, on a machine
+    whose bandwidth drifts."""
+    heavy_imports()
+    import torch
+
+    data = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
+    _, read, _ = _memory_read(data)
+    return lambda: _read_bandwidth(data, 3, read=read)
 
 
 def measure_cpu() -> dict:

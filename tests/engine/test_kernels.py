@@ -6,6 +6,7 @@ and, where the CPU runs more than one build, the others too."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -581,3 +582,20 @@ def test_the_bandwidth_read_reads_every_line_whatever_the_runs(streams):
         data[line * 64 + 3] = 4
         assert int(torch.ops.workbench.read_bytes(data, streams)) == 4 << 24
     assert int(torch.ops.workbench.read_bytes(torch.zeros(lines * 64, dtype=torch.uint8), streams)) == 0
+
+
+def test_the_bandwidth_probe_reads_as_the_measurement_does(monkeypatch):
+    """``bandwidth_probe`` (a benchmark's figure taken right around each of its rounds) picks its
+    count of runs as ``measure_bandwidth`` does, then reads with that one count every time, and
+    gives a finite rate."""
+    from engine.estimates import hardware
+
+    counts = []
+    read = torch.ops.workbench.read_bytes
+    monkeypatch.setattr(hardware, "_streaming_read", lambda: lambda data, runs: counts.append(runs) or read(data, runs))
+    probe = hardware.bandwidth_probe()
+    assert sorted(set(counts)) == [1, 2, 4, 8]
+    counts.clear()
+    rate = probe()
+    assert math.isfinite(rate) and rate > 0
+    assert len(counts) == 3 and len(set(counts)) == 1 and counts[0] in (1, 2, 4, 8)
