@@ -1,10 +1,10 @@
-"""The quantized fast path's weights on huge pages against ordinary pages, side by side.
+"""The fast path's weights on huge pages against ordinary pages, side by side.
 
-    python benchmarks/huge_pages.py [--precision int8-fast] [--rounds 8] [--start 40]
+    python benchmarks/huge_pages.py [--precision int8-fast] [--model default] [--rounds 8] [--start 40]
 
-Loads the default model twice in one process, once with its weights moved onto huge pages
-(engine/models/huge_pages.py, what a load does on Linux) and once with
-``INFERENCE_WORKBENCH_NO_HUGE_PAGES`` set, readies both compiled steps, then times 64-token
+Loads the model twice in one process, once with its weights (and the compiled steps' packed
+copies of them) moved onto huge pages (engine/models/huge_pages.py, what a load does on Linux)
+and once with ``INFERENCE_WORKBENCH_NO_HUGE_PAGES`` set, readies both compiled steps, then times 64-token
 decodes of 1 and of 16 sequences from position ``--start``, alternating between the two models
 round by round. Prints each median step, the ratio of the medians of the per-round ratios, the
 16-row step's gain over one row for each, how much of each model's weights the kernel backs
@@ -42,22 +42,24 @@ def anon_huge_kib() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--precision", default="int8-fast", choices=("int8-fast", "int4-fast"))
+    parser.add_argument("--precision", default="int8-fast", choices=("fp32-fast", "bf16-fast", "int8-fast", "int4-fast"))
+    parser.add_argument("--model", default="default", help="any model the app loads")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--start", type=int, default=40, help="the position every sequence decodes from")
     args = parser.parse_args()
     if not huge_pages.available():
         sys.exit("huge pages can't be advised here (Linux only, and INFERENCE_WORKBENCH_NO_HUGE_PAGES unset)")
     os.environ[huge_pages.DISABLE_ENV] = "1"
-    plain = load_model(LoadRequest("default", args.precision, "cpu"))
+    plain = load_model(LoadRequest(args.model, args.precision, "cpu"))
+    report = compile_decoder(plain.fast)  # its packed copies stay in ordinary pages too
     del os.environ[huge_pages.DISABLE_ENV]
     before = anon_huge_kib()
-    moved = load_model(LoadRequest("default", args.precision, "cpu"))
+    moved = load_model(LoadRequest(args.model, args.precision, "cpu"))
+    if not (report.error or report.rows_error):
+        report = compile_decoder(moved.fast)
     backed = anon_huge_kib() - before
-    for loaded in (plain, moved):
-        report = compile_decoder(loaded.fast)
-        if report.error or report.rows_error:
-            sys.exit(f"the compiled steps aren't ready: {report.error or report.rows_error}")
+    if report.error or report.rows_error:
+        sys.exit(f"the compiled steps aren't ready: {report.error or report.rows_error}")
     ids = torch.randint(100, 40000, (1, args.start), generator=torch.Generator().manual_seed(0))
     names = {"ordinary pages": plain, "huge pages": moved}
     caches, times = {}, {}
@@ -79,9 +81,10 @@ def main() -> None:
                     for _ in range(64):
                         cache.decode(seqs, [1] * rows)
                     times[name, rows].append((time.perf_counter() - start) / 64)
-    print(f"default model, {args.precision}, 64-token decodes from position {args.start}, {args.rounds} rounds "
+    print(f"{args.model}, {args.precision}, 64-token decodes from position {args.start}, {args.rounds} rounds "
           f"alternating, {torch.get_num_threads()} threads; CPU flags: {cpu_flags()}")
-    print(f"huge pages backing the moved model: {backed / 1024:.1f} MiB of its {moved.fast.huge_page_bytes / 2**20:.1f} MiB")
+    print(f"huge pages backing the moved model and its steps' packed copies: {backed / 1024:.1f} MiB (its weights "
+          f"{moved.fast.huge_page_bytes / 2**20:.1f} MiB)")
     for name in names:
         one, sixteen = (statistics.median(times[name, rows]) for rows in (1, 16))
         print(f"{name:>15}: 1 row {one * 1e3:.3f} ms, 16 rows {sixteen * 1e3:.3f} ms a step; 16 rows ÷ 1: "

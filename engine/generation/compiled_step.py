@@ -10,12 +10,15 @@ no guards between them.
 A second package holds the batched step (:func:`engine.models.fast._decode_rows`: two sequences
 or more, the batch a dynamic dimension too), built by the same child after the first. It calls
 the int8 kernels' attention, so it is built where they are (every precision: the child compiles
-them if the load didn't). Measured on the default model, int8-fast, 16 sequences, one step: the
-eager batched step 48.6 ms, compiled with the matmul attention over the whole cache 36.2 ms,
-compiled with the kernels' attention 28.8 ms (AMX machine, 2 threads). The eager step's ~20
-small operations a layer (norms, rotary, silu·up, the activations' quantization) are fused.
-The one-sequence step attends with the kernels too wherever they load (the child loads them
-before exporting it, the parent before loading it), with two matmuls and a softmax elsewhere.
+them if the load didn't). The eager step's ~20 small operations a layer (norms, rotary, silu·up,
+the activations' quantization) are fused. The one-sequence step attends with the kernels too
+wherever they load (the child loads them before exporting it, the parent before loading it),
+with two matmuls and a softmax elsewhere.
+
+The one-sequence step's fp32 and bf16 products are Inductor's, on weights it packs for them; the
+batched step's are the kernels' ``dense_linear`` (engine/models/kernels/dense.h), which read the
+weights once for a tile of rows where Inductor's dynamic-batch products did not keep up. Each
+choice was measured alternating in one process: docs/benchmarks.md, "The dense products".
 
 Why not ``torch.compile`` in a thread of the app, as before: while inductor traces, torch.fx
 patches ``nn.Module.__call__`` for the whole process, and a generation running meanwhile failed
@@ -46,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from engine.models import fast, quantize
+from engine.models import fast, huge_pages, quantize
 from engine.storage.paths import cache_dir
 from engine.models.fast import (MAX_COMPILED_CAPACITY, MIN_CAPACITY, _rotary_tables, CPU_COMPILE_OPTIONS, _decode_rows,
                                 _decode_step)
@@ -162,7 +165,7 @@ def package_path(d, threads: int, weights: str | None = None, kind: str = STEP) 
     from engine.models import kernels  # lazy: whether the step is built with the kernels' attention
 
     key = json.dumps([weights or fingerprint(d), threads, torch.__version__, str(pick_vec_isa()), _source_digest(),
-                      kernels.expected()])
+                      kernels.expected(), bool(os.environ.get(fast.NO_DENSE_ENV))])
     return cache_dir() / "compiled" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
 
 
@@ -278,8 +281,9 @@ def load_package(d, path: Path, weights: str):
             if mine is not None and tuple(mine.shape) == tuple(shape) and tuple(mine.stride()) == tuple(stride):
                 constants[name] = mine
                 continue
-            if file not in files:
-                files[file] = torch.load(io.BytesIO(reader.read_bytes(WEIGHTS_DIR + file)), weights_only=True)
+            if file not in files:  # a packed copy: on huge pages where the weights are (as they are read alike)
+                files[file] = huge_pages.copied(
+                    torch.load(io.BytesIO(reader.read_bytes(WEIGHTS_DIR + file)), weights_only=True))
             constants[name] = files[file].as_strided(shape, stride, offset)
     # the runner keeps pointers: the tensors stay alive with the step. It is handed aliases that
     # own nothing (see _borrowed), so that what it keeps of them once it is gone pins no memory
@@ -473,13 +477,16 @@ def _child(request, threads: int, paths: dict[str, str], weights: str, conn) -> 
         # the one-sequence step attends with the kernels wherever they load (the parent loads
         # them before the package, package_path's key says whether they were expected)
         loaded.fast.step_attention = kernels.expected() and kernels.kernels()
-        loaded.fast.dense = False  # its products are Inductor's (faster there than the kernels' dense_linear)
+        # one row's products are Inductor's, on weights it packs (they read faster than the
+        # kernels' dense_linear there); a batch's are dense_linear's (faster from 2 rows to 64)
+        loaded.fast.dense = False
         if STEP in paths:
             build_package(loaded.fast, Path(paths[STEP]), threads, weights)
         if ROWS in paths:
             try:
                 if not kernels.kernels():
                     raise RuntimeError(f"it needs the int8 kernels' attention: {kernels.unavailable()}")
+                loaded.fast.dense = fast.dense_op()
                 build_package(loaded.fast, Path(paths[ROWS]), threads, weights, ROWS)
             except Exception as exc:  # the one-sequence step stands; batches run the eager step
                 _failed(Path(paths[ROWS])).write_text(_message(exc), encoding="utf-8")

@@ -198,11 +198,11 @@ class FastDecoder:
         build process (engine/generation/compiled_step.py) wherever the kernels load, so the
         compiled step is exported with it."""
         self.dense = dense_op()
-        """Whether an eager decode step's fp32 and bf16 products run the kernels' ``dense_linear``
+        """Whether a decode step's fp32 and bf16 products run the kernels' ``dense_linear``
         (:func:`_project`): where their AVX-512 build is loaded (set again once a compiled step's
-        build has loaded them). The compiled steps are built without it: their products are
-        Inductor's, on weights it packs for them, which measured faster there; eagerly
-        ``dense_linear`` is the faster (docs/benchmarks.md, "The eager step's products")."""
+        build has loaded them). The eager steps and the compiled batched step use it; the compiled
+        one-sequence step is built without it (its products are Inductor's, on weights it packs
+        for them, which measured faster for one row): docs/benchmarks.md, "The dense products"."""
         self.compiled_threads: int | None = None
         """PyTorch threads the step was built for: its generated code runs that many, so at another
         count (the thread count adapts to the machine's load) the eager step runs instead."""
@@ -609,12 +609,13 @@ def attention_op() -> bool:
 
 
 NO_DENSE_ENV = "INFERENCE_WORKBENCH_NO_DENSE_KERNELS"
-"""Set (to anything): an eager decode step's fp32 and bf16 products are PyTorch's, not the
-kernels' ``dense_linear`` (for comparisons)."""
+"""Set (to anything): the eager steps' and the compiled batched step's fp32 and bf16 products are
+PyTorch's and Inductor's, not the kernels' ``dense_linear`` (for comparisons)."""
 
 
 def dense_op() -> bool:
-    """Whether eager decode steps multiply fp32 and bf16 weights with the kernels' ``dense_linear``:
+    """Whether decode steps multiply fp32 and bf16 weights with the kernels' ``dense_linear`` (the
+    eager ones, and the compiled batched step where it is built):
     where the kernels are loaded (:func:`attention_op`) in an AVX-512 build (the AVX2 build's is
     PyTorch's own product) and :data:`NO_DENSE_ENV` isn't set."""
     import os

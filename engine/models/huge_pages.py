@@ -1,22 +1,19 @@
-"""The quantized fast path's weights on transparent huge pages (Linux).
+"""The fast path's weights on transparent huge pages (Linux).
 
 A decode step reads every weight once, front to back, from memory: 142 MiB a token for the
-default model in int8-fast. In ordinary 4 KiB pages that is ~36,000 pages a step, each a TLB
-miss and a page walk, and the CPU's stream prefetcher stops at every page's end. In 2 MiB pages
-it is ~70. Linux gives a process huge pages where it asks for them (``madvise(MADV_HUGEPAGE)``;
-most distributions ship transparent huge pages in that "madvise" mode), but PyTorch allocates
-each tensor on its own, and a quantized layer's weights (0.3-1.8 MiB here) are too small for
-a huge page of their own. So once the fast decoder is built, its weights are copied into one
-anonymous mapping advised for huge pages, each tensor becoming a view of its copy (tensors that
-shared memory, such as q/k/v's views of their fused weight, still share it).
+default model in int8-fast, 513 MiB in fp32-fast. In ordinary 4 KiB pages that is tens of
+thousands of pages a step, each a TLB miss and a page walk, and the CPU's stream prefetcher
+stops at every page's end. In 2 MiB pages it is a few hundred. Linux gives a process huge pages
+where it asks for them (``madvise(MADV_HUGEPAGE)``; most distributions ship transparent huge pages
+in that "madvise" mode), but PyTorch allocates each tensor on its own, and most weights are too
+small for a huge page of their own. So once the fast decoder is built, its weights are copied
+into one anonymous mapping advised for huge pages, each tensor becoming a view of its copy
+(tensors that shared memory, such as q/k/v's views of their fused weight, still share it). The
+compiled steps' packed copies of the fp32 and bf16 weights, read from their package as they
+load, are copied onto huge pages the same way (:func:`copied`).
 
-Measured by ``benchmarks/huge_pages.py`` (the default model loaded twice in one process, one
-moved, 64-token decodes alternating round by round; 2-core AMX machine, 5 runs): int8-fast
-1.04-1.07× as fast at 16 sequences, 0.98-1.09× at one (that host's noise is as large as the
-difference); int4-fast 1.05× at both (one run). Only the
-int8-activation precisions (int8-fast, int4-fast) move: their products are the workbench's own
-kernels, which read any strided view; the dense precisions' compiled steps multiply packed
-copies of their weights that the compiled package itself holds.
+Measured by ``benchmarks/huge_pages.py`` (the model loaded twice in one process, one moved,
+64-token decodes alternating round by round): docs/benchmarks.md, "Huge pages".
 
 ``INFERENCE_WORKBENCH_NO_HUGE_PAGES=1`` leaves the weights where they are (for comparisons).
 Where the platform has no ``MADV_HUGEPAGE`` (macOS, Windows) nothing moves.
@@ -78,6 +75,20 @@ def _by_storage(modules: Iterable[nn.Module]) -> tuple[dict[int, list[tuple[nn.M
                     storages.setdefault(storage.data_ptr(), []).append((module, name, tensor))
                     sizes[storage.data_ptr()] = storage.nbytes()
     return storages, sizes
+
+
+def copied(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor``'s whole storage in a :func:`huge_page_buffer`, viewed with its shape,
+    strides and offset (``as_strided`` over it reaches what it reached over the original); the
+    tensor itself where :func:`available` is false or it isn't in CPU memory."""
+    storage = tensor.untyped_storage()
+    if not available() or tensor.device.type != "cpu" or not storage.nbytes():
+        return tensor
+    place = huge_page_buffer(storage.nbytes())
+    with torch.no_grad():
+        place.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+    typed = place[:storage.nbytes() - storage.nbytes() % tensor.element_size()].view(tensor.dtype)
+    return typed.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
 
 
 def move_to_huge_pages(modules: Iterable[nn.Module]) -> int:

@@ -203,7 +203,7 @@ def _prepare_fast(model, precision: Precision, name: str, reporter: ProgressRepo
             # teacher forcing and speculation use, do the same)
             model.get_input_embeddings().register_forward_hook(_fp32_output)
     decoder = fast.FastDecoder(model)
-    if has_int8_activations(model) and decoder.device.type == "cpu":
+    if decoder.device.type == "cpu":
         from engine.models.huge_pages import move_to_huge_pages  # lazy: as fast above (torch)
 
         decoder.huge_page_bytes = move_to_huge_pages(decoder.modules())

@@ -6,6 +6,7 @@ from engine.estimates.estimate import config_for, count_parameters, weights_byte
 from engine.base.events import Finished, Prefilled, TokenGenerated
 from engine.generation.compiled_step import compile_decoder, compile_in_background, stop_compiling
 from engine.generation.paged_cache import PagedCache
+from engine.models.fast import dense_op
 from engine.models.loading import LoadRequest, load_model
 from engine.models.quantize import Int4WeightOnlyLinear, Int8WeightOnlyLinear, quantize_linears
 from engine.base.request import GenerationRequest
@@ -367,13 +368,14 @@ BATCH_PROMPTS = [PROMPT, "a", PROMPT * 3, "Once upon"]
 """Prompts of different lengths: each row of a batched step at its own position."""
 
 
-def calls_attend_rows(package) -> bool:
-    """Whether a compiled package's generated code calls the kernels' attention operator."""
+def calls_op(package, op: str) -> bool:
+    """Whether a compiled package's generated code calls the kernels' operator ``op``."""
     import zipfile
 
+    names = (f"workbench::{op}".encode(), f"workbench.{op}".encode())
     with zipfile.ZipFile(package) as z:
-        return any(b"workbench::attend_paged" in z.read(info) or b"workbench.attend_paged" in z.read(info)
-                   for info in z.infolist() if info.filename.endswith((".cpp", ".json")))
+        return any(name in z.read(info) for info in z.infolist() if info.filename.endswith((".cpp", ".json"))
+                   for name in names)
 
 
 def live_extractions() -> list[str]:
@@ -427,6 +429,10 @@ def test_the_compiled_decode_step_gives_the_same_tokens(long_models, isolated_ca
         rows_name = step_name.replace("step-", "rows-", 1)
         assert sorted(p.name for p in package.glob("*.pt2")) == sorted([rows_name, step_name])  # no partial file
         assert report.rows_bytes == (package / rows_name).stat().st_size > 0
+        # a batch's fp32 products are the kernels' dense_linear wherever the eager steps' are;
+        # one row's are Inductor's
+        assert calls_op(package / rows_name, "dense_linear") == dense_op()
+        assert not calls_op(package / step_name, "dense_linear")
         rows_calls = []
         compiled_rows = loaded.fast.compiled_rows
         loaded.fast.compiled_rows = lambda *a: rows_calls.append(a[5].shape[0]) or compiled_rows(*a)
@@ -438,7 +444,7 @@ def test_the_compiled_decode_step_gives_the_same_tokens(long_models, isolated_ca
     assert report.package_bytes == (package / step_name).stat().st_size
     # the one-sequence step attends with the kernels wherever they load (its generated code
     # calls their operator), with the matmuls elsewhere: the same tokens either way (below)
-    assert calls_attend_rows(package / step_name) == kernels.kernels()
+    assert calls_op(package / step_name, "attend_paged") == kernels.kernels()
     calls = []
     compiled = loaded.fast.compiled
     loaded.fast.compiled = lambda *a: calls.append(a[7].shape[1]) or compiled(*a)  # the block table's width
@@ -606,7 +612,9 @@ def test_a_tied_head_in_row_blocks_keeps_one_copy_of_the_table(tmp_path, byte_to
     fast = load_model(LoadRequest(str(folder), f"{precision}-fast", "cpu"))
     head, embed = fast.model.get_output_embeddings(), fast.model.get_input_embeddings()
     assert isinstance(head, BlockedDenseLinear) and isinstance(embed, BlockedEmbedding)
-    assert all(getattr(embed, f"block{i}") is getattr(head, f"block{i}") for i in range(len(head.blocks)))
+    # one copy: the same memory (on huge pages each module holds its own view of it)
+    assert all(getattr(embed, f"block{i}").data_ptr() == getattr(head, f"block{i}").data_ptr()
+               for i in range(len(head.blocks)))
     predicted = weights_bytes(count_parameters(config_for(str(folder))), f"{precision}-fast")
     assert fast.info.weights_bytes == reference.info.weights_bytes
     buffers = sum(b.nbytes for b in reference.model.buffers())  # rotary frequencies (Gemma: the embedding's scale)

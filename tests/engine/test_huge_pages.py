@@ -1,4 +1,4 @@
-"""The int8-activation precisions' weights on huge pages (engine/models/huge_pages.py)."""
+"""The fast path's weights, and the compiled steps' packed copies, on huge pages (engine/models/huge_pages.py)."""
 
 import sys
 from pathlib import Path
@@ -46,11 +46,15 @@ def wide_llama(tmp_path_factory, byte_tokenizer):
                               intermediate_size=2048, num_hidden_layers=8)
 
 
-@pytest.mark.parametrize("precision", ["int8-fast", "int4-fast"])
-def test_quantized_weights_move_to_huge_pages_and_answer_the_same(wide_llama, precision, monkeypatch):
+def first_tensor(module) -> torch.Tensor:
+    return next(t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None)
+
+
+@pytest.mark.parametrize("precision", ["fp32-fast", "bf16-fast", "int8-fast", "int4-fast"])
+def test_the_weights_move_to_huge_pages_and_answer_the_same(wide_llama, precision, monkeypatch):
     from engine.models import kernels
 
-    if not kernels.kernels():
+    if precision in ("int8-fast", "int4-fast") and not kernels.kernels():
         pytest.skip(f"the int8 kernels don't load here: {kernels.unavailable()}")
     folder = str(wide_llama)
     monkeypatch.setenv(huge_pages.DISABLE_ENV, "1")
@@ -74,16 +78,24 @@ def test_quantized_weights_move_to_huge_pages_and_answer_the_same(wide_llama, pr
     for mine, theirs in zip(weights(moved.fast), weights(plain.fast)):
         assert mine.shape == theirs.shape and mine.stride() == theirs.stride() and torch.equal(mine, theirs)
     layer = moved.fast.layers[0]
-    fused = layer.qkv._buffers[next(iter(layer.qkv._buffers))]
-    part = layer.projections[0]._buffers[next(iter(layer.projections[0]._buffers))]
+    fused, part = first_tensor(layer.qkv), first_tensor(layer.projections[0])
     assert part.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
     assert answer(moved) == answer(plain)
 
 
-def test_dense_precisions_stay_where_they_are(wide_llama):
-    loaded = load_model(LoadRequest(str(wide_llama), "fp32-fast", "cpu"))
-    assert loaded.fast.huge_page_bytes == 0
-    assert not any(advised_for_huge_pages(t.data_ptr()) for t in weights(loaded.fast))
+def test_a_copy_keeps_every_view_of_its_storage():
+    """A compiled step's packed copy is read from its package as one tensor, and the step's
+    constants are views of it at offsets into its storage (engine/generation/compiled_step.py):
+    copied onto huge pages, every such view reaches the same values it did."""
+    storage = torch.randn(3 * huge_pages.HUGE_PAGE // 4 + 7)
+    tensor = storage[5:5 + 2 * 1000].view(2, 1000)
+    copy = huge_pages.copied(tensor)
+    assert copy.data_ptr() != tensor.data_ptr() and advised_for_huge_pages(copy.data_ptr())
+    assert copy.shape == tensor.shape and copy.stride() == tensor.stride()
+    assert copy.storage_offset() == tensor.storage_offset() and torch.equal(copy, tensor)
+    assert copy.untyped_storage().nbytes() == storage.untyped_storage().nbytes()
+    for shape, stride, offset in (((7,), (1,), 0), ((3, 4), (1, 3), 11), ((2,), (1,), storage.numel() - 2)):
+        assert torch.equal(copy.as_strided(shape, stride, offset), tensor.as_strided(shape, stride, offset))
 
 
 def test_a_buffer_is_zeroed_aligned_and_advised():

@@ -1,7 +1,8 @@
-// fp32 and bf16 matrix products for the eager decode steps (``torch.ops.workbench.dense_linear``):
-// a few rows of activations against weights as nn.Linear keeps them, [N, K] row-major, read in
-// place. (The compiled steps keep Inductor's products, which read weights it packed for them and
-// were faster there: engine/models/fast.py, FastDecoder.dense.)
+// fp32 and bf16 matrix products for the eager decode steps and the compiled batched step
+// (``torch.ops.workbench.dense_linear``): a few rows of activations against weights as nn.Linear
+// keeps them, [N, K] row-major, read in place. (The compiled one-sequence step keeps Inductor's
+// products, which read weights it packed for them and were faster for one row:
+// engine/models/fast.py, FastDecoder.dense.)
 //
 // A decode step reads every weight once for one row (or a few), so it is bound by the memory's
 // speed, and what counts is how many reads are in flight: each thread walks 8 weight rows side by
@@ -12,7 +13,7 @@
 // rows: tiles of 4 weight rows × 4 activation rows (16 sums in registers). Every output's sum runs
 // in the same order whatever the tile, so a row's answer is the same alone or beside others.
 //
-// Measured against PyTorch's F.linear and Inductor's products: docs/benchmarks.md, "The eager step's products".
+// Measured against PyTorch's F.linear and Inductor's products: docs/benchmarks.md, "The dense products".
 // Built only on q8_avx512.h's builds (AVX-512); the AVX2 build defines the operator as F.linear.
 
 #pragma once
