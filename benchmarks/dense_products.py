@@ -62,7 +62,8 @@ def main() -> int:
                 path = Path(folder) / f"{kind}-{int(dense)}.pt2"
                 if not path.exists():
                     d.dense = dense
-                    print(f"compiling the {kind} step {'with' if dense else 'without'} dense_linear …", flush=True)
+                    what = "one-sequence" if kind == compiled_step.STEP else "batched"
+                    print(f"compiling the {what} step {'with' if dense else 'without'} dense_linear …", flush=True)
                     compiled_step.build_package(d, path, threads, weights, kind)
                 steps[dense] = compiled_step.load_package(d, path, weights)
             d.dense = fast.dense_op()
