@@ -86,8 +86,6 @@ def time_steps(d, steps: dict, rows: int, position: int, rounds: int) -> dict[bo
     ids = torch.randint(0, 1000, (rows, 1), generator=torch.Generator().manual_seed(0))
     positions = torch.full((rows,), position, dtype=torch.long)
     table = torch.arange(rows * width, dtype=torch.long).view(rows, width).repeat(1, halves)
-    if rows == 1:
-        positions = positions[:1]
     times: dict[bool, list[float]] = {False: [], True: []}
     with torch.inference_mode():
         for round_ in range(rounds):

@@ -40,6 +40,16 @@ def anon_huge_kib() -> int:
     return int(text.split("AnonHugePages:")[1].split()[0])
 
 
+def ready(request: LoadRequest):
+    """The model loaded and its compiled steps ready (built or loaded now, under the environment
+    of this moment), or the reason they aren't, and an exit."""
+    loaded = load_model(request)
+    report = compile_decoder(loaded.fast)
+    if report.error or report.rows_error:
+        sys.exit(f"the compiled steps aren't ready: {report.error or report.rows_error}")
+    return loaded
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--precision", default="int8-fast", choices=("fp32-fast", "bf16-fast", "int8-fast", "int4-fast"))
@@ -50,16 +60,11 @@ def main() -> None:
     if not huge_pages.available():
         sys.exit("huge pages can't be advised here (Linux only, and INFERENCE_WORKBENCH_NO_HUGE_PAGES unset)")
     os.environ[huge_pages.DISABLE_ENV] = "1"
-    plain = load_model(LoadRequest(args.model, args.precision, "cpu"))
-    report = compile_decoder(plain.fast)  # its packed copies stay in ordinary pages too
+    plain = ready(LoadRequest(args.model, args.precision, "cpu"))  # its packed copies in ordinary pages too
     del os.environ[huge_pages.DISABLE_ENV]
     before = anon_huge_kib()
-    moved = load_model(LoadRequest(args.model, args.precision, "cpu"))
-    if not (report.error or report.rows_error):
-        report = compile_decoder(moved.fast)
+    moved = ready(LoadRequest(args.model, args.precision, "cpu"))
     backed = anon_huge_kib() - before
-    if report.error or report.rows_error:
-        sys.exit(f"the compiled steps aren't ready: {report.error or report.rows_error}")
     ids = torch.randint(100, 40000, (1, args.start), generator=torch.Generator().manual_seed(0))
     names = {"ordinary pages": plain, "huge pages": moved}
     caches, times = {}, {}

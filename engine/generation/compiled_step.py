@@ -458,8 +458,6 @@ def _child(request, threads: int, paths: dict[str, str], weights: str, conn) -> 
         # the weights exported as the tensors they were loaded as: views of one huge-page
         # mapping (engine/models/huge_pages.py) export as offsets into a storage the package
         # can't hold (its load asked for 45 TB); the parent's views take their place on loading
-        from engine.models import huge_pages
-
         os.environ[huge_pages.DISABLE_ENV] = "1"
         first = Path(next(iter(paths.values())))
         first.parent.mkdir(parents=True, exist_ok=True)

@@ -212,8 +212,8 @@ class FastDecoder:
         self._stop_compile = threading.Event()
         self._compile_thread: threading.Thread | None = None
         self.huge_page_bytes = 0
-        """The weights' bytes on huge pages (engine/models/huge_pages.py: int8-fast and int4-fast
-        on Linux), 0 where they stay in ordinary pages."""
+        """The weights' bytes on huge pages (engine/models/huge_pages.py: every fast precision on
+        the CPU, on Linux), 0 where they stay in ordinary pages."""
 
     def modules(self) -> list[nn.Module]:
         """Every module whose weights a step reads: the model's, and the fused q/k/v and gate/up
@@ -247,7 +247,8 @@ def _rms(x: torch.Tensor, norm, eps: float, offset: bool = False) -> torch.Tenso
 
 
 def _project(d: "FastDecoder", module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``; an eager decode step's rows (one position each, ``x`` [B, 1, K]) through
+    """``module(x)``; a decode step's rows (one position each, ``x`` [B, 1, K]: an eager step's, or
+    the compiled batched step's as it is exported) through
     the kernels' ``dense_linear`` where the decoder uses it (:attr:`FastDecoder.dense`) and
     ``module`` is a plain fp32 or bf16 ``nn.Linear`` with contiguous weights (a view of a tied
     table may not be). A prompt's positions keep ``module``."""

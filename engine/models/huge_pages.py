@@ -77,18 +77,29 @@ def _by_storage(modules: Iterable[nn.Module]) -> tuple[dict[int, list[tuple[nn.M
     return storages, sizes
 
 
+def _copy_storage(place: torch.Tensor, tensor: torch.Tensor) -> None:
+    """``tensor``'s whole storage, byte for byte, into ``place`` (uint8, as many bytes)."""
+    place.copy_(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()))
+
+
+def _view_in(place: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as it lies in its storage, over ``place`` (uint8: a copy of that storage):
+    the same dtype, shape, strides and offset."""
+    typed = place[:place.numel() - place.numel() % tensor.element_size()].view(tensor.dtype)
+    return typed.as_strided(tensor.shape, tensor.stride(), typed.storage_offset() + tensor.storage_offset())
+
+
 def copied(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of ``tensor``'s whole storage in a :func:`huge_page_buffer`, viewed with its shape,
     strides and offset (``as_strided`` over it reaches what it reached over the original); the
     tensor itself where :func:`available` is false or it isn't in CPU memory."""
-    storage = tensor.untyped_storage()
-    if not available() or tensor.device.type != "cpu" or not storage.nbytes():
+    nbytes = tensor.untyped_storage().nbytes()
+    if not available() or tensor.device.type != "cpu" or not nbytes:
         return tensor
-    place = huge_page_buffer(storage.nbytes())
+    place = huge_page_buffer(nbytes)
     with torch.no_grad():
-        place.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
-    typed = place[:storage.nbytes() - storage.nbytes() % tensor.element_size()].view(tensor.dtype)
-    return typed.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+        _copy_storage(place, tensor)
+    return _view_in(place, tensor)
 
 
 def move_to_huge_pages(modules: Iterable[nn.Module]) -> int:
@@ -112,11 +123,9 @@ def move_to_huge_pages(modules: Iterable[nn.Module]) -> int:
             users = storages.pop(key)
             size = sizes[key]
             place = arena[offset:offset + size]
-            place.copy_(torch.empty(0, dtype=torch.uint8).set_(users[0][2].untyped_storage()))
+            _copy_storage(place, users[0][2])
             for module, name, tensor in users:
-                item = tensor.element_size()
-                typed = arena[offset:offset + size - size % item].view(tensor.dtype)
-                view = typed.as_strided(tensor.shape, tensor.stride(), typed.storage_offset() + tensor.storage_offset())
+                view = _view_in(place, tensor)
                 table = module._parameters if name in module._parameters else module._buffers
                 table[name] = nn.Parameter(view, requires_grad=tensor.requires_grad) \
                     if isinstance(tensor, nn.Parameter) else view
