@@ -16,7 +16,7 @@ from pathlib import Path
 
 from engine import cli_quality, cli_serve
 from engine.base.errors import EngineError, InvalidRequestError
-from engine.cli_text import compare_table, estimate_summary, speculative_summary, summary
+from engine.cli_text import add_kv_dtype, compare_table, estimate_summary, speculative_summary, summary
 from engine.units import format_bytes, format_rate, format_seconds
 
 EXIT_ERROR = 1
@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "$OPENAI_API_KEY) (default: %(default)s)")
     bench.add_argument("--precision", default="fp32", choices=list(PRECISIONS))
     bench.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    add_kv_dtype(bench)
     _add_request_args(bench)
     bench.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub")
     bench.add_argument("--trust-remote-code", action="store_true",
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--model", default="default", help="'default', a folder, a .gguf file or a hub id")
     sweep.add_argument("--precision", default="fp32", choices=list(PRECISIONS))
     sweep.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    add_kv_dtype(sweep)
     sweep.add_argument("--batch", default="1,2,4,8", help="comma-separated batch sizes (default: %(default)s)")
     sweep.add_argument("--no-history", action="store_true", help="don't add the points to the run history")
     _add_request_args(sweep)
@@ -198,7 +200,7 @@ def _bench(args) -> int:
     loaded = load_model(
         LoadRequest(model=args.model, precision=args.precision, device=args.device,
                     trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle,
-                    offline=True if args.offline else None),
+                    offline=True if args.offline else None, kv_dtype=args.kv_dtype),
         progress=_LoadPrinter(),
     )
     loaded.encode(request)  # refuse an over-long prompt before printing anything else
@@ -278,8 +280,8 @@ def _sweep(args) -> int:
     request = _request(args)
     print(f"Connecting to {args.model} …" if is_endpoint(args.model) else f"Loading {args.model} ({args.precision}) …",
           file=sys.stderr, flush=True)
-    loaded = load_model(LoadRequest(model=args.model, precision=args.precision, device=args.device),
-                        progress=_LoadPrinter())
+    loaded = load_model(LoadRequest(model=args.model, precision=args.precision, device=args.device,
+                                    kv_dtype=args.kv_dtype), progress=_LoadPrinter())
     prompt_tokens = len(loaded.encode(request))
     print(f"{'batch':>5} {'tok/s (all)':>12} {'tok/s each':>11} {'TTFT':>9} {'per token':>10} {'KV cache':>10} "
           f"{'peak mem':>10} {'ceiling':>12}")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from engine.base.errors import InvalidRequestError
+from engine.cli_text import add_kv_dtype, kv_dtype_label
 
 
 def add_parser(sub, precisions) -> None:
@@ -18,6 +19,7 @@ def add_parser(sub, precisions) -> None:
                                                        "log-probabilities (vLLM, inference-workbench serve)")
     p.add_argument("--precision", default="fp32", choices=list(precisions))
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    add_kv_dtype(p)
     p.add_argument("--text", type=Path, help="a UTF-8 text file (default: resources/quality-text.txt, ~30k tokens "
                                              "of Shakespeare)")
     p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default: %(default)s, as llama.cpp)")
@@ -62,16 +64,18 @@ def run(args, load_printer) -> int:
     from engine.models.loading import LoadRequest, load_model  # lazy: start-up
 
     served = is_endpoint(args.model)
-    if args.reference == args.precision and not served:
-        raise InvalidRequestError("--reference is the precision measured: pick another (fp32 is the usual one).")
+    if args.reference == args.precision and args.kv_dtype == "auto" and not served:
+        raise InvalidRequestError("--reference is the precision measured: pick another (fp32 is the usual one), or "
+                                  "measure another KV-cache dtype (--kv-dtype) against it.")
     if is_endpoint(args.local):
         raise InvalidRequestError("--local: a model here (its tokenizer reads the text), not a served one.")
     name, text = quality.read_text(args.text)
     cancel = CancelToken()
 
-    def load(model: str, precision: str):
-        print(f"Loading {model} ({precision}) …", file=sys.stderr, flush=True)
-        return load_model(LoadRequest(model=model, precision=precision, device=args.device),
+    def load(model: str, precision: str, kv_dtype: str = "auto"):
+        kv = "" if kv_dtype == "auto" else f", {kv_dtype} KV cache"
+        print(f"Loading {model} ({precision}{kv}) …", file=sys.stderr, flush=True)
+        return load_model(LoadRequest(model=model, precision=precision, device=args.device, kv_dtype=kv_dtype),
                           progress=load_printer, cancel=cancel)
 
     if served:
@@ -83,7 +87,7 @@ def run(args, load_printer) -> int:
         elif args.reference is not None:
             reference = _reference(args, args.model, lambda: (load(args.model, args.reference), True), text, name,
                                    cancel)
-        loaded = load(args.model, args.precision)
+        loaded = load(args.model, args.precision, args.kv_dtype)
         tokens = quality.text_tokens(loaded, text)
         report, kept = quality.measure(loaded, tokens, name, args.ctx, args.chunks, reference, args.top_k, args.batch,
                                        cancel, _Progress(args.precision))
@@ -182,7 +186,8 @@ def summary(report, reference=None) -> str:
 
     lines = [
         f"model     {report.model} · {report.precision} · {report.device}"
-        + (f" · weights {format_bytes(report.weights_bytes)}" if report.weights_bytes else ""),
+        + (f" · weights {format_bytes(report.weights_bytes)}" if report.weights_bytes else "")
+        + (f" · KV cache {kv_dtype_label(report.kv_dtype)}" if report.kv_dtype else ""),
         f"text      {report.text} · {report.chunks} chunks × {report.ctx} tokens · {report.tokens_scored:,} scored",
         f"PPL       {report.perplexity:.4f} ± {report.perplexity_err:.4f}",
         f"time      {report.seconds:.1f} s ({report.tokens_per_s:,.0f} tok/s read)",

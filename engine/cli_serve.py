@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from engine.base.errors import InvalidRequestError
+from engine.cli_text import add_kv_dtype
 
 _SIZE = re.compile(r"^\s*([0-9.eE+]+)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
 _FACTORS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30,
@@ -42,6 +43,7 @@ def add_parsers(sub, precisions) -> None:
     serve.add_argument("--model", default="default", help="'default', a folder, a .gguf file or a hub id")
     serve.add_argument("--precision", default="fp32", choices=list(precisions))
     serve.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    add_kv_dtype(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; any "
                        "other than loopback needs --api-key)")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
@@ -110,7 +112,8 @@ def serve(args, load_printer) -> int:
                              batch_invariant=args.batch_invariant).validated()
     print(f"Loading {args.model} ({args.precision}) …", file=sys.stderr, flush=True)
     loaded = load_model(LoadRequest(model=args.model, precision=args.precision, device=args.device,
-                                    offline=True if args.offline else None), progress=load_printer)
+                                    offline=True if args.offline else None, kv_dtype=args.kv_dtype),
+                        progress=load_printer)
     server = Server(loaded, settings)
     if loaded.fast is not None:  # the compiled steps (one sequence, batches) run once they are ready
         from engine.generation.compiled_step import compile_in_background, stop_compiling  # lazy: start-up

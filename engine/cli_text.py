@@ -1,5 +1,6 @@
 """The CLI's reports as text: a bench run, a speculative run, a comparison's table, an estimate.
-The JSON (``--json``) carries the same figures; these are what a person reads in a terminal."""
+The JSON (``--json``) carries the same figures; these are what a person reads in a terminal. And
+the options several commands share (:func:`add_kv_dtype`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ from dataclasses import asdict
 
 from engine.estimates.costs import TABLE_LOOKUP
 from engine.units import format_bytes, format_count, format_rate, format_seconds
+
+
+def kv_dtype_label(torch_name: str) -> str:
+    """A KV cache's dtype as a reader knows it: ``int8 (q8_0 blocks)``, ``float16``…"""
+    return "int8 (q8_0 blocks: a scale per 32)" if torch_name == "int8" else torch_name
 
 
 def summary(r: dict) -> str:
@@ -37,7 +43,8 @@ def summary(r: dict) -> str:
         f"decode   {decode_tokens(r)} · {format_rate(r['decode_tokens_per_s'])} · "
         f"per {'chunk' if r['tokens_counted_by'] in ('usage', 'chunks') else 'token'} "
         f"p50 {format_seconds(pct(0.5))} · p95 {format_seconds(pct(0.95))}",
-        kv_line if served else f"KV cache {format_bytes(kv)} measured · {format_bytes(kv_pred)} predicted{delta}",
+        kv_line if served else f"KV cache {format_bytes(kv)} measured · {format_bytes(kv_pred)} predicted{delta}"
+        + (f" · {kv_dtype_label(r['kv_dtype'])}" if r.get("kv_dtype") else ""),
         memory_line if served else f"memory   peak {format_bytes(r['peak_memory_bytes'])}"
         + (" (process RSS)" if r["device"] == "cpu" else " (device)"),
         f"finish   {r['finish_reason']}" + (f" ({r['stop_string']!r})" if r["stop_string"] else ""),
@@ -169,3 +176,13 @@ def parallel_summary(plan) -> str:
     price = "" if plan.usd_per_million_tokens is None else f", ${plan.usd_per_million_tokens:.2f} per 1M tokens"
     lines += [f"→ {plan.chosen.gpus} GPUs{price}", f"  {plan.vllm_command}", f"  {plan.sglang_command}"]
     return "\n".join(lines)
+
+
+def add_kv_dtype(parser) -> None:
+    """``--kv-dtype`` (engine/models/precision.py's ``KV_DTYPES``), for every command that loads a model."""
+    from engine.models.precision import KV_DTYPES  # lazy: start-up
+
+    parser.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPES), type=str.lower,
+                        help="what the KV cache keeps keys and values in: auto (the precision's own), fp32, bf16, "
+                             "fp16, int8 (llama.cpp's q8_0 blocks) or fp8_e4m3 (a GPU's); other than auto, the fast "
+                             "path's choice (default: %(default)s)")

@@ -25,10 +25,10 @@ class KVLayout:
     windows: tuple[int | None, ...]
     """Per layer: ``None`` for full attention, else the sliding window W."""
 
-    def bytes_per_token_per_layer(self, element_bytes: int) -> int:
-        return 2 * self.kv_heads * self.head_dim * element_bytes
+    def bytes_per_token_per_layer(self, element_bytes: float) -> int:
+        return round(2 * self.kv_heads * self.head_dim * element_bytes)
 
-    def bytes_per_token(self, element_bytes: int) -> int:
+    def bytes_per_token(self, element_bytes: float) -> int:
         """Bytes one more token costs while no sliding window has filled."""
         return self.num_layers * self.bytes_per_token_per_layer(element_bytes)
 
@@ -39,7 +39,7 @@ class KVLayout:
             return tokens * full
         return sum(tokens if w is None else min(tokens, w - 1) for w in self.windows)
 
-    def bytes_for(self, tokens: int, element_bytes: int, batch: int = 1) -> int:
+    def bytes_for(self, tokens: int, element_bytes: float, batch: int = 1) -> int:
         return batch * self.tokens_held(tokens) * self.bytes_per_token_per_layer(element_bytes)
 
 

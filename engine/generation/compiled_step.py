@@ -165,7 +165,7 @@ def package_path(d, threads: int, weights: str | None = None, kind: str = STEP) 
     from engine.models import kernels  # lazy: whether the step is built with the kernels' attention
 
     key = json.dumps([weights or fingerprint(d), threads, torch.__version__, str(pick_vec_isa()), _source_digest(),
-                      kernels.expected(), bool(os.environ.get(fast.NO_DENSE_ENV))])
+                      kernels.expected(), bool(os.environ.get(fast.NO_DENSE_ENV)), str(d.kv_dtype)])
     return cache_dir() / "compiled" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
 
 
@@ -178,7 +178,7 @@ def _example_pool(d, blocks: int = 64, block_tokens: int = BLOCK_TOKENS) -> tupl
     """Example pools: ``blocks`` blocks for the full layers, fewer for the sliding-window layers'
     own pool (so the export sees two sizes)."""
     def pool(layer):
-        shape = (blocks // 2 if layer.window else blocks, d.kv_heads, block_tokens, d.head_dim)
+        shape = (blocks // 2 if layer.window else blocks, d.kv_heads, block_tokens, d.kv_row)
         return torch.zeros(shape, dtype=d.kv_dtype, device=d.device)
 
     return [pool(layer) for layer in d.layers], [pool(layer) for layer in d.layers]

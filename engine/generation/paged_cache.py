@@ -99,7 +99,7 @@ class PagedCache:
     def _store(self, which: list[bool], blocks: int, block_tokens: int, same: bool) -> None:
         """Storage of ``blocks`` blocks for the layers ``which`` names, their first blocks kept."""
         d = self.d
-        shape = (blocks, d.kv_heads, block_tokens, d.head_dim)
+        shape = (blocks, d.kv_heads, block_tokens, d.kv_row)
         keys = self.keys or [None] * len(d.layers)
         values = self.values or [None] * len(d.layers)
         for i, mine in enumerate(which):

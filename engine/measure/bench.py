@@ -88,6 +88,7 @@ def report(info: Loaded, request: GenerationRequest, measured: Run) -> dict:
         "kv_cache_bytes_series": [t.kv_cache_bytes for t in tokens],
         "kv_cache_bytes_predicted_series": [t.kv_cache_bytes_predicted for t in tokens],
         "kv_bytes_per_token": info.kv_bytes_per_token,
+        "kv_dtype": info.kv_dtype,
         "rss_bytes_series": [t.memory.rss_bytes for t in tokens],
         "device_allocated_bytes_series": [t.memory.device_allocated_bytes for t in tokens],
         "peak_memory_bytes": finished.peak_memory_bytes,

@@ -163,6 +163,8 @@ class QualityReport:
     """Each scored token's KL divergence, in order (the window colours the text by it)."""
     scored_ids: tuple[int, ...] = field(default=(), repr=False)
     """The scored tokens' ids, in order."""
+    kv_dtype: str = ""
+    """What the KV cache kept keys and values in (a torch dtype's name, or ``int8``: q8_0 blocks)."""
 
     def to_dict(self, per_token: bool = False) -> dict:
         out = asdict(self)
@@ -326,7 +328,7 @@ def measure(loaded, tokens: Sequence[int], text_name: str = "", ctx: int = DEFAU
     report = QualityReport(info.name, info.precision, info.device, text_name, ctx, chunks, count, ppl, ppl_err,
                            seconds, chunks * ctx / seconds if seconds > 0 else 0.0, info.weights_bytes, divergence,
                            tuple(kld.tolist()) if kld is not None else (),
-                           tuple(int(t) for t in data[:, first + 1:].reshape(-1).tolist()))
+                           tuple(int(t) for t in data[:, first + 1:].reshape(-1).tolist()), info.kv_dtype)
     kept = Reference(info.name, info.precision, ctx, sha, kept_ids, kept_lp, token_lp, ppl)
     return report, kept
 

@@ -28,6 +28,7 @@ from torch.nn import functional as F
 from engine.models.quantize import fuse_rows, has_int8_activations
 
 from engine.base.kv import kv_layout
+from engine.base.errors import UnsupportedPrecisionError
 from engine.models.precision import unsupported_type_reason
 
 OFFSET_NORMS = ("gemma2", "gemma3_text")
@@ -183,6 +184,13 @@ class FastDecoder:
         if has_int8_activations(model):
             self.dtype = torch.float32  # int8 activations: the rest computes in fp32, as llama.cpp's does
             self.kv_dtype = torch.float16  # and the cache is fp16, as llama.cpp's F16 cache
+        self.kv_row = self.head_dim
+        """A slot's row of one KV head in the cache: ``head_dim`` values, or an int8 cache's bytes
+        (:func:`use_kv_dtype`)."""
+        self.kv_turns: tuple[torch.Tensor, torch.Tensor] | None = None
+        """With an int8 cache whose heads are a multiple of 64 values: the Walsh-Hadamard rotations
+        (fp32, [head_dim, head_dim]) that queries and keys, and values, are turned by before the
+        cache keeps them (:func:`kv_turns`)."""
         self.compiled = None
         """The compiled decode step, once engine/generation/compiled_step.py has made it ready:
         called as :func:`_decode_step` is, for any cache size."""
@@ -220,6 +228,82 @@ class FastDecoder:
         layers (which are not the model's submodules)."""
         fused = [part for layer in self.layers for part in layer.fused]
         return [*self.model.modules(), *(m for part in fused for m in part.modules())]
+
+
+Q8_BLOCK = 32
+"""Values a scale covers in an int8 KV cache (llama.cpp's q8_0: 32 codes and an fp16 scale, 34 bytes)."""
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The orthonormal Walsh-Hadamard matrix of size ``n`` (a power of two): symmetric, its own inverse."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / n ** 0.5
+
+
+def kv_turns(head_dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rotations an int8 cache's heads are turned by, as llama.cpp turns its quantized caches'
+    (heads of a multiple of 64 values): keys and queries by a Walsh-Hadamard matrix as wide as
+    the largest power of two that divides the head, values by 64-wide ones, one after another
+    along the head. A turn spreads a head's few large dimensions (keys have some: 10× the others
+    on the default model) over every value of a 32-value block, so one scale fits them all:
+    attention is unchanged (the scores' dot products and the weighted values' sum both turn
+    with it), the rounding's error smaller (on the default model the KL divergence an int8 cache
+    costs falls by more than half: docs/benchmarks.md). ``None`` for other head sizes: kept as
+    they are."""
+    if head_dim % 64:
+        return None
+    wide = 64
+    while head_dim % (2 * wide) == 0:
+        wide *= 2
+    return (torch.block_diag(*[hadamard(wide)] * (head_dim // wide)),
+            torch.block_diag(*[hadamard(64)] * (head_dim // 64)))
+
+
+def use_kv_dtype(d: FastDecoder, dtype: torch.dtype) -> None:
+    """Keep ``d``'s keys and values in ``dtype`` from now on (before any cache is made). int8 is
+    llama.cpp's q8_0 cache: a slot's head in blocks of 32 values, each block its fp16 scale and 32
+    codes; written by the kernels' ``write_q8``, read by their attention, which then runs every
+    step (prompt chunks from position 0 included: every token's attention reads what the cache
+    kept)."""
+    if dtype == torch.int8:
+        if d.head_dim % Q8_BLOCK:
+            raise UnsupportedPrecisionError(f"An int8 KV cache keeps blocks of {Q8_BLOCK} values: it needs a head size "
+                                            f"that is a multiple of {Q8_BLOCK}, and this model's is {d.head_dim}. "
+                                            "Choose bf16 or fp16.")
+        if not attention_op():
+            raise UnsupportedPrecisionError("An int8 KV cache is read by the kernels' attention, which isn't loaded.")
+        d.kv_row = d.head_dim // Q8_BLOCK * 34
+        d.rows_attention = d.step_attention = True
+        turns = kv_turns(d.head_dim)
+        d.kv_turns = None if turns is None else tuple(t.to(d.device) for t in turns)
+    else:
+        d.kv_row = d.head_dim
+        d.kv_turns = None
+    d.kv_dtype = dtype
+
+
+def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """What an int8 (q8_0) cache gives back for ``x`` (its last dimension in blocks of 32): the
+    kernels' ``write_q8`` then their attention's reading, in PyTorch (a perplexity chunk's keys
+    and values, read without a cache)."""
+    blocks = x.float().unflatten(-1, (-1, Q8_BLOCK))
+    top = blocks.abs().amax(-1, keepdim=True)
+    scale = top / 127
+    inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
+    scaled = blocks * inverse
+    codes = scaled.sign() * (scaled.abs() + 0.5).floor()  # half away from zero, as C's round
+    return (codes * scale.half().float()).flatten(-2).to(x.dtype)
+
+
+def write_cache(pool: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """Rows' new keys (or values) ``x`` [R, KV heads, D] into ``pool`` at ``blocks`` and ``slots`` [R]:
+    converted to the pool's dtype, or quantized into an int8 pool's q8_0 blocks."""
+    if pool.dtype == torch.int8:
+        torch.ops.workbench.write_q8(pool, blocks, slots, x)
+    else:
+        pool[blocks, :, slots] = x.to(pool.dtype)
 
 
 def _rotary_per_kind(rotary) -> bool:
@@ -330,7 +414,15 @@ def _attention_inputs(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, cos: 
         turned = cos.shape[-1]  # the whole head, or its first part (partial rotary)
         qk = _rotate(qk, cos, sin) if turned == dim else torch.cat(
             (_rotate(qk[..., :turned], cos, sin), qk[..., turned:]), dim=-1)
-    return qk[:, :heads], qk[:, heads:], qkv[:, rotated:]
+    v = qkv[:, rotated:]
+    if d.kv_turns is not None:  # an int8 cache: queries and keys turned alike, values their own way
+        qk, v = _turn(qk, d.kv_turns[0]), _turn(v, d.kv_turns[1])
+    return qk[:, :heads], qk[:, heads:], v
+
+
+def _turn(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
+    """``x``'s heads (its last dimension) times an orthonormal ``turn`` (fp32)."""
+    return x @ turn if x.dtype == turn.dtype else (x.float() @ turn).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -343,6 +435,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def _rest_of_layer(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
     """Output projection and residual, then the MLP and its residual."""
     batch, count = hidden.shape[:2]
+    if d.kv_turns is not None:  # the values were turned: the weighted sum turns back (the turn is its own inverse)
+        attended = _turn(attended, d.kv_turns[1])
     out = _project(d, layer.o, attended.transpose(1, 2).reshape(batch, count, d.heads * d.head_dim))
     if layer.after_attention is not None:
         out = _rms(out, layer.after_attention, layer.eps, layer.offset)
@@ -397,15 +491,15 @@ def _forward(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: list[to
     positions = torch.arange(start, end, device=d.device)
     tables = split_table(d, table)
     places = [_slots(t.view(1, -1).expand(count, -1), positions, block_tokens) for t in tables]
-    paged = d.rows_attention and (start > 0 or in_place)
+    paged = d.rows_attention and (start > 0 or in_place or d.kv_dtype == torch.int8)
     masks: dict[int | None, torch.Tensor | None] = {}
     hidden = d.embed(ids).to(d.dtype)
     for layer, keys, values in zip(d.layers, key_pools, value_pools):
         mine = tables[bool(layer.window)]  # the blocks of this layer's pool
         blocks, slots = places[bool(layer.window)]
         q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
-        keys[blocks, :, slots] = k[0].transpose(0, 1).to(keys.dtype)
-        values[blocks, :, slots] = v[0].transpose(0, 1).to(values.dtype)
+        write_cache(keys, blocks, slots, k[0].transpose(0, 1))
+        write_cache(values, blocks, slots, v[0].transpose(0, 1))
         if paged:  # a row per new token: [count, heads, 1, dim]
             attended = torch.ops.workbench.attend_chunk(q[0].transpose(0, 1).unsqueeze(2), keys, values, mine,
                                                         start, layer.scaling, layer.window or 0, layer.cap)
@@ -448,7 +542,9 @@ def chunk_logits(d: FastDecoder, ids: torch.Tensor, keep: int) -> torch.Tensor:
     hidden = d.embed(ids).to(d.dtype)
     for layer in d.layers:
         q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
-        if d.kv_dtype != k.dtype:  # what a cache would have kept (a step reads them from it)
+        if d.kv_dtype == torch.int8:  # what a cache would have kept (a step reads them from it)
+            k, v = q8_round_trip(k), q8_round_trip(v)
+        elif d.kv_dtype != k.dtype:
             k, v = k.to(d.kv_dtype).to(k.dtype), v.to(d.kv_dtype).to(v.dtype)
         mask = _window_mask(count, count, layer.window, d.device)
         if layer.cap:
@@ -499,8 +595,8 @@ def _decode_step(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: lis
         mine = tables[bool(layer.window)]
         blocks, slots = places[bool(layer.window)]
         q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
-        keys[blocks, :, slots] = k[:, :, 0].to(keys.dtype)
-        values[blocks, :, slots] = v[:, :, 0].to(values.dtype)
+        write_cache(keys, blocks, slots, k[:, :, 0])
+        write_cache(values, blocks, slots, v[:, :, 0])
         if d.step_attention:
             attended = torch.ops.workbench.attend_paged(q, keys, values, mine, position, layer.scaling,
                                                         layer.window or 0, layer.cap)
@@ -547,8 +643,8 @@ def _rows_attention_inputs(d: FastDecoder, layer: _Layer, hidden: torch.Tensor, 
                            slots: torch.Tensor) -> torch.Tensor:
     """A batched step's queries, each row's new key and value written into its block at its slot."""
     q, k, v = _attention_inputs(d, layer, hidden, cos, sin)
-    keys[blocks, :, slots] = k[:, :, 0].to(keys.dtype)
-    values[blocks, :, slots] = v[:, :, 0].to(values.dtype)
+    write_cache(keys, blocks, slots, k[:, :, 0])
+    write_cache(values, blocks, slots, v[:, :, 0])
     return q
 
 

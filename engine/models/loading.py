@@ -24,7 +24,8 @@ from engine.base.events import Loaded, LoadProgress
 from engine.base.kv import KVLayout, kv_layout
 from engine.models.model import LoadedModel
 from engine.models.templates import ensure_template
-from engine.models.precision import FastPrecision, Precision, dtype_bytes, get_precision, unsupported_type_reason
+from engine.models.precision import (FastPrecision, Precision, dtype_bytes, get_precision, kv_cache_dtype,
+                                    unsupported_type_reason)
 from engine.progress import ProgressReporter, reporting
 from engine.models.load_lock import exclusive
 from engine.endpoint import connect, is_endpoint, parse_endpoint
@@ -46,6 +47,9 @@ class LoadRequest:
     """Never contact the hub; ``None`` follows ``HF_HUB_OFFLINE``."""
     api_key: str | None = field(default=None, repr=False, compare=False)
     """An endpoint's key as typed in (else read from the environment); never saved, never shown."""
+    kv_dtype: str = "auto"
+    """What the KV cache keeps keys and values in (engine/models/precision.py's ``KV_DTYPES``):
+    ``auto`` is the precision's own; another is the fast path's choice."""
 
 
 def load_model(request: LoadRequest, progress: Callable[[LoadProgress], None] | None = None,
@@ -109,8 +113,10 @@ def model_type_on_disk(ref: str) -> str | None:
 
 def preflight(request: LoadRequest, precision: Precision) -> None:
     """Refuse what the header already rules out, before any download, conversion or weight read:
-    a fast-path precision for an architecture the fast path doesn't run."""
+    a fast-path precision for an architecture the fast path doesn't run, a KV-cache dtype no path
+    here runs (:func:`~engine.models.precision.kv_cache_dtype`)."""
 
+    kv_cache_dtype(precision, "cpu" if isinstance(precision, FastPrecision) else "cuda", request.kv_dtype)
     if not isinstance(precision, FastPrecision):
         return
     model_type = model_type_on_disk(request.model)
@@ -147,7 +153,7 @@ def _load(request: LoadRequest, reporter: ProgressReporter, precision: Precision
         model.eval()
         if resolved.source == "default" and getattr(model, "generation_config", None) is not None:
             default_model.apply_sampling(model.generation_config)
-        fast = _prepare_fast(model, precision, resolved.name, reporter)
+        fast = _prepare_fast(model, precision, resolved.name, reporter, request.kv_dtype)
         reporter.report("warmup", 0, 1, "Warming up (one short forward pass)")
         _warm_up(model, device)
         layout = kv_layout(model.config)
@@ -169,8 +175,9 @@ def _load(request: LoadRequest, reporter: ProgressReporter, precision: Precision
     return loaded
 
 
-def _prepare_fast(model, precision: Precision, name: str, reporter: ProgressReporter):
-    """For a fast-path precision: quantize the linears in place and build the decoder."""
+def _prepare_fast(model, precision: Precision, name: str, reporter: ProgressReporter, kv_dtype: str = "auto"):
+    """For a fast-path precision: quantize the linears in place and build the decoder, its KV cache
+    in ``kv_dtype`` (a choice of ``--kv-dtype``)."""
 
     if not isinstance(precision, FastPrecision):
         return None
@@ -203,6 +210,18 @@ def _prepare_fast(model, precision: Precision, name: str, reporter: ProgressRepo
             # teacher forcing and speculation use, do the same)
             model.get_input_embeddings().register_forward_hook(_fp32_output)
     decoder = fast.FastDecoder(model)
+    if kv_dtype != "auto":
+        wanted = kv_cache_dtype(precision, decoder.device.type, kv_dtype)
+        if wanted == "int8":
+            from engine.models import kernels  # lazy: as above
+
+            if not kernels.is_built() and kernels.expected():
+                reporter.report("quantize", 0, 0, "Compiling the kernels for this CPU (once on this machine, about "
+                                                  "a minute)")
+            if not kernels.kernels():
+                raise UnsupportedPrecisionError(f"An int8 KV cache is read by the fast path's own attention kernels, "
+                                                f"which can't run here: {kernels.unavailable()}.")
+        fast.use_kv_dtype(decoder, getattr(torch, wanted))
     if decoder.device.type == "cpu":
         from engine.models.huge_pages import move_to_huge_pages  # lazy: as fast above (torch)
 

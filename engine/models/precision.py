@@ -177,5 +177,44 @@ def get_precision(name: str) -> Precision:
         ) from None
 
 
-def dtype_bytes(dtype_name: str) -> int:
-    return {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}[dtype_name]
+KV_DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int8": "int8",
+             "fp8_e4m3": "float8_e4m3fn"}
+"""What ``--kv-dtype`` takes, and the dtype (a torch name) each keeps keys and values in. ``auto``:
+the precision's own (:meth:`Precision.kv_dtype`); ``int8``: llama.cpp's q8_0 blocks, 32 codes and
+an fp16 scale per 32 values of a slot's head (``-ctk q8_0 -ctv q8_0``)."""
+
+Q8_BLOCK_BYTES = 34 / 32
+"""An int8 (q8_0) cache's bytes per value: 32 codes and a 2-byte scale per 32 values."""
+
+
+def kv_cache_dtype(precision: Precision, device_type: str, choice: str = "auto") -> str:
+    """The dtype (a torch name) ``precision`` keeps its KV cache in on ``device_type`` when the user
+    asks for ``choice`` (one of :data:`KV_DTYPES`). Raises :class:`UnsupportedPrecisionError` with
+    the reason where no path here runs that choice."""
+    key = (choice or "auto").strip().lower()
+    if key not in KV_DTYPES:
+        raise UnsupportedPrecisionError(f"Unknown KV-cache dtype {choice!r}: choose one of {', '.join(KV_DTYPES)}.")
+    own = precision.kv_dtype(device_type)
+    if key == "auto" or KV_DTYPES[key] == own:
+        return own
+    if key == "fp8_e4m3":
+        raise UnsupportedPrecisionError(
+            "An fp8_e4m3 KV cache needs a GPU with fp8 arithmetic (compute capability 8.9 or newer, as vLLM's "
+            "--kv-cache-dtype fp8), and the KV-cache dtype is the fast path's choice, which runs on the CPU: "
+            "choose int8 (llama.cpp's q8_0 cache), fp16 or bf16.")
+    if not isinstance(precision, FastPrecision):
+        raise UnsupportedPrecisionError(
+            f"{precision.name} runs on transformers' own cache, kept in {own}: the KV-cache dtype is the fast "
+            f"path's choice. Choose a fast precision (fp32-fast, bf16-fast, int8-fast, int4-fast) for a KV cache in {key}.")
+    compute = precision.compute_dtype(device_type)
+    if key == "fp32" and compute != "float32":
+        raise UnsupportedPrecisionError(
+            f"{precision.name} computes in {compute}: an fp32 cache would keep nothing its keys and values had "
+            "beyond that. Choose bf16, fp16 or int8.")
+    return KV_DTYPES[key]
+
+
+def dtype_bytes(dtype_name: str) -> float:
+    """Bytes a value of this dtype (a torch name, or ``int8``: a q8_0 cache's) takes."""
+    return {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int8": Q8_BLOCK_BYTES,
+            "float8_e4m3fn": 1}[dtype_name]

@@ -442,10 +442,21 @@ def test_attention_refuses_what_it_cannot_read():
         torch.ops.workbench.attend_rows(q, cache, cache, torch.tensor([3]), 0.25)
     with pytest.raises(RuntimeError, match="heads must match"):
         torch.ops.workbench.attend_rows(torch.randn(2, 3, 1, 16), cache, cache, torch.tensor([3, 4]), 0.25)
-    with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
+    with pytest.raises(RuntimeError, match="q float32 or bfloat16, keys and values of one type"):  # fp32 under bf16
         torch.ops.workbench.attend_rows(q.bfloat16(), cache, cache, torch.tensor([3, 4]), 0.25)
-    with pytest.raises(RuntimeError, match="float32 q over a float16 cache"):  # not bf16 queries over it
-        torch.ops.workbench.attend_rows(q.bfloat16(), cache.half(), cache.half(), torch.tensor([3, 4]), 0.25)
+    with pytest.raises(RuntimeError, match="keys and values of one type"):
+        torch.ops.workbench.attend_rows(q, cache.half(), cache.bfloat16(), torch.tensor([3, 4]), 0.25)
+    codes = torch.zeros(2, 2, 8, 17, dtype=torch.int8)  # an int8 cache's rows: 34 bytes a 32 values
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.workbench.attend_rows(q, codes, codes, torch.tensor([3, 4]), 0.25)
+    with pytest.raises(RuntimeError, match="head size"):  # 64 values a head are 68 bytes a row, not 34
+        wide = torch.zeros(2, 2, 8, 34, dtype=torch.int8)
+        torch.ops.workbench.attend_rows(torch.randn(2, 4, 1, 64), wide, wide, torch.tensor([3, 4]), 0.25)
+    with pytest.raises(RuntimeError, match="D a multiple of 32"):
+        torch.ops.workbench.write_q8(codes, torch.tensor([0]), torch.tensor([0]), torch.randn(1, 2, 16))
+    with pytest.raises(RuntimeError, match="a slot outside the pool"):
+        torch.ops.workbench.write_q8(torch.zeros(2, 2, 8, 34, dtype=torch.int8), torch.tensor([2]),
+                                     torch.tensor([0]), torch.randn(1, 2, 32))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

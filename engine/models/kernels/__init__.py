@@ -225,6 +225,10 @@ def _register_fakes() -> None:
     def _(q, keys, values, table, positions, scale, window=0, softcap=0.0):
         return q.new_empty(q.shape)
 
+    @torch.library.register_fake("workbench::write_q8")
+    def _(pool, blocks, slots, x):
+        return None
+
     @torch.library.register_fake("workbench::attend_chunk")
     def _(q, keys, values, table, start, scale, window=0, softcap=0.0):
         return q.new_empty(q.shape)

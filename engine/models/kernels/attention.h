@@ -17,6 +17,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cmath>
@@ -28,28 +30,71 @@
 
 namespace {
 
+// An int8 cache, laid out as llama.cpp's q8_0 cache: a slot's D keys (or values) of one KV head
+// in blocks of 32, each block 34 bytes, its scale (fp16) then its 32 codes; value i is block
+// i / 32's scale × code i % 32. The pool's last dimension is D / 32 × 34 bytes (int8 tensors).
+struct Q8 {};
+constexpr int64_t Q8_BLOCK = 32, Q8_BLOCK_BYTES = 34;
+
+// Element ``at`` on of one slot's row of a Q8 cache: what a pointer is to the other caches
+// (row + n, row[d]; load16 reads 16 values from a multiple of 16).
+struct Q8Slot {
+    const int8_t* row;
+    int64_t at;
+    Q8Slot operator+(int64_t n) const { return {row, at + n}; }
+    float operator[](int64_t d) const {
+        const int8_t* block = row + (at + d) / Q8_BLOCK * Q8_BLOCK_BYTES;
+        uint16_t bits;
+        std::memcpy(&bits, block, 2);
+        return _cvtsh_ss(bits) * static_cast<float>(block[2 + (at + d) % Q8_BLOCK]);
+    }
+};
+
+// What a cache of type C is stored as, what a slot's row is read through, and its bytes.
+template <typename C>
+struct CacheOf {
+    using Stored = C;
+    using Slot = const C*;
+    static Slot slot(const Stored* p) { return p; }
+    static const char* address(Slot s) { return reinterpret_cast<const char*>(s); }
+    static int64_t row_bytes(int64_t dim) { return dim * static_cast<int64_t>(sizeof(C)); }
+};
+template <>
+struct CacheOf<Q8> {
+    using Stored = int8_t;
+    using Slot = Q8Slot;
+    static Slot slot(const Stored* p) { return {p, 0}; }
+    static const char* address(Slot s) { return reinterpret_cast<const char*>(s.row); }
+    static int64_t row_bytes(int64_t dim) { return dim / Q8_BLOCK * Q8_BLOCK_BYTES; }
+};
+
+template <typename C>
+const typename CacheOf<C>::Stored* stored(const torch::Tensor& t) {
+    return t.data_ptr<typename CacheOf<C>::Stored>();
+}
+
 // Slot t's keys (or values) of one (row, KV head) in a cache laid out [rows, KV heads, slots, D].
 template <typename T>
 struct Strided {
-    const T* base;
+    const typename CacheOf<T>::Stored* base;
     int64_t stride;
-    const T* operator()(int64_t t) const { return base + t * stride; }
+    typename CacheOf<T>::Slot operator()(int64_t t) const { return CacheOf<T>::slot(base + t * stride); }
 };
 
 // The same in a pool laid out [blocks, KV heads, block tokens, D], through a row's block table,
 // from slot ``first`` on (a sliding window's first slot: the loops count from 0 either way).
 template <typename T>
 struct Paged {
-    const T* base;  // the pool at this KV head
+    const typename CacheOf<T>::Stored* base;  // the pool at this KV head
     const int64_t* table;
     int64_t block_stride, slot_stride, block_tokens;
     int shift;  // log2(block_tokens) where it is a power of two, else -1
     int64_t first = 0;
-    const T* operator()(int64_t t) const {
+    typename CacheOf<T>::Slot operator()(int64_t t) const {
         t += first;
         const int64_t i = shift >= 0 ? t >> shift : t / block_tokens;
         const int64_t at = shift >= 0 ? t & (block_tokens - 1) : t - i * block_tokens;
-        return base + table[i] * block_stride + at * slot_stride;
+        return CacheOf<T>::slot(base + table[i] * block_stride + at * slot_stride);
     }
 };
 
@@ -110,7 +155,7 @@ template <typename T, typename K, typename V>
 void attend_plain(const float* query, const K& keys, const V& values, int64_t n, int64_t dim, int64_t g0,
                   int64_t g1, bool reduced, float* key, float* scores, float* total, float* acc, float cap = 0.0f) {
     for (int64_t t = 0; t < n; ++t) {
-        const T* krow = keys(t);
+        const auto krow = keys(t);
         for (int64_t d = 0; d < dim; ++d) key[d] = static_cast<float>(krow[d]);
         for (int64_t g = g0; g < g1; ++g) {
             const float* qg = query + g * dim;
@@ -125,7 +170,7 @@ void attend_plain(const float* query, const K& keys, const V& values, int64_t n,
     if (reduced) round_numerators_bf16(scores, n, g0, g1);
     std::fill(acc + g0 * dim, acc + g1 * dim, 0.0f);
     for (int64_t t = 0; t < n; ++t) {
-        const T* vrow = values(t);
+        const auto vrow = values(t);
         for (int64_t d = 0; d < dim; ++d) key[d] = static_cast<float>(vrow[d]);
         for (int64_t g = g0; g < g1; ++g) {
             const float p = scores[g * n + t];
@@ -153,6 +198,15 @@ void attend_plain(const float* query, const K& keys, const V& values, int64_t n,
 // of 128 in bf16 1.2 → 1.06 ms, one row near 700 of 1,024 in fp32 1.44 → 1.22 ms; in a whole
 // int8-fast step at one row near 700, 1.02× (16 rows in fp32 read their keys from memory: no change).
 constexpr int64_t FAST_DIM = 256;
+
+// 16 values of a Q8 cache's row from element p.at (a multiple of 16: within one block), as fp32.
+inline __m512 load16(Q8Slot p) {
+    const int8_t* block = p.row + p.at / Q8_BLOCK * Q8_BLOCK_BYTES;
+    uint16_t bits;
+    std::memcpy(&bits, block, 2);
+    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + p.at % Q8_BLOCK));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), _mm512_set1_ps(_cvtsh_ss(bits)));
+}
 
 // exp_nonpositive on 16 lanes: the same steps (here for the softmax below and scores.h).
 inline __m512 exp_nonpositive16(__m512 x) {
@@ -207,7 +261,7 @@ inline void weigh_values(const float* scores, int64_t n, const V& values, int64_
         for (int c = 0; c < C; ++c) sums[h][c] = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
         __m512 v[C];
-        const auto* row = values(t);
+        const auto row = values(t);
         for (int c = 0; c < C; ++c) v[c] = load16(row + 16 * (c0 + c));
         for (int h = 0; h < H; ++h) {
             const __m512 p = _mm512_set1_ps(scores[(g + h) * n + t]);
@@ -268,15 +322,15 @@ template <int CH, typename T, typename K, typename V>
 inline void score_slots(const float* query, const K& keys, const V& values, int64_t n,
                         int64_t dim, int64_t g0, int64_t g1, bool ahead, float* scores) {
     const int64_t chunks = CH ? CH : dim / 16;
-    const int64_t row = dim * static_cast<int64_t>(sizeof(T));
-    auto fetch = [row](const T* slot) {
-        for (int64_t l = 0; l < row; l += 64) _mm_prefetch(reinterpret_cast<const char*>(slot) + l, _MM_HINT_T0);
+    const int64_t row = CacheOf<T>::row_bytes(dim);
+    auto fetch = [row](typename CacheOf<T>::Slot slot) {
+        for (int64_t l = 0; l < row; l += 64) _mm_prefetch(CacheOf<T>::address(slot) + l, _MM_HINT_T0);
     };
     alignas(64) float keys32[16 * 16 * (CH ? CH : 1)];
     const bool once = CH && !std::is_same<T, float>::value && g1 - g0 > 1;
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
         const int64_t count = std::min<int64_t>(16, n - t0);
-        const T* k[16];
+        typename CacheOf<T>::Slot k[16];
         for (int64_t j = 0; j < count; ++j) k[j] = keys(t0 + j);
         if (ahead) {  // the next 16 keys, and the values these 16 slots will weigh
             for (int64_t j = 16; j < std::min<int64_t>(32, n - t0); ++j) fetch(keys(t0 + j));
@@ -366,8 +420,8 @@ void attend_chunk_tiles(const torch::Tensor& q, const torch::Tensor& keys, const
                         const int64_t* table, int64_t start, double scale, torch::Tensor& out) {
     const int64_t count = q.size(0), heads = q.size(1), dim = q.size(3), kv_heads = keys.size(1);
     const int64_t group = heads / kv_heads;
-    const C* kp = keys.data_ptr<C>();
-    const C* vp = values.data_ptr<C>();
+    const auto* kp = stored<C>(keys);
+    const auto* vp = stored<C>(values);
     const int64_t tokens = keys.size(2);
     int shift = -1;
     for (int i = 0; i < 31; ++i)
@@ -463,22 +517,22 @@ void attend_impl(const torch::Tensor& q, int64_t kv_heads, int64_t dim, const At
 template <typename T, typename C>
 void attend_rows_impl(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                       const int64_t* positions, double scale, torch::Tensor& out) {
-    const C* kp = keys.data_ptr<C>();
-    const C* vp = values.data_ptr<C>();
+    const auto* kp = stored<C>(keys);
+    const auto* vp = stored<C>(values);
     const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2);
     const int64_t vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2);
     auto rows_of = [=](int64_t b, int64_t h, int64_t) {  // no window here: first is 0
         return std::make_pair(Strided<C>{kp + b * ks0 + h * ks1, ks2}, Strided<C>{vp + b * vs0 + h * vs1, vs2});
     };
-    attend_impl<T, C>(q, keys.size(1), keys.size(3), rows_of, positions, scale, out);
+    attend_impl<T, C>(q, keys.size(1), q.size(3), rows_of, positions, scale, out);
 }
 
 template <typename T, typename C>
 void attend_paged_impl(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                        const torch::Tensor& table, const int64_t* positions, double scale, torch::Tensor& out,
                        int64_t window, double softcap) {
-    const C* kp = keys.data_ptr<C>();
-    const C* vp = values.data_ptr<C>();
+    const auto* kp = stored<C>(keys);
+    const auto* vp = stored<C>(values);
     const int64_t* tp = table.data_ptr<int64_t>();
     const int64_t ts = table.stride(0), tokens = keys.size(2);
     int shift = -1;
@@ -490,17 +544,43 @@ void attend_paged_impl(const torch::Tensor& q, const torch::Tensor& keys, const 
         return std::make_pair(Paged<C>{kp + h * ks1, tp + b * ts, ks0, ks2, tokens, shift, first},
                               Paged<C>{vp + h * vs1, tp + b * ts, vs0, vs2, tokens, shift, first});
     };
-    attend_impl<T, C>(q, keys.size(1), keys.size(3), rows_of, positions, scale, out, window, softcap);
+    attend_impl<T, C>(q, keys.size(1), q.size(3), rows_of, positions, scale, out, window, softcap);
+}
+
+// The row a cache of keys' type keeps for a head of ``dim`` values: dim elements, or a Q8 cache's bytes.
+int64_t cache_row(const torch::Tensor& keys, int64_t dim) {
+    return keys.scalar_type() == at::kChar ? CacheOf<Q8>::row_bytes(dim) : dim;
 }
 
 void check_attention_types(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                            const char* name) {
+    const auto cache = keys.scalar_type();
     TORCH_CHECK(keys.scalar_type() == values.scalar_type() &&
                     (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
-                    (keys.scalar_type() == q.scalar_type() ||
-                     (q.scalar_type() == at::kFloat && keys.scalar_type() == at::kHalf)),
-                name, ": q, keys and values all float32 or all bfloat16, or float32 q over a float16 cache");
+                    (cache == q.scalar_type() || cache == at::kHalf || cache == at::kBFloat16 || cache == at::kChar),
+                name, ": q float32 or bfloat16, keys and values of one type: q's, float16, bfloat16 or int8 (q8_0 blocks)");
+    TORCH_CHECK(cache != at::kChar || q.size(3) % Q8_BLOCK == 0, name, ": an int8 cache needs a head size that is a multiple of 32");
     TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, name, ": the cache's last dimension contiguous");
+}
+
+template <typename X>
+struct Tag {
+    using type = X;
+};
+
+// f(Tag<queries' type>, Tag<cache's type>) for the types check_attention_types takes.
+template <typename F>
+void with_types(const torch::Tensor& q, const torch::Tensor& keys, F&& f) {
+    auto cache = [&](auto t) {
+        switch (keys.scalar_type()) {
+            case at::kHalf: f(t, Tag<at::Half>{}); break;
+            case at::kBFloat16: f(t, Tag<at::BFloat16>{}); break;
+            case at::kChar: f(t, Tag<Q8>{}); break;
+            default: f(t, Tag<float>{}); break;
+        }
+    };
+    if (q.scalar_type() == at::kFloat) cache(Tag<float>{});
+    else cache(Tag<at::BFloat16>{});
 }
 
 // a batched step's queries are a slice of the rotated queries and keys ([B, heads + KV heads, 1,
@@ -517,9 +597,9 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& keys, con
                           const torch::Tensor& positions, double scale) {
     TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && keys.dim() == 4 && values.sizes() == keys.sizes(),
                 "attend_rows: q [B, H, 1, D], keys and values [B, KV heads, capacity, D]");
-    TORCH_CHECK(q.size(0) == keys.size(0) && q.size(3) == keys.size(3) && q.size(1) % keys.size(1) == 0,
-                "attend_rows: q's rows, head size and heads must match the cache's");
     check_attention_types(q, keys, values, "attend_rows");
+    TORCH_CHECK(q.size(0) == keys.size(0) && cache_row(keys, q.size(3)) == keys.size(3) && q.size(1) % keys.size(1) == 0,
+                "attend_rows: q's rows, head size and heads must match the cache's");
     TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == q.size(0),
                 "attend_rows: positions, int64 [B]");
     auto qc = heads_side_by_side(q);
@@ -528,9 +608,9 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& keys, con
     for (int64_t b = 0; b < pc.size(0); ++b)
         TORCH_CHECK(pp[b] >= 0 && pp[b] < keys.size(2), "attend_rows: a position outside the cache");
     auto out = torch::empty({q.size(0), q.size(1), 1, q.size(3)}, q.options());
-    if (keys.scalar_type() == at::kHalf) attend_rows_impl<float, at::Half>(qc, keys, values, pp, scale, out);
-    else if (q.scalar_type() == at::kFloat) attend_rows_impl<float, float>(qc, keys, values, pp, scale, out);
-    else attend_rows_impl<at::BFloat16, at::BFloat16>(qc, keys, values, pp, scale, out);
+    with_types(qc, keys, [&](auto t, auto c) {
+        attend_rows_impl<typename decltype(t)::type, typename decltype(c)::type>(qc, keys, values, pp, scale, out);
+    });
     return out;
 }
 
@@ -539,9 +619,9 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& keys, con
 void check_pool(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, const char* name) {
     TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && keys.dim() == 4 && values.sizes() == keys.sizes(),
                 name, ": q [rows, H, 1, D], keys and values [blocks, KV heads, block tokens, D]");
-    TORCH_CHECK(q.size(3) == keys.size(3) && q.size(1) % keys.size(1) == 0,
-                name, ": q's head size and heads must match the pool's");
     check_attention_types(q, keys, values, name);
+    TORCH_CHECK(cache_row(keys, q.size(3)) == keys.size(3) && q.size(1) % keys.size(1) == 0,
+                name, ": q's head size and heads must match the pool's");
     TORCH_CHECK(keys.stride(2) == keys.size(3) && values.stride(2) == values.size(3), name,
                 ": a block's slots side by side");
 }
@@ -574,11 +654,10 @@ torch::Tensor attend_paged(const torch::Tensor& q, const torch::Tensor& keys, co
         }
     }
     auto out = torch::empty({q.size(0), q.size(1), 1, q.size(3)}, q.options());
-    if (keys.scalar_type() == at::kHalf)
-        attend_paged_impl<float, at::Half>(qc, keys, values, table, pp, scale, out, window, softcap);
-    else if (q.scalar_type() == at::kFloat)
-        attend_paged_impl<float, float>(qc, keys, values, table, pp, scale, out, window, softcap);
-    else attend_paged_impl<at::BFloat16, at::BFloat16>(qc, keys, values, table, pp, scale, out, window, softcap);
+    with_types(qc, keys, [&](auto t, auto c) {
+        attend_paged_impl<typename decltype(t)::type, typename decltype(c)::type>(qc, keys, values, table, pp, scale,
+                                                                                  out, window, softcap);
+    });
     return out;
 }
 
@@ -603,9 +682,10 @@ torch::Tensor attend_chunk(const torch::Tensor& q, const torch::Tensor& keys, co
     auto out = torch::empty({count, q.size(1), 1, q.size(3)}, q.options());
 #ifdef WORKBENCH_AVX512
     if (q.size(3) % 16 == 0 && q.size(3) <= FAST_DIM && window <= 0 && softcap <= 0) {  // else a row at a time
-        if (keys.scalar_type() == at::kHalf) attend_chunk_tiles<float, at::Half>(qc, keys, values, tp, start, scale, out);
-        else if (q.scalar_type() == at::kFloat) attend_chunk_tiles<float, float>(qc, keys, values, tp, start, scale, out);
-        else attend_chunk_tiles<at::BFloat16, at::BFloat16>(qc, keys, values, tp, start, scale, out);
+        with_types(qc, keys, [&](auto t, auto c) {
+            attend_chunk_tiles<typename decltype(t)::type, typename decltype(c)::type>(qc, keys, values, tp, start,
+                                                                                       scale, out);
+        });
         return out;
     }
 #endif
@@ -613,10 +693,52 @@ torch::Tensor attend_chunk(const torch::Tensor& q, const torch::Tensor& keys, co
     auto positions = torch::arange(start, start + count, table.options());
     auto rows = table.view({1, -1}).expand({count, table.size(0)});
     const int64_t* pp = positions.data_ptr<int64_t>();
-    if (keys.scalar_type() == at::kHalf) attend_paged_impl<float, at::Half>(qc, keys, values, rows, pp, scale, out, window, softcap);
-    else if (q.scalar_type() == at::kFloat) attend_paged_impl<float, float>(qc, keys, values, rows, pp, scale, out, window, softcap);
-    else attend_paged_impl<at::BFloat16, at::BFloat16>(qc, keys, values, rows, pp, scale, out, window, softcap);
+    with_types(qc, keys, [&](auto t, auto c) {
+        attend_paged_impl<typename decltype(t)::type, typename decltype(c)::type>(qc, keys, values, rows, pp, scale,
+                                                                                  out, window, softcap);
+    });
     return out;
+}
+
+// Rows' new keys (or values) written into an int8 pool as q8_0 blocks, as llama.cpp quantizes
+// them into its q8_0 cache: per block of 32, the scale d = the largest magnitude / 127 (kept as
+// fp16), each code round(x / d) (half away from zero), all zeros where the block is. pool [blocks,
+// KV heads, block tokens, D / 32 × 34] int8; blocks and slots [R] int64 (row r goes to slot
+// slots[r] of block blocks[r]); x [R, KV heads, D] float32 or bfloat16.
+void write_q8(torch::Tensor pool, const torch::Tensor& blocks, const torch::Tensor& slots, const torch::Tensor& x) {
+    TORCH_CHECK(pool.scalar_type() == at::kChar && pool.dim() == 4 && pool.stride(3) == 1,
+                "write_q8: pool int8 [blocks, KV heads, block tokens, D / 32 × 34], its last dimension contiguous");
+    TORCH_CHECK(x.dim() == 3 && x.size(1) == pool.size(1) && x.size(2) % Q8_BLOCK == 0 &&
+                    CacheOf<Q8>::row_bytes(x.size(2)) == pool.size(3),
+                "write_q8: x [R, KV heads, D] with D a multiple of 32 and the pool's rows D / 32 × 34 bytes");
+    TORCH_CHECK(blocks.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && blocks.dim() == 1 &&
+                    slots.dim() == 1 && blocks.size(0) == x.size(0) && slots.size(0) == x.size(0),
+                "write_q8: blocks and slots int64 [R]");
+    auto xs = x.to(at::kFloat).contiguous();
+    auto bc = blocks.contiguous(), sc = slots.contiguous();
+    const int64_t* bp = bc.data_ptr<int64_t>();
+    const int64_t* sp = sc.data_ptr<int64_t>();
+    const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2);
+    for (int64_t r = 0; r < rows; ++r)
+        TORCH_CHECK(bp[r] >= 0 && bp[r] < pool.size(0) && sp[r] >= 0 && sp[r] < pool.size(2),
+                    "write_q8: a slot outside the pool");
+    const float* xp = xs.data_ptr<float>();
+    int8_t* pp = pool.data_ptr<int8_t>();
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < heads; ++h) {
+            const float* src = xp + (r * heads + h) * dim;
+            int8_t* row = pp + bp[r] * pool.stride(0) + h * pool.stride(1) + sp[r] * pool.stride(2);
+            for (int64_t b = 0; b < dim / Q8_BLOCK; ++b) {
+                const float* v = src + b * Q8_BLOCK;
+                int8_t* block = row + b * Q8_BLOCK_BYTES;
+                float top = 0.0f;
+                for (int64_t i = 0; i < Q8_BLOCK; ++i) top = std::max(top, std::fabs(v[i]));
+                const float d = top / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+                const uint16_t bits = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
+                std::memcpy(block, &bits, 2);
+                for (int64_t i = 0; i < Q8_BLOCK; ++i) block[2 + i] = static_cast<int8_t>(std::round(v[i] * inv));
+            }
+        }
 }
 
 }  // namespace

@@ -141,6 +141,7 @@ TORCH_LIBRARY(workbench, m) {
     m.def("attend_chunk(Tensor q, Tensor keys, Tensor values, Tensor table, int start, float scale, "
           "int window=0, float softcap=0.) -> Tensor");
     m.def("row_totals(Tensor scores, int k) -> (Tensor, Tensor, Tensor)");
+    m.def("write_q8(Tensor(a!) pool, Tensor blocks, Tensor slots, Tensor x) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(workbench, CPU, m) {
@@ -152,4 +153,5 @@ TORCH_LIBRARY_IMPL(workbench, CPU, m) {
     m.impl("attend_paged", &attend_paged);
     m.impl("attend_chunk", &attend_chunk);
     m.impl("row_totals", &row_totals);
+    m.impl("write_q8", &write_q8);
 }
