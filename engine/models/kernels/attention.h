@@ -370,6 +370,7 @@ void attend_vectors(const float* query, const K& keys, const V& values, int64_t 
     switch (chunks) {
         case 4: score_slots<4, T>(query, keys, values, n, dim, g0, g1, ahead, scores); break;
         case 8: score_slots<8, T>(query, keys, values, n, dim, g0, g1, ahead, scores); break;
+        case 16: score_slots<16, T>(query, keys, values, n, dim, g0, g1, ahead, scores); break;
         default: score_slots<0, T>(query, keys, values, n, dim, g0, g1, ahead, scores); break;
     }
     cap_scores(scores, n, g0, g1, cap);
@@ -398,6 +399,7 @@ void attend_tile(const float* query, const K& keys, const V& values, int64_t n, 
     switch (chunks) {
         case 4: score_slots<4, C>(query, keys, values, n, dim, j0, j1, ahead, scores); break;
         case 8: score_slots<8, C>(query, keys, values, n, dim, j0, j1, ahead, scores); break;
+        case 16: score_slots<16, C>(query, keys, values, n, dim, j0, j1, ahead, scores); break;
         default: score_slots<0, C>(query, keys, values, n, dim, j0, j1, ahead, scores); break;
     }
     for (int64_t j = j0; j < j1; ++j) {  // head j is row j / group's: its slots 0 … first + j / group
@@ -479,8 +481,11 @@ void attend_impl(const torch::Tensor& q, int64_t kv_heads, int64_t dim, const At
     // A task: one (row, KV head) and a share of its query heads. Few pairs (one sequence: 3 KV
     // heads on the default model, for 2 threads) are split by query heads so that the threads
     // get even shares; a head's result is the same whichever share computed it.
+    // An int8 cache's values cost more to convert than a 16-bit one's: its tasks take as many query
+    // heads as the threads allow, so each converts a slot once for more of them.
     const int64_t pairs = batch * kv_heads;
-    const int64_t parts = std::min(group, (4 * at::get_num_threads() + pairs - 1) / pairs);
+    const int64_t spread = std::is_same<C, Q8>::value ? 1 : 4;
+    const int64_t parts = std::min(group, (spread * at::get_num_threads() + pairs - 1) / pairs);
     const int64_t share = (group + parts - 1) / parts;
 #ifdef WORKBENCH_AVX512
     const bool vectors = dim % 16 == 0 && dim <= FAST_DIM;
