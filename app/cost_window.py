@@ -325,12 +325,16 @@ class CostWindow(QMainWindow):
                                   "memory)")]
 
     def _points(self, config, profile) -> list[RunRecord]:
-        """Measured runs of this model (same parameter count), precision and hardware; plain decoding
-        only (a speculative run is not bound by this ceiling; a served request's batch changed under
-        it, step by step) and no run that ended in an error."""
+        """Measured runs of this model (same parameter count), precision, KV-cache bytes a token (the
+        KV-cache dtype's, where the run kept it: an int8 cache's run is not drawn against a 16-bit
+        prediction) and hardware;
+        plain decoding only (a speculative run is not bound by this ceiling; a served request's batch
+        changed under it, step by step) and no run that ended in an error."""
+        per_token = costs.estimate(config, profile, self.precision.currentData(), self.kv_dtype.currentData(), 1, 1,
+                                   None, "", self._count).kv_bytes_per_token
         return [r for r in self.records if r.parameters == self._count.total and r.hardware == profile.id
-                and r.precision == self.precision.currentData() and r.kind not in ("speculative", "served", "quality")
-                and not r.extra.get("error")]
+                and r.precision == self.precision.currentData() and r.kv_bytes_per_token in (None, per_token)
+                and r.kind not in ("speculative", "served", "quality") and not r.extra.get("error")]
 
     def _loads(self) -> list[RunRecord]:
         """Load sweeps (``inference-workbench load``, the traffic view) against servers of this model,

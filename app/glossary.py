@@ -50,6 +50,16 @@ TERMS: dict[str, tuple[str, str, str]] = {
                  "empty, and nothing is reserved for the longest answer it might give.",
                  "The KV cache plot: measured blocks held against the predicted line; the Traffic view's "
                  "KV plot and block counts; /metrics' vllm:kv_cache_usage_perc."),
+    "kv-dtype": ("KV-cache dtype",
+                 "The number format the KV cache keeps keys and values in. 16 bits (bf16, fp16) is the usual; "
+                 "int8 keeps each 32 values as 32 one-byte codes and one scale, as llama.cpp's q8_0 cache (and "
+                 "Ollama's OLLAMA_KV_CACHE_TYPE, vLLM's --kv-cache-dtype fp8): about half the bytes, so twice "
+                 "the tokens fit and each step reads half as much, at a small price in quality. Keys and values "
+                 "are first turned by a Walsh-Hadamard rotation, which spreads a head's few large numbers over "
+                 "the block so one scale fits them all; attention comes out the same.",
+                 "The Model panel's KV cache box (the -fast precisions), then the KV per token fact and the KV "
+                 "plot; the Cost explorer's KV-cache dtype; inference-workbench perplexity --kv-dtype int8 "
+                 "--reference fp32-fast for its price."),
     "prefix-cache": ("Prefix cache",
                      "Full KV blocks already computed, remembered by a hash of their tokens and of every "
                      "token before them, reused by a later prompt that begins with the same tokens (a system "
@@ -103,7 +113,8 @@ TERMS: dict[str, tuple[str, str, str]] = {
                 "The Per-token latency plot; the Traffic view's three histograms."),
 }
 
-_LINKED = {"TTFT": "ttft", "KV cache": "kv-cache", "KV-cache": "kv-cache", "prefix cache": "prefix-cache",
+_LINKED = {"TTFT": "ttft", "KV-cache dtype": "kv-dtype", "KV cache": "kv-cache", "KV-cache": "kv-cache",
+           "prefix cache": "prefix-cache",
            "decode": "decode", "prefill": "prefill", "latency": "latency", "batch": "batch",
            "weights": "weights", "tokens": "token", "token": "token", "throughput": "throughput",
            "ceiling": "bandwidth", "compute": "roofline", "preempted": "preemption", "TPOT": "tpot"}

@@ -112,7 +112,8 @@ class QualityRun(QObject):
         weights_from = "" if info is None else reference_weights(info.original_format, info.precision,
                                                                   served=info.source == "endpoint")
         self.rows.append(LaneQuality(lane.index + 1, lane.spec().label, lane.colour, lane.spec().precision, speed,
-                                     result.report, result.pieces, weights_from))
+                                     result.report, result.pieces, weights_from,
+                                     None if info is None else info.kv_bytes_per_token))
         report = result.report
         self.progressed.emit(lane, f"quality: perplexity {report.perplexity:.3f}"
                                    + ("" if report.divergence is None else

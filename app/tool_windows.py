@@ -30,7 +30,8 @@ class ToolWindows(QObject):
             self.compare = CompareWindow()
             self.compare.closed.connect(self._on_compare_closed)
             request = self.main.model_panel.request()
-            self.compare.lanes[0].configure(LaneSpec(request.model, request.precision, request.device))
+            self.compare.lanes[0].configure(LaneSpec(request.model, request.precision, request.device,
+                                                     kv_dtype=request.kv_dtype))
             self.compare.lanes[1].configure(LaneSpec(request.model, "nf4", request.device))
         return _front(self.compare)
 

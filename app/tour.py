@@ -31,7 +31,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.glossary import linked, open_glossary
-from engine.units import format_bytes, format_count, format_rate, format_seconds
+from engine.units import format_bytes, format_count, format_rate, format_seconds, kv_dtype_label
 from engine.models.sources import reference_weights
 
 PROMPT = "In two sentences: what does a GPU do?"
@@ -81,7 +81,8 @@ STEPS = (
          "Llama-3.1-8B gives the essay's 16 GB."),
     Step("kv", "The KV cache", "Why does memory grow while it talks?",
          "A follow-up turn: the KV cache plot (outlined) adds the same bytes for every token, measured dots on "
-         "the line predicted from the config. Each request holds its own, so context and users multiply it."),
+         "the line predicted from the config. Each request holds its own, so context and users multiply it. "
+         "Fewer bits a value hold more: the Model panel's KV cache box (int8 is about half of 16-bit)."),
     Step("bandwidth", "The bandwidth ceiling", "Why does generating a response take time?",
          "Each decode step reads every weight (and the KV cache) from memory. This machine's bandwidth, "
          "measured, divided by the bytes read per token, is the fastest one request can go: the dashed line "
@@ -580,7 +581,8 @@ class Tour(QDialog):
                     f"{format_bytes(8 * per_token * info.context_length)}." if info.context_length else "")
             self._done("kv", f"<b>{format_bytes(measured)}</b> measured for {tokens:,} tokens, "
                              f"{format_bytes(predicted)} predicted ({100 * (measured - predicted) / predicted:+.1f}%): "
-                             f"<b>{format_bytes(per_token)} per token</b>.{full}")
+                             f"<b>{format_bytes(per_token)} per token</b> in {kv_dtype_label(info.kv_dtype)}."
+                             f"{full}")
 
         self._generate(FOLLOW_UP, finished)
 
@@ -651,7 +653,7 @@ class Tour(QDialog):
         window = self.main.open_compare()
         loaded = self.main.model_panel.loaded_request  # lane 1: the model the main window runs, as loaded
         if loaded is not None and not window.running:
-            window.lanes[0].configure(LaneSpec(loaded.model, loaded.precision, loaded.device))
+            window.lanes[0].configure(LaneSpec(loaded.model, loaded.precision, loaded.device, kv_dtype=loaded.kv_dtype))
         window.max_tokens.setValue(LADDER_TOKENS)
         if not window.prompt.toPlainText().strip():
             window.prompt.setPlainText(PROMPT)

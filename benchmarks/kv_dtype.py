@@ -37,14 +37,13 @@ from benchmarks.fast_path import _tool, llama_files  # noqa: E402
 from benchmarks.preemption import cpu_flags  # noqa: E402
 from engine.base.events import BatchFinished  # noqa: E402
 from engine.base.request import GenerationRequest  # noqa: E402
-from engine.cli_text import kv_dtype_label  # noqa: E402
 from engine.estimates.hardware import last_level_cache_bytes  # noqa: E402
 from engine.generation.compiled_step import compile_decoder  # noqa: E402
 from engine.generation.paged_cache import PagedCache  # noqa: E402
 from engine.measure import quality  # noqa: E402
 from engine.measure.batch import stream_batch  # noqa: E402
 from engine.models.loading import LoadRequest, load_model  # noqa: E402
-from engine.units import format_bytes  # noqa: E402
+from engine.units import format_bytes, kv_dtype_label  # noqa: E402
 
 
 def decode_rate(loaded, prompts: list[list[int]], tokens: int) -> float:

@@ -11,6 +11,9 @@ the same perplexity, and how low the served KL's lower bound reads against the f
 
     python benchmarks/contention.py   # first, if another program may be running
     python benchmarks/quality.py [--precisions fp32,bf16,...] [--chunks N] [--exact int8-fast,...] [--served int8-fast]
+
+A precision may name a KV-cache dtype after an ``@`` (``int8-fast@int8``: int8-fast's weights, an
+int8 KV cache): what the cache's bits cost, measured the same way.
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ def main() -> None:
     reference = None
     reference_model = None
     for precision in ["fp32"] + [p for p in args.precisions.split(",") if p and p != "fp32"]:
-        loaded = load_model(LoadRequest("default", precision, "cpu"))
+        weights, _, kv = precision.partition("@")
+        loaded = load_model(LoadRequest("default", weights, "cpu", kv_dtype=kv or "auto"))
         tokens = quality.text_tokens(loaded, text)
         report, kept = quality.measure(loaded, tokens, "quality-text.txt", args.ctx, args.chunks, reference)
         exact = None
@@ -90,11 +94,11 @@ def main() -> None:
             loaded.close()
     print(f"\ndefault model (SmolLM2-135M-Instruct), quality-text.txt, ctx {args.ctx}, "
           f"{rows[0][1].chunks} chunks ({rows[0][1].tokens_scored:,} tokens scored); CPU flags: {cpu_flags()}")
-    print(f"{'precision':<10} {'weights':>10} {'PPL':>16} {'PPL ratio':>9} {'mean KLD':>10} {'KLD p99':>9} "
-          f"{'same top':>9} {'decode':>11} {'time':>8}")
+    print(f"{'precision':<15} {'KV cache':<9} {'weights':>10} {'PPL':>16} {'PPL ratio':>9} {'mean KLD':>10} "
+          f"{'KLD p99':>9} {'same top':>9} {'decode':>11} {'time':>8}")
     for precision, report, speed, _ in rows:
         d = report.divergence
-        print(f"{precision:<10} {format_bytes(report.weights_bytes):>10} "
+        print(f"{precision.partition('@')[0]:<15} {report.kv_dtype:<9} {format_bytes(report.weights_bytes):>10} "
               f"{report.perplexity:>8.3f} ± {report.perplexity_err:<5.3f} "
               f"{'—' if d is None else f'{d.ppl_ratio:.4f}':>9} {'—' if d is None else f'{d.kld_mean:.5f}':>10} "
               f"{'—' if d is None else f'{d.kld_p99:.4f}':>9} {'—' if d is None else f'{100 * d.same_top:.2f}%':>9} "

@@ -7,12 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from engine.estimates.costs import TABLE_LOOKUP
-from engine.units import format_bytes, format_count, format_rate, format_seconds
-
-
-def kv_dtype_label(torch_name: str) -> str:
-    """A KV cache's dtype as a reader knows it: ``int8 (q8_0 blocks)``, ``float16``…"""
-    return "int8 (q8_0 blocks: a scale per 32)" if torch_name == "int8" else torch_name
+from engine.units import format_bytes, format_count, format_rate, format_seconds, kv_dtype_label
 
 
 def summary(r: dict) -> str:

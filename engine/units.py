@@ -46,3 +46,8 @@ def binary_unit(largest: float) -> tuple[float, str]:
         divisor *= 1024
         unit = next_unit
     return divisor, unit
+
+
+def kv_dtype_label(torch_name: str) -> str:
+    """A KV cache's dtype as a reader knows it: ``int8 (q8_0 blocks)``, ``float16``…"""
+    return "int8 (q8_0 blocks: a scale per 32)" if torch_name == "int8" else torch_name

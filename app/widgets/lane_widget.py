@@ -21,17 +21,17 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.widgets.model_panel import _compact, show_served_choice
+from app.widgets.model_panel import KV_TIP, _compact, show_served_choice
 from app.worker import ModelSession
 from engine.endpoint.source import is_endpoint
 from engine.measure.compare import LaneRun, LaneSpec
 from engine.base.events import Finished, Loaded
 from engine.jobs import GenerateJob, ScoreJob
 from engine.models.loading import LoadRequest
-from engine.models.precision import PRECISIONS
+from engine.models.precision import KV_DTYPES, PRECISIONS
 from engine.base.request import GenerationRequest
 from engine.base.sampling import SamplingParams
-from engine.units import format_bytes, format_rate, format_seconds
+from engine.units import format_bytes, format_rate, format_seconds, kv_dtype_label
 
 LANE_COLOURS = ("#2d7dd2", "#e67e22", "#27ae60", "#8e44ad")
 DIFFERENT = QColor(231, 76, 60, 90)  # a token unlike lane 1's at the same position
@@ -77,10 +77,15 @@ class LaneWidget(QFrame):
         self.precision = QComboBox()
         for name in PRECISIONS:
             self.precision.addItem(name, name)
+        self.kv_dtype = QComboBox()
+        self.kv_dtype.setObjectName("laneKvDtype")
+        for name in KV_DTYPES:
+            self.kv_dtype.addItem("KV auto" if name == "auto" else f"KV {name}", name)
+        self.kv_dtype.setToolTip(KV_TIP)
         self.device = QComboBox()
         for device in ("auto", "cpu"):
             self.device.addItem(device, device)
-        for combo in (self.source, self.precision, self.device):
+        for combo in (self.source, self.precision, self.kv_dtype, self.device):
             _compact(combo)
         self.greedy = QCheckBox("greedy")
         self.greedy.setChecked(True)
@@ -117,6 +122,7 @@ class LaneWidget(QFrame):
         # screen the lane's controls left no room for its answer
         precision_row = QHBoxLayout()
         precision_row.addWidget(self.precision, 3)
+        precision_row.addWidget(self.kv_dtype, 2)
         precision_row.addWidget(QLabel("on"))
         precision_row.addWidget(self.device, 2)
         form.addRow("Precision", precision_row)
@@ -147,7 +153,7 @@ class LaneWidget(QFrame):
         s.job_events.connect(self._on_job_events)
         s.job_finished.connect(self._on_job_finished)
         s.job_failed.connect(self._on_job_failed)
-        for combo in (self.source, self.precision, self.device):
+        for combo in (self.source, self.precision, self.kv_dtype, self.device):
             combo.currentIndexChanged.connect(self._show_idle_status)
         self.source.editTextChanged.connect(self._show_idle_status)
         self.source.currentIndexChanged.connect(lambda *_: self._update_state())
@@ -162,7 +168,8 @@ class LaneWidget(QFrame):
         if is_endpoint(model):  # the server's precision and device
             return LaneSpec(model=model, precision="served", device="remote", sampling=sampling)
         return LaneSpec(model=model or "default", precision=self.precision.currentData(),
-                        device=self.device.currentData(), sampling=sampling)
+                        device=self.device.currentData(), sampling=sampling,
+                        kv_dtype=self.kv_dtype.currentData() or "auto")
 
     def open_endpoint_dialog(self) -> None:
         """A served model for this lane: URL, listed model, key (kept while the app runs, never saved)."""
@@ -185,6 +192,7 @@ class LaneWidget(QFrame):
             self.greedy.setChecked(spec.sampling is None or spec.sampling.greedy)
             return
         self.precision.setCurrentIndex(self.precision.findData(spec.precision))
+        self.kv_dtype.setCurrentIndex(max(0, self.kv_dtype.findData(spec.kv_dtype)))
         if self.device.findData(spec.device) < 0:
             self.device.addItem(spec.device, spec.device)
         self.device.setCurrentIndex(self.device.findData(spec.device))
@@ -199,7 +207,7 @@ class LaneWidget(QFrame):
 
     def _chosen_request(self) -> LoadRequest:
         spec = self.spec()
-        return LoadRequest(spec.model, spec.precision, spec.device, api_key=self._api_key)
+        return LoadRequest(spec.model, spec.precision, spec.device, api_key=self._api_key, kv_dtype=spec.kv_dtype)
 
     def _set_status(self, text: str, error: bool = False) -> None:
         self.status.setText(text)
@@ -210,6 +218,7 @@ class LaneWidget(QFrame):
         if info.source == "endpoint":
             return f"{info.name} · served by {info.device_name} · connected in {format_seconds(info.load_s)}"
         return (f"{info.name} · {info.precision} on {info.device} · weights {format_bytes(info.weights_bytes)} · "
+                f"KV cache {kv_dtype_label(info.kv_dtype)} · "
                 f"loaded in {format_seconds(info.load_s)}")
 
     def _show_idle_status(self, *_) -> None:
@@ -220,8 +229,9 @@ class LaneWidget(QFrame):
             self._set_status("not loaded (Run loads it)")
         elif self.needs_load():
             chosen = self._chosen_request()
-            self._set_status(f"Loaded: {self.loaded.name} · {self.loaded.precision}. Chosen: {chosen.model} · "
-                             f"{chosen.precision} — Run (or Load) reloads it first.")
+            self._set_status(f"Loaded: {self.loaded.name} · {self.loaded.precision} · KV {self.loaded.kv_dtype}. "
+                             f"Chosen: {chosen.model} · {chosen.precision} · KV {chosen.kv_dtype} — Run (or Load) "
+                             "reloads it first.")
         else:
             self._set_status(self._loaded_text())
 
@@ -387,9 +397,10 @@ class LaneWidget(QFrame):
 
     def _update_state(self) -> None:
         busy = self.loading or self.generating or self.read_only
-        for widget in (self.source, self.precision, self.device, self.greedy, self.load_button, self.endpoint_button):
+        for widget in (self.source, self.precision, self.kv_dtype, self.device, self.greedy, self.load_button,
+                       self.endpoint_button):
             widget.setEnabled(not busy)
-        show_served_choice(self.precision, self.device, is_endpoint(self.spec().model))
+        show_served_choice(self.precision, self.device, is_endpoint(self.spec().model), self.kv_dtype)
         self.temperature.setEnabled(not busy and not self.greedy.isChecked())
         self.unload_button.setEnabled(not busy and self.loaded is not None)
         self.state_changed.emit()

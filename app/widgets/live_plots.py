@@ -285,7 +285,9 @@ class LivePlots:
             "kv", "KV-cache bytes held after each token (dots): on a *-fast precision the whole "
             "16-token blocks of the pool this request holds (a sliding-window layer's only while in its "
             "window), on the others its cache tensors' bytes, read from the tensors; and predicted from "
-            "the config: 2 × layers × KV heads × head dim × bytes, a window's tokens at most (line). Shaded: the prompt's part found in the prefix cache (earlier turns), not "
+            "the config: 2 × layers × KV heads × head dim × bytes, a window's tokens at most (line), the bytes "
+            "those of the KV-cache dtype the model runs (the Model panel's KV cache box: int8 is 34 bytes a 32 "
+            "values). Shaded: the prompt's part found in the prefix cache (earlier turns), not "
             "computed: read in place on *-fast, copied in on the others.",
             "KV cache", "token")
         self.memory = PlotPanel(

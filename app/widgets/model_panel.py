@@ -1,4 +1,5 @@
-"""Pick a model, a precision and a device; load it with progress and Cancel; see its facts."""
+"""Pick a model, a precision, a KV-cache dtype and a device; load it with progress and Cancel; see
+its facts."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from app.screen import compact
 from engine.endpoint.source import is_endpoint
 from engine.base.events import Loaded, LoadProgress
 from engine.models.loading import LoadRequest
-from engine.models.precision import PRECISIONS
-from engine.units import format_bytes, format_count, format_seconds
+from engine.models.precision import KV_DTYPES, PRECISIONS
+from engine.units import format_bytes, format_count, format_seconds, kv_dtype_label
 
 _FACTS = ("Model", "Format", "Precision", "Device", "Hardware", "Weights", "Load time", "Architecture", "Parameters",
           "Context", "Layers · KV heads · head dim", "KV per token")
@@ -67,6 +68,11 @@ class ModelPanel(QWidget):
         self.precision.setObjectName("precision")
         for name, precision in PRECISIONS.items():
             self.precision.addItem(precision.label, name)
+        self.kv_dtype = QComboBox()
+        self.kv_dtype.setObjectName("kvDtype")
+        for name in KV_DTYPES:
+            self.kv_dtype.addItem(KV_LABELS.get(name, name), name)
+        self.kv_dtype.setToolTip(KV_TIP)
         self.device = QComboBox()
         self.device.setObjectName("device")
         self.device.addItem("auto (cuda > mps > cpu)", "auto")
@@ -113,6 +119,7 @@ class ModelPanel(QWidget):
         form.addRow("Model", self.source)
         form.addRow("", browse_row)
         form.addRow("Precision", self.precision)
+        form.addRow("KV cache", self.kv_dtype)
         form.addRow("Device", self.device)
         unsafe = QVBoxLayout()  # one above the other: side by side they set the panel's width
         unsafe.addWidget(self.allow_pickle)
@@ -134,7 +141,7 @@ class ModelPanel(QWidget):
             self.facts[name] = label
             facts.addWidget(QLabel(name), row, 0, Qt.AlignLeft | Qt.AlignTop)
             facts.addWidget(label, row, 1)
-        for combo in (self.source, self.precision, self.device):
+        for combo in (self.source, self.precision, self.kv_dtype, self.device):
             _compact(combo)
         self.source.currentIndexChanged.connect(lambda *_: self.source.setToolTip(
             f"{self.source.currentText()}\n\n'default', a folder, a .gguf file or a hub id (org/name)"))
@@ -151,6 +158,7 @@ class ModelPanel(QWidget):
         self.source.currentIndexChanged.connect(self._update_pending)
         self.source.editTextChanged.connect(self._update_pending)
         self.precision.currentIndexChanged.connect(self._update_pending)
+        self.kv_dtype.currentIndexChanged.connect(self._update_pending)
         self.device.currentIndexChanged.connect(self._update_pending)
 
     def controls_height(self) -> int:
@@ -177,7 +185,7 @@ class ModelPanel(QWidget):
         if is_endpoint(data or text):  # the server's precision and device: nothing to choose here
             return LoadRequest(model=data or text, precision="served", device="remote", api_key=self._api_key)
         return LoadRequest(model=data or text, precision=self.precision.currentData(),
-                           device=self.device.currentData() or "auto",
+                           device=self.device.currentData() or "auto", kv_dtype=self.kv_dtype.currentData() or "auto",
                            allow_pickle=self.allow_pickle.isChecked(),
                            trust_remote_code=self.trust_remote_code.isChecked())
 
@@ -201,9 +209,11 @@ class ModelPanel(QWidget):
         self.source.lineEdit().setCursorPosition(0)  # show the start of a long name
 
     def choose(self, request: LoadRequest) -> None:
-        """Show ``request``'s model, precision and device as the choice (what Load will load)."""
+        """Show ``request``'s model, precision, KV-cache dtype and device as the choice (what Load
+        will load)."""
         self.set_source(request.model)
         self._select(self.precision, request.precision)
+        self._select(self.kv_dtype, request.kv_dtype)
         if self.device.findData(request.device) < 0:
             self.device.addItem(request.device, request.device)
         self._select(self.device, request.device)
@@ -264,16 +274,17 @@ class ModelPanel(QWidget):
     def _update_pending(self, *_) -> None:
         loaded, chosen = self.loaded_request, self.request()
         served = is_endpoint(chosen.model)
-        for combo in (self.precision, self.device):
+        for combo in (self.precision, self.kv_dtype, self.device):
             combo.setEnabled(not served and not self._loading)  # not the button's state: the whole
             # panel is disabled while a sweep or the server runs, and isEnabled() reads that too
             combo.setToolTip("A served model runs at the server's precision, on the server's device." if served
-                             else "")
-        show_served_choice(self.precision, self.device, served)
-        differs = {"model": False, "precision": False, "device": False}
+                             else KV_TIP if combo is self.kv_dtype else "")
+        show_served_choice(self.precision, self.device, served, self.kv_dtype)
+        differs = {"model": False, "precision": False, "KV cache": False, "device": False}
         if loaded is not None:
             differs = {name: a != b for name, a, b in zip(differs, _key(chosen), _key(loaded))}
-        for name, combo in (("model", self.source), ("precision", self.precision), ("device", self.device)):
+        for name, combo in (("model", self.source), ("precision", self.precision), ("KV cache", self.kv_dtype),
+                            ("device", self.device)):
             if combo.property("pending") != differs[name]:
                 combo.setProperty("pending", differs[name])
                 combo.style().unpolish(combo)
@@ -282,7 +293,8 @@ class ModelPanel(QWidget):
             info = self.loaded_info
             now = (f"{info.name} · {info.precision} on {info.device}" if info is not None
                    else " · ".join(_key(loaded)))
-            changed = " and ".join(name for name, value in differs.items() if value)
+            names = [name for name, value in differs.items() if value]
+            changed = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
             self.pending_label.setText(f"The {changed} above {'are' if ' and ' in changed else 'is'} not loaded "
                                        f"yet. Running now: {now}. Load (or Generate) switches.")
             self.pending_label.show()
@@ -301,7 +313,7 @@ class ModelPanel(QWidget):
         self.unload_button.setToolTip(why)
         self.cancel_button.setVisible(loading)
         self.progress.setVisible(loading)
-        for widget in (self.source, self.precision, self.device):
+        for widget in (self.source, self.precision, self.kv_dtype, self.device):
             widget.setEnabled(not loading)
         self._update_pending()  # a served model's precision and device stay the server's
         if loading:
@@ -339,7 +351,7 @@ class ModelPanel(QWidget):
             "Context": f"{info.context_length:,} tokens" if info.context_length else "unknown",
             "Layers · KV heads · head dim": f"{info.num_layers} · {info.num_kv_heads} · {info.head_dim}",
             "KV per token": format_bytes(info.kv_bytes_per_token)  # and what the cache keeps
-                            + (f" ({info.kv_dtype})" if info.kv_bytes_per_token else "")
+                            + (f" ({kv_dtype_label(info.kv_dtype)})" if info.kv_bytes_per_token else "")
                             + {True: "; 16-token blocks, shared prefixes held once",
                                False: "; a cache per request, cached prefixes copied in"}.get(info.kv_shared, ""),
         }
@@ -365,7 +377,8 @@ class ModelPanel(QWidget):
             previous = self.last_local or settings.value("model/source", "default", type=str)
             model = "default" if is_endpoint(previous) else previous
         settings.setValue("model/source", model)
-        for key, combo, served in (("model/precision", self.precision, "served"), ("model/device", self.device, "remote")):
+        for key, combo, served in (("model/precision", self.precision, "served"), ("model/device", self.device, "remote"),
+                                   ("model/kv_dtype", self.kv_dtype, "served")):
             value = combo.currentData()
             settings.setValue(key, combo.property("localChoice") if value == served else value)
 
@@ -373,6 +386,7 @@ class ModelPanel(QWidget):
         """The saved choices: precision and device first, so a source that greys them out (a served
         model) keeps them as the local choice that comes back after it."""
         self._select(self.precision, settings.value("model/precision", "fp32", type=str))
+        self._select(self.kv_dtype, settings.value("model/kv_dtype", "auto", type=str))
         device = settings.value("model/device", "auto", type=str)
         if self.device.findData(device) < 0:
             self.device.addItem(device, device)
@@ -382,10 +396,13 @@ class ModelPanel(QWidget):
         self.remembered_endpoint = settings.value("model/endpoint", "", type=str)
 
 
-def show_served_choice(precision: QComboBox, device: QComboBox, served: bool) -> None:
-    """While a served model is chosen, the precision and device boxes say the server's (disabled),
-    never a local choice that isn't what runs; the entries go again when a local model is chosen."""
-    for combo, data, text in ((precision, "served", "the server's"), (device, "remote", "the server's")):
+def show_served_choice(precision: QComboBox, device: QComboBox, served: bool, kv_dtype: QComboBox | None = None) -> None:
+    """While a served model is chosen, the precision, device (and KV-cache) boxes say the server's
+    (disabled), never a local choice that isn't what runs; the entries go again when a local model
+    is chosen."""
+    boxes = [(precision, "served", "the server's"), (device, "remote", "the server's")]
+    boxes += [(kv_dtype, "served", "the server's")] if kv_dtype is not None else []
+    for combo, data, text in boxes:
         index = combo.findData(data)
         if served and index < 0:
             combo.blockSignals(True)
@@ -404,6 +421,13 @@ def show_served_choice(precision: QComboBox, device: QComboBox, served: bool) ->
             combo.setEnabled(False)  # during a sweep left its boxes grey for good)
 
 
+KV_LABELS = {"auto": "auto (the precision's own)", "int8": "int8 (q8_0 blocks, about half of 16-bit)",
+             "fp8_e4m3": "fp8_e4m3 (GPUs with fp8)"}
+KV_TIP = ("What the KV cache keeps every token's keys and values in. Fewer bits hold more tokens (a longer "
+          "context, more requests at once) and read faster, at a price in quality measured in Compare's Quality "
+          "tab. Other than auto, a fast precision's choice (the -fast ones).")
+
+
 def _served_facts(info: Loaded) -> dict[str, str]:
     """A served model's facts: what its server says; the rest is the server's to know."""
     theirs = "n/a (the server's)"
@@ -418,8 +442,8 @@ def _served_facts(info: Loaded) -> dict[str, str]:
     }
 
 
-def _key(request: LoadRequest) -> tuple[str, str, str]:
-    return request.model, request.precision, request.device
+def _key(request: LoadRequest) -> tuple[str, str, str, str]:
+    return request.model, request.precision, request.kv_dtype, request.device
 
 
 def _breakable(text: str) -> str:

@@ -1,6 +1,7 @@
 """Compare's Quality tab: each lane's perplexity and KL divergence from lane 1 beside its bytes
-and speed, the trade-off as a chart with its Pareto front, and the text coloured by one lane's
-per-token divergence, so a user sees where a precision bends the model."""
+and speed, the trade-off as a chart with its Pareto front (bytes: the weights and the KV cache at
+a context the user picks, so a lane is a precision × KV-cache dtype), and the text coloured by one
+lane's per-token divergence, so a user sees where a precision bends the model."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from PySide6.QtWidgets import (
     QComboBox,
     QHBoxLayout,
     QLabel,
+    QSpinBox,
     QSplitter,
     QTableWidget,
     QTableWidgetItem,
@@ -27,7 +29,7 @@ from app.glossary import link_headers
 from app.widgets.live_plots import PlotPanel
 from engine.units import format_bytes, format_rate
 
-COLUMNS = ("Lane", "Configuration", "Weights", "Decode tok/s", "Perplexity", "Mean KLD", "KLD p99", "Same top",
+COLUMNS = ("Lane", "Configuration", "Weights", "KV / token", "Decode tok/s", "Perplexity", "Mean KLD", "KLD p99", "Same top",
            "Time")
 SHOWN_TOKENS = 3000
 """Scored tokens drawn in the coloured text (the rest are counted, not drawn)."""
@@ -47,6 +49,15 @@ class LaneQuality:
     weights_from: str = ""
     """Where the lane's weights came from (engine.models.sources.reference_weights): lane 1's is
     what every divergence is read against."""
+    kv_bytes_per_token: int | None = None
+    """A token's keys and values in the lane's KV-cache dtype (None: a served lane's, unknown)."""
+
+    def bytes_at(self, context: int) -> int | None:
+        """The weights and ``context`` tokens of KV cache (one sequence): what the chart plots."""
+        weights = self.report.weights_bytes
+        if not weights:
+            return None
+        return weights + context * (self.kv_bytes_per_token or 0)
 
 
 def pareto(points: list[tuple[float, float]]) -> list[int]:
@@ -90,15 +101,24 @@ class QualityView(QWidget):
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setObjectName("qualityTable")
         self.table.setHorizontalHeaderLabels(list(COLUMNS))
-        link_headers(self.table, {"Weights": "weights", "Decode tok/s": "decode", "Perplexity": "perplexity",
+        link_headers(self.table, {"Weights": "weights", "KV / token": "kv-dtype", "Decode tok/s": "decode", "Perplexity": "perplexity",
                                   "Mean KLD": "kl-divergence", "KLD p99": "kl-divergence", "Same top": "kl-divergence"})
         self.table.verticalHeader().hide()
         self.table.setEditTriggers(QTableWidget.NoEditTriggers)
         self.table.resizeColumnsToContents()
         self.chart = PlotPanel(
-            "quality-tradeoff", "Each lane's mean KL divergence from lane 1 against its weights' bytes: "
-            "lower left is better; the dashed line joins the lanes no other beats on both (the Pareto front).",
-            "mean KLD (nats)", "weights (MiB)")
+            "quality-tradeoff", "Each lane's mean KL divergence from lane 1 against its bytes: its weights and one "
+            "sequence's KV cache at the context below (a lane's KV-cache dtype sets that part): lower left is "
+            "better; the dashed line joins the lanes no other beats on both (the Pareto front).",
+            "mean KLD (nats)", "weights + KV cache (MiB)")
+        self.context = QSpinBox()
+        self.context.setObjectName("qualityContext")
+        self.context.setRange(0, 1_048_576)
+        self.context.setSingleStep(1024)
+        self.context.setValue(4096)
+        self.context.setSuffix(" tokens")
+        self.context.setToolTip("The KV cache counted in each lane's bytes: one sequence this long.")
+        self.context.valueChanged.connect(lambda *_: self._draw_chart())
         self.points = pg.ScatterPlotItem(size=11, pen=None)
         self.chart.plot.addItem(self.points)
         self.front = self.chart.curve("Pareto front", "muted", Qt.DashLine)
@@ -124,9 +144,18 @@ class QualityView(QWidget):
         self.table.setMinimumHeight(120)
         self.chart.setMinimumHeight(200)  # readable in the tab's scroll area on a short screen
         self.text.setMinimumHeight(200)
+        chart_box = QWidget()
+        chart_layout = QVBoxLayout(chart_box)
+        chart_layout.setContentsMargins(0, 0, 0, 0)
+        context_row = QHBoxLayout()
+        context_row.addWidget(QLabel("Bytes at a context of"))
+        context_row.addWidget(self.context)
+        context_row.addStretch(1)
+        chart_layout.addLayout(context_row)
+        chart_layout.addWidget(self.chart, 1)
         left = QSplitter(Qt.Vertical)
         left.addWidget(self.table)
-        left.addWidget(self.chart)
+        left.addWidget(chart_box)
         right = QWidget()
         right_layout = QVBoxLayout(right)
         right_layout.setContentsMargins(0, 0, 0, 0)
@@ -155,6 +184,8 @@ class QualityView(QWidget):
             report, d = row.report, row.report.divergence
             bound = "≥ " if d is not None and d.served_top_k is not None else ""
             cells = [str(row.lane), row.label, format_bytes(report.weights_bytes) if report.weights_bytes else "—",
+                     format_bytes(row.kv_bytes_per_token) + (f" ({report.kv_dtype})" if report.kv_dtype else "")
+                     if row.kv_bytes_per_token else "—",
                      format_rate(row.decode_tokens_per_s, "") if row.decode_tokens_per_s else "—",
                      _finite(report.perplexity, f"{report.perplexity:.3f} ± {report.perplexity_err:.3f}"),
                      "reference" if d is None else _finite(d.kld_mean, f"{bound}{d.kld_mean:.5f}"),
@@ -165,7 +196,7 @@ class QualityView(QWidget):
                 item = QTableWidgetItem(text)
                 if c == 1:
                     item.setForeground(pg.mkColor(row.colour))
-                if bound and c in (5, 6):
+                if bound and c in (6, 7):
                     item.setToolTip(f"A served model sends its top {d.served_top_k} tokens per position, not its whole "
                                     "distribution: the KL divergence is summed over those the reference's list holds, "
                                     "the rest as one bucket, which can only read low (a lower bound). Perplexity and "
@@ -186,8 +217,9 @@ class QualityView(QWidget):
         for label in self.labels:
             self.chart.plot.removeItem(label)
         self.labels = []
-        shown = [row for row in self.rows if row.report.weights_bytes]
-        xs = [row.report.weights_bytes / 2**20 for row in shown]
+        context = self.context.value()
+        shown = [row for row in self.rows if row.bytes_at(context)]
+        xs = [row.bytes_at(context) / 2**20 for row in shown]
         ys = [0.0 if row.report.divergence is None else row.report.divergence.kld_mean for row in shown]
         self.points.setData(x=xs, y=ys, brush=[pg.mkBrush(row.colour) for row in shown])
         front = pareto(list(zip(xs, ys)))

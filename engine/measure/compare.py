@@ -28,7 +28,7 @@ from engine.runs import Run
 from engine.base.sampling import SamplingParams
 from engine.generation.generate import generate as engine_generate
 from engine.endpoint import is_endpoint, parse_endpoint
-from engine.models.precision import PRECISIONS
+from engine.models.precision import KV_DTYPES, PRECISIONS
 from engine.storage.serialize import event_to_dict, event_from_dict
 from engine.models.loading import LoadRequest, load_model
 
@@ -42,28 +42,39 @@ class LaneSpec:
     device: str = "auto"
     sampling: SamplingParams | None = None
     """None: the comparison's sampling."""
+    kv_dtype: str = "auto"
+    """What the lane's KV cache keeps keys and values in (``--kv-dtype``)."""
 
     @property
     def label(self) -> str:
         if is_endpoint(self.model):
             spec = parse_endpoint(self.model)
             return f"{spec.model or 'first model'} · served at {spec.url}"
-        return f"{self.model} · {self.precision}" + (f" · {self.device}" if self.device != "auto" else "")
+        return (f"{self.model} · {self.precision}" + (f" · {self.kv_dtype} KV" if self.kv_dtype != "auto" else "")
+                + (f" · {self.device}" if self.device != "auto" else ""))
 
 
 def parse_lane(text: str) -> LaneSpec:
-    """``MODEL:PRECISION[:DEVICE]`` (the model part may itself contain ':', a Windows path), or
-    ``endpoint:URL#MODEL``, a served model (its precision is the server's)."""
+    """``MODEL:PRECISION[@KV][:DEVICE]`` (the model part may itself contain ':', a Windows path;
+    ``@KV`` a KV-cache dtype, ``default:int8-fast@int8``), or ``endpoint:URL#MODEL``, a served
+    model (its precision is the server's)."""
 
     if is_endpoint(text):
         return LaneSpec(model=parse_endpoint(text).text, precision="served", device="remote")
     parts = text.rsplit(":", 2)
 
-    if len(parts) >= 2 and parts[-1] in PRECISIONS:
-        return LaneSpec(model=":".join(parts[:-1]), precision=parts[-1])
-    if len(parts) == 3 and parts[1] in PRECISIONS:
-        return LaneSpec(model=parts[0], precision=parts[1], device=parts[2])
-    raise InvalidRequestError(f"A lane is MODEL:PRECISION[:DEVICE], e.g. default:nf4; got {text!r}.")
+    def precision(part: str) -> tuple[str, str] | None:
+        name, _, kv = part.partition("@")
+        return (name, kv or "auto") if name in PRECISIONS and (kv or "auto") in KV_DTYPES else None
+
+    if len(parts) >= 2 and precision(parts[-1]):
+        name, kv = precision(parts[-1])
+        return LaneSpec(model=":".join(parts[:-1]), precision=name, kv_dtype=kv)
+    if len(parts) == 3 and precision(parts[1]):
+        name, kv = precision(parts[1])
+        return LaneSpec(model=parts[0], precision=name, device=parts[2], kv_dtype=kv)
+    raise InvalidRequestError(f"A lane is MODEL:PRECISION[@KV][:DEVICE], e.g. default:nf4 or default:int8-fast@int8; "
+                              f"got {text!r}.")
 
 
 def agreement(reference: Sequence[int], other: Sequence[int]) -> tuple[float, int | None]:
@@ -279,7 +290,7 @@ def run_comparison(specs: Sequence[LaneSpec], request: GenerationRequest, schedu
 
     def load(index: int):
         spec = runs[index].spec
-        loaded = load_model(LoadRequest(spec.model, spec.precision, spec.device),
+        loaded = load_model(LoadRequest(spec.model, spec.precision, spec.device, kv_dtype=spec.kv_dtype),
                             progress=lambda event: emit(index, event), cancel=cancel)
         runs[index].set_loaded(asdict(loaded.info))
         emit(index, loaded.info)

@@ -29,7 +29,7 @@ from engine.base.events import Finished, StepCompleted, TokenGenerated
 from engine.base.cancel import CancelToken
 from engine.base.request import GenerationRequest
 from engine.generation.core import EngineCore
-from engine.units import format_bytes
+from engine.units import format_bytes, kv_dtype_label
 from engine.generation.decoding import failed_event
 from engine.generation.invariant import answers_note
 
@@ -266,8 +266,15 @@ class CoreService:
         """The KV cache's blocks and prefix caching, in a line."""
 
         kv, core = self.core.kv, self.core
+        info, layout = self.loaded.info, self.loaded.kv_layout
         size = (f"{kv.total_blocks:,} blocks of {kv.block_tokens} tokens ({format_bytes(kv.block_bytes(kv.total_blocks))})"
                 if kv.total_blocks is not None else f"blocks of {kv.block_tokens} tokens, no budget")
+        size += f" in {kv_dtype_label(info.kv_dtype)}" if info.kv_dtype else ""
+        if info.kv_dtype == "int8" and kv.total_blocks is not None and layout is not None:
+            # what fewer bits buy: the tokens this budget holds, against a 16-bit cache's
+            tokens = kv.total_blocks * kv.block_tokens
+            sixteen = kv.block_bytes(kv.total_blocks) // layout.bytes_per_token(2)
+            size += f" ({tokens:,} tokens: {tokens / sixteen:.2f}× the {sixteen:,} a 16-bit cache holds in these bytes)"
         if kv.prefix_caching:
             caching = "prefix caching on: " + ("cached blocks shared in place (one block pool)" if core.paged else
                                                "cached blocks copied into each request's cache")

@@ -194,8 +194,16 @@ def test_quality_run_measures_every_lane_against_lane_1(qtbot, compare, tiny_lla
     assert other.divergence.reference == "fp32" and 0 <= other.divergence.kld_mean < 0.1
     assert other.chunks == 4 and other.tokens_scored == 4 * 31
     table = compare.quality_view.table
-    assert table.item(0, 5).text() == "reference" and table.item(1, 5).text() == f"{other.divergence.kld_mean:.5f}"
-    assert table.item(1, 4).text().startswith(f"{other.perplexity:.3f}")
+    assert table.item(0, 6).text() == "reference" and table.item(1, 6).text() == f"{other.divergence.kld_mean:.5f}"
+    assert table.item(1, 5).text().startswith(f"{other.perplexity:.3f}")
+    assert table.item(1, 3).text().endswith("(bfloat16)")  # the lane's KV per token, in its dtype
+    # the chart's bytes: the weights and one sequence's KV cache at the chosen context
+    view = compare.quality_view
+    kv = compare.lanes[1].loaded.kv_bytes_per_token
+    view.context.setValue(8192)
+    assert sorted(view.points.getData()[0]) == pytest.approx(sorted((r.report.weights_bytes + 8192 * r.kv_bytes_per_token)
+                                                                    / 2**20 for r in rows))
+    assert rows[1].kv_bytes_per_token == kv and kv == compare.lanes[0].loaded.kv_bytes_per_token // 2
     xs, ys = compare.quality_view.front.getData()
     assert len(xs) >= 1 and pareto([(2.0, 0.0), (1.0, 0.5), (1.5, 0.6)]) == [1, 0]
     assert compare.quality_view.text.toPlainText().strip() != ""

@@ -1,6 +1,7 @@
 import pytest
 
 from app.cost_window import BATCHES, CONTEXTS, CostWindow
+from engine.estimates import costs
 from engine.generation.generate import generate
 
 
@@ -304,3 +305,30 @@ def test_the_last_run_is_predicted_at_its_own_batch(qtbot, costs_window, loaded_
     assert "of 16 sequences measured" in w.numbers.text()
     error = re.search(r"predicted [^(]*\(([-+][0-9.]+)%\)", w.numbers.text())
     assert error and abs(float(error.group(1))) < 1.0
+
+
+def test_measured_runs_are_drawn_against_their_own_kv_cache_dtype(qtbot, costs_window):
+    """A run whose KV cache kept another dtype's bytes a token is not a measurement of the chosen
+    one: with the box at bf16 only the bf16 cache's run is drawn, at int8 only the int8 cache's."""
+    from engine.storage.history import RunRecord, save
+
+    w = costs_window
+    w.set_model("meta-llama/Llama-3.1-8B", "bf16")
+    w.hardware.setCurrentIndex(w.hardware.findData("this-machine"))
+    settle(qtbot, w)
+    count, config, profile = w._count.total, w._config, w.profiles["this-machine"]
+    per_token = {kv: costs.estimate(config, profile, "bf16", kv, 1, 1, None, "", w._count).kv_bytes_per_token
+                 for kv in ("bf16", "int8")}
+    assert per_token["int8"] * 32 == per_token["bf16"] * 17  # 34 bytes a 32 values, against 64
+    for kv, rate in (("bf16", 0.5), ("int8", 0.7)):
+        save(RunRecord(kind="single", when="2026-12-01T10:00:00", model="Llama-3.1-8B", model_ref="x",
+                       precision="bf16", device="cpu", device_name="cpu", hardware="this-machine", parameters=count,
+                       weights_bytes=16 * 10**9, kv_cache_bytes=100 * per_token[kv], kv_bytes_per_token=per_token[kv],
+                       prompt_tokens=100, tokens=28, batch=1, decode_tokens_per_s=rate, ttft_s=0.2,
+                       peak_memory_bytes=None))
+    with qtbot.waitSignal(w.updated, timeout=120_000):
+        w.reload_history()
+    for kv in ("bf16", "int8"):
+        w.kv_dtype.setCurrentIndex(w.kv_dtype.findData(kv))
+        settle(qtbot, w)
+        assert [r.kv_bytes_per_token for r in w._points(config, profile)] == [per_token[kv]]

@@ -252,7 +252,7 @@ def test_quality_scores_a_served_lane_against_lane_1(qtbot, compare, served, tin
     assert remote.precision == "served" and remote.tokens_scored == here.tokens_scored == 3 * 31
     assert remote.perplexity == pytest.approx(here.perplexity, rel=1e-5)
     assert remote.divergence.kld_max == pytest.approx(0, abs=1e-5) and remote.divergence.same_top == 1.0
-    cell = compare.quality_view.table.item(1, 5)
+    cell = compare.quality_view.table.item(1, 6)
     assert cell.text().startswith("≥ ") and "lower bound" in cell.toolTip()
     configure(compare, [LaneSpec(f"endpoint:{served.url}", "", "cpu"), LaneSpec(str(tiny_llama), "fp32", "cpu")])
     with qtbot.waitSignal(compare.quality_finished, timeout=180_000):

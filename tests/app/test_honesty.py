@@ -33,18 +33,40 @@ def test_a_changed_precision_is_pending_and_generate_loads_it_first(qtbot, windo
     assert not panel.pending() and panel.pending_label.isHidden() and panel.precision.property("pending") is False
 
 
-@pytest.mark.parametrize("case", ["missing path", "precision the model can't take"])
+def test_a_changed_kv_cache_dtype_is_pending_and_generate_loads_it_first(qtbot, window, tmp_path, byte_tokenizer):
+    """The Model panel's KV cache box: an int8 cache is pending until loaded; once it runs, the
+    facts and the KV plot's prediction are an int8 cache's (34 bytes a 32 values, about half)."""
+    from tests.tiny import build_model_folder
+
+    folder = build_model_folder(tmp_path / "heads-of-32", "llama", byte_tokenizer, head_dim=32)
+    panel = window.model_panel
+    load(qtbot, window, folder, "fp32-fast")
+    full = window.loaded.kv_bytes_per_token
+    panel._select(panel.kv_dtype, "int8")
+    assert panel.pending() and "KV cache above is not loaded" in panel.pending_label.text()
+    assert panel.kv_dtype.property("pending") is True and panel.precision.property("pending") is False
+    finished = generate(qtbot, window, "fox", max_tokens=3)
+    assert window.loaded.kv_dtype == "int8" and window.loaded.kv_bytes_per_token * 4 == full * 34 // 32
+    assert finished.kv_cache_bytes_predicted == window.loaded.kv_bytes_per_token * (finished.prompt_tokens + 2)
+    assert "int8 (q8_0 blocks" in panel.facts["KV per token"].toolTip() and not panel.pending()
+
+
+@pytest.mark.parametrize("case", ["missing path", "precision the model can't take", "KV cache it can't keep"])
 def test_a_failed_load_keeps_the_working_model(qtbot, window, tiny_models, tmp_path, case):
     loaded = load(qtbot, window, tiny_models["gpt2"])
     panel = window.model_panel
     if case == "missing path":
         panel.set_source(str(tmp_path / "no-such-model"))
-    else:
+    elif case == "precision the model can't take":
         panel._select(panel.precision, "int8-fast")
+    else:  # the reference precisions keep transformers' cache
+        panel._select(panel.kv_dtype, "int8")
     with qtbot.waitSignal(window.session.load_failed, timeout=60_000):
         panel.load_button.click()
     text = dismiss_load_error(qtbot, window)
-    assert ("No such" in text) if case == "missing path" else ("gpt2" in text and "int8-fast" in text)
+    expected = {"missing path": ["No such"], "precision the model can't take": ["gpt2", "int8-fast"],
+                "KV cache it can't keep": ["fast precision", "int8"]}[case]
+    assert all(part in text for part in expected), text
     assert window.loaded is loaded and panel.facts["Model"].toolTip() == loaded.name
     assert "Still loaded" in window.prompt.message.text()
     assert window.statusBar().currentMessage() == "" and panel.stage.text() == ""  # no step left "in progress"
@@ -52,6 +74,7 @@ def test_a_failed_load_keeps_the_working_model(qtbot, window, tiny_models, tmp_p
     assert "shows it again" in window.prompt.message.text()
     assert not panel.pending() and panel.pending_label.isHidden()
     assert (panel.request().model, panel.request().precision) == (str(tiny_models["gpt2"]), "fp32")
+    assert panel.request().kv_dtype == "auto"
     with qtbot.assertNotEmitted(window.session.load_failed):
         assert generate(qtbot, window, "fox", max_tokens=3).tokens == 3
 

@@ -26,8 +26,13 @@ def test_parse_lane():
     assert parse_lane("default:nf4") == LaneSpec("default", "nf4")
     assert parse_lane("/models/x:bf16:cpu") == LaneSpec("/models/x", "bf16", "cpu")
     assert parse_lane("C:/models/x:fp32") == LaneSpec("C:/models/x", "fp32")
+    lane = parse_lane("default:int8-fast@int8:cpu")  # a KV-cache dtype after the precision
+    assert lane == LaneSpec("default", "int8-fast", "cpu", kv_dtype="int8")
+    assert lane.label == "default · int8-fast · int8 KV · cpu"
     with pytest.raises(InvalidRequestError):
         parse_lane("default")
+    with pytest.raises(InvalidRequestError, match="MODEL:PRECISION\\[@KV\\]"):
+        parse_lane("default:int8-fast@q2")
 
 
 def test_teacher_forcing_scores_what_generation_chose(loaded_llama):

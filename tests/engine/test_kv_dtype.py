@@ -177,3 +177,37 @@ def test_the_compiled_steps_write_and_read_an_int8_cache(kernels_loaded, q8_mode
     assert together() == eager_batch
     full = load_model(LoadRequest(model, "fp32-fast", "cpu"))
     assert package_path(full.fast, report.threads) != package_path(loaded.fast, report.threads)
+
+
+def test_a_server_with_an_int8_cache_says_what_its_budget_holds_and_answers_as_alone(kernels_loaded, q8_models):
+    """``serve --kv-dtype int8``: the service's KV line names the dtype and the tokens its budget
+    holds against a 16-bit cache's; three requests at once get each greedy answer the model gives
+    alone."""
+    import asyncio
+
+    import httpx
+
+    from tests.serving import serve
+
+    loaded = load_model(LoadRequest(str(q8_models["llama"]), "fp32-fast", "cpu", kv_dtype="int8"))
+    prompts = [PROMPT * k for k in (1, 2, 3)]
+    alone = [list(generate(loaded, GenerationRequest(p, mode="raw", max_new_tokens=12, ignore_eos=True)))[-1].text
+             for p in prompts]
+    server = serve(loaded, kv_budget_bytes=1 << 20)
+    try:
+        line = server.service.describe_kv()
+        tokens = (1 << 20) // (16 * loaded.info.kv_bytes_per_token) * 16
+        sixteen = (1 << 20) // (16 * loaded.info.kv_bytes_per_token) * 16 * loaded.info.kv_bytes_per_token // (
+            loaded.info.kv_bytes_per_token * 64 // 34)
+        assert "in int8 (q8_0 blocks" in line and f"{tokens:,} tokens" in line and f"{sixteen:,} a 16-bit" in line
+
+        async def together():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+                answers = await asyncio.gather(*(http.post("/completions", json={
+                    "model": server.model_name, "prompt": p, "max_tokens": 12, "temperature": 0,
+                    "ignore_eos": True}) for p in prompts))
+            return [a.json()["choices"][0]["text"] for a in answers]
+
+        assert asyncio.run(together()) == alone
+    finally:
+        server.stop(drain=False, timeout=30)
