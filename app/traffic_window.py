@@ -36,6 +36,7 @@ from app.widgets.output_view import OutputView
 from app.widgets.traffic_plots import TrafficPlots
 from engine.base.errors import EngineError
 from engine.load.report import ms
+from engine.models.precision import dtype_bytes
 from engine.units import format_bytes, format_rate
 
 REFRESH_MS = 50
@@ -452,7 +453,7 @@ class TrafficWindow(QWidget):
             now_rate, kv = panel.log.now_figures()
             budget = panel.started.kv_budget_bytes
             self.summary.setText(f"{panel.summary()} · output {format_rate(now_rate)} · KV cache {format_bytes(kv)} "
-                                 f"of {format_bytes(budget)}")
+                                 f"of {format_bytes(budget)}" + budget_tokens(panel.started))
         else:
             self.summary.setText(panel.status.text())
             if self.panel.job is None:
@@ -482,3 +483,17 @@ class TrafficWindow(QWidget):
         self.load_box.stop()
         self.load_box.background.close()
         super().closeEvent(event)
+
+
+def budget_tokens(started) -> str:
+    """What the KV budget holds, in tokens of the cache's dtype (and, for a cache of fewer bits, how
+    many times a 16-bit cache's): the requests that fit grow with it."""
+    per_token, budget = started.kv_bytes_per_token, started.kv_budget_bytes
+    if not per_token or not budget:
+        return ""
+    tokens = budget // per_token
+    text = f" ({tokens:,} tokens in {started.kv_dtype}"
+    element = dtype_bytes(started.kv_dtype) if started.kv_dtype in ("int8", "float16", "bfloat16", "float32") else 2
+    if element < 2:
+        text += f": {2 / element:.2f}× the tokens a 16-bit cache holds"
+    return text + ")"

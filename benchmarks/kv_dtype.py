@@ -46,11 +46,12 @@ from engine.models.loading import LoadRequest, load_model  # noqa: E402
 from engine.units import format_bytes, kv_dtype_label  # noqa: E402
 
 
-def decode_rate(loaded, prompts: list[list[int]], tokens: int) -> float:
-    """Aggregate decode tok/s of ``prompts`` decoded together (one: a sequence's own rate)."""
+def decode_rate(loaded, prompts: list[list[int]], tokens: int) -> tuple[float, list[tuple[int, ...]]]:
+    """Aggregate decode tok/s of ``prompts`` decoded together (one: a sequence's own rate), and
+    each one's greedy tokens."""
     request = GenerationRequest("(the prompts are token ids)", mode="raw", max_new_tokens=tokens, ignore_eos=True)
     finished = [e for e in stream_batch(loaded, request, prompts) if isinstance(e, BatchFinished)][0]
-    return finished.aggregate_tokens_per_s
+    return finished.aggregate_tokens_per_s, [tuple(s.token_ids) for s in finished.sequences]
 
 
 def llama_kld(chunks: int | None) -> tuple[float, float] | None:
@@ -101,11 +102,14 @@ def main() -> int:
     batch = [ids[i * args.batch_context:(i + 1) * args.batch_context] for i in range(args.batch)]
 
     rates: dict[tuple[str, str], list[float]] = {}
+    answers: dict[str, list[tuple[int, ...]]] = {}
     for _ in range(args.rounds):
         for kv in dtypes:
             for c in contexts:
-                rates.setdefault((kv, f"ctx {c}"), []).append(decode_rate(engines[kv], singles[c], args.tokens))
-            rates.setdefault((kv, "batch"), []).append(decode_rate(engines[kv], batch, args.tokens))
+                rate, _ = decode_rate(engines[kv], singles[c], args.tokens)
+                rates.setdefault((kv, f"ctx {c}"), []).append(rate)
+            rate, answers[kv] = decode_rate(engines[kv], batch, args.tokens)
+            rates.setdefault((kv, "batch"), []).append(rate)
 
     print(f"\nmodel: default (SmolLM2-135M-Instruct) as {args.precision}; {torch.get_num_threads()} threads; "
           f"CPU flags: {cpu_flags()}; last-level cache "
@@ -128,6 +132,13 @@ def main() -> int:
             ratios = [statistics.median(rates[("int8", c)]) / statistics.median(rates[(other, c)]) for c in columns]
             print(f"int8 ÷ {other:<25} {measured['int8'] / measured[other]:>12.3f} {'':>12} "
                   + " ".join(f"{r:>14.2f}×" for r in ratios))
+        for other in (d for d in dtypes if d != "int8"):  # reported, not a target: greedy answers part at near-ties
+            pairs = list(zip(answers["int8"], answers[other]))
+            same = sum(a == b for x, y in pairs for a, b in zip(x, y)) / sum(len(y) for _, y in pairs)
+            apart = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in pairs]
+            print(f"greedy answers of the {len(pairs)} sequences, int8 cache against {other}: {100 * same:.1f}% of "
+                  f"tokens the same, {sum(a is None for a in apart)} of {len(pairs)} identical throughout, the rest "
+                  f"first apart at tokens {sorted(a for a in apart if a is not None)}")
 
         print(f"\nquality: {args.quality_precision} weights, {text_name} at ctx 512"
               + (f", first {args.chunks} chunks" if args.chunks else "") + ", every probability", flush=True)

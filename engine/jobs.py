@@ -382,6 +382,10 @@ class ServerStarted:
     """What requests that leave sampling or ``max_tokens`` out get (engine/serve/protocol.py)."""
     kv: str = ""
     """The KV cache's blocks and whether prefix caching is on (and why not), in a line."""
+    kv_dtype: str = ""
+    """What the cache keeps keys and values in (``Loaded.kv_dtype``)."""
+    kv_bytes_per_token: int | None = None
+    """A token's keys and values in that dtype (``None``: not known)."""
 
 
 @dataclass(frozen=True)
@@ -466,9 +470,10 @@ class ServeJob:
             # the door opens before anyone hears of the start: the window submits once it has
             # (opened after, a prompt sent at once on a busy machine met a closed door)
             self.door.open(server.service, ctx.emit)
+            info = ctx.model.info
             ctx.emit(ServerStarted(server.url, server.model_name, settings.max_batch, settings.kv_budget_bytes,
                                    bool(self.settings.api_key), ceilings, server.defaults,
-                                   server.service.describe_kv()))
+                                   server.service.describe_kv(), info.kv_dtype, info.kv_bytes_per_token))
             watcher.start()
             server.run_core()
             requested = ctx.cancel.cancelled

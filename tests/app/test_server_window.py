@@ -195,3 +195,17 @@ def test_the_block_map_colours_each_block_by_its_state():
     assert tuple(flat[0]) == BLOCK_COLOURS["held"] and tuple(flat[3]) == BLOCK_COLOURS["cached"]
     assert tuple(flat[4]) == BLOCK_COLOURS["empty"] and flat[5][3] == 0  # past the pool: nothing drawn
     assert flat[1][1] > flat[2][1] and flat[1][0] < flat[1][1]  # shared: green, darker the more hold it
+
+
+def test_the_traffic_summary_says_what_the_kv_budget_holds():
+    """In tokens of the cache's dtype; an int8 cache's budget holds 1.88× a 16-bit one's."""
+    from app.traffic_window import budget_tokens
+    from engine.jobs import ServerStarted
+
+    def started(dtype: str, per_token: int | None):
+        return ServerStarted("http://127.0.0.1:1/v1", "m", 8, 1 << 20, False, kv_dtype=dtype,
+                             kv_bytes_per_token=per_token)
+
+    assert budget_tokens(started("bfloat16", 1024)) == " (1,024 tokens in bfloat16)"
+    assert budget_tokens(started("int8", 544)) == " (1,927 tokens in int8: 1.88× the tokens a 16-bit cache holds)"
+    assert budget_tokens(started("", None)) == ""

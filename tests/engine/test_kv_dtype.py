@@ -211,3 +211,16 @@ def test_a_server_with_an_int8_cache_says_what_its_budget_holds_and_answers_as_a
         assert asyncio.run(together()) == alone
     finally:
         server.stop(drain=False, timeout=30)
+
+
+def test_speculation_over_an_int8_cache_gives_the_plain_greedy_answer(kernels_loaded, q8_models):
+    """An early-exit draft's guesses verified over the int8 pool (a prompt chunk's attention, then
+    the cache rolled back past the rejected ones) give the tokens plain decoding gives."""
+    from engine.generation.speculative import DraftSpec, load_draft, stream_speculative
+
+    loaded = load_model(LoadRequest(str(q8_models["llama"]), "fp32-fast", "cpu", kv_dtype="int8"))
+    draft = load_draft(DraftSpec("early-exit", layers=1), loaded)
+    request = GenerationRequest(PROMPT * 3, mode="raw", max_new_tokens=24, ignore_eos=True)
+    plain = list(generate(loaded, request))[-1]
+    final = list(stream_speculative(loaded, draft, request, 3))[-1]
+    assert final.token_ids == plain.token_ids and final.drafted_tokens > 0
