@@ -364,6 +364,16 @@ def batched_answers(loaded, prompts: list[str], tokens: int) -> list[list[int]]:
     return [list(s.token_ids) for s in finished.sequences]
 
 
+def core_answers(loaded, requests: list[GenerationRequest]) -> list[tuple[int, ...]]:
+    """Each request's tokens, all submitted at once to one engine core (a batched step's rows)."""
+    from engine.generation.core import CoreSettings, EngineCore
+
+    core = EngineCore(loaded, CoreSettings())
+    ids = [core.submit(r) for r in requests]
+    finals = {e.request_id: e.token_ids for e in core.run() if isinstance(e, Finished)}
+    return [finals[rid] for rid in ids]
+
+
 BATCH_PROMPTS = [PROMPT, "a", PROMPT * 3, "Once upon"]
 """Prompts of different lengths: each row of a batched step at its own position."""
 
@@ -710,17 +720,12 @@ def test_the_compiled_step_runs_what_an_architecture_does_otherwise(long_models,
     of a Gemma 2 (soft-capped scores and logits) and of a Gemma 3 (sliding-window layers over
     their own pool, past their window here) gives the eager step's tokens; Gemma 3's batched step
     too (three sequences of different lengths through the engine core)."""
-    from engine.generation.core import CoreSettings, EngineCore
-
     loaded = load_model(LoadRequest(str(long_models[arch]), "fp32-fast", "cpu"))
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=24, ignore_eos=True)
     batch = [GenerationRequest(PROMPT * k, mode="raw", max_new_tokens=16, ignore_eos=True) for k in (1, 2, 4)]
 
     def together() -> list[tuple[int, ...]]:
-        core = EngineCore(loaded, CoreSettings())
-        ids = [core.submit(r) for r in batch]
-        finals = {e.request_id: e.token_ids for e in core.run() if isinstance(e, Finished)}
-        return [finals[rid] for rid in ids]
+        return core_answers(loaded, batch)
 
     _, eager = run(loaded, request)
     rows = arch == "gemma3"

@@ -5,12 +5,11 @@ import pytest
 import torch
 
 from engine.base.errors import UnsupportedPrecisionError
-from engine.base.events import Finished, TokenGenerated
+from engine.base.events import TokenGenerated
 from engine.base.request import GenerationRequest
 from engine.generation.generate import generate
 from engine.models.loading import LoadRequest, load_model
-
-PROMPT = "The quick brown fox 😀 jumps"
+from tests.engine.test_fast import PROMPT, core_answers
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +87,6 @@ def test_an_int8_cache_holds_its_predicted_bytes_and_answers_alike_alone_or_toge
     whole blocks of the prediction from the config at 34 bytes per 32 values (window included), a
     token's bytes are at most 0.55× a bf16 cache's, and three greedy answers decoded together
     equal each alone."""
-    from engine.generation.core import CoreSettings, EngineCore
-
     model = str(q8_models["gemma3"])
     loaded = load_model(LoadRequest(model, "fp32-fast", "cpu", kv_dtype="int8"))
     bf16 = load_model(LoadRequest(model, "bf16-fast", "cpu"))
@@ -104,10 +101,7 @@ def test_an_int8_cache_holds_its_predicted_bytes_and_answers_alike_alone_or_toge
         for event in tokens:
             assert event.kv_cache_bytes_predicted <= event.kv_cache_bytes < event.kv_cache_bytes_predicted + 2 * block
         alone.append(events[-1].token_ids)
-    core = EngineCore(loaded, CoreSettings())
-    ids = [core.submit(r) for r in requests]
-    together = {e.request_id: e.token_ids for e in core.run() if isinstance(e, Finished)}
-    assert [together[i] for i in ids] == alone
+    assert core_answers(loaded, requests) == alone
 
 
 def test_a_perplexity_chunk_reads_what_the_cache_would_have_kept(kernels_loaded, q8_models):
@@ -156,25 +150,17 @@ def test_the_compiled_steps_write_and_read_an_int8_cache(kernels_loaded, q8_mode
     write_q8 in the exported graph) give the eager steps' tokens; their package is not the one a
     full-precision cache's decoder loads."""
     from engine.generation.compiled_step import compile_decoder, package_path
-    from engine.generation.core import CoreSettings, EngineCore
 
     model = str(q8_models["gemma3"])
     loaded = load_model(LoadRequest(model, "fp32-fast", "cpu", kv_dtype="int8"))
     request = GenerationRequest(PROMPT, mode="raw", max_new_tokens=24, ignore_eos=True)
     batch = [GenerationRequest(PROMPT * k, mode="raw", max_new_tokens=16, ignore_eos=True) for k in (1, 2, 4)]
-
-    def together() -> list[tuple[int, ...]]:
-        core = EngineCore(loaded, CoreSettings())
-        ids = [core.submit(r) for r in batch]
-        finals = {e.request_id: e.token_ids for e in core.run() if isinstance(e, Finished)}
-        return [finals[rid] for rid in ids]
-
     eager = list(generate(loaded, request))[-1].token_ids
-    eager_batch = together()
+    eager_batch = core_answers(loaded, batch)
     report = compile_decoder(loaded.fast, rows=True)
     assert report.error is None and report.built and loaded.fast.compiled_rows is not None
     assert list(generate(loaded, request))[-1].token_ids == eager
-    assert together() == eager_batch
+    assert core_answers(loaded, batch) == eager_batch
     full = load_model(LoadRequest(model, "fp32-fast", "cpu"))
     assert package_path(full.fast, report.threads) != package_path(loaded.fast, report.threads)
 
