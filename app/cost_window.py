@@ -27,14 +27,22 @@ from app.background import Background
 from app.hardware_dialog import HardwareDialog
 from app.screen import fit_screen, scrolling
 from app.widgets.cost_charts import BATCHES, CONTEXTS, CostCharts
+from app.worker import ModelSession
 from engine.base.errors import EngineError
 from engine.estimates import costs, hardware
 from engine.estimates.costs import ALL_PRECISIONS, KV_DTYPES
 from engine.estimates.estimate import DEFAULT_HUB_ID, config_for, count_parameters, shipped_models
+from engine.jobs import MeasureJob
+from engine.models.loading import LoadRequest
+from engine.models.precision import PRECISIONS, get_precision
 from engine.storage.history import RunRecord, load_all
 from engine.units import format_bytes, format_count, format_seconds
 
 __all__ = ["BATCHES", "CONTEXTS", "CostWindow"]
+
+
+MEASURED_KV = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "int8": "int8"}
+"""The cost model's KV dtypes this app runs (``--kv-dtype``'s names); fp8 and int4 are predicted only."""
 
 
 class CostWindow(QMainWindow):
@@ -120,6 +128,20 @@ class CostWindow(QMainWindow):
             form.addRow(label, row)
         form.addRow("Shared prefix", self.prefix)
         form.addRow("Training tokens", self.training)
+        self.measure_button = QPushButton("Measure here")
+        self.measure_button.setObjectName("measureButton")
+        self.measure_button.clicked.connect(self.measure)
+        self.measure_status = QLabel("")
+        self.measure_status.setObjectName("measureStatus")
+        self.measure_status.setWordWrap(True)
+        measure_row = QHBoxLayout()
+        measure_row.addWidget(self.measure_button)
+        measure_row.addWidget(self.measure_status, 1)
+        form.addRow(measure_row)
+        self.session = None
+        """The model a measured run loads (its own worker thread, made at the first *Measure here*)."""
+        self._measuring: LoadRequest | None = None
+        self._measure_job: int | None = None
         side = QWidget()
         side_layout = QVBoxLayout(side)
         side_layout.addLayout(form)
@@ -434,7 +456,67 @@ class CostWindow(QMainWindow):
     def closeEvent(self, event) -> None:
         self._closing = True
         self._pending.stop()
+        if self.session is not None:  # a measured run stops, its model goes
+            self.session.shutdown()
+            self.session = None
+            self._measuring = self._measure_job = None
         super().closeEvent(event)
+
+    # -- a measured run -------------------------------------------------------------------------
+    def measure_request(self) -> tuple[LoadRequest | None, str]:
+        """What *Measure here* would load (the model, precision and KV-cache dtype shown, on this
+        machine's CPU), or ``None`` and why not."""
+        precision, kv = self.precision.currentData(), self.kv_dtype.currentData()
+        if self.hardware.currentData() != hardware.THIS_MACHINE:
+            return None, "Measured runs are this machine's: choose it under Hardware."
+        if precision not in PRECISIONS:
+            return None, f"{precision} is a GGUF format this app predicts but doesn't run."
+        own = costs.kv_dtype_name(get_precision(precision).kv_dtype("cpu"))
+        choice = "auto" if kv == own else MEASURED_KV.get(kv)
+        if choice is None:
+            return None, f"A {kv} KV cache is predicted here, not run."
+        return LoadRequest(self.model_ref(), precision, "cpu", kv_dtype=choice), ""
+
+    def measure(self) -> None:
+        """Load what the explorer shows (in a worker of its own) and run it once at the chosen
+        context; the run joins the history and its measured figures show beside the prediction."""
+        request, why = self.measure_request()
+        if request is None or self._measuring is not None:
+            self.measure_status.setText(why)
+            return
+        if self.session is None:
+            self.session = ModelSession("costs", self)
+            self.session.loaded.connect(self._measure_loaded)
+            self.session.load_failed.connect(self._measure_failed)
+            self.session.job_finished.connect(self._measured)
+            self.session.job_failed.connect(lambda _, exc: self._measure_failed(exc))
+        self._measuring = request
+        self.measure_button.setEnabled(False)
+        kv = "" if request.kv_dtype == "auto" else f", {request.kv_dtype} KV cache"
+        self.measure_status.setText(f"Loading {request.model} ({request.precision}{kv})…")
+        self.session.load(request)
+
+    def _measure_loaded(self, info) -> None:
+        context = CONTEXTS[self.context.value()]
+        self.measure_status.setText(f"Reading {context:,} tokens, then 16 more…")
+        self._measure_job = self.session.submit(MeasureJob(context))
+
+    def _measured(self, job_id: int, finished) -> None:
+        if job_id != self._measure_job:
+            return
+        self._measuring = self._measure_job = None
+        self.session.unload()  # its memory back: the run is in the history
+        self.measure_button.setEnabled(True)
+        self.measure_status.setText(f"Measured: {finished.prompt_tokens:,} + {finished.tokens} tokens, KV cache "
+                                    f"{format_bytes(finished.kv_cache_bytes)} (see Last run below)")
+        self.reload_history()
+
+    def _measure_failed(self, exc) -> None:
+        self._measuring = self._measure_job = None
+        if self.session is not None:
+            self.session.unload()
+        self.measure_button.setEnabled(True)
+        self.measure_status.setText(f"<span style='color:#c0392b'>{html.escape(str(exc))}</span>")
 
     def showEvent(self, event) -> None:
         self._closing = False

@@ -100,6 +100,40 @@ class GenerateJob:
 
 
 @dataclass(frozen=True)
+class MeasureJob:
+    """One measured run at a context (the Cost explorer's *Measure here*): about ``context`` tokens of
+    the shipped text as a raw prompt, the whole prompt computed, then ``tokens`` greedy tokens. The
+    run joins the history, where the explorer reads it back and draws its measured bytes and
+    speed beside its prediction. Returns the ``Finished``."""
+
+    context: int
+    tokens: int = 16
+    kind: ClassVar[str] = "measure"
+
+    def run(self, ctx: JobContext) -> Finished:
+        from engine.base.events import TokenGenerated
+        from engine.measure import quality
+        from engine.storage.history import remember
+
+        loaded = ctx.model
+        longest = (loaded.info.context_length or self.context) - self.tokens
+        ids = quality.text_tokens(loaded, quality.read_text(None)[1])[1:]
+        ids = ids[:max(1, min(self.context - self.tokens, longest, len(ids)))]
+        request = GenerationRequest(loaded.tokenizer.decode(ids), mode="raw", max_new_tokens=self.tokens,
+                                    ignore_eos=True, reuse_prefix=False)
+        final, tokens = None, []
+        for event in generate(loaded, request, ctx.cancel):
+            if isinstance(event, Finished):
+                final = event
+            else:
+                tokens += [event] if isinstance(event, TokenGenerated) else []
+                ctx.emit(event)
+        remember(loaded.info, final, "single", f"*Measured for the Cost explorer: {final.prompt_tokens:,} tokens of "
+                                               f"{quality.read_text(None)[0]}, then {final.tokens} tokens.*", tokens)
+        return final
+
+
+@dataclass(frozen=True)
 class Scored:
     prompt_ids: tuple[int, ...] | None
     """``None``: a served model's (the server tokenizes)."""

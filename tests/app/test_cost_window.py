@@ -332,3 +332,44 @@ def test_measured_runs_are_drawn_against_their_own_kv_cache_dtype(qtbot, costs_w
         w.kv_dtype.setCurrentIndex(w.kv_dtype.findData(kv))
         settle(qtbot, w)
         assert [r.kv_bytes_per_token for r in w._points(config, profile)] == [per_token[kv]]
+
+
+def test_measure_here_runs_what_the_explorer_shows_and_draws_it_beside_the_prediction(qtbot, costs_window, tmp_path,
+                                                                                        byte_tokenizer):
+    """*Measure here* loads the model shown at its precision and KV-cache dtype (an int8 cache on
+    a fast precision) in a worker of its own, reads a prompt of the chosen context and decodes:
+    the run joins the history, and the explorer draws it and says its measured bytes beside the
+    prediction; a GGUF format or another machine can't be measured here, and says why."""
+    import re
+
+    from tests.tiny import build_model_folder
+
+    folder = build_model_folder(tmp_path / "heads-of-32", "llama", byte_tokenizer, head_dim=32,
+                                max_position_embeddings=512)
+    w = costs_window
+    w.set_model(str(folder), "fp32-fast")
+    w.hardware.setCurrentIndex(w.hardware.findData("h100-sxm"))
+    settle(qtbot, w)
+    assert w.measure_request()[0] is None and "this machine" in w.measure_request()[1]
+    w.hardware.setCurrentIndex(w.hardware.findData("this-machine"))
+    w.precision.setCurrentIndex(w.precision.findData("q4_k"))
+    assert w.measure_request()[0] is None and "GGUF" in w.measure_request()[1]
+    w.precision.setCurrentIndex(w.precision.findData("fp32-fast"))
+    w.kv_dtype.setCurrentIndex(w.kv_dtype.findData("int8"))
+    w.context.setValue(CONTEXTS.index(256))
+    settle(qtbot, w)
+    request = w.measure_request()[0]
+    assert (request.precision, request.kv_dtype) == ("fp32-fast", "int8")
+    w.measure_button.click()
+    assert not w.measure_button.isEnabled()  # one measured run at a time
+    qtbot.waitUntil(lambda: w.measure_button.isEnabled(), timeout=300_000)
+    assert "Measured" in w.measure_status.text(), w.measure_status.text()
+    qtbot.waitUntil(lambda: len(w._points(w._config, w.profiles["this-machine"])) == 1, timeout=60_000)
+    settle(qtbot, w)
+    [run] = w._points(w._config, w.profiles["this-machine"])
+    assert run.kv_bytes_per_token == w.estimate.kv_bytes_per_token
+    assert abs(run.prompt_tokens + run.tokens - 256) <= 2  # the context chosen (a token either way: the BOS)
+    error = re.search(r"measured [^,]*, predicted [^(]*\(([-+][0-9.]+)%\)", w.numbers.text())
+    assert error is not None, w.numbers.text()
+    w.close()  # its model goes with it
+    assert w.session is None
