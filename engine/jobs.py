@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from engine.base.cancel import CancelToken
 from engine.base.errors import EngineError
-from engine.base.events import BatchStep, Finished
+from engine.base.events import BatchStep, Finished, TokenGenerated
 from engine.base.request import GenerationRequest
 from engine.generation.generate import generate, kept_core
 from engine.models.loading import weights_read_bytes
@@ -26,6 +26,7 @@ from engine.estimates.hardware import THIS_MACHINE, this_machine
 from engine.measure.sweep import ceiling_for, estimate_for, profile_for, record_points, run_sweep
 from engine.generation.speculative import load_draft, parse_draft
 from engine.serve.service import NotServingError, Ticket, Token
+from engine.storage.history import remember
 
 if TYPE_CHECKING:
     from engine.generation.core import EngineCore
@@ -111,9 +112,7 @@ class MeasureJob:
     kind: ClassVar[str] = "measure"
 
     def run(self, ctx: JobContext) -> Finished:
-        from engine.base.events import TokenGenerated
-        from engine.measure import quality
-        from engine.storage.history import remember
+        from engine.measure import quality  # lazy: importing it loads numpy
 
         loaded = ctx.model
         longest = (loaded.info.context_length or self.context) - self.tokens
