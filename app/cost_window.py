@@ -140,7 +140,8 @@ class CostWindow(QMainWindow):
         form.addRow(measure_row)
         self.session = None
         """The model a measured run loads (its own worker thread, made at the first *Measure here*)."""
-        self._measuring: LoadRequest | None = None
+        self._measuring: MeasureJob | None = None
+        """The run *Measure here* asked for (its context fixed at the click), until it ends."""
         self._measure_job: int | None = None
         side = QWidget()
         side_layout = QVBoxLayout(side)
@@ -490,16 +491,16 @@ class CostWindow(QMainWindow):
             self.session.load_failed.connect(self._measure_failed)
             self.session.job_finished.connect(self._measured)
             self.session.job_failed.connect(lambda _, exc: self._measure_failed(exc))
-        self._measuring = request
+        self._measuring = MeasureJob(CONTEXTS[self.context.value()])
         self.measure_button.setEnabled(False)
         kv = "" if request.kv_dtype == "auto" else f", {request.kv_dtype} KV cache"
         self.measure_status.setText(f"Loading {request.model} ({request.precision}{kv})…")
         self.session.load(request)
 
     def _measure_loaded(self, info) -> None:
-        context = CONTEXTS[self.context.value()]
-        self.measure_status.setText(f"Reading {context:,} tokens, then 16 more…")
-        self._measure_job = self.session.submit(MeasureJob(context))
+        job = self._measuring
+        self.measure_status.setText(f"Reading {job.context - job.tokens:,} tokens, then {job.tokens} more…")
+        self._measure_job = self.session.submit(job)
 
     def _measured(self, job_id: int, finished) -> None:
         if job_id != self._measure_job:

@@ -493,7 +493,6 @@ def budget_tokens(started) -> str:
         return ""
     tokens = budget // per_token
     text = f" ({tokens:,} tokens in {started.kv_dtype}"
-    element = dtype_bytes(started.kv_dtype) if started.kv_dtype in ("int8", "float16", "bfloat16", "float32") else 2
-    if element < 2:
-        text += f": {2 / element:.2f}× the tokens a 16-bit cache holds"
+    if started.kv_dtype == "int8":  # the one dtype of fewer bits than 16 a cache keeps here
+        text += f": {2 / dtype_bytes('int8'):.2f}× the tokens a 16-bit cache holds"
     return text + ")"

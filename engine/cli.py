@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     compare = sub.add_parser("compare", help="one prompt through 2-4 models or precisions, and where they differ")
     compare.add_argument("--lane", action="append", required=True, metavar="MODEL:PRECISION[@KV][:DEVICE]",
-                         help="a lane, e.g. default:fp32 or default:int8-fast@int8 (an int8 KV cache), or a served model, endpoint:http://HOST:PORT/v1#MODEL "
+                         help="a lane, e.g. default:fp32 or default:int8-fast@int8 (an int8 KV cache), or a served "
+                              "model, endpoint:http://HOST:PORT/v1#MODEL "
                               "(key from $INFERENCE_WORKBENCH_API_KEY or $OPENAI_API_KEY); repeat 1-4 times, "
                               "lane 1 is the reference")
     compare.add_argument("--schedule", choices=["fair", "concurrent"], default="fair",

@@ -377,7 +377,8 @@ class ModelPanel(QWidget):
             previous = self.last_local or settings.value("model/source", "default", type=str)
             model = "default" if is_endpoint(previous) else previous
         settings.setValue("model/source", model)
-        for key, combo, served in (("model/precision", self.precision, "served"), ("model/device", self.device, "remote"),
+        for key, combo, served in (("model/precision", self.precision, "served"),
+                                   ("model/device", self.device, "remote"),
                                    ("model/kv_dtype", self.kv_dtype, "served")):
             value = combo.currentData()
             settings.setValue(key, combo.property("localChoice") if value == served else value)
@@ -396,7 +397,8 @@ class ModelPanel(QWidget):
         self.remembered_endpoint = settings.value("model/endpoint", "", type=str)
 
 
-def show_served_choice(precision: QComboBox, device: QComboBox, served: bool, kv_dtype: QComboBox | None = None) -> None:
+def show_served_choice(precision: QComboBox, device: QComboBox, served: bool,
+                       kv_dtype: QComboBox | None = None) -> None:
     """While a served model is chosen, the precision, device (and KV-cache) boxes say the server's
     (disabled), never a local choice that isn't what runs; the entries go again when a local model
     is chosen."""

@@ -29,7 +29,8 @@ from app.glossary import link_headers
 from app.widgets.live_plots import PlotPanel
 from engine.units import format_bytes, format_rate
 
-COLUMNS = ("Lane", "Configuration", "Weights", "KV / token", "Decode tok/s", "Perplexity", "Mean KLD", "KLD p99", "Same top",
+COLUMNS = ("Lane", "Configuration", "Weights", "KV / token", "Decode tok/s", "Perplexity", "Mean KLD", "KLD p99",
+           "Same top",
            "Time")
 SHOWN_TOKENS = 3000
 """Scored tokens drawn in the coloured text (the rest are counted, not drawn)."""
@@ -101,7 +102,8 @@ class QualityView(QWidget):
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setObjectName("qualityTable")
         self.table.setHorizontalHeaderLabels(list(COLUMNS))
-        link_headers(self.table, {"Weights": "weights", "KV / token": "kv-dtype", "Decode tok/s": "decode", "Perplexity": "perplexity",
+        link_headers(self.table, {"Weights": "weights", "KV / token": "kv-dtype", "Decode tok/s": "decode",
+                                  "Perplexity": "perplexity",
                                   "Mean KLD": "kl-divergence", "KLD p99": "kl-divergence", "Same top": "kl-divergence"})
         self.table.verticalHeader().hide()
         self.table.setEditTriggers(QTableWidget.NoEditTriggers)
@@ -196,7 +198,7 @@ class QualityView(QWidget):
                 item = QTableWidgetItem(text)
                 if c == 1:
                     item.setForeground(pg.mkColor(row.colour))
-                if bound and c in (6, 7):
+                if bound and COLUMNS[c] in ("Mean KLD", "KLD p99"):
                     item.setToolTip(f"A served model sends its top {d.served_top_k} tokens per position, not its whole "
                                     "distribution: the KL divergence is summed over those the reference's list holds, "
                                     "the rest as one bucket, which can only read low (a lower bound). Perplexity and "

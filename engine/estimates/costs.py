@@ -25,12 +25,12 @@ from engine.estimates.estimate import ParameterCount, count_parameters, looked_u
 from engine.base.errors import InvalidRequestError
 from engine.estimates.hardware import Hardware
 from engine.base.kv import kv_layout
-from engine.models.precision import PRECISIONS
+from engine.models.precision import PRECISIONS, Q8_BLOCK, Q8_BLOCK_BYTES
 
 GGUF_BITS = {  # bits per weight of llama.cpp's block formats, scales included
     "q8_0": 8.5, "q6_k": 6.5625, "q5_k": 5.5, "q4_k": 4.5, "q4_1": 5.0, "q4_0": 4.5, "q3_k": 3.4375, "q2_k": 2.625,
 }
-KV_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 34 / 32, "int4": 18 / 32}
+KV_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": Q8_BLOCK_BYTES / Q8_BLOCK, "int4": 18 / 32}
 """Bytes a cached key or value takes: int8 and int4 in 32-value blocks with an fp16 scale each,
 as llama.cpp's q8_0 and q4_0 caches (and this workbench's int8 cache) keep them."""
 _TORCH_KV_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8"}

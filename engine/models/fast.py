@@ -29,7 +29,7 @@ from engine.models.quantize import fuse_rows, has_int8_activations
 
 from engine.base.kv import kv_layout
 from engine.base.errors import UnsupportedPrecisionError
-from engine.models.precision import unsupported_type_reason
+from engine.models.precision import Q8_BLOCK, Q8_BLOCK_BYTES, unsupported_type_reason
 
 OFFSET_NORMS = ("gemma2", "gemma3_text")
 """Model types whose RMSNorm weights are offsets from 1 (``x · (1 + w)``, in fp32), as Gemma's are."""
@@ -230,10 +230,6 @@ class FastDecoder:
         return [*self.model.modules(), *(m for part in fused for m in part.modules())]
 
 
-Q8_BLOCK = 32
-"""Values a scale covers in an int8 KV cache (llama.cpp's q8_0: 32 codes and an fp16 scale, 34 bytes)."""
-
-
 def hadamard(n: int) -> torch.Tensor:
     """The orthonormal Walsh-Hadamard matrix of size ``n`` (a power of two): symmetric, its own inverse."""
     h = torch.ones(1, 1)
@@ -274,7 +270,7 @@ def use_kv_dtype(d: FastDecoder, dtype: torch.dtype) -> None:
                                             "Choose bf16 or fp16.")
         if not attention_op():
             raise UnsupportedPrecisionError("An int8 KV cache is read by the kernels' attention, which isn't loaded.")
-        d.kv_row = d.head_dim // Q8_BLOCK * 34
+        d.kv_row = d.head_dim // Q8_BLOCK * Q8_BLOCK_BYTES
         d.rows_attention = d.step_attention = True
         turns = kv_turns(d.head_dim)
         d.kv_turns = None if turns is None else tuple(t.to(d.device) for t in turns)

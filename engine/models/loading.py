@@ -189,12 +189,17 @@ def _prepare_fast(model, precision: Precision, name: str, reporter: ProgressRepo
         raise UnsupportedPrecisionError(f"{name} can't use {precision.name}: {reason}. Choose fp32, bf16, int8 or "
                                         "nf4 (the reference path runs every model).")
     reporter.report("quantize", 0, 0, f"Preparing the fast path ({precision.label})")
-    if precision.scheme in ("int8", "int4"):
+    # the fast path runs on the CPU (its precisions' check_device)
+    wanted = kv_cache_dtype(precision, "cpu", kv_dtype) if kv_dtype != "auto" else None
+    if precision.scheme in ("int8", "int4") or wanted == "int8":  # int8 products, or an int8 cache's attention
         from engine.models import kernels  # lazy: it reads /proc/cpuinfo
 
         if kernels.expected() and not kernels.is_built():
             reporter.report("quantize", 0, 0, f"Compiling the int8 kernels for this CPU ({kernels.isa().name}; once "
                                               "on this machine, about a minute)")
+        if wanted == "int8" and not kernels.kernels():
+            raise UnsupportedPrecisionError(f"An int8 KV cache is read by the fast path's own attention kernels, "
+                                            f"which can't run here: {kernels.unavailable()}.")
     import torch
 
     model._workbench_parameters = count_parameters(model)  # the quantized weights become buffers
@@ -210,17 +215,7 @@ def _prepare_fast(model, precision: Precision, name: str, reporter: ProgressRepo
             # teacher forcing and speculation use, do the same)
             model.get_input_embeddings().register_forward_hook(_fp32_output)
     decoder = fast.FastDecoder(model)
-    if kv_dtype != "auto":
-        wanted = kv_cache_dtype(precision, decoder.device.type, kv_dtype)
-        if wanted == "int8":
-            from engine.models import kernels  # lazy: as above
-
-            if not kernels.is_built() and kernels.expected():
-                reporter.report("quantize", 0, 0, "Compiling the kernels for this CPU (once on this machine, about "
-                                                  "a minute)")
-            if not kernels.kernels():
-                raise UnsupportedPrecisionError(f"An int8 KV cache is read by the fast path's own attention kernels, "
-                                                f"which can't run here: {kernels.unavailable()}.")
+    if wanted is not None:
         fast.use_kv_dtype(decoder, getattr(torch, wanted))
     if decoder.device.type == "cpu":
         from engine.models.huge_pages import move_to_huge_pages  # lazy: as fast above (torch)

@@ -183,8 +183,8 @@ KV_DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16", "fp16": "float
 the precision's own (:meth:`Precision.kv_dtype`); ``int8``: llama.cpp's q8_0 blocks, 32 codes and
 an fp16 scale per 32 values of a slot's head (``-ctk q8_0 -ctv q8_0``)."""
 
-Q8_BLOCK_BYTES = 34 / 32
-"""An int8 (q8_0) cache's bytes per value: 32 codes and a 2-byte scale per 32 values."""
+Q8_BLOCK, Q8_BLOCK_BYTES = 32, 34
+"""An int8 (q8_0) cache's block: 32 values, kept as 32 one-byte codes and a 2-byte (fp16) scale."""
 
 
 def kv_cache_dtype(precision: Precision, device_type: str, choice: str = "auto") -> str:
@@ -205,7 +205,8 @@ def kv_cache_dtype(precision: Precision, device_type: str, choice: str = "auto")
     if not isinstance(precision, FastPrecision):
         raise UnsupportedPrecisionError(
             f"{precision.name} runs on transformers' own cache, kept in {own}: the KV-cache dtype is the fast "
-            f"path's choice. Choose a fast precision (fp32-fast, bf16-fast, int8-fast, int4-fast) for a KV cache in {key}.")
+            f"path's choice. Choose a fast precision (fp32-fast, bf16-fast, int8-fast, int4-fast) for a KV cache in "
+            f"{key}.")
     compute = precision.compute_dtype(device_type)
     if key == "fp32" and compute != "float32":
         raise UnsupportedPrecisionError(
@@ -216,5 +217,5 @@ def kv_cache_dtype(precision: Precision, device_type: str, choice: str = "auto")
 
 def dtype_bytes(dtype_name: str) -> float:
     """Bytes a value of this dtype (a torch name, or ``int8``: a q8_0 cache's) takes."""
-    return {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int8": Q8_BLOCK_BYTES,
+    return {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int8": Q8_BLOCK_BYTES / Q8_BLOCK,
             "float8_e4m3fn": 1}[dtype_name]

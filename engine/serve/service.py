@@ -274,7 +274,8 @@ class CoreService:
             # what fewer bits buy: the tokens this budget holds, against a 16-bit cache's
             tokens = kv.total_blocks * kv.block_tokens
             sixteen = kv.block_bytes(kv.total_blocks) // layout.bytes_per_token(2)
-            size += f" ({tokens:,} tokens: {tokens / sixteen:.2f}× the {sixteen:,} a 16-bit cache holds in these bytes)"
+            size += (f" ({tokens:,} tokens: {tokens / sixteen:.2f}× the {sixteen:,} a 16-bit cache holds in these "
+                     "bytes)")
         if kv.prefix_caching:
             caching = "prefix caching on: " + ("cached blocks shared in place (one block pool)" if core.paged else
                                                "cached blocks copied into each request's cache")

@@ -201,8 +201,8 @@ def test_quality_run_measures_every_lane_against_lane_1(qtbot, compare, tiny_lla
     view = compare.quality_view
     kv = compare.lanes[1].loaded.kv_bytes_per_token
     view.context.setValue(8192)
-    assert sorted(view.points.getData()[0]) == pytest.approx(sorted((r.report.weights_bytes + 8192 * r.kv_bytes_per_token)
-                                                                    / 2**20 for r in rows))
+    expected = sorted((r.report.weights_bytes + 8192 * r.kv_bytes_per_token) / 2**20 for r in rows)
+    assert sorted(view.points.getData()[0]) == pytest.approx(expected)
     assert rows[1].kv_bytes_per_token == kv and kv == compare.lanes[0].loaded.kv_bytes_per_token // 2
     xs, ys = compare.quality_view.front.getData()
     assert len(xs) >= 1 and pareto([(2.0, 0.0), (1.0, 0.5), (1.5, 0.6)]) == [1, 0]

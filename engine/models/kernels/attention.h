@@ -36,6 +36,13 @@ namespace {
 struct Q8 {};
 constexpr int64_t Q8_BLOCK = 32, Q8_BLOCK_BYTES = 34;
 
+// A Q8 block's scale (its first two bytes, fp16).
+inline float q8_scale(const int8_t* block) {
+    uint16_t bits;
+    std::memcpy(&bits, block, 2);
+    return _cvtsh_ss(bits);
+}
+
 // Element ``at`` on of one slot's row of a Q8 cache: what a pointer is to the other caches
 // (row + n, row[d]; load16 reads 16 values from a multiple of 16).
 struct Q8Slot {
@@ -44,9 +51,7 @@ struct Q8Slot {
     Q8Slot operator+(int64_t n) const { return {row, at + n}; }
     float operator[](int64_t d) const {
         const int8_t* block = row + (at + d) / Q8_BLOCK * Q8_BLOCK_BYTES;
-        uint16_t bits;
-        std::memcpy(&bits, block, 2);
-        return _cvtsh_ss(bits) * static_cast<float>(block[2 + (at + d) % Q8_BLOCK]);
+        return q8_scale(block) * static_cast<float>(block[2 + (at + d) % Q8_BLOCK]);
     }
 };
 
@@ -202,10 +207,8 @@ constexpr int64_t FAST_DIM = 256;
 // 16 values of a Q8 cache's row from element p.at (a multiple of 16: within one block), as fp32.
 inline __m512 load16(Q8Slot p) {
     const int8_t* block = p.row + p.at / Q8_BLOCK * Q8_BLOCK_BYTES;
-    uint16_t bits;
-    std::memcpy(&bits, block, 2);
     const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + p.at % Q8_BLOCK));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), _mm512_set1_ps(_cvtsh_ss(bits)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), _mm512_set1_ps(q8_scale(block)));
 }
 
 // exp_nonpositive on 16 lanes: the same steps (here for the softmax below and scores.h).
@@ -560,11 +563,13 @@ int64_t cache_row(const torch::Tensor& keys, int64_t dim) {
 void check_attention_types(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                            const char* name) {
     const auto cache = keys.scalar_type();
-    TORCH_CHECK(keys.scalar_type() == values.scalar_type() &&
+    TORCH_CHECK(cache == values.scalar_type() &&
                     (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
                     (cache == q.scalar_type() || cache == at::kHalf || cache == at::kBFloat16 || cache == at::kChar),
-                name, ": q float32 or bfloat16, keys and values of one type: q's, float16, bfloat16 or int8 (q8_0 blocks)");
-    TORCH_CHECK(cache != at::kChar || q.size(3) % Q8_BLOCK == 0, name, ": an int8 cache needs a head size that is a multiple of 32");
+                name,
+                ": q float32 or bfloat16, keys and values of one type: q's, float16, bfloat16 or int8 (q8_0 blocks)");
+    TORCH_CHECK(cache != at::kChar || q.size(3) % Q8_BLOCK == 0, name,
+                ": an int8 cache needs a head size that is a multiple of 32");
     TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, name, ": the cache's last dimension contiguous");
 }
 
@@ -603,7 +608,8 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& keys, con
     TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && keys.dim() == 4 && values.sizes() == keys.sizes(),
                 "attend_rows: q [B, H, 1, D], keys and values [B, KV heads, capacity, D]");
     check_attention_types(q, keys, values, "attend_rows");
-    TORCH_CHECK(q.size(0) == keys.size(0) && cache_row(keys, q.size(3)) == keys.size(3) && q.size(1) % keys.size(1) == 0,
+    TORCH_CHECK(q.size(0) == keys.size(0) && cache_row(keys, q.size(3)) == keys.size(3) &&
+                    q.size(1) % keys.size(1) == 0,
                 "attend_rows: q's rows, head size and heads must match the cache's");
     TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == q.size(0),
                 "attend_rows: positions, int64 [B]");
