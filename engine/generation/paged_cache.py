@@ -300,13 +300,26 @@ class PagedCache:
 
     def prefill(self, seq: int, ids: torch.Tensor, rows: int = 1) -> torch.Tensor:
         """Put ``ids`` ([1, n]) into ``seq``'s blocks; the logits after the last of them ([vocab]),
-        or after each of the last ``rows`` ([rows, vocab])."""
-        start = self.lengths[seq]
-        self._room(seq, start + ids.shape[1])
-        table = torch.tensor(self._table(seq), dtype=torch.long, device=self.d.device)
-        logits = _forward(self.d, self.keys, self.values, table, self.cos, self.sin, ids, start, rows,
-                          in_place=self.batch_invariant)
-        self.lengths[seq] = start + ids.shape[1]
+        or after each of the last ``rows`` ([rows, vocab]).
+
+        A few tokens after the first that all want their scores (speculation's last token and its
+        guesses) are one batched decode step's rows, one sequence's consecutive positions through
+        the same blocks: the compiled step where it is ready (each row writes its key and value
+        before any row attends, and attends up to its own position, so the rows see each other
+        as a prompt chunk's tokens do). The chunk's pass runs otherwise."""
+        start, count = self.lengths[seq], ids.shape[1]
+        self._room(seq, start + count)
+        d = self.d
+        if (rows == count and 1 < count <= MAX_DRAFT_TOKENS + 1 and start and not self.batch_invariant
+                and d.compiled_rows is not None and self._compiled_ready()):
+            positions, table = self._step_inputs([seq] * count, ids[0].tolist(), consecutive=True)[1:]
+            logits = d.compiled_rows(d, self.keys, self.values, self.cos, self.sin, ids.view(count, 1), positions,
+                                     table)
+        else:
+            table = torch.tensor(self._table(seq), dtype=torch.long, device=d.device)
+            logits = _forward(d, self.keys, self.values, table, self.cos, self.sin, ids, start, rows,
+                              in_place=self.batch_invariant)
+        self.lengths[seq] = start + count
         if self.window:
             self._slide(seq)
         return logits
@@ -317,7 +330,7 @@ class PagedCache:
             self._room(seq, self.lengths[seq] + 1)
         ids, positions, table = self._step_inputs(seqs, tokens)
         d = self.d
-        compiled = torch.get_num_threads() == d.compiled_threads and self.rotary <= MAX_COMPILED_CAPACITY
+        compiled = self._compiled_ready()
         if self.batch_invariant:
             if d.rows_attention:
                 logits = _decode_rows(d, self.keys, self.values, self.cos, self.sin, ids, positions, table)
@@ -342,11 +355,18 @@ class PagedCache:
                 self._slide(seq)
         return logits
 
-    def _step_inputs(self, seqs: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _compiled_ready(self) -> bool:
+        """Whether the compiled steps run: built for this many threads (the count adapts to the
+        machine's load) and for the rotary tables' size."""
+        return torch.get_num_threads() == self.d.compiled_threads and self.rotary <= MAX_COMPILED_CAPACITY
+
+    def _step_inputs(self, seqs: list[int], tokens: list[int], consecutive: bool = False,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's token ids [B, 1], positions [B] and block tables [B, W] (the widest row's
         blocks; a shorter row's table is padded with its own first block, never read): numpy-backed
         tensors kept per batch size and width and filled in place (three new tensors a step cost
-        ~60 µs), copied to the device where the model isn't on the CPU."""
+        ~60 µs), copied to the device where the model isn't on the CPU. ``consecutive``: the rows
+        are one sequence's next positions (a row after its length's), not each its own."""
         tables = [self._table(seq) for seq in seqs]
         width = max(len(t) for t in tables)
         kept = self._inputs.get((len(seqs), width))
@@ -367,7 +387,7 @@ class PagedCache:
             else:
                 table[row, :len(blocks)] = blocks
                 table[row, len(blocks):] = blocks[0]
-            positions[row] = self.lengths[seq]
+            positions[row] = self.lengths[seq] + (row if consecutive else 0)
         ids[:, 0] = tokens
         if self.d.device.type != "cpu":
             return tuple(t.to(self.d.device) for t in tensors)

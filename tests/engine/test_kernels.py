@@ -27,9 +27,11 @@ def _built():
     if not kernels.kernels():
         pytest.skip(f"int8 kernels: {kernels.unavailable()}")
 
-SHAPES = [(13, 96, 40), (1, 576, 200), (21, 576, 64), (8, 1536, 48), (5, 64, 200), (16, 1536, 48), (37, 96, 40)]
-"""(rows, inputs, outputs): whole row tiles (4 for AVX-512, 2 for AVX2) and single rows left over,
-whole and part column tiles; outputs padded to 16. With AMX, 16 rows and more run on its tiles:
+SHAPES = [(13, 96, 40), (1, 576, 200), (21, 576, 64), (8, 1536, 48), (5, 64, 200), (16, 1536, 48), (37, 96, 40),
+          (3, 576, 200), (6, 96, 40)]
+"""(rows, inputs, outputs): whole row tiles of 4 and what is left over (one tile of the last 5
+rows where a single row would be left, or of the 2 or 3 left), whole and part column tiles;
+outputs padded to 16. With AMX, 16 rows and more run on its tiles:
 whole tiles of 16 rows and fewer left over, an even and an odd number of blocks (and each row
 still equals the row alone, which the VNNI tiles compute)."""
 
@@ -460,7 +462,8 @@ def test_attention_refuses_what_it_cannot_read():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, inputs, outputs", [(1, 1152, 45), (1, 100, 8), (2, 31, 21), (5, 576, 67), (16, 96, 40)])
+@pytest.mark.parametrize("rows, inputs, outputs", [(1, 1152, 45), (1, 100, 8), (2, 31, 21), (3, 576, 67), (5, 576, 67),
+                                                    (16, 96, 40), (9, 64, 24)])
 def test_dense_products_are_the_product_and_each_row_its_own(rows, inputs, outputs, dtype):
     """``dense_linear`` (a decode step's fp32/bf16 products): the float64 product within the
     dtype's rounding, for any row count, inputs not a multiple of the vector (masked tails) and

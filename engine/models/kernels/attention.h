@@ -625,6 +625,22 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& keys, con
     return out;
 }
 
+#ifdef WORKBENCH_AVX512
+// Whether rows 0 … B - 1 are one sequence's consecutive positions (speculation's last token and
+// its guesses in one batched step): each row's position one past the row before's, over the same
+// blocks. Then they are a prompt chunk's rows: attend_chunk's tiles read each block once for them
+// all (the rows apart read it once each), with each row's result the same.
+bool one_sequence(const int64_t* tp, int64_t stride, const int64_t* pp, int64_t rows, int64_t tokens) {
+    if (rows < 2) return false;
+    for (int64_t b = 1; b < rows; ++b) {
+        if (pp[b] != pp[0] + b) return false;
+        for (int64_t i = 0; i <= pp[b] / tokens; ++i)
+            if (tp[b * stride + i] != tp[i]) return false;
+    }
+    return true;
+}
+#endif
+
 // The paged forms' queries and pool: q [rows, H, 1, D]; keys and values [blocks, KV heads, block
 // tokens, D] of the types check_attention_types takes, each block's slots side by side.
 void check_pool(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, const char* name) {
@@ -665,6 +681,16 @@ torch::Tensor attend_paged(const torch::Tensor& q, const torch::Tensor& keys, co
         }
     }
     auto out = torch::empty({q.size(0), q.size(1), 1, q.size(3)}, q.options());
+#ifdef WORKBENCH_AVX512
+    if (window <= 0 && softcap <= 0 && q.size(3) % 16 == 0 && q.size(3) <= FAST_DIM &&
+        one_sequence(tp, table.stride(0), pp, pc.size(0), tokens)) {
+        with_types(qc, keys, [&](auto t, auto c) {
+            attend_chunk_tiles<typename decltype(t)::type, typename decltype(c)::type>(qc, keys, values, tp, pp[0],
+                                                                                       scale, out);
+        });
+        return out;
+    }
+#endif
     with_types(qc, keys, [&](auto t, auto c) {
         attend_paged_impl<typename decltype(t)::type, typename decltype(c)::type>(qc, keys, values, table, pp, scale,
                                                                                   out, window, softcap);

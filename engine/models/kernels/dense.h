@@ -47,7 +47,7 @@ inline void dense_tile(const W* w, const float* x, int64_t K, int64_t n0, int64_
         __m512 wv[RN];
         for (int r = 0; r < RN; ++r) {
             const W* row = w + (n0 + r) * K + k;
-            if (MN == 1) _mm_prefetch(reinterpret_cast<const char*>(row) + DENSE_AHEAD_BYTES, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(row) + DENSE_AHEAD_BYTES, _MM_HINT_T0);
             wv[r] = load16(row);
         }
         for (int m = 0; m < MN; ++m) {
@@ -80,7 +80,7 @@ __attribute__((target("avx512bf16"))) inline void bf16_tile(const at::BFloat16* 
         __m512bh wv[RN];
         for (int r = 0; r < RN; ++r) {
             const at::BFloat16* row = w + (n0 + r) * K + k;
-            if (MN == 1) _mm_prefetch(reinterpret_cast<const char*>(row) + DENSE_AHEAD_BYTES, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(row) + DENSE_AHEAD_BYTES, _MM_HINT_T0);
             wv[r] = (__m512bh)_mm512_loadu_si512(row);
         }
         for (int m = 0; m < MN; ++m) {
@@ -102,10 +102,22 @@ __attribute__((target("avx512bf16"))) inline void bf16_tile(const at::BFloat16* 
 }
 
 // Every tile of the product, split across threads by blocks of DENSE_ROWS weight rows; ``tile``
-// is called as tile(RN, MN, n0, m0) with RN and MN integral constants.
+// is called as tile(RN, MN, n0, m0) with RN and MN integral constants. A few activation rows (a
+// verification pass's 5, a small batch's) are one tile per weight rows, so each weight is read
+// from memory once, in as many streams as the registers allow; more rows, tiles of 4 and one of
+// the rest (at most 5: 20 sums, 4 weights and an activation in registers).
 template <typename Tile>
 void dense_tiles(int64_t M, int64_t N, Tile&& tile) {
     using std::integral_constant;
+    auto rest = [&](int64_t n, int64_t m, int64_t left) {
+        switch (left) {
+            case 1: tile(integral_constant<int, 4>{}, integral_constant<int, 1>{}, n, m); break;
+            case 2: tile(integral_constant<int, 4>{}, integral_constant<int, 2>{}, n, m); break;
+            case 3: tile(integral_constant<int, 4>{}, integral_constant<int, 3>{}, n, m); break;
+            case 4: tile(integral_constant<int, 4>{}, integral_constant<int, 4>{}, n, m); break;
+            default: tile(integral_constant<int, 4>{}, integral_constant<int, 5>{}, n, m); break;
+        }
+    };
     at::parallel_for(0, (N + DENSE_ROWS - 1) / DENSE_ROWS, 16, [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; ++b) {
             const int64_t n0 = b * DENSE_ROWS;
@@ -114,11 +126,13 @@ void dense_tiles(int64_t M, int64_t N, Tile&& tile) {
                     for (int64_t m = 0; m < M; ++m) tile(integral_constant<int, 1>{}, integral_constant<int, 1>{}, n, m);
             } else if (M == 1) {
                 tile(integral_constant<int, DENSE_ROWS>{}, integral_constant<int, 1>{}, n0, 0);
+            } else if (M == 2) {
+                tile(integral_constant<int, DENSE_ROWS>{}, integral_constant<int, 2>{}, n0, 0);
             } else {
                 for (int64_t half = n0; half < n0 + DENSE_ROWS; half += 4) {
                     int64_t m = 0;
-                    for (; m + 4 <= M; m += 4) tile(integral_constant<int, 4>{}, integral_constant<int, 4>{}, half, m);
-                    for (; m < M; ++m) tile(integral_constant<int, 4>{}, integral_constant<int, 1>{}, half, m);
+                    for (; M - m > 5; m += 4) tile(integral_constant<int, 4>{}, integral_constant<int, 4>{}, half, m);
+                    rest(half, m, M - m);
                 }
             }
         }

@@ -41,24 +41,46 @@ inline int32_t four_bytes(const uint8_t* p) {
     return v;
 }
 
-// Every (rows, column groups) tile of the product: row tiles of TM with column tiles of TN groups
-// of 16, then single rows with column tiles of TN1 groups (a single row has registers to spare),
-// then single groups where the columns run out; split across threads by column tiles.
+// Every (rows, column groups) tile of the product, split across threads by column tiles (TN
+// groups of 16 columns where there are TM rows or more, else TN1: a few rows have registers to
+// spare). Each column tile takes every row while its weights are in cache: row tiles of TM, then
+// one tile of the rows left, or of TM + 1 where one would be left (a verification pass's 5 rows
+// read the weights from memory once and sum each weight block once, as one row does; row tiles
+// over all the columns, then the last row over them again, read them twice).
+template <int TM, int TN, typename Tile>
+void row_tiles(int64_t m0, int64_t g, int64_t width, Tile& tile) {
+    int64_t c = 0;
+    for (; c + TN <= width; c += TN) tile(std::integral_constant<int, TM>{}, std::integral_constant<int, TN>{}, m0, g + c);
+    for (; c < width; ++c) tile(std::integral_constant<int, TM>{}, std::integral_constant<int, 1>{}, m0, g + c);
+}
+
+// The rows left after the full row tiles (fewer than TM: ``left``), as one tile of R rows.
+template <int R, int TM, int TN, typename Tile>
+void rows_left(int64_t left, int64_t m0, int64_t g, int64_t width, Tile& tile) {
+    if constexpr (R < TM) {
+        if (left == R) row_tiles<R, TN>(m0, g, width, tile);
+        else rows_left<R + 1, TM, TN>(left, m0, g, width, tile);
+    }
+}
+
 template <int TM, int TN, int TN1, typename Tile>
 void tiles(int64_t M, int64_t groups, Tile&& tile) {
     const int64_t wide = M >= TM ? TN : TN1;  // the column tile the threads split by
     at::parallel_for(0, (groups + wide - 1) / wide, 1, [&](int64_t begin, int64_t end) {
-        const int64_t first = begin * wide, last = std::min(end * wide, groups);
-        int64_t m0 = 0;
-        for (; m0 + TM <= M; m0 += TM) {
-            int64_t g = first;
-            for (; g + TN <= last; g += TN) tile(std::integral_constant<int, TM>{}, std::integral_constant<int, TN>{}, m0, g);
-            for (; g < last; ++g) tile(std::integral_constant<int, TM>{}, std::integral_constant<int, 1>{}, m0, g);
-        }
-        for (; m0 < M; ++m0) {
-            int64_t g = first;
-            for (; g + TN1 <= last; g += TN1) tile(std::integral_constant<int, 1>{}, std::integral_constant<int, TN1>{}, m0, g);
-            for (; g < last; ++g) tile(std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{}, m0, g);
+        const int64_t last = std::min(end * wide, groups);
+        for (int64_t g = begin * wide; g < last; g += wide) {
+            const int64_t width = std::min(wide, last - g);
+            int64_t m0 = 0;
+            for (; m0 + TM <= M; m0 += TM) {
+                if (M - m0 == TM + 1) {  // one row more than a tile: one tile of them all
+                    row_tiles<TM + 1, TN>(m0, g, width, tile);
+                    m0 = M;
+                    break;
+                }
+                row_tiles<TM, TN>(m0, g, width, tile);
+            }
+            if (M - m0 == 1) row_tiles<1, TN1>(m0, g, width, tile);
+            else if (m0 < M) rows_left<2, TM, TN>(M - m0, m0, g, width, tile);
         }
     });
 }
