@@ -77,13 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compile", action="store_true",
                        help="with a *-fast precision: make the compiled decode step ready first (built by a child "
                             "process, 1-2 minutes the first time; loaded in seconds once cached) and say how")
-    bench.add_argument("--draft", metavar="early-exit:K|default:PRECISION|PATH[:PRECISION]",
-                       help="speculative decoding with this draft: the target's first K layers, the default "
-                            "model at a precision, or another model with the same tokenizer")
+    bench.add_argument("--draft", metavar="ngram[:N]|early-exit:K|default:PRECISION|PATH[:PRECISION]",
+                       help="speculative decoding with this draft: prompt lookup (the tokens that followed the "
+                            "last N tokens' latest earlier occurrence in the prompt and answer; no model), the "
+                            "target's first K layers, the default model at a precision, or another model with "
+                            "the same tokenizer")
     bench.add_argument("--draft-tokens", type=int, default=4, metavar="N",
                        help="tokens the draft proposes per step (default: %(default)s)")
     bench.add_argument("--compare-plain", action="store_true",
-                       help="with --draft: also decode plainly first and report the speed-up")
+                       help="with --draft: also decode plainly first and report the speed-up, beside the one "
+                            "predicted from the acceptance rate and what a guess and a check cost")
 
     sweep = sub.add_parser("sweep", help="batch sizes 1, 2, 4…: throughput against per-request latency and memory")
     sweep.add_argument("--model", default="default", help="'default', a folder, a .gguf file or a hub id")
@@ -212,7 +215,8 @@ def _bench(args) -> int:
         print("Getting the compiled decode step ready …", file=sys.stderr, flush=True)
         from engine.generation.compiled_step import compile_decoder  # lazy: start-up
 
-        compiled = compile_decoder(loaded.fast, rows=False)  # one request: the batched step isn't needed
+        # one request needs the batched step only to check a draft's guesses (several rows at once)
+        compiled = compile_decoder(loaded.fast, rows=bool(args.draft))
         print(f"  {compiled.describe()}", file=sys.stderr)
     draft = None
     if args.draft:
@@ -221,6 +225,8 @@ def _bench(args) -> int:
         spec = parse_draft(args.draft, args.precision)
         print(f"Draft {spec.label} …", file=sys.stderr, flush=True)
         draft = load_draft(spec, loaded, progress=_LoadPrinter())
+        if args.compile and draft.loaded is not None and draft.fast is not None:  # a draft model of its own
+            print(f"  its compiled step: {compile_decoder(draft.fast, rows=False).describe()}", file=sys.stderr)
 
     def on_event(event) -> None:
         if not args.quiet and isinstance(event, TokenGenerated):

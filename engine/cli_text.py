@@ -100,6 +100,11 @@ def speculative_summary(report) -> str:
         line += (f"\nplain    {format_rate(report.plain_decode_tokens_per_s)} decode → speed-up "
                  f"{'—' if speedup is None else f'{speedup:.2f}×'}"
                  f"{'' if report.same_tokens_as_plain else ' (sampled: the tokens differ from the plain run)'}")
+        predicted = report.break_even
+        if predicted is not None:
+            from engine.measure.speculative_run import explain  # lazy: importing it loads numpy
+
+            line += f"\npredict  {explain(predicted)}"
     return line
 
 

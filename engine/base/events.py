@@ -234,6 +234,9 @@ class DraftVerified:
     """Time the target took to check them (one forward pass over all of them)."""
     elapsed_s: float
     request_id: int = 0
+    step_s: float = 0.0
+    """The whole step's time: the draft, the target's pass, the acceptance rule and the step's
+    bookkeeping (what a plain decode step's time is compared with)."""
 
 
 @dataclass(frozen=True, slots=True)

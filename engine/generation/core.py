@@ -360,27 +360,29 @@ class EngineCore:
                             raise
                         failed.append((r, exc))
                 decoding = [r for r in decoding if r.rid in proposals]
-                if any(proposal.tokens for proposal in proposals.values()):
-                    # each request's last token and its guesses in one pass of its own: the scores after each
-                    for r in decoding:
-                        guesses = proposals[r.rid].tokens
-                        started = time.perf_counter()
-                        try:
-                            ids = torch.tensor([[r.next_token, *guesses]], dtype=torch.long, device=self.loaded.device)
-                            out = self.runner.prefill(r.rid, ids, rows=len(guesses) + 1)
-                        except Exception as exc:
-                            if is_out_of_memory(exc):
-                                raise
-                            failed.append((r, exc))
-                            continue
-                        verify_s[r.rid] = time.perf_counter() - started
-                        r.computed += len(guesses) + 1
-                        ready.append(r)
-                        rows.append(out.view(len(guesses) + 1, -1))
-                        counts.append(len(guesses) + 1)
-                elif decoding:  # one token each: one batched pass
-                    rows.append(self.runner.decode([r.rid for r in decoding], [r.next_token for r in decoding]))
-                    for r in decoding:
+                guessed = [r for r in decoding if proposals[r.rid].tokens]
+                plain = [r for r in decoding if not proposals[r.rid].tokens]
+                # each request with guesses: its last token and its guesses in one pass of its own
+                # (the scores after each); the rest: one token each, in one batched pass
+                for r in guessed:
+                    guesses = proposals[r.rid].tokens
+                    started = time.perf_counter()
+                    try:
+                        ids = torch.tensor([[r.next_token, *guesses]], dtype=torch.long, device=self.loaded.device)
+                        out = self.runner.prefill(r.rid, ids, rows=len(guesses) + 1)
+                    except Exception as exc:
+                        if is_out_of_memory(exc):
+                            raise
+                        failed.append((r, exc))
+                        continue
+                    verify_s[r.rid] = time.perf_counter() - started
+                    r.computed += len(guesses) + 1
+                    ready.append(r)
+                    rows.append(out.view(len(guesses) + 1, -1))
+                    counts.append(len(guesses) + 1)
+                if plain:
+                    rows.append(self.runner.decode([r.rid for r in plain], [r.next_token for r in plain]))
+                    for r in plain:
                         r.computed += 1
                         ready.append(r)
                         counts.append(1)
@@ -565,7 +567,7 @@ class EngineCore:
             r.computed = keep
             verified = self.proposer.settle(r.rid, proposal, choice.accepted, len(r.prompt) + len(r.tokens), verify_s)
             if verified is not None:
-                yield replace(verified, elapsed_s=now - r.arrived)
+                yield replace(verified, elapsed_s=now - r.arrived, step_s=now - began)
         share = (now - began) / max(1, len(choice.tokens))
         guessing = self.proposer.lookahead > 0  # its tokens say whether a guess made them
         for j, (token, scores, log_total, largest) in enumerate(choice.tokens):

@@ -11,8 +11,13 @@ Greedy output equals plain greedy decoding token for token. With sampling, each 
 token is accepted with probability min(1, p/q) and a rejection draws from max(0, p − q)
 (Leviathan et al., 2023), which leaves the output distribution that of the target.
 
-Drafts: another model with the same tokenizer, the same model at a lower precision, or the
-target's own first K layers with its final norm and head ("early exit": no extra memory).
+Drafts: another model with the same tokenizer, the same model at a lower precision, the
+target's own first K layers with its final norm and head ("early exit": no extra memory), or
+no model at all: prompt lookup (``ngram:N``, vLLM's ``ngram`` method, transformers'
+``prompt_lookup_num_tokens``) guesses that the text goes on as it went on after the last N
+tokens' latest earlier occurrence in the prompt and answer. It costs nothing to run, so it pays
+wherever an answer repeats its input (edits, extraction, quoting, code changes) and costs
+only the verification's extra rows where it guesses wrong.
 """
 
 from __future__ import annotations
@@ -42,25 +47,43 @@ if TYPE_CHECKING:
     from engine.generation.sampling import RequestSampler
     from engine.models.model import LoadedModel
 
+NGRAM = 3
+"""The n-gram prompt lookup matches when none is named (``ngram``)."""
+MAX_NGRAM = 8
+
+
 @dataclass(frozen=True)
 class DraftSpec:
-    """``early-exit:K``, ``default:PRECISION``, or a model (folder, .gguf, hub id) with an optional
-    ``:PRECISION`` (the target's precision otherwise)."""
+    """``early-exit:K``, ``ngram[:N]``, ``default:PRECISION``, or a model (folder, .gguf, hub id)
+    with an optional ``:PRECISION`` (the target's precision otherwise)."""
 
-    kind: str  # "early-exit" or "model"
+    kind: str  # "early-exit", "ngram" or "model"
     layers: int = 0
+    """Early exit: the target's layers the draft runs; prompt lookup: the n-gram's tokens."""
     model: str = ""
     precision: str = ""
 
     @property
     def label(self) -> str:
-        return f"early-exit:{self.layers}" if self.kind == "early-exit" else f"{self.model}:{self.precision}"
+        if self.kind == "model":
+            return f"{self.model}:{self.precision}"
+        return f"{self.kind}:{self.layers}"
 
 
 def parse_draft(text: str, target_precision: str) -> DraftSpec:
     text = (text or "").strip()
     if not text:
-        raise InvalidRequestError("Name a draft: early-exit:K, default:PRECISION or a model folder/file/hub id.")
+        raise InvalidRequestError("Name a draft: early-exit:K, ngram:N, default:PRECISION or a model "
+                                  "folder/file/hub id.")
+    if text == "ngram" or text.startswith("ngram:"):
+        _, _, size = text.partition(":")
+        try:
+            count = int(size) if size else NGRAM
+        except ValueError:
+            count = 0
+        if not 1 <= count <= MAX_NGRAM:
+            raise InvalidRequestError(f"ngram needs a size from 1 to {MAX_NGRAM} tokens, e.g. ngram:3, not {text!r}.")
+        return DraftSpec("ngram", layers=count)
     if text == "early-exit" or text.startswith("early-exit:"):
         _, _, layers = text.partition(":")
         try:
@@ -75,7 +98,8 @@ def parse_draft(text: str, target_precision: str) -> DraftSpec:
 
 
 class Draft:
-    """The model that proposes tokens: its own loaded model, or a view of the target's layers."""
+    """What proposes tokens: a model of its own, a view of the target's layers, or (prompt lookup)
+    no model at all (``model`` ``None``)."""
 
     def __init__(self, model, spec: DraftSpec, loaded: "LoadedModel | None" = None,
                  supports_logits_to_keep: bool = True, fast=None) -> None:
@@ -91,6 +115,14 @@ class Draft:
         has one, else transformers' forward (caches that can roll back)."""
 
         return runner_for(self.model, self.fast, self.supports_logits_to_keep, rollback=True)
+
+    def proposer(self, target: "LoadedModel", draft_tokens: int) -> "Guesses":
+        """The engine core's proposer for a run of ``target`` with this draft."""
+        if self.spec.kind == "ngram":
+            return PromptLookup(target, self.spec.layers, draft_tokens)
+        if target.model is None or self.model is None:
+            raise EngineError("The model or its draft was unloaded: load it again.")
+        return Speculation(target, self, draft_tokens)
 
     @property
     def label(self) -> str:
@@ -148,6 +180,8 @@ def early_exit_model(model, layers: int):
 
 def load_draft(spec: DraftSpec, target: "LoadedModel", progress: Callable | None = None,
                cancel: CancelToken | None = None) -> Draft:
+    if spec.kind == "ngram":
+        return Draft(None, spec)
     if spec.kind == "early-exit":
         view = early_exit_model(target.model, spec.layers)
         fast = None
@@ -171,13 +205,13 @@ def stream_speculative(target: "LoadedModel", draft: Draft, request: GenerationR
                        ) -> Iterator[GenerationEvent]:
     """Like :func:`~engine.generation.generate.generate`, with :class:`DraftVerified` events between
     the tokens: the request alone in an engine core (``core``: the model's own, idle, lent for the
-    run; ``None``: one of its own) whose proposer is :class:`Speculation`'s."""
+    run; ``None``: one of its own) whose proposer is the draft's (:meth:`Draft.proposer`)."""
 
-    if target.model is None or draft.model is None:
-        raise EngineError("The model or its draft was unloaded: load it again.")
-    speculation = Speculation(target, draft, draft_tokens)
+    if target.model is None:
+        raise EngineError("The model was unloaded: load it again.")
+    proposer = draft.proposer(target, draft_tokens)
     request = request.validated()
-    return stream(target, request, target.encode(request), cancel or CancelToken(), proposer=speculation, core=core)
+    return stream(target, request, target.encode(request), cancel or CancelToken(), proposer=proposer, core=core)
 
 
 @dataclass
@@ -185,13 +219,106 @@ class _Sequence:
     """One request's speculation state."""
 
     length: int = 0
-    """Tokens in the draft's cache."""
+    """Tokens in the draft's cache (prompt lookup: tokens indexed)."""
     drafted: int = 0
     accepted: int = 0
     step: int = 0
 
 
-class Speculation(Proposer):
+class Guesses(Proposer):
+    """What the proposers that guess share: each request's counts, and the event that says how a
+    step's guesses fared (engine/generation/proposer.py)."""
+
+    def __init__(self, target: "LoadedModel", draft_tokens: int) -> None:
+        if not isinstance(draft_tokens, int) or isinstance(draft_tokens, bool) \
+                or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
+            raise InvalidRequestError(
+                f"Draft tokens per step must be from 1 to {MAX_DRAFT_TOKENS}, not {draft_tokens!r}.")
+        self.target, self.draft_tokens = target, draft_tokens
+        self.lookahead = draft_tokens
+        self.sequences: dict[int, _Sequence] = {}
+
+    def add(self, seq: int, request: GenerationRequest, tokens: int) -> None:
+        self.sequences[seq] = _Sequence()
+
+    def remove(self, seq: int) -> None:
+        self.sequences.pop(seq, None)
+
+    def counts(self, seq: int) -> dict:
+        state = self.sequences.get(seq)
+        return {"drafted_tokens": state.drafted if state else 0, "accepted_tokens": state.accepted if state else 0}
+
+    def settle(self, seq: int, proposal: Proposal, accepted: int, committed: int, verify_s: float,
+               ) -> DraftVerified | None:
+        state = self.sequences[seq]
+        n = len(proposal.tokens)
+        if not n:
+            return None
+        state.drafted += n
+        state.accepted += accepted
+        event = DraftVerified(step=state.step, drafted_ids=proposal.tokens,
+                              drafted_text=tuple(self.target.token_text(t) for t in proposal.tokens),
+                              accepted=accepted, draft_s=proposal.draft_s, verify_s=verify_s, elapsed_s=0.0,
+                              request_id=seq)
+        state.step += 1
+        return event
+
+
+class PromptLookup(Guesses):
+    """Prompt lookup: after each step, the last ``ngram`` tokens of the prompt and answer are
+    looked up among the earlier ones; where they occurred before, the tokens that followed their
+    latest occurrence are the guesses (up to ``draft_tokens``). Nothing is guessed where they
+    never occurred: the step is a plain one. Each request keeps an index of its n-grams, grown by
+    the tokens it commits (a step's lookup is one dictionary read).
+
+    A sampled request's guess is a certainty for the acceptance rule (the draft's distribution
+    all on it): the target keeps it with its own probability of it and otherwise draws from its
+    distribution without it, which leaves the output the target's (engine/generation/sampling.py)."""
+
+    def __init__(self, target: "LoadedModel", ngram: int, draft_tokens: int) -> None:
+        super().__init__(target, draft_tokens)
+        self.ngram = ngram
+        self.ids: dict[int, list[int]] = {}
+        self.seen: dict[int, dict[tuple[int, ...], int]] = {}
+        """Per request: each n-gram → where the tokens after its latest occurrence begin."""
+        head = target.model.get_output_embeddings()
+        self.width = getattr(head, "out_features", None) or target.model.config.get_text_config().vocab_size
+
+    def add(self, seq: int, request: GenerationRequest, tokens: int) -> None:
+        super().add(seq, request, tokens)
+        self.ids[seq], self.seen[seq] = [], {}
+
+    def remove(self, seq: int) -> None:
+        super().remove(seq)
+        self.ids.pop(seq, None)
+        self.seen.pop(seq, None)
+
+    def propose(self, seq: int, sampler: "RequestSampler", committed: "torch.Tensor", room: int) -> Proposal:
+        started = time.perf_counter()
+        n = max(0, min(self.draft_tokens, room - 1))
+        ids, seen, size = self.ids[seq], self.seen[seq], self.ngram
+        for token in committed[len(ids):].tolist():  # index the n-grams that end before the newest token
+            if len(ids) >= size:
+                seen[tuple(ids[-size:])] = len(ids)
+            ids.append(token)
+        if not n or len(ids) <= size:
+            return NOTHING
+        after = seen.get(tuple(ids[-size:]))
+        if after is None:
+            return NOTHING
+        guesses = tuple(ids[after:after + n])
+        probs = () if sampler.params.greedy else tuple(self._certain(t, committed.device) for t in guesses)
+        return Proposal(guesses, probs, time.perf_counter() - started)
+
+    def _certain(self, token: int, device) -> "torch.Tensor":
+        import torch
+
+        q = torch.zeros(self.width, device=device)
+        q[token] = 1.0
+        return q
+
+
+class Speculation(Guesses):
     """The engine core's speculative proposer (engine/generation/proposer.py): for each generating
     request the draft guesses up to ``draft_tokens`` tokens one at a time on its own runner; the
     core's decode pass checks them all (the target's scores after each), the sampler keeps the
@@ -199,16 +326,11 @@ class Speculation(Proposer):
     the target, so its share is part of the TTFT."""
 
     def __init__(self, target: "LoadedModel", draft: Draft, draft_tokens: int) -> None:
-        if not isinstance(draft_tokens, int) or isinstance(draft_tokens, bool) \
-                or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
-            raise InvalidRequestError(
-                f"Draft tokens per step must be from 1 to {MAX_DRAFT_TOKENS}, not {draft_tokens!r}.")
-        self.target, self.draft, self.draft_tokens = target, draft, draft_tokens
-        self.lookahead = draft_tokens
+        super().__init__(target, draft_tokens)
+        self.draft = draft
         self.runner = draft.runner()
         head = target.model.get_output_embeddings()
         self.width = getattr(head, "out_features", None) or target.model.config.get_text_config().vocab_size
-        self.sequences: dict[int, _Sequence] = {}
 
     # -- the core's hooks --------------------------------------------------------------
     @property
@@ -236,19 +358,24 @@ class Speculation(Proposer):
 
     def add(self, seq: int, request: GenerationRequest, tokens: int) -> None:
         self.runner.add(seq, tokens)
-        self.sequences[seq] = _Sequence()
+        super().add(seq, request, tokens)
 
     def remove(self, seq: int) -> None:
-        if self.sequences.pop(seq, None) is not None:
+        if seq in self.sequences:
+            super().remove(seq)
             self.runner.remove(seq)
 
     def prefill(self, seq: int, ids: "torch.Tensor") -> None:
         self.runner.prefill(seq, ids)
         self.sequences[seq].length += ids.shape[1]
 
-    def counts(self, seq: int) -> dict:
-        state = self.sequences.get(seq)
-        return {"drafted_tokens": state.drafted if state else 0, "accepted_tokens": state.accepted if state else 0}
+    def _feed(self, seq: int, ids: "torch.Tensor") -> "torch.Tensor":
+        """The draft's scores after ``ids`` ([1, n]) go into its cache: a single token through its
+        runner's decode step (the fast path's one-sequence step, compiled where it is ready), more
+        through a prompt chunk's pass."""
+        if ids.shape[1] == 1 and getattr(self.runner, "paged", False):
+            return self.runner.decode([seq], [int(ids[0, 0])])[0]
+        return self.runner.prefill(seq, ids)
 
     def propose(self, seq: int, sampler: "RequestSampler", committed: "torch.Tensor", room: int) -> Proposal:
         """The draft's guesses after ``committed``: each the token the request's own sampler
@@ -266,7 +393,7 @@ class Speculation(Proposer):
         drafted: list[int] = []
         probs: list["torch.Tensor"] = []
         with torch.inference_mode():
-            scores = self.runner.prefill(seq, committed[state.length:].unsqueeze(0))
+            scores = self._feed(seq, committed[state.length:].unsqueeze(0))
             state.length = len(committed)
             for j in range(n):
                 scores = self._fit(scores.float())
@@ -278,7 +405,7 @@ class Speculation(Proposer):
                     probs.append(q)
                     drafted.append(sampler.draw(q))
                 if j < n - 1:
-                    scores = self.runner.prefill(seq, torch.tensor([drafted[-1:]], dtype=torch.long, device=device))
+                    scores = self._feed(seq, torch.tensor([drafted[-1:]], dtype=torch.long, device=device))
                     state.length += 1
         return Proposal(tuple(drafted), tuple(probs), time.perf_counter() - started)
 
@@ -287,18 +414,10 @@ class Speculation(Proposer):
         """The draft's cache rolls back to the accepted guesses (its last guess was never fed)."""
         state = self.sequences[seq]
         n = len(proposal.tokens)
-        if not n:
-            return None
-        state.length = min(state.length, committed + min(accepted, n - 1))
-        self.runner.crop(seq, state.length)
-        state.drafted += n
-        state.accepted += accepted
-        event = DraftVerified(step=state.step, drafted_ids=proposal.tokens,
-                              drafted_text=tuple(self.target.token_text(t) for t in proposal.tokens),
-                              accepted=accepted, draft_s=proposal.draft_s, verify_s=verify_s, elapsed_s=0.0,
-                              request_id=seq)
-        state.step += 1
-        return event
+        if n:
+            state.length = min(state.length, committed + min(accepted, n - 1))
+            self.runner.crop(seq, state.length)
+        return super().settle(seq, proposal, accepted, committed, verify_s)
 
     def _fit(self, scores: "torch.Tensor") -> "torch.Tensor":
         """Draft scores over the target's vocabulary: models sharing a tokenizer may pad their

@@ -1,6 +1,15 @@
 """A speculative run measured: the draft's counts, the run itself and, when plain decoding of the
-same request ran right before it, the speed-up. The CLI's JSON, the speculative tool and the
-history read a :class:`SpeculativeReport`."""
+same request ran right before it, the speed-up and the speed-up predicted from what the steps
+cost. The CLI's JSON, the speculative tool and the history read a :class:`SpeculativeReport`.
+
+The prediction (Leviathan et al., 2023): if each guess is accepted with probability α, given the
+guesses before it were, a step of k guesses yields (1 − α^(k+1)) / (1 − α) tokens on average and
+costs k·c + v plain decode steps, c a guess's draft time and v the rest of the step (the
+target's pass over k + 1 tokens, the acceptance rule), both measured and divided by a plain
+step's time. The expected speed-up is their ratio. α is estimated from the steps: of the guesses
+the target looked at (up to and including the first it rejected: those after it are never
+looked at), the share it kept.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from engine.base.events import Finished, GenerationEvent
+from engine.base.events import DraftVerified, Finished, GenerationEvent
 from engine.base.cancel import CancelToken
 from engine.generation.speculative import Draft, stream_speculative
 from engine.base.request import GenerationRequest
@@ -67,6 +76,24 @@ class SpeculativeReport:
         return self.plain.finished.total_s / self.finished.total_s
 
     @property
+    def steps(self) -> list[DraftVerified]:
+        """The run's steps that had guesses, in order."""
+        return [e for e in self.run.events if isinstance(e, DraftVerified) and e.drafted_ids]
+
+    @property
+    def plain_step_s(self) -> float | None:
+        """A plain decode step's time: the plain run's decode time per token."""
+        base = self.plain_decode_tokens_per_s
+        return 1.0 / base if base else None
+
+    @property
+    def break_even(self) -> BreakEven | None:
+        """The speed-up predicted from the steps' costs (with the plain run only)."""
+        if self.plain_step_s is None:
+            return None
+        return break_even(self.steps, max(0, len(self.finished.token_ids) - 1), self.plain_step_s)
+
+    @property
     def same_tokens_as_plain(self) -> bool | None:
         return None if self.plain is None else list(self.finished.token_ids) == list(self.plain.finished.token_ids)
 
@@ -80,7 +107,96 @@ class SpeculativeReport:
             out.update(plain_decode_tokens_per_s=self.plain_decode_tokens_per_s,
                        speedup_vs_plain=self.speedup_vs_plain, wall_speedup_vs_plain=self.wall_speedup_vs_plain,
                        same_tokens_as_plain=self.same_tokens_as_plain)
+            predicted = self.break_even
+            if predicted is not None:
+                out.update(alpha=predicted.alpha, guesses_per_step=predicted.guesses,
+                           draft_cost=predicted.draft_cost, verify_cost=predicted.verify_cost,
+                           plain_steps=predicted.plain_steps, predicted_speedup=predicted.predicted,
+                           break_even_alpha=predicted.break_even_alpha)
         return out
+
+
+def expected_tokens(alpha: float, guesses: float) -> float:
+    """Tokens a step of ``guesses`` guesses yields on average when each is accepted with
+    probability ``alpha`` (given those before it were), the target's own token included."""
+    if alpha >= 1.0:
+        return guesses + 1.0
+    return (1.0 - alpha ** (guesses + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, guesses: float, draft_cost: float, verify_cost: float) -> float:
+    """(1 − α^(k+1)) / ((1 − α)(k·c + v)): tokens a step yields over what it costs in plain decode
+    steps (``draft_cost`` c per guess, ``verify_cost`` v for the rest of the step)."""
+    return expected_tokens(alpha, guesses) / (guesses * draft_cost + verify_cost)
+
+
+def break_even_alpha(guesses: float, draft_cost: float, verify_cost: float) -> float | None:
+    """The acceptance rate at which speculation pays exactly (expected speed-up 1); ``None``
+    where it can't pay even if every guess were accepted."""
+    if expected_speedup(1.0, guesses, draft_cost, verify_cost) < 1.0:
+        return None
+    low, high = 0.0, 1.0
+    for _ in range(60):  # the speed-up grows with alpha
+        middle = (low + high) / 2
+        if expected_speedup(middle, guesses, draft_cost, verify_cost) < 1.0:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
+@dataclass(frozen=True)
+class BreakEven:
+    """The speed-up predicted from a run's steps beside the one measured."""
+
+    alpha: float
+    """Per-guess acceptance: of the guesses the target looked at, the share it kept."""
+    guesses: float
+    """Guesses per step that had some (k)."""
+    draft_cost: float
+    """A guess's draft time over a plain decode step's (c)."""
+    verify_cost: float
+    """The rest of a step that had guesses, over a plain decode step (v)."""
+    plain_steps: int
+    """Steps with no guess (prompt lookup found nothing): plain decode steps."""
+    predicted: float
+    """The run's expected speed-up: the steps with guesses as the formula has them, the plain ones 1×."""
+    break_even_alpha: float | None
+    """The α at which these costs pay exactly (``None``: they can't, even at α = 1)."""
+
+
+def explain(predicted: BreakEven) -> str:
+    """The prediction in words: what it is made of and where speculation would pay."""
+    text = (f"expected {predicted.predicted:.2f}×: a guess kept with α = {predicted.alpha:.2f}, "
+            f"k = {predicted.guesses:.1f} guesses a step at c = {predicted.draft_cost:.2f} plain steps each, "
+            f"the target's check v = {predicted.verify_cost:.2f}")
+    if predicted.plain_steps:
+        text += f", {predicted.plain_steps} step{'' if predicted.plain_steps == 1 else 's'} with no guess (plain)"
+    if predicted.break_even_alpha is None:
+        best = expected_speedup(1.0, predicted.guesses, predicted.draft_cost, predicted.verify_cost)
+        return text + f"; it can't pay: with every guess accepted it would be {best:.2f}×"
+    return text + f"; it pays where α > {predicted.break_even_alpha:.2f}"
+
+
+def break_even(steps: list[DraftVerified], decode_tokens: int, plain_step_s: float) -> BreakEven | None:
+    """The prediction for a run whose steps with guesses were ``steps``, which made
+    ``decode_tokens`` tokens after its first, against plain steps of ``plain_step_s``."""
+    steps = [s for s in steps if s.drafted_ids]
+    if not steps or not plain_step_s > 0:
+        return None
+    accepted = sum(s.accepted for s in steps)
+    rejected = sum(s.accepted < len(s.drafted_ids) for s in steps)
+    looked_at = accepted + rejected
+    alpha = accepted / looked_at if looked_at else 0.0
+    guesses = [len(s.drafted_ids) for s in steps]
+    draft_cost = sum(s.draft_s for s in steps) / sum(guesses) / plain_step_s
+    verify_cost = sum(max(s.step_s, s.verify_s) - s.draft_s for s in steps) / len(steps) / plain_step_s
+    plain_steps = max(0, decode_tokens - sum(s.accepted + 1 for s in steps))
+    tokens = sum(expected_tokens(alpha, k) for k in guesses) + plain_steps
+    cost = sum(k * draft_cost + verify_cost for k in guesses) + plain_steps
+    mean = sum(guesses) / len(guesses)
+    return BreakEven(alpha, mean, draft_cost, verify_cost, plain_steps, tokens / cost,
+                     break_even_alpha(mean, draft_cost, verify_cost))
 
 
 def speculative_report(target: "LoadedModel", draft: Draft, request: GenerationRequest, draft_tokens: int,

@@ -448,6 +448,14 @@ def test_the_compiled_decode_step_gives_the_same_tokens(long_models, isolated_ca
         loaded.fast.compiled_rows = lambda *a: rows_calls.append(a[5].shape[0]) or compiled_rows(*a)
         assert {n: batched_answers(loaded, BATCH_PROMPTS[:n], 20) for n in (2, 4)} == eager_batched
         assert 2 in rows_calls and 4 in rows_calls and min(rows_calls) >= 2  # one row: the one-sequence step
+        # a draft's guesses are checked on the batched step too: the last token and its guesses as
+        # one sequence's consecutive rows, the answer the eager step's
+        from engine.generation.speculative import load_draft, parse_draft, stream_speculative
+
+        rows_calls.clear()
+        lookup = load_draft(parse_draft("ngram:1", "fp32-fast"), loaded)
+        guessed = next(e for e in stream_speculative(loaded, lookup, request, 4) if isinstance(e, Finished))
+        assert guessed.token_ids == eager.token_ids and guessed.drafted_tokens > 0 and rows_calls
     else:
         assert report.rows_error and loaded.fast.compiled_rows is None
         assert [p.name for p in package.glob("*.pt2")] == [step_name]

@@ -81,6 +81,20 @@ def test_sampled_frequencies_follow_probabilities():
     assert torch.allclose(counts / 3000, probs, atol=0.03)
 
 
+def test_a_certain_guess_leaves_the_targets_distribution():
+    """Prompt lookup's guess is a certainty (q all on it): the target keeps it with its own
+    probability p(d) and otherwise draws from p without it, so the token it gives is still
+    distributed as p."""
+    from engine.generation.sampling import choose
+
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    rows = probs.log().repeat(2, 1)
+    certain = torch.tensor([0.0, 1.0, 0.0])
+    sampler = make_sampler(SamplingParams(temperature=1.0, seed=7))
+    first = [choose(sampler, rows, [0.0, 0.0], NO_HISTORY, (1,), (certain,)).tokens[0][0] for _ in range(4000)]
+    assert torch.allclose(torch.bincount(torch.tensor(first), minlength=3) / 4000, probs, atol=0.03)
+
+
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.1), ("temperature", "abc"), ("temperature", math.nan), ("top_k", 2.5),
     ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.0), ("repetition_penalty", 0),

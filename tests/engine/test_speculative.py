@@ -137,6 +137,11 @@ def test_bad_drafts_are_refused(tiny_models, loaded_llama, sp_tokenizer, tmp_pat
 
 
 def test_parse_draft():
+    assert parse_draft("ngram", "bf16") == DraftSpec("ngram", layers=3)
+    assert parse_draft("ngram:5", "bf16").label == "ngram:5"
+    for bad in ("ngram:0", "ngram:x", "ngram:9"):
+        with pytest.raises(InvalidRequestError, match="ngram needs a size"):
+            parse_draft(bad, "fp32")
     assert parse_draft("early-exit:8", "bf16") == DraftSpec("early-exit", layers=8)
     assert parse_draft("default:nf4", "bf16") == DraftSpec("model", model="default", precision="nf4")
     assert parse_draft("/models/small", "bf16") == DraftSpec("model", model="/models/small", precision="bf16")
@@ -156,6 +161,9 @@ def test_bench_cli_reports_the_draft(tmp_path, tiny_llama):
     assert data["acceptance_rate"] == pytest.approx(data["accepted_tokens"] / data["drafted_tokens"])
     assert data["speedup_vs_plain"] > 0 and data["same_tokens_as_plain"] is True
     assert len(data["token_ids"]) == 12
+    # the speed-up predicted from what the steps cost, beside the measured one
+    assert 0 <= data["alpha"] <= 1 and 0 < data["guesses_per_step"] <= 3  # fewer where the limit is near
+    assert data["draft_cost"] > 0 and data["verify_cost"] > 0 and data["predicted_speedup"] > 0
     assert main(["bench", "--model", str(tiny_llama), "--prompt", "fox", "--compare-plain"]) == 1
 
 
@@ -314,3 +322,92 @@ def test_a_drafts_cache_is_within_the_kv_budget(tiny_models, precision):
         assert held <= budget
     assert core.paged or drafted > 0  # the reference draft's caches were measured while they held tokens
     assert [tokens[rid] for rid in ids] == [list(plain(loaded, r).token_ids) for r in requests]
+
+
+REPEATING = "one two three four five one two three four five one two three"
+"""A raw prompt whose continuation has occurred before: prompt lookup finds its n-grams."""
+
+
+@pytest.mark.parametrize("arch,precision", [("llama", "fp32"), ("qwen2", "fp32"), ("gpt2", "fp32"),
+                                            ("gemma2", "fp32"), ("mistral", "fp32"), ("llama", "int8-fast"),
+                                            ("gemma3", "fp32-fast")])
+def test_prompt_lookup_equals_plain_greedy(tiny_models, arch, precision):
+    """Prompt lookup's guesses are checked by the target like any draft's: greedy output is plain
+    decoding's token for token, on the reference runner and the fast path's (sliding windows too),
+    while guesses are made and some are kept."""
+    loaded = load_model(LoadRequest(str(tiny_models[arch]), precision, "cpu"))
+    request = GenerationRequest(REPEATING, mode="raw", max_new_tokens=24, ignore_eos=True)
+    draft = load_draft(parse_draft("ngram:1", precision), loaded)
+    assert draft.model is None and draft.weights_bytes == 0
+    final = check_counts(list(stream_speculative(loaded, draft, request, 4)))
+    assert final.token_ids == plain(loaded, request).token_ids
+    assert final.drafted_tokens > 0
+    if loaded.fast is not None and not loaded.fast.windowed:  # (window caches keep a rollback's margin)
+        assert kv_held_ok(loaded, final.kv_cache_bytes, final.kv_cache_bytes_predicted)
+
+
+def test_prompt_lookup_guesses_what_followed_the_latest_occurrence(loaded_llama):
+    """The guesses are the tokens after the last n-gram's latest earlier occurrence, at most as
+    many as asked for and as there is room for; nothing where the n-gram never occurred."""
+    import torch
+
+    from engine.generation.sampling import make_sampler
+    from engine.generation.speculative import PromptLookup
+
+    lookup = PromptLookup(loaded_llama, 2, 4)
+    greedy = make_sampler(SamplingParams())
+    lookup.add(0, None, 64)
+    ids = [1, 2, 9, 1, 2, 7, 8, 3, 1, 2]
+    assert lookup.propose(0, greedy, torch.tensor(ids), room=8).tokens == (7, 8, 3, 1)
+    assert lookup.propose(0, greedy, torch.tensor(ids), room=3).tokens == (7, 8)
+    assert lookup.propose(0, greedy, torch.tensor(ids + [5]), room=8).tokens == ()  # (2, 5) never occurred
+    lookup.add(1, None, 64)
+    assert lookup.propose(1, greedy, torch.tensor([4, 4]), room=8).tokens == ()
+    assert lookup.propose(1, greedy, torch.tensor([4, 4, 4]), room=8).tokens == (4,)
+    # a sampled request's guess is a certainty for the acceptance rule
+    sampled = make_sampler(SamplingParams(temperature=1.0, seed=3))
+    lookup.add(2, None, 64)
+    proposal = lookup.propose(2, sampled, torch.tensor(ids), room=8)
+    assert [int(q.argmax()) for q in proposal.probs] == list(proposal.tokens)
+    assert all(float(q.sum()) == 1.0 and int((q > 0).sum()) == 1 for q in proposal.probs)
+    lookup.remove(0)
+    assert 0 not in lookup.ids and 0 not in lookup.sequences
+
+
+def test_sampled_prompt_lookup_is_seeded_and_counts_add_up(loaded_llama):
+    draft = load_draft(parse_draft("ngram:1", "fp32"), loaded_llama)
+    request = GenerationRequest(REPEATING, mode="raw", max_new_tokens=30, ignore_eos=True,
+                                sampling=SamplingParams(temperature=0.7, seed=5))
+    first = check_counts(list(stream_speculative(loaded_llama, draft, request, 4)))
+    again = check_counts(list(stream_speculative(loaded_llama, draft, request, 4)))
+    assert first.token_ids == again.token_ids and first.tokens == 30 and first.drafted_tokens > 0
+
+
+def test_the_predicted_speedup_is_the_formula_of_what_was_measured():
+    """(1 − α^(k+1)) / ((1 − α)(k·c + v)); α from the steps as the share of looked-at guesses kept;
+    the break-even α is where the formula gives 1."""
+    from engine.measure.speculative_run import break_even, break_even_alpha, expected_speedup, expected_tokens
+
+    assert expected_tokens(0.0, 4) == 1 and expected_tokens(1.0, 4) == 5
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_speedup(0.8, 4, 0.1, 1.2) == pytest.approx((1 - 0.8 ** 5) / (0.2 * (0.4 + 1.2)))
+    alpha = break_even_alpha(4, 0.1, 1.2)
+    assert expected_speedup(alpha, 4, 0.1, 1.2) == pytest.approx(1.0)
+    assert 0 < break_even_alpha(4, 0.5, 1.5) < 1  # 5 tokens for 3.5 steps at best
+    assert break_even_alpha(4, 1.0, 1.5) is None  # 5 tokens for 5.5 steps at best: never pays
+
+    def step(drafted, accepted, draft_s, step_s):
+        return DraftVerified(0, tuple(range(drafted)), ("",) * drafted, accepted, draft_s, step_s / 2, 0.0,
+                             step_s=step_s)
+
+    steps = [step(4, 4, 0.004, 0.016), step(4, 1, 0.004, 0.016), step(2, 0, 0.002, 0.014)]
+    # 5 + 2 + 1 tokens in those steps, 2 more from plain steps; a plain step takes 10 ms
+    predicted = break_even(steps, 10, 0.010)
+    assert predicted.alpha == pytest.approx(5 / (5 + 2))  # the 5 kept of the 7 looked at
+    assert predicted.draft_cost == pytest.approx(0.010 / 10 / 0.010)
+    assert predicted.verify_cost == pytest.approx((0.012 + 0.012 + 0.012) / 3 / 0.010)
+    assert predicted.plain_steps == 2 and predicted.guesses == pytest.approx(10 / 3)
+    tokens = 2 * expected_tokens(predicted.alpha, 4) + expected_tokens(predicted.alpha, 2) + 2
+    cost = 2 * (4 * 0.1 + 1.2) + (2 * 0.1 + 1.2) + 2
+    assert predicted.predicted == pytest.approx(tokens / cost)
+    assert break_even([], 10, 0.01) is None and break_even(steps, 10, 0.0) is None
