@@ -1,13 +1,16 @@
 """View → Batching and speculative decoding, second tab: speculative decoding on the loaded model.
 
-A draft (the model's own first K layers, the model at another precision, or another model with
-the same tokenizer) guesses N tokens; the target checks them in one pass. The text shows each
-token as accepted, rejected (struck through) or the target's own; the plot the share accepted;
-with "decode plainly first", the speed-up over plain decoding of the same request.
+A draft (prompt lookup, which needs no model; the model's own first K layers; the model at
+another precision; or another model with the same tokenizer) guesses N tokens; the target checks
+them in one pass. The text shows each token as accepted, rejected (struck through) or the
+target's own; the plots the share accepted and, with "decode plainly first", each step's
+speed-up over a plain step beside the one predicted from the acceptance rate and what a guess
+and a check cost (engine/measure/speculative_run.py).
 """
 
 from __future__ import annotations
 
+import html
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -27,8 +30,9 @@ from PySide6.QtWidgets import (
 
 from app.widgets.live_plots import PlotPanel
 from app.widgets.session_tool import DEFAULT_PROMPT, REJECTED, SessionTool
-from engine.base.events import DraftVerified, Loaded, Prefilled, TokenGenerated
+from engine.base.events import DraftVerified, Finished, Loaded, Prefilled, TokenGenerated
 from engine.jobs import SpeculateJob
+from engine.measure.speculative_run import explain, step_predictions
 from engine.units import format_bytes, format_rate, format_seconds
 
 if TYPE_CHECKING:
@@ -50,12 +54,19 @@ class SpeculativeTool(SessionTool):
         c = self.controls
         self.draft_kind = QComboBox()
         self.draft_kind.setObjectName("draftKind")
+        self.draft_kind.addItem("Prompt lookup: what followed the last N tokens before (no model)", "ngram")
         self.draft_kind.addItem("Early exit: the model's own first K layers", "early-exit")
         self.draft_kind.addItem("The same model at another precision", "precision")
         self.draft_kind.addItem("Another model with the same tokenizer", "model")
         self.draft_layers = QSpinBox()
         self.draft_layers.setObjectName("draftLayers")
         self.draft_layers.setRange(1, 1)
+        self.draft_ngram = QSpinBox()
+        self.draft_ngram.setObjectName("draftNgram")
+        self.draft_ngram.setRange(1, 8)
+        self.draft_ngram.setValue(3)
+        self.draft_ngram.setToolTip("Prompt lookup matches the last N tokens of the prompt and answer with an earlier "
+                                    "place they occurred, and guesses the tokens that followed it there.")
         self.draft_precision = QComboBox()
         for name in ("bf16", "fp16", "int8", "nf4", "fp4", "fp32"):
             self.draft_precision.addItem(name, name)
@@ -73,6 +84,7 @@ class SpeculativeTool(SessionTool):
         self.spec_prompt = QLineEdit(DEFAULT_PROMPT)
         self.spec_prompt.setCursorPosition(0)
         c.form.addRow("Draft", self.draft_kind)
+        c.form.addRow("N-gram tokens", self.draft_ngram)
         c.form.addRow("Layers K", self.draft_layers)
         c.form.addRow("Draft precision", self.draft_precision)
         c.form.addRow("Draft model", self.draft_model)
@@ -97,6 +109,18 @@ class SpeculativeTool(SessionTool):
                                                   symbolBrush="#f39c12")
         self.step_curve.setPen(None)
         self.running_curve = self.acceptance_plot.curve("so far", "main")
+        self.speedup_plot = PlotPanel(
+            "spec-speedup", "Each step's speed-up over a plain decode step (dots: its tokens over its time, in plain "
+            "steps) beside the one predicted (line) from the acceptance rate α so far, the guesses k and what a guess "
+            "(c) and the check (v) cost: (1 − α^(k+1)) / ((1 − α)(k·c + v)). Above 1×, the step paid. Needs the plain "
+            "run first.", "speed-up (×)", "step")
+        self.measured_curve = self.speedup_plot.curve("this step (dots)", "second", symbol="o", symbolSize=5,
+                                                      symbolBrush="#f39c12")
+        self.measured_curve.setPen(None)
+        self.predicted_curve = self.speedup_plot.curve("predicted", "main")
+        self.even_curve = self.speedup_plot.curve("1× (plain)", "muted", Qt.DashLine)
+        self._plain_step_s: float | None = None
+        self._speedup_drawn: tuple = (0, None)
         self.spec_summary = QLabel()
         self.spec_summary.setObjectName("speculativeSummary")
         self.spec_summary.setWordWrap(True)
@@ -112,13 +136,18 @@ class SpeculativeTool(SessionTool):
         text_layout.addWidget(legend)
         text_layout.addWidget(self.spec_output, 1)
         text_layout.addWidget(self.spec_summary)
+        plots = QSplitter(Qt.Vertical)
+        plots.addWidget(self.acceptance_plot)
+        plots.addWidget(self.speedup_plot)
         right = QSplitter(Qt.Horizontal)
         right.addWidget(text_side)
-        right.addWidget(self.acceptance_plot)
+        right.addWidget(plots)
         self.set_page(right, 300)
 
     def draft_text(self) -> str:
         kind = self.draft_kind.currentData()
+        if kind == "ngram":
+            return f"ngram:{self.draft_ngram.value()}"
         if kind == "early-exit":
             return f"early-exit:{self.draft_layers.value()}"
         if kind == "precision":
@@ -142,7 +171,10 @@ class SpeculativeTool(SessionTool):
         self._pending = []
         self._awaiting_rejects = ()
         self._plain_tokens = 0
+        self._plain_step_s = None
+        self._speedup_drawn = (-1, None)
         self.acceptance_plot.reset_view()
+        self.speedup_plot.reset_view()
         compare = self.compare_plain.isChecked()
         self.submit(SpeculateJob(request, self.draft_text(), self.draft_tokens.value(), compare),
                     "Decoding plainly first …" if compare else "Loading the draft …")
@@ -151,6 +183,9 @@ class SpeculativeTool(SessionTool):
         if run == "plain":
             self._plain_tokens += sum(isinstance(e, TokenGenerated) for e in events)
             self.controls.status.setText(f"Decoding plainly first … {self._plain_tokens} tokens")
+            for event in events:  # a plain step's time: what each speculative step is measured against
+                if isinstance(event, Finished) and event.decode_tokens_per_s:
+                    self._plain_step_s = 1.0 / event.decode_tokens_per_s
             return
         self._pending.extend(events)
         self._steps.extend(e for e in events if isinstance(e, DraftVerified))
@@ -202,6 +237,26 @@ class SpeculativeTool(SessionTool):
         self.acceptance_plot.fit(len(steps), 0, "%")
         self.acceptance_plot.item.setYRange(0, 105, padding=0)
 
+    def _draw_speedup(self) -> None:
+        """Each step's tokens over its time in plain steps, and the prediction from the steps so far
+        (drawn again only when steps arrived)."""
+        steps = [s for s in self._steps if s.drafted_ids and s.step_s > 0]
+        plain = self._plain_step_s
+        if (len(steps), plain) == self._speedup_drawn:
+            return
+        self._speedup_drawn = (len(steps), plain)
+        if not steps or plain is None:
+            for curve in (self.measured_curve, self.predicted_curve, self.even_curve):
+                curve.setData([], [])
+            return
+        x = list(range(1, len(steps) + 1))
+        measured = [(s.accepted + 1) * plain / s.step_s for s in steps]
+        predicted = step_predictions(steps, plain)
+        self.measured_curve.setData(x, measured)
+        self.predicted_curve.setData(x, predicted)
+        self.even_curve.setData([0, len(steps) + 1], [1.0, 1.0])
+        self.speedup_plot.fit(len(steps), max(max(measured), max(predicted), 1.0), "×")
+
     def on_events(self, events: tuple) -> None:
         run, batch = None, []
         for event in events:  # runs of the same part ("plain", "speculative") together
@@ -216,6 +271,7 @@ class SpeculativeTool(SessionTool):
     def draw(self) -> None:
         self._flush_output()
         self._draw_acceptance()
+        self._draw_speedup()
 
     def on_finished(self, result: SpeculativeReport) -> None:
         self.draw()
@@ -238,8 +294,12 @@ class SpeculativeTool(SessionTool):
                          f" → <b>{'n/a' if speedup is None else f'{speedup:.2f}×'}</b>"
                          + (" (same tokens as plain decoding)" if result.same_tokens_as_plain else
                             " (sampled, so the tokens differ from the plain run)"))
+            predicted = result.break_even
+            if predicted is not None:
+                lines.append(f"The cost model: {html.escape(explain(predicted))}.")
         else:
-            lines.append(f"Speculative decoding: {format_rate(speed)}.")
+            lines.append(f"Speculative decoding: {format_rate(speed)}. Decode plainly first for the speed-up and "
+                         "its prediction.")
         if result.draft_weights_bytes:
             lines.append(f"The draft's weights take {format_bytes(result.draft_weights_bytes)} more memory.")
         self.spec_summary.setText("<br>".join(lines))
@@ -255,6 +315,7 @@ class SpeculativeTool(SessionTool):
     def update_state(self) -> None:
         super().update_state()
         kind = self.draft_kind.currentData()
+        self.draft_ngram.setEnabled(kind == "ngram")
         self.draft_layers.setEnabled(kind == "early-exit")
-        self.draft_precision.setEnabled(kind != "early-exit")
+        self.draft_precision.setEnabled(kind in ("precision", "model"))
         self.draft_model.setEnabled(kind == "model")

@@ -41,7 +41,10 @@ FOLLOW_UP = "Now say it to a ten-year-old."
 BATCHES = "1,4"
 SWEEP_TOKENS = 16
 LADDER_TOKENS = 16
-SPECULATIVE_TOKENS = 32
+SPECULATIVE_TOKENS = 40
+EDIT_PROMPT = ("Copy this exactly, but write \"ocean\" for \"sea\": The sea was calm that morning. The boats rowed "
+               "out past the rocks, where the sea turned from green to deep blue.")
+"""Step 8's prompt: an edit, whose answer repeats its input (where prompt lookup's guesses are right)."""
 LOAD_CONCURRENCY = "1,4"
 LOAD_REQUESTS = 8
 LOAD_TOKENS = 16
@@ -95,10 +98,11 @@ STEPS = (
          "Compare's quantization ladder: the same model at fp32, bf16, int8 and nf4, the same prompt in "
          "each lane. The summary (outlined) gives bytes, speed, and how often each answer agrees with lane 1's."),
     Step("speculative", "Speculative decoding", "Can a model guess ahead?",
-         "A draft (here the model's own first layers: cheaper, rougher) guesses a few tokens; the full model "
-         "checks them all in one pass and keeps those it agrees with. It pays when most guesses are kept and "
-         "checking several tokens costs about as much as making one: true on a GPU, with arithmetic to spare, "
-         "rarely on a CPU."),
+         "A draft guesses a few tokens; the model checks them all in one pass and keeps those it agrees with, so "
+         "the answer is the model's own. Two drafts on one edit-this-text prompt: prompt lookup (no model: it "
+         "guesses the answer goes on as the prompt did) and early exit (the model's own first layers). Each "
+         "speed-up is shown beside the one predicted from how often a guess was kept and what a guess and a "
+         "check cost: it pays when guesses are mostly kept and cost little."),
     Step("serving", "Many users", "What happens behind an API?",
          "The Server panel starts an OpenAI-compatible API on this model; the load generator sends it one "
          "request at a time, then four at once. The Traffic view draws each request as a bar (outlined): "
@@ -684,24 +688,46 @@ class Tour(QDialog):
 
     def _measure_speculative(self) -> None:
         tool = self._speedup_tool("speculative")
-        tool.draft_kind.setCurrentIndex(tool.draft_kind.findData("early-exit"))
         tool.compare_plain.setChecked(True)
         tool.spec_tokens.setValue(SPECULATIVE_TOKENS)
-        self._outline(tool.acceptance_plot.parentWidget())  # the answer, its summary and the acceptance plot
+        tool.spec_prompt.setText(EDIT_PROMPT)
+        tool.draft_kind.setCurrentIndex(tool.draft_kind.findData("ngram"))
+        self._outline(tool.acceptance_plot.parentWidget().parentWidget())  # the answer, summary and plots
         self.raise_()
+        reports = []
+
+        def described(report) -> str:
+            rate, speedup, predicted = report.acceptance_rate, report.speedup_vs_plain, report.break_even
+            text = (f"<b>{html.escape(report.draft)}</b>: {report.accepted_tokens} of {report.drafted_tokens} "
+                    f"guesses kept ({'n/a' if rate is None else f'{rate:.0%}'}), "
+                    f"{format_rate(report.finished.decode_tokens_per_s)} against plain "
+                    f"{format_rate(report.plain_decode_tokens_per_s)}: <b>"
+                    + ("n/a" if speedup is None else f"{speedup:.2f}×") + "</b>")
+            if not report.drafted_tokens:
+                text += " (no guess: nothing in the answer repeated what came before)"
+            elif predicted is not None:
+                text += f", predicted {predicted.predicted:.2f}×"
+                text += (" (it can't pay: a guess and the check cost too much)" if predicted.break_even_alpha is None
+                         else f" (it pays where a guess is kept with α > {predicted.break_even_alpha:.2f})")
+            return text
 
         def finished(report) -> None:
-            rate = report.acceptance_rate
-            speedup = report.speedup_vs_plain
-            self._done("speculative",
-                       f"{report.accepted_tokens} of {report.drafted_tokens} guesses accepted "
-                       f"(<b>{'n/a' if rate is None else f'{rate:.0%}'}</b>) by {html.escape(report.draft)}, "
-                       f"{report.draft_tokens_per_step} a step; speculative "
-                       f"{format_rate(report.finished.decode_tokens_per_s)} against plain "
-                       f"{format_rate(report.plain_decode_tokens_per_s)}: <b>"
-                       + ("n/a" if speedup is None else f"{speedup:.2f}×") + "</b>.")
+            reports.append(report)
+            if len(reports) == 1:  # then the same prompt with the model's own first layers
+                tool.draft_kind.setCurrentIndex(tool.draft_kind.findData("early-exit"))
+                QTimer.singleShot(0, lambda: self._run_second(tool))
+                return
+            self._done("speculative", "; ".join(described(r) for r in reports) + ".")
 
         self._run_tool(tool, finished)
+
+    def _run_second(self, tool) -> None:
+        """Step 8's second run, once the first has let go of the tool."""
+        if self.index < 0 or self.step.key != "speculative":
+            return
+        tool.start()
+        if not tool.running:
+            self._failed("speculative", tool.controls.status.text())
 
     def _measure_serving(self) -> None:
         main = self.main

@@ -178,6 +178,24 @@ def explain(predicted: BreakEven) -> str:
     return text + f"; it pays where α > {predicted.break_even_alpha:.2f}"
 
 
+def step_predictions(steps: list[DraftVerified], plain_step_s: float) -> list[float]:
+    """Each step's predicted speed-up (its own k) from the acceptance and costs of the steps up to
+    it: what the speculative tool draws beside each step's measured one."""
+    out: list[float] = []
+    accepted = looked_at = guesses = 0
+    draft_s = rest_s = 0.0
+    for n, s in enumerate(steps, 1):
+        k = len(s.drafted_ids)
+        accepted += s.accepted
+        looked_at += s.accepted + (s.accepted < k)
+        guesses += k
+        draft_s += s.draft_s
+        rest_s += max(s.step_s, s.verify_s) - s.draft_s
+        alpha = accepted / looked_at if looked_at else 0.0
+        out.append(expected_speedup(alpha, k, draft_s / guesses / plain_step_s, rest_s / n / plain_step_s))
+    return out
+
+
 def break_even(steps: list[DraftVerified], decode_tokens: int, plain_step_s: float) -> BreakEven | None:
     """The prediction for a run whose steps with guesses were ``steps``, which made
     ``decode_tokens`` tokens after its first, against plain steps of ``plain_step_s``."""

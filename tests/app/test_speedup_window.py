@@ -50,6 +50,8 @@ def test_sweep_fills_the_table_and_plots_and_lands_in_history(qtbot, window, spe
 
 def test_speculative_run_marks_tokens_and_reports_the_speedup(qtbot, window, speedups):
     speedups.tabs.setCurrentIndex(1)
+    assert speedups.speculative.draft_text() == "ngram:3"  # prompt lookup first: it needs no model
+    speedups.speculative.draft_kind.setCurrentIndex(speedups.speculative.draft_kind.findData("early-exit"))
     assert speedups.speculative.draft_text() == "early-exit:1"  # the tiny llama has 2 layers
     speedups.speculative.spec_tokens.setValue(16)
     speedups.speculative.draft_tokens.setValue(3)
@@ -79,6 +81,23 @@ def test_speculative_run_marks_tokens_and_reports_the_speedup(qtbot, window, spe
         block = block.next()
     rejected = result.drafted_tokens - result.accepted_tokens
     assert (struck > 0) == (rejected > 0) and (shaded > 0) == (result.accepted_tokens > 0)
+    # each step's speed-up over a plain step (its tokens over its time) beside the prediction
+    tool = speedups.speculative
+    tool.draw()
+    x, measured = tool.measured_curve.getData()
+    steps = tool._steps
+    assert len(x) == len(steps) and list(measured) == pytest.approx(
+        [(s.accepted + 1) / result.plain_decode_tokens_per_s / s.step_s for s in steps])
+    assert len(tool.predicted_curve.getData()[0]) == len(steps)
+    assert f"expected {result.break_even.predicted:.2f}×" in summary
+    # prompt lookup: no model, the same answer
+    tool.draft_kind.setCurrentIndex(tool.draft_kind.findData("ngram"))
+    tool.draft_ngram.setValue(1)
+    with qtbot.waitSignal(window.session.job_finished, timeout=120_000) as blocker:
+        tool.controls.run.click()
+    qtbot.waitUntil(lambda: not tool.running)
+    assert blocker.args[1].draft == "ngram:1" and blocker.args[1].same_tokens_as_plain is True
+    assert not tool.draft_layers.isEnabled() and not tool.draft_precision.isEnabled()
 
 
 def test_busy_model_and_bad_input_are_refused_with_a_message(qtbot, window, speedups, slow_tiny):
@@ -86,7 +105,7 @@ def test_busy_model_and_bad_input_are_refused_with_a_message(qtbot, window, spee
     speedups.batching.controls.run.click()
     assert "whole numbers" in speedups.batching.controls.status.text() and not speedups.batching.running
     speedups.tabs.setCurrentIndex(1)
-    speedups.speculative.draft_kind.setCurrentIndex(2)
+    speedups.speculative.draft_kind.setCurrentIndex(speedups.speculative.draft_kind.findData("model"))
     speedups.speculative.draft_model.setText("")
     speedups.speculative.controls.run.click()
     assert "Name the draft model" in speedups.speculative.controls.status.text()
@@ -108,7 +127,7 @@ def test_busy_model_and_bad_input_are_refused_with_a_message(qtbot, window, spee
                           check_params_cb=lambda job, result: job == waiting):
         window.stop()
     qtbot.waitUntil(lambda: speedups.speculative.controls.run.isEnabled())
-    assert speedups.speculative.result.draft == "early-exit:1"
+    assert speedups.speculative.result.draft == "ngram:3"
 
 
 def test_stop_ends_a_sweep(qtbot, window, speedups):

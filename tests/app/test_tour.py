@@ -7,7 +7,7 @@ import pytest
 from PySide6.QtCore import Qt
 from shiboken6 import isValid as shiboken_valid
 
-from app.tour import STEPS, Tour
+from app.tour import EDIT_PROMPT, STEPS, Tour
 from engine.measure.compare import LaneSpec
 from engine.units import format_bytes, format_rate, format_seconds
 from tests.app.conftest import load
@@ -107,15 +107,23 @@ def test_every_step_shows_the_figure_it_names(qtbot, toured):
     for lane, row in zip(compare.lanes, compare.summary):
         assert f"{lane.spec().precision} {format_bytes(row.weights_bytes)}" in figure
     assert outlined(tour) is compare.table
-    # 8 Speculative decoding: accepted against drafted, and the speed-up against plain decoding
-    figure = measure(qtbot, tour, 7)
-    report = window.tools.speedups.speculative.result
-    assert f"{report.accepted_tokens} of {report.drafted_tokens} guesses accepted" in figure
-    assert f"{report.speedup_vs_plain:.2f}×" in figure
-    # the answer, its summary and the acceptance plot outlined, the splitter holding them given no pane
+    # 8 Speculative decoding: prompt lookup, then early exit, on one edit prompt: kept against
+    # drafted, the speed-up against plain decoding and the one predicted
     speculative = window.tools.speedups.speculative
+    finished = []
+    speculative.finished.connect(finished.append)
+    figure = measure(qtbot, tour, 7)
+    assert [r.draft for r in finished] == ["ngram:3", "early-exit:1"]
+    assert speculative.spec_prompt.text() == EDIT_PROMPT
+    for report in finished:
+        assert f"{report.accepted_tokens} of {report.drafted_tokens} guesses kept" in figure
+        assert f"{report.speedup_vs_plain:.2f}×" in figure and report.same_tokens_as_plain
+        if report.drafted_tokens:  # (the tiny model's answer may never repeat three tokens)
+            assert f"predicted {report.break_even.predicted:.2f}×" in figure
+    assert finished[1].drafted_tokens > 0
+    # the answer, its summary and both plots outlined, the splitter holding them given no pane
     splitter = outlined(tour)
-    assert splitter.count() == 2 and speculative.acceptance_plot.parentWidget() is splitter
+    assert splitter.count() == 2 and speculative.acceptance_plot.parentWidget().parentWidget() is splitter
     assert tour._highlight.geometry().size() == splitter.size()
     # 9 Many users: the server started, a load against it, its requests in the traffic view
     figure = measure(qtbot, tour, 8)
