@@ -104,9 +104,12 @@ TERMS: dict[str, tuple[str, str, str]] = {
                    "compute them again later (vLLM's default), instead of refusing new requests.",
                    "The Traffic view's ✕ marks; /metrics vllm:num_preemptions_total."),
     "speculative": ("Speculative decoding",
-                    "A small draft guesses a few tokens; the big model checks them all in one step and keeps "
-                    "the ones it agrees with. Same answer, fewer big steps, when guesses are often right.",
-                    "View → Batching and speculative decoding, second tab: accepted and rejected guesses."),
+                    "A cheap draft guesses a few tokens; the big model checks them all in one step and keeps "
+                    "the ones it agrees with. Same answer, fewer big steps, when guesses are often right and "
+                    "cheap: prompt lookup (no model, guessing the answer repeats the prompt) pays on edits and "
+                    "quotes; a small model's guesses cost a pass each.",
+                    "View → Batching and speculative decoding, second tab: accepted and rejected guesses, and each "
+                    "step's speed-up beside the one predicted from the acceptance rate and the costs."),
     "latency": ("Latency",
                 "How long something takes for one request: the first token (TTFT), each next token (TPOT), "
                 "or the whole answer (end to end).",

@@ -54,10 +54,13 @@ class SpeculativeTool(SessionTool):
         c = self.controls
         self.draft_kind = QComboBox()
         self.draft_kind.setObjectName("draftKind")
-        self.draft_kind.addItem("Prompt lookup: what followed the last N tokens before (no model)", "ngram")
+        self.draft_kind.addItem("Prompt lookup (no model)", "ngram")
         self.draft_kind.addItem("Early exit: the model's own first K layers", "early-exit")
         self.draft_kind.addItem("The same model at another precision", "precision")
         self.draft_kind.addItem("Another model with the same tokenizer", "model")
+        self.draft_kind.setItemData(0, "Guesses that the answer goes on as it did after the last N tokens' latest "
+                                       "earlier occurrence in the prompt and answer: free, and right where an answer "
+                                       "repeats its input (edits, quotes, extraction).", Qt.ToolTipRole)
         self.draft_layers = QSpinBox()
         self.draft_layers.setObjectName("draftLayers")
         self.draft_layers.setRange(1, 1)
@@ -110,8 +113,8 @@ class SpeculativeTool(SessionTool):
         self.step_curve.setPen(None)
         self.running_curve = self.acceptance_plot.curve("so far", "main")
         self.speedup_plot = PlotPanel(
-            "spec-speedup", "Each step's speed-up over a plain decode step (dots: its tokens over its time, in plain "
-            "steps) beside the one predicted (line) from the acceptance rate α so far, the guesses k and what a guess "
+            "spec-speedup", "Each step's speed-up over a plain decode step (dots: its tokens over its own time, in plain "
+            "steps; the tokens' events after it aside) beside the one predicted (line) from the acceptance rate α so far, the guesses k and what a guess "
             "(c) and the check (v) cost: (1 − α^(k+1)) / ((1 − α)(k·c + v)). Above 1×, the step paid. Needs the plain "
             "run first.", "speed-up (×)", "step")
         self.measured_curve = self.speedup_plot.curve("this step (dots)", "second", symbol="o", symbolSize=5,
@@ -142,6 +145,7 @@ class SpeculativeTool(SessionTool):
         right = QSplitter(Qt.Horizontal)
         right.addWidget(text_side)
         right.addWidget(plots)
+        right.setSizes([450, 450])  # the plots as wide as the text (scaled to the page)
         self.set_page(right, 300)
 
     def draft_text(self) -> str:

@@ -91,7 +91,8 @@ class SpeculativeReport:
         """The speed-up predicted from the steps' costs (with the plain run only)."""
         if self.plain_step_s is None:
             return None
-        return break_even(self.steps, max(0, len(self.finished.token_ids) - 1), self.plain_step_s)
+        return break_even(self.steps, max(0, len(self.finished.token_ids) - 1), self.plain_step_s,
+                          self.finished.decode_s)
 
     @property
     def same_tokens_as_plain(self) -> bool | None:
@@ -196,9 +197,13 @@ def step_predictions(steps: list[DraftVerified], plain_step_s: float) -> list[fl
     return out
 
 
-def break_even(steps: list[DraftVerified], decode_tokens: int, plain_step_s: float) -> BreakEven | None:
+def break_even(steps: list[DraftVerified], decode_tokens: int, plain_step_s: float,
+               decode_s: float | None = None) -> BreakEven | None:
     """The prediction for a run whose steps with guesses were ``steps``, which made
-    ``decode_tokens`` tokens after its first, against plain steps of ``plain_step_s``."""
+    ``decode_tokens`` tokens after its first, against plain steps of ``plain_step_s``. With the
+    run's ``decode_s`` (its clock from the first token to the last), v is what the run spent
+    besides its drafts and its plain steps, per step with guesses: everything a step costs (its
+    tokens' events, the caches' rollback) where a step's own clock stops at its scores."""
     steps = [s for s in steps if s.drafted_ids]
     if not steps or not plain_step_s > 0:
         return None
@@ -208,8 +213,12 @@ def break_even(steps: list[DraftVerified], decode_tokens: int, plain_step_s: flo
     alpha = accepted / looked_at if looked_at else 0.0
     guesses = [len(s.drafted_ids) for s in steps]
     draft_cost = sum(s.draft_s for s in steps) / sum(guesses) / plain_step_s
-    verify_cost = sum(max(s.step_s, s.verify_s) - s.draft_s for s in steps) / len(steps) / plain_step_s
     plain_steps = max(0, decode_tokens - sum(s.accepted + 1 for s in steps))
+    if decode_s:
+        rest = decode_s - plain_steps * plain_step_s - sum(s.draft_s for s in steps)
+    else:
+        rest = sum(max(s.step_s, s.verify_s) - s.draft_s for s in steps)
+    verify_cost = max(rest, 0.0) / len(steps) / plain_step_s
     tokens = sum(expected_tokens(alpha, k) for k in guesses) + plain_steps
     cost = sum(k * draft_cost + verify_cost for k in guesses) + plain_steps
     mean = sum(guesses) / len(guesses)

@@ -411,3 +411,6 @@ def test_the_predicted_speedup_is_the_formula_of_what_was_measured():
     cost = 2 * (4 * 0.1 + 1.2) + (2 * 0.1 + 1.2) + 2
     assert predicted.predicted == pytest.approx(tokens / cost)
     assert break_even([], 10, 0.01) is None and break_even(steps, 10, 0.0) is None
+    # with the run's decode time, v is all it spent besides the drafts and the plain steps
+    timed = break_even(steps, 10, 0.010, decode_s=0.080)
+    assert timed.verify_cost == pytest.approx((0.080 - 2 * 0.010 - 0.010) / 3 / 0.010)
