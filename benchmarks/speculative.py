@@ -71,8 +71,11 @@ def verify_ratio(loaded, context: int, guesses: int, rounds: int = 60) -> tuple[
 def runs(loaded, draft_text: str, request: GenerationRequest, guesses: int, rounds: int) -> dict:
     """Plain then speculative decoding of ``request``, ``rounds`` times: median figures."""
     draft = load_draft(parse_draft(draft_text, loaded.info.precision), loaded)
+    if draft.fast is not None and draft.fast._compile_thread is not None:
+        draft.fast._compile_thread.join()  # its compiled step, built or loaded before any timing
     reports = [speculative_report(loaded, draft, request, guesses, compare_plain=True) for _ in range(rounds)]
     predicted = [r.break_even for r in reports]
+    draft.close()
     return {
         "draft": draft.label,
         "plain": statistics.median(r.plain_decode_tokens_per_s for r in reports),

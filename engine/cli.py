@@ -225,8 +225,11 @@ def _bench(args) -> int:
         spec = parse_draft(args.draft, args.precision)
         print(f"Draft {spec.label} …", file=sys.stderr, flush=True)
         draft = load_draft(spec, loaded, progress=_LoadPrinter())
-        if args.compile and draft.loaded is not None and draft.fast is not None:  # a draft model of its own
-            print(f"  its compiled step: {compile_decoder(draft.fast, rows=False).describe()}", file=sys.stderr)
+        if args.compile and draft.fast is not None:  # its own compiled step, readied beside the target's
+            if draft.fast._compile_thread is not None:
+                draft.fast._compile_thread.join()
+            state = "ready" if draft.fast.compiled is not None else "not ready: its guesses run the eager step"
+            print(f"  the draft's compiled step {state}", file=sys.stderr)
 
     def on_event(event) -> None:
         if not args.quiet and isinstance(event, TokenGenerated):

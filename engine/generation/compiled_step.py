@@ -445,8 +445,9 @@ def _message(exc: BaseException) -> str:
     return message if len(message) <= 600 else message[:600] + " …"
 
 
-def _child(request, threads: int, paths: dict[str, str], weights: str, conn) -> None:
-    """In the child process: load the model as the parent did, check it is the same, build the
+def _child(request, threads: int, paths: dict[str, str], weights: str, conn, exit_layers: int | None = None) -> None:
+    """In the child process: load the model as the parent did (``exit_layers``: and take the
+    early-exit view of its first layers a speculative draft runs), check it is the same, build the
     packages of ``paths`` (kind → path), the one-sequence step first. Sends the one-sequence
     step's error, ``None`` once the builds are done; a batched step that fails leaves its reason
     in its ``.failed`` file, which the parent reads."""
@@ -466,6 +467,8 @@ def _child(request, threads: int, paths: dict[str, str], weights: str, conn) -> 
         os.dup2(log.fileno(), 2)
 
         loaded = load_model(request)
+        if exit_layers:
+            loaded.fast = fast.early_exit_decoder(loaded.fast, exit_layers)
         mine = fingerprint(loaded.fast)
         if mine != weights:
             raise ValueError("the model on disk changed since it was loaded; load it again")
@@ -531,7 +534,7 @@ def compile_step(d, threads: int, cancelled: Callable[[], bool] = lambda: False,
             return None, None, report(error=shortfall)
         context = child_context()
         receive, send = context.Pipe(duplex=False)
-        child = context.Process(target=_child, args=(d.request, threads, wanted, weights, send),
+        child = context.Process(target=_child, args=(d.request, threads, wanted, weights, send, d.exit_layers),
                                 name="fast-path-build", daemon=True)
         child.start()
         send.close()
@@ -597,13 +600,14 @@ def compile_decoder(d, threads: int | None = None, cancelled: Callable[[], bool]
     return report
 
 
-def compile_in_background(d, on_done: Callable[[CompileReport], None] | None = None) -> threading.Thread:
+def compile_in_background(d, on_done: Callable[[CompileReport], None] | None = None,
+                          rows: bool = True) -> threading.Thread:
     """:func:`compile_decoder` on a daemon thread; generations use the eager step until it is ready."""
     d._stop_compile.clear()
     threads = torch.get_num_threads()  # the generating thread's (OpenMP keeps a count per thread)
 
     def run() -> None:
-        report = compile_decoder(d, threads)
+        report = compile_decoder(d, threads, rows=rows)
         if on_done is not None:
             on_done(report)
 

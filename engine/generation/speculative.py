@@ -133,7 +133,21 @@ class Draft:
         """Extra memory the draft's weights take (0 for early exit: it shares the target's)."""
         return self.loaded.info.weights_bytes if self.loaded else 0
 
+    def compile_when_ready(self, target: "LoadedModel") -> None:
+        """Where the target's compiled step is ready, build (or load) the draft's own on a
+        background thread, as the target's was: its guesses run the eager step until then."""
+        fast = self.fast
+        if fast is None or fast.compiled is not None or fast._compile_thread is not None:
+            return
+        if target.fast is None or target.fast.compiled is None:
+            return
+        from engine.generation.compiled_step import compile_in_background  # lazy: importing it loads torch's export
+
+        compile_in_background(fast, rows=False)  # one row at a time: the draft guesses one token after another
+
     def close(self) -> None:
+        if self.fast is not None:
+            self.fast._stop_compile.set()  # a build in progress ends with its child
         self.model = self.fast = None
         if self.loaded is not None:
             self.loaded.close()
@@ -189,7 +203,9 @@ def load_draft(spec: DraftSpec, target: "LoadedModel", progress: Callable | None
             from engine.models.fast import early_exit_decoder  # lazy: importing it loads numpy, torch
 
             fast = early_exit_decoder(target.fast, spec.layers)
-        return Draft(view, spec, supports_logits_to_keep=target.supports_logits_to_keep, fast=fast)
+        draft = Draft(view, spec, supports_logits_to_keep=target.supports_logits_to_keep, fast=fast)
+        draft.compile_when_ready(target)
+        return draft
 
     loaded = load_model(LoadRequest(spec.model, spec.precision, str(target.device)), progress=progress, cancel=cancel)
     if loaded.tokenizer.get_vocab() != target.tokenizer.get_vocab():
@@ -197,7 +213,9 @@ def load_draft(spec: DraftSpec, target: "LoadedModel", progress: Callable | None
         loaded.close()
         raise InvalidRequestError(f"The draft {name} has another tokenizer than {target.info.name}: a draft must "
                                   "share the target's vocabulary so its tokens mean the same.")
-    return Draft(loaded.model, spec, loaded)
+    draft = Draft(loaded.model, spec, loaded)
+    draft.compile_when_ready(target)
+    return draft
 
 
 def stream_speculative(target: "LoadedModel", draft: Draft, request: GenerationRequest, draft_tokens: int,

@@ -217,6 +217,8 @@ class FastDecoder:
         self.request = None
         """The :class:`~engine.models.loading.LoadRequest` that loaded these weights: a child process
         loads them again to build the compiled step."""
+        self.exit_layers: int | None = None
+        """An early-exit view's layer count (:func:`early_exit_decoder`): the child takes the same view."""
         self._stop_compile = threading.Event()
         self._compile_thread: threading.Thread | None = None
         self.huge_page_bytes = 0
@@ -742,8 +744,11 @@ def _decode_rows(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: lis
 def early_exit_decoder(d: FastDecoder, layers: int) -> FastDecoder:
     """A view of ``d`` that runs only its first ``layers`` layers, then the final norm and the
     head (speculation's early-exit draft on the fast path). It shares every weight with ``d``;
-    it runs the eager step (the compiled one is the whole model's)."""
+    its compiled step is its own (engine/generation/compiled_step.py builds it from the same view),
+    the eager step until then."""
     view = copy.copy(d)
     view.layers = d.layers[:layers]
+    view.exit_layers = layers
     view.compiled, view.compiled_rows, view.compiled_threads, view._compile_thread = None, None, None, None
+    view._stop_compile = threading.Event()
     return view

@@ -456,6 +456,16 @@ def test_the_compiled_decode_step_gives_the_same_tokens(long_models, isolated_ca
         lookup = load_draft(parse_draft("ngram:1", "fp32-fast"), loaded)
         guessed = next(e for e in stream_speculative(loaded, lookup, request, 4) if isinstance(e, Finished))
         assert guessed.token_ids == eager.token_ids and guessed.drafted_tokens > 0 and rows_calls
+        # an early-exit draft of a compiled model gets a compiled step of its own (its first layers)
+        early = load_draft(parse_draft("early-exit:1", "fp32-fast"), loaded)
+        early.fast._compile_thread.join(timeout=900)
+        assert early.fast.compiled is not None and early.fast.compiled is not loaded.fast.compiled
+        drafted = []
+        own = early.fast.compiled
+        early.fast.compiled = lambda *a: drafted.append(len(a[1])) or own(*a)  # the view's layers' caches
+        guessed = next(e for e in stream_speculative(loaded, early, request, 3) if isinstance(e, Finished))
+        assert guessed.token_ids == eager.token_ids and drafted and set(drafted) == {1}
+        early.close()
     else:
         assert report.rows_error and loaded.fast.compiled_rows is None
         assert [p.name for p in package.glob("*.pt2")] == [step_name]
