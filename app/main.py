@@ -1,4 +1,4 @@
-"""``inference-workbench``: the window, or a command-line subcommand (bench, models).
+"""``inference-workbench``: the window, or a command-line subcommand (bench, serve, … :data:`CLI_COMMANDS`).
 
 The window appears before torch is imported: torch and transformers load in the worker
 thread, after the first paint.
@@ -16,13 +16,24 @@ SWITCH_INTERVAL_S = 0.001
 """How long a thread running Python keeps the GIL when another asks for it (Python's default: 5 ms)."""
 
 
+class _WindowParser(argparse.ArgumentParser):
+    """The window's options; its --help lists the commands too (read from the command line's own
+    parser only when help is asked for: the window's start imports none of it)."""
+
+    def format_help(self) -> str:
+        from engine.cli import command_lines  # lazy: only for --help
+
+        lines = "\n".join(f"  {name:<11} {line}" for name, line in command_lines())
+        return super().format_help() + f"\ncommands (inference-workbench COMMAND --help):\n{lines}\n"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from engine.models.precision import PRECISIONS
 
-    parser = argparse.ArgumentParser(
+    parser = _WindowParser(
         prog="inference-workbench",
-        description="Open the Inference Workbench window.",
-        epilog="Command-line tools: inference-workbench bench --help, inference-workbench models",
+        description="Open the Inference Workbench window, or run a command (inference-workbench COMMAND --help).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", help="load this model at start ('default', a folder, a .gguf file or a hub id)")
     parser.add_argument("--precision", choices=list(PRECISIONS), help="precision for --model")

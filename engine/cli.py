@@ -132,7 +132,34 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("models", help="list the default model and models in the Hugging Face cache")
     cli_serve.add_parsers(sub, PRECISIONS)
     cli_quality.add_parser(sub, PRECISIONS)
+    for name, command in sub.choices.items():
+        command.formatter_class = argparse.RawDescriptionHelpFormatter
+        command.epilog = "example:\n  " + EXAMPLES[name]
+    parser.commands = sub.choices
+    parser.epilog = "commands:\n" + "\n".join(f"  {name:<11} {line}" for name, line in command_lines(sub))
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     return parser
+
+
+EXAMPLES = {
+    "bench": 'inference-workbench bench --model default --precision int8-fast --prompt "What is a KV cache?"',
+    "sweep": "inference-workbench sweep --model default --precision bf16 --batch 1,2,4,8 --max-new-tokens 64",
+    "compare": 'inference-workbench compare --lane default:fp32 --lane default:int8 --prompt "What is a KV cache?"',
+    "estimate": "inference-workbench estimate --model meta-llama/Llama-3.1-8B --hardware h100-sxm --context 8192",
+    "hardware": "inference-workbench hardware --measure",
+    "models": "inference-workbench models",
+    "serve": "inference-workbench serve --model default --precision int8-fast --port 8000",
+    "load": "inference-workbench load --url http://127.0.0.1:8000/v1 --concurrency 1,4 --requests 32",
+    "perplexity": "inference-workbench perplexity --model default --precision int8-fast --reference fp32-fast",
+}
+"""One example of each subcommand, at the end of its --help."""
+
+
+def command_lines(sub=None) -> list[tuple[str, str]]:
+    """Each subcommand's name and one line on what it does (the window's --help lists them too)."""
+    if sub is None:
+        sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return [(action.dest, action.help) for action in sub._choices_actions]
 
 
 def _read_prompt(args) -> str:
@@ -142,7 +169,10 @@ def _read_prompt(args) -> str:
         except OSError as exc:
             raise InvalidRequestError(f"Can't read the prompt file: {exc}") from exc
     if args.prompt == "-" or (args.prompt is None and not sys.stdin.isatty()):
-        return sys.stdin.read()
+        text = sys.stdin.read()
+        if not text.strip():
+            raise InvalidRequestError("No prompt: standard input was empty; pass --prompt TEXT or --prompt-file FILE.")
+        return text
     if args.prompt is None:
         raise InvalidRequestError("No prompt: pass --prompt TEXT, --prompt-file FILE, or pipe it in.")
     return args.prompt
@@ -430,7 +460,9 @@ def _models(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named against the subcommand's own help, not the window's
+        (parser.commands[args.command] if args.command else parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 0

@@ -1,6 +1,6 @@
 """Run one generation and gather everything it measured into the bench JSON contract.
 
-The CLI, benchmarks and tests consume this; the keys are documented in the README.
+The CLI, benchmarks and tests consume this; the keys are documented in docs/cli.md.
 """
 
 from __future__ import annotations

@@ -8,13 +8,14 @@ this path runs the same modules' weights with only the arithmetic: norms, projec
 weight-only int8/int4, engine/models/quantize.py), rotary embedding, attention over the cache's
 blocks written in place, the MLP, the head.
 
-It emits exactly the events of the reference path (the engine core, engine/generation/core.py, drives both
-through a runner: the paged cache, engine/generation/paged_cache.py, runs this decoder); fp32 and
-bf16 give the reference path's greedy tokens (tested). The compiled step and the batched step attend in fp32 (:func:`_attend_one`), so
-in bf16 they round less than the reference path and may part from its tokens where it parts
-from fp32's (README: the fast path). A model it can't run is refused with a clear message (no silent fall-back),
-from the config or the GGUF header before any weight is read where they already say so; the
-reference precisions run every model.
+It emits exactly the events of the reference path (the engine core, engine/generation/core.py,
+drives both through a runner: the paged cache, engine/generation/paged_cache.py, runs this
+decoder); fp32 and bf16 give the reference path's greedy tokens (tested). The compiled step and
+the batched step attend in fp32 (:func:`_attend_one`), so in bf16 they round less than the
+reference path and may part from its tokens where it parts from fp32's (docs/benchmarks.md: the
+fast path against llama.cpp). A model it can't run is refused with a clear message (no silent
+fall-back), from the config or the GGUF header before any weight is read where they already say
+so; the reference precisions run every model.
 """
 
 from __future__ import annotations

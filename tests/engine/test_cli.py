@@ -68,6 +68,7 @@ def test_prompt_from_stdin_and_file(tmp_path, tiny_llama):
     (["bench", "--prompt", "hi", "--precision", "int3"], "invalid choice"),
     (["bench", "--prompt", "hi", "--device", "cuda:7"], "cuda"),
     (["bench", "--prompt", "   "], "empty"),
+    (["bench", "--tokens", "3"], "unrecognized arguments: --tokens 3 (see inference-workbench bench --help)"),
     (["bench", "--model", "nobody-x9/no-such-model", "--offline", "--prompt", "hi"], "nobody-x9/no-such-model"),
 ])
 def test_errors_are_one_line_with_nonzero_exit(args, needle):
@@ -111,3 +112,23 @@ def test_the_app_hands_every_cli_subcommand_to_the_cli():
     parser = build_parser()
     subcommands = next(a for a in parser._actions if a.dest == "command").choices
     assert set(CLI_COMMANDS) == set(subcommands)
+
+
+def test_help_lists_every_command_and_each_command_has_an_example_that_parses(capsys):
+    """--help names every subcommand with a line on it (the window's --help too); each
+    subcommand's help ends with an example of itself, which its own parser takes."""
+    import shlex
+
+    from app.main import CLI_COMMANDS
+    from app.main import build_parser as window_parser
+    from engine.cli import build_parser
+
+    parser = build_parser()
+    listing, window = parser.format_help(), window_parser().format_help()
+    for name in CLI_COMMANDS:
+        assert f"\n  {name} " in listing and f"\n  {name} " in window
+        text = parser.commands[name].format_help()
+        example = text.rsplit("example:\n", 1)[1].strip()
+        argv = shlex.split(example)
+        assert argv[:2] == ["inference-workbench", name]
+        assert parser.parse_args(argv[1:]).command == name

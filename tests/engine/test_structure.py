@@ -5,6 +5,7 @@ ones not), and an import of our own modules inside a function says why."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
@@ -144,3 +145,34 @@ def test_every_dependency_is_pinned_where_the_app_is_installed_and_bundled_from(
     assert "kernels" in pins  # what transformers imports, pinned with it
     assert "-c constraints.txt" in (root / ".ci" / "run").read_text(encoding="utf-8")
     assert (root / "README.md").read_text(encoding="utf-8").count("-c constraints.txt") >= 2
+
+
+PROCESS_WORDS = re.compile(r"\b(stop|issue|session|sprint|iteration) #?\d+\b|\b(lent|borrowed) (gpu|machine|box)\b"
+                           r"|\bwork(ing)? periods?\b", re.IGNORECASE)
+"""How the project was made, not what it is: numbered work periods, issue numbers, borrowed machines."""
+TEXT = (".py", ".md", ".h", ".cpp", ".sh", ".toml", ".cfg", ".desktop", ".qss", ".txt", ".spec")
+
+
+def process_words(text: str) -> list[str]:
+    return [m.group(0) for m in PROCESS_WORDS.finditer(text)]
+
+
+def test_the_tree_speaks_only_of_the_product():
+    """No file speaks of how the project is developed; the README stays for users (≤ 400 lines,
+    the two set-up commands), reference material in docs/."""
+    root = ENGINE.parent
+    found = {}
+    for path in sorted(p for folder in ("engine", "app", "tests", "benchmarks", "docs", "packaging", "resources")
+                       for p in (root / folder).rglob("*") if p.suffix in TEXT and p.is_file()):
+        if path == Path(__file__).resolve():
+            continue
+        words = process_words(path.read_text(encoding="utf-8", errors="replace"))
+        if words:
+            found[str(path.relative_to(root))] = words
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    assert not found and not process_words(readme), found
+    assert len(readme.splitlines()) <= 400
+    assert sum(line.startswith("python3 -m venv .venv") for line in readme.splitlines()) == 2  # the two set-up commands
+    for doc in ("windows", "cli", "serving", "library", "architecture", "benchmarks"):
+        assert f"(docs/{doc}.md)" in readme and (root / "docs" / f"{doc}.md").exists()
+    assert process_words("as of Stop 47, issue 12, on a borrowed GPU") == ["Stop 47", "issue 12", "borrowed GPU"]
