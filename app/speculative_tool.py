@@ -11,6 +11,7 @@ and a check cost (engine/measure/speculative_run.py).
 from __future__ import annotations
 
 import html
+import statistics
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -32,7 +33,7 @@ from app.widgets.live_plots import PlotPanel
 from app.widgets.session_tool import DEFAULT_PROMPT, REJECTED, SessionTool
 from engine.base.events import DraftVerified, Finished, Loaded, Prefilled, TokenGenerated
 from engine.jobs import SpeculateJob
-from engine.measure.speculative_run import explain, step_predictions
+from engine.measure.speculative_run import explain, step_cost_s, step_predictions
 from engine.units import format_bytes, format_rate, format_seconds
 
 if TYPE_CHECKING:
@@ -113,8 +114,8 @@ class SpeculativeTool(SessionTool):
         self.step_curve.setPen(None)
         self.running_curve = self.acceptance_plot.curve("so far", "main")
         self.speedup_plot = PlotPanel(
-            "spec-speedup", "Each step's speed-up over a plain decode step (dots: its tokens over its own time, in plain "
-            "steps; the tokens' events after it aside) beside the one predicted (line) from the acceptance rate α so far, the guesses k and what a guess "
+            "spec-speedup", "Each step's speed-up over a plain decode step (dots: its tokens over its time, its clock and its "
+            "tokens' events, in plain steps) beside the one predicted (line) from the acceptance rate α so far, the guesses k and what a guess "
             "(c) and the check (v) cost: (1 − α^(k+1)) / ((1 − α)(k·c + v)). Above 1×, the step paid. Needs the plain "
             "run first.", "speed-up (×)", "step")
         self.measured_curve = self.speedup_plot.curve("this step (dots)", "second", symbol="o", symbolSize=5,
@@ -123,6 +124,7 @@ class SpeculativeTool(SessionTool):
         self.predicted_curve = self.speedup_plot.curve("predicted", "main")
         self.even_curve = self.speedup_plot.curve("1× (plain)", "muted", Qt.DashLine)
         self._plain_step_s: float | None = None
+        self._plain_clocks: list[float] = []
         self._speedup_drawn: tuple = (0, None)
         self.spec_summary = QLabel()
         self.spec_summary.setObjectName("speculativeSummary")
@@ -176,6 +178,7 @@ class SpeculativeTool(SessionTool):
         self._awaiting_rejects = ()
         self._plain_tokens = 0
         self._plain_step_s = None
+        self._plain_clocks = []
         self._speedup_drawn = (-1, None)
         self.acceptance_plot.reset_view()
         self.speedup_plot.reset_view()
@@ -188,6 +191,8 @@ class SpeculativeTool(SessionTool):
             self._plain_tokens += sum(isinstance(e, TokenGenerated) for e in events)
             self.controls.status.setText(f"Decoding plainly first … {self._plain_tokens} tokens")
             for event in events:  # a plain step's time: what each speculative step is measured against
+                if isinstance(event, TokenGenerated) and event.index:
+                    self._plain_clocks.append(event.latency_s)  # (its own clock, its events after it aside)
                 if isinstance(event, Finished) and event.decode_tokens_per_s:
                     self._plain_step_s = 1.0 / event.decode_tokens_per_s
             return
@@ -254,8 +259,9 @@ class SpeculativeTool(SessionTool):
                 curve.setData([], [])
             return
         x = list(range(1, len(steps) + 1))
-        measured = [(s.accepted + 1) * plain / s.step_s for s in steps]
-        predicted = step_predictions(steps, plain)
+        emit = max(0.0, plain - statistics.median(self._plain_clocks)) if self._plain_clocks else 0.0
+        measured = [(s.accepted + 1) * plain / step_cost_s(s, emit) for s in steps]
+        predicted = step_predictions(steps, plain, emit)
         self.measured_curve.setData(x, measured)
         self.predicted_curve.setData(x, predicted)
         self.even_curve.setData([0, len(steps) + 1], [1.0, 1.0])

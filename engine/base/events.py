@@ -235,8 +235,8 @@ class DraftVerified:
     elapsed_s: float
     request_id: int = 0
     step_s: float = 0.0
-    """The whole step's time: the draft, the target's pass, the acceptance rule and the step's
-    bookkeeping (what a plain decode step's time is compared with)."""
+    """The step's own clock: the draft, the target's pass, the acceptance rule and the caches'
+    rollback to what was kept (its tokens' events follow it)."""
 
 
 @dataclass(frozen=True, slots=True)

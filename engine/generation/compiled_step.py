@@ -165,7 +165,7 @@ def package_path(d, threads: int, weights: str | None = None, kind: str = STEP) 
     from engine.models import kernels  # lazy: whether the step is built with the kernels' attention
 
     key = json.dumps([weights or fingerprint(d), threads, torch.__version__, str(pick_vec_isa()), _source_digest(),
-                      kernels.expected(), bool(os.environ.get(fast.NO_DENSE_ENV)), str(d.kv_dtype)])
+                      kernels.expected(), bool(os.environ.get(fast.NO_DENSE_ENV)), str(d.kv_dtype), d.exit_layers])
     return cache_dir() / "compiled" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
 
 

@@ -128,6 +128,32 @@ class _Request:
         return self.request.prompt_logprobs is not None and len(self.prompt_scores) < len(self.prompt) - 1
 
 
+@dataclass(eq=False)
+class _Pass:
+    """One step's work as it goes: what the plan gave it, what its forward passes computed (the
+    requests whose scores are ready, in the order of ``rows`` and ``counts``), and what went wrong."""
+
+    decoding: list = field(default_factory=list)
+    chunks: list = field(default_factory=list)
+    ready: list = field(default_factory=list)
+    rows: list = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    proposals: dict[int, Proposal] = field(default_factory=dict)
+    verify_s: dict[int, float] = field(default_factory=dict)
+    failed: list = field(default_factory=list)
+    scored: list = field(default_factory=list)
+    """Prompts whose scores this step completed (sent before their first token)."""
+    cached: int = 0
+    preempted: int = 0
+    memory: object = None
+
+    def take(self, r, scores, count: int) -> None:
+        """``r``'s scores are ready: ``count`` rows of them."""
+        self.ready.append(r)
+        self.rows.append(scores)
+        self.counts.append(count)
+
+
 class EngineCore:
     """Submit requests, then call :meth:`step` (or iterate :meth:`run`) until :attr:`idle`."""
 
@@ -282,7 +308,8 @@ class EngineCore:
     def _step(self) -> Iterator[GenerationEvent]:
         """One step's events, made as they are consumed: a request's tokens one by one (a step
         may give it several: the draft's accepted guesses), so a cancel pressed while one is
-        shown stops before the next.
+        shown stops before the next. Schedule → run the forward passes → sample → process the
+        outputs into events.
 
         Whatever fails in one request's own work (its admission, its prompt chunk, its guesses,
         its verification, sampling, detokenizing, stop rules) ends that request alone with the
@@ -294,113 +321,137 @@ class EngineCore:
         self.runner.batch_invariant = invariant
         self.scheduler.aligned = PROMPT_CHUNK if invariant else None
         began = time.perf_counter()
-        for r in [*self.waiting, *self.running]:  # cancelled between steps: gone before this one,
-            # unless its last token left half a character: one more token completes it (and ends it)
+        yield from self._drop_cancelled()
+        queried = self.kv.queries
+        plan = self.scheduler.schedule()
+        work = _Pass()
+        yield from self._start(plan, work)
+        # a watched step: what its forward passes and sampling held at most beyond what it keeps
+        watch = StepAllocations(self.loaded.device) if self.watch_next else None
+        self.watch_next = False
+        exact = fixed_row_products if invariant else nullcontext
+        with watch or nullcontext():
+            with torch.inference_mode(), exact():
+                self._read_prompts(work)
+                self._decode(work)
+            choices: list[Choice | Exception] = []
+            if work.ready:
+                with torch.inference_mode(), exact():
+                    choices = self._sample(work)
+            work.rows.clear()  # the scores are sampled: let go of them before the watch ends
+        yield from self._outputs(work, choices, began)
+        yield self._step_completed(work, plan, began, queried, watch)
+        self.steps += 1
+
+    def _drop_cancelled(self) -> Iterator[GenerationEvent]:
+        """Requests cancelled between steps leave before this one, unless the last token left half
+        a character: one more token completes it (and ends it)."""
+        for r in [*self.waiting, *self.running]:
             if r.cancel.cancelled and not (r.output is not None and r.output.pending):
                 try:
                     yield self._finish(r, "cancelled")
                 except Exception as exc:
                     yield self._fail(r, exc)
-        queried = self.kv.queries
-        plan = self.scheduler.schedule()
+
+    def _start(self, plan, work: "_Pass") -> Iterator[GenerationEvent]:
+        """The plan's preemptions and admissions; what this step reads and decodes."""
         for r in plan.preempted:
             yield from self._guarded(r, self._preempt(r))
-        cached = 0
         for r in plan.admitted:
-            cached += len(r.hit or ()) * self.kv.block_tokens
+            work.cached += len(r.hit or ()) * self.kv.block_tokens
             yield from self._guarded(r, self._admit(r))
-        decoding = [r for r in plan.decoding if r in self.running]
-        chunks = [(r, size) for r, size in plan.chunks if r in self.running and r.in_runner]
-        ready: list[_Request] = []
-        """Requests whose scores this step computed, in the order of ``rows``/``counts``."""
-        rows: list[torch.Tensor] = []
-        counts: list[int] = []
-        proposals: dict[int, Proposal] = {}
-        verify_s: dict[int, float] = {}
-        failed: list[tuple[_Request, Exception]] = []
-        scored: list[PromptScored] = []
-        """Prompts whose scores this step completed (sent before their first token)."""
-        # a watched step: what its forward passes and sampling held at most beyond what it keeps
-        watch = StepAllocations(self.loaded.device) if self.watch_next else None
-        self.watch_next = False
-        with watch or nullcontext():
-            with torch.inference_mode(), (fixed_row_products() if invariant else nullcontext()):
-                for r, size in chunks:
-                    if r.prefill_started is None:
-                        r.prefill_started = time.perf_counter()
-                    try:
-                        ids = torch.tensor([r.feed[r.prefilled:r.prefilled + size]], dtype=torch.long,
-                                           device=self.loaded.device)
-                        if r.scoring_prompt:
-                            out = self.runner.prefill(r.rid, ids, rows=size).view(size, -1)
-                            self._score_prompt(r, r.prefilled, out)
-                            out = out[-1]
-                        else:
-                            out = self.runner.prefill(r.rid, ids)
-                        self.proposer.prefill(r.rid, ids)
-                        r.prefilled += size
-                        r.computed += size
-                        self.kv.keep(r.rid, r.feed, r.prefilled, None if self.paged else self._copier(r))
-                        if r.prefilled == len(r.feed) and r.request.prompt_logprobs is not None and not r.prompt_scored:
-                            scored.append(self._prompt_scored(r))
-                    except Exception as exc:
-                        if is_out_of_memory(exc):
-                            raise
-                        failed.append((r, exc))
-                        continue
-                    if r.prefilled == len(r.feed):
-                        ready.append(r)
-                        rows.append(out.unsqueeze(0))
-                        counts.append(1)
-                for r in decoding:
-                    try:
-                        proposals[r.rid] = self.proposer.propose(r.rid, r.sampler, r.seen.all(), self._room(r))
-                    except Exception as exc:
-                        if is_out_of_memory(exc):
-                            raise
-                        failed.append((r, exc))
-                decoding = [r for r in decoding if r.rid in proposals]
-                guessed = [r for r in decoding if proposals[r.rid].tokens]
-                plain = [r for r in decoding if not proposals[r.rid].tokens]
-                # each request with guesses: its last token and its guesses in one pass of its own
-                # (the scores after each); the rest: one token each, in one batched pass
-                for r in guessed:
-                    guesses = proposals[r.rid].tokens
-                    started = time.perf_counter()
-                    try:
-                        ids = torch.tensor([[r.next_token, *guesses]], dtype=torch.long, device=self.loaded.device)
-                        out = self.runner.prefill(r.rid, ids, rows=len(guesses) + 1)
-                    except Exception as exc:
-                        if is_out_of_memory(exc):
-                            raise
-                        failed.append((r, exc))
-                        continue
-                    verify_s[r.rid] = time.perf_counter() - started
-                    r.computed += len(guesses) + 1
-                    ready.append(r)
-                    rows.append(out.view(len(guesses) + 1, -1))
-                    counts.append(len(guesses) + 1)
-                if plain:
-                    rows.append(self.runner.decode([r.rid for r in plain], [r.next_token for r in plain]))
-                    for r in plain:
-                        r.computed += 1
-                        ready.append(r)
-                        counts.append(1)
-            choices: list[Choice | Exception] = []
-            if ready:
-                with torch.inference_mode(), (fixed_row_products() if invariant else nullcontext()):
-                    choices = sample_batch([r.sampler for r in ready], torch.cat(rows) if len(rows) > 1 else rows[0],
-                                           counts, [r.seen.all() for r in ready],
-                                           [proposals.get(r.rid, NOTHING).tokens for r in ready],
-                                           [proposals.get(r.rid, NOTHING).probs for r in ready],
-                                           top=max(r.request.top_alternatives for r in ready))
-            rows.clear()  # the scores are sampled: let go of them before the watch ends
-        for r, exc in failed:
+        work.decoding = [r for r in plan.decoding if r in self.running]
+        work.chunks = [(r, size) for r, size in plan.chunks if r in self.running and r.in_runner]
+        work.preempted = len(plan.preempted)
+
+    def _read_prompts(self, work: "_Pass") -> None:
+        """Each prompt chunk through the runner (and the proposer); a prompt read to its end
+        gives its first token's scores."""
+        import torch
+
+        for r, size in work.chunks:
+            if r.prefill_started is None:
+                r.prefill_started = time.perf_counter()
+            try:
+                ids = torch.tensor([r.feed[r.prefilled:r.prefilled + size]], dtype=torch.long,
+                                   device=self.loaded.device)
+                if r.scoring_prompt:
+                    out = self.runner.prefill(r.rid, ids, rows=size).view(size, -1)
+                    self._score_prompt(r, r.prefilled, out)
+                    out = out[-1]
+                else:
+                    out = self.runner.prefill(r.rid, ids)
+                self.proposer.prefill(r.rid, ids)
+                r.prefilled += size
+                r.computed += size
+                self.kv.keep(r.rid, r.feed, r.prefilled, None if self.paged else self._copier(r))
+                if r.prefilled == len(r.feed) and r.request.prompt_logprobs is not None and not r.prompt_scored:
+                    work.scored.append(self._prompt_scored(r))
+            except Exception as exc:
+                if is_out_of_memory(exc):
+                    raise
+                work.failed.append((r, exc))
+                continue
+            if r.prefilled == len(r.feed):
+                work.take(r, out.unsqueeze(0), 1)
+
+    def _decode(self, work: "_Pass") -> None:
+        """The proposer's guesses for each generating request; a request with guesses checks its
+        last token and them in one pass of its own (the scores after each), the rest decode one
+        token each in one batched pass."""
+        import torch
+
+        proposals = work.proposals
+        for r in work.decoding:
+            try:
+                proposals[r.rid] = self.proposer.propose(r.rid, r.sampler, r.seen.all(), self._room(r))
+            except Exception as exc:
+                if is_out_of_memory(exc):
+                    raise
+                work.failed.append((r, exc))
+        decoding = [r for r in work.decoding if r.rid in proposals]
+        for r in (r for r in decoding if proposals[r.rid].tokens):
+            guesses = proposals[r.rid].tokens
+            started = time.perf_counter()
+            try:
+                ids = torch.tensor([[r.next_token, *guesses]], dtype=torch.long, device=self.loaded.device)
+                out = self.runner.prefill(r.rid, ids, rows=len(guesses) + 1)
+            except Exception as exc:
+                if is_out_of_memory(exc):
+                    raise
+                work.failed.append((r, exc))
+                continue
+            work.verify_s[r.rid] = time.perf_counter() - started
+            r.computed += len(guesses) + 1
+            work.take(r, out.view(len(guesses) + 1, -1), len(guesses) + 1)
+        plain = [r for r in decoding if not proposals[r.rid].tokens]
+        if plain:
+            scores = self.runner.decode([r.rid for r in plain], [r.next_token for r in plain])
+            work.rows.append(scores)
+            for r in plain:
+                r.computed += 1
+                work.ready.append(r)
+                work.counts.append(1)
+
+    def _sample(self, work: "_Pass") -> list[Choice | Exception]:
+        """Every ready request's tokens from the step's scores, the whole batch in one call."""
+        import torch
+
+        ready, proposals = work.ready, work.proposals
+        return sample_batch([r.sampler for r in ready], torch.cat(work.rows) if len(work.rows) > 1 else work.rows[0],
+                            work.counts, [r.seen.all() for r in ready],
+                            [proposals.get(r.rid, NOTHING).tokens for r in ready],
+                            [proposals.get(r.rid, NOTHING).probs for r in ready],
+                            top=max(r.request.top_alternatives for r in ready))
+
+    def _outputs(self, work: "_Pass", choices: list, began: float) -> Iterator[GenerationEvent]:
+        """The step's events: failures, prompts scored, then each request's tokens."""
+        for r, exc in work.failed:
             yield self._fail(r, exc)
-        yield from scored
+        yield from work.scored
         memory = self.probe.sample()
         now = time.perf_counter()
-        chosen = {r.rid: choice for r, choice in zip(ready, choices)}
+        chosen = {r.rid: choice for r, choice in zip(work.ready, choices)}
         for r in list(self.running):
             choice = chosen.get(r.rid)
             if choice is None:
@@ -410,23 +461,26 @@ class EngineCore:
                     raise choice
                 yield self._fail(r, choice)
                 continue
-            proposal = proposals.get(r.rid, NOTHING)
-            yield from self._guarded(r, self._emit(r, choice, proposal, verify_s.get(r.rid, 0.0), began, now, memory))
+            proposal = work.proposals.get(r.rid, NOTHING)
+            yield from self._guarded(r, self._emit(r, choice, proposal, work.verify_s.get(r.rid, 0.0), began, now,
+                                                   memory))
+        work.memory = memory
+
+    def _step_completed(self, work: "_Pass", plan, began: float, queried: int, watch) -> StepCompleted:
         now = time.perf_counter()
-        kv = self.kv_bytes()
         predicted = [self.loaded.predicted_kv_bytes(r.computed) for r in self.running if r.in_runner]
-        yield StepCompleted(
-            step=self.steps, batch=len(ready),
-            decode_tokens=len(decoding), prefill_tokens=sum(size for _, size in chunks), waiting=len(self.waiting),
-            running=len(self.running), kv_cache_bytes=kv,
+        return StepCompleted(
+            step=self.steps, batch=len(work.ready),
+            decode_tokens=len(work.decoding), prefill_tokens=sum(size for _, size in work.chunks),
+            waiting=len(self.waiting), running=len(self.running), kv_cache_bytes=self.kv_bytes(),
             kv_cache_bytes_predicted=None if None in predicted else sum(predicted),
-            step_s=now - began, elapsed_s=now - self.start, memory=memory, preempted=len(plan.preempted),
-            cached_tokens=cached, prefix_query_tokens=self.kv.queries - queried, kv_blocks_used=self.kv.used_blocks,
-            kv_blocks_kept=self.kv.kept_blocks, kv_kept_bytes=self.kept_bytes(), kv_blocks_total=self.kv.total_blocks,
-            kv_block_tokens=self.kv.block_tokens, kv_blocks_shared=self.kv.shared_blocks,
+            step_s=now - began, elapsed_s=now - self.start, memory=work.memory, preempted=work.preempted,
+            cached_tokens=work.cached, prefix_query_tokens=self.kv.queries - queried,
+            kv_blocks_used=self.kv.used_blocks, kv_blocks_kept=self.kv.kept_blocks, kv_kept_bytes=self.kept_bytes(),
+            kv_blocks_total=self.kv.total_blocks, kv_block_tokens=self.kv.block_tokens,
+            kv_blocks_shared=self.kv.shared_blocks,
             kv_pool_bytes=self.runner.storage_nbytes() if self.paged else 0,
             activation_bytes=watch.activation_bytes if watch else None)
-        self.steps += 1
 
     def _score_prompt(self, r: _Request, start: int, logits) -> None:
         """Keep the scores of the prompt tokens that ``logits`` (rows for positions ``start`` …)
@@ -567,7 +621,8 @@ class EngineCore:
             r.computed = keep
             verified = self.proposer.settle(r.rid, proposal, choice.accepted, len(r.prompt) + len(r.tokens), verify_s)
             if verified is not None:
-                yield replace(verified, elapsed_s=now - r.arrived, step_s=now - began)
+                # the step's time with its rollback (the caches cropped to what was kept)
+                yield replace(verified, elapsed_s=now - r.arrived, step_s=time.perf_counter() - began)
         share = (now - began) / max(1, len(choice.tokens))
         guessing = self.proposer.lookahead > 0  # its tokens say whether a guess made them
         for j, (token, scores, log_total, largest) in enumerate(choice.tokens):

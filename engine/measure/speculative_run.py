@@ -5,19 +5,21 @@ cost. The CLI's JSON, the speculative tool and the history read a :class:`Specul
 The prediction (Leviathan et al., 2023): if each guess is accepted with probability α, given the
 guesses before it were, a step of k guesses yields (1 − α^(k+1)) / (1 − α) tokens on average and
 costs k·c + v plain decode steps, c a guess's draft time and v the rest of the step (the
-target's pass over k + 1 tokens, the acceptance rule), both measured and divided by a plain
-step's time. The expected speed-up is their ratio. α is estimated from the steps: of the guesses
+target's pass over k + 1 tokens, the acceptance rule, its tokens' events), both read from the
+steps' clocks and divided by a plain step's time. The expected speed-up is their ratio; the
+measured one is the run's decode tok/s over the plain run's. α is estimated from the steps: of the guesses
 the target looked at (up to and including the first it rejected: those after it are never
 looked at), the share it kept.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from engine.base.events import DraftVerified, Finished, GenerationEvent
+from engine.base.events import DraftVerified, Finished, GenerationEvent, TokenGenerated
 from engine.base.cancel import CancelToken
 from engine.generation.speculative import Draft, stream_speculative
 from engine.base.request import GenerationRequest
@@ -87,12 +89,20 @@ class SpeculativeReport:
         return 1.0 / base if base else None
 
     @property
+    def emit_s(self) -> float:
+        """What a plain step's token takes after its scores (its events: detokenizing, logprobs,
+        the KV figure): the plain run's time per token less its steps' own clocks."""
+        if self.plain is None or self.plain_step_s is None:
+            return 0.0
+        clocks = [t.latency_s for t in self.plain.tokens[1:]]
+        return max(0.0, self.plain_step_s - statistics.median(clocks)) if clocks else 0.0
+
+    @property
     def break_even(self) -> BreakEven | None:
         """The speed-up predicted from the steps' costs (with the plain run only)."""
         if self.plain_step_s is None:
             return None
-        return break_even(self.steps, max(0, len(self.finished.token_ids) - 1), self.plain_step_s,
-                          self.finished.decode_s)
+        return break_even(self.steps, plain_steps_of(self.run.events), self.plain_step_s, self.emit_s)
 
     @property
     def same_tokens_as_plain(self) -> bool | None:
@@ -179,7 +189,13 @@ def explain(predicted: BreakEven) -> str:
     return text + f"; it pays where α > {predicted.break_even_alpha:.2f}"
 
 
-def step_predictions(steps: list[DraftVerified], plain_step_s: float) -> list[float]:
+def step_cost_s(step: DraftVerified, emit_s: float) -> float:
+    """A step's whole time: its own clock (the draft, the check, the acceptance rule) and its
+    tokens' events, at ``emit_s`` each (what a plain step's token takes after its scores)."""
+    return max(step.step_s, step.verify_s + step.draft_s) + (step.accepted + 1) * emit_s
+
+
+def step_predictions(steps: list[DraftVerified], plain_step_s: float, emit_s: float = 0.0) -> list[float]:
     """Each step's predicted speed-up (its own k) from the acceptance and costs of the steps up to
     it: what the speculative tool draws beside each step's measured one."""
     out: list[float] = []
@@ -191,19 +207,32 @@ def step_predictions(steps: list[DraftVerified], plain_step_s: float) -> list[fl
         looked_at += s.accepted + (s.accepted < k)
         guesses += k
         draft_s += s.draft_s
-        rest_s += max(s.step_s, s.verify_s) - s.draft_s
+        rest_s += step_cost_s(s, emit_s) - s.draft_s
         alpha = accepted / looked_at if looked_at else 0.0
         out.append(expected_speedup(alpha, k, draft_s / guesses / plain_step_s, rest_s / n / plain_step_s))
     return out
 
 
-def break_even(steps: list[DraftVerified], decode_tokens: int, plain_step_s: float,
-               decode_s: float | None = None) -> BreakEven | None:
-    """The prediction for a run whose steps with guesses were ``steps``, which made
-    ``decode_tokens`` tokens after its first, against plain steps of ``plain_step_s``. With the
-    run's ``decode_s`` (its clock from the first token to the last), v is what the run spent
-    besides its drafts and its plain steps, per step with guesses: everything a step costs (its
-    tokens' events, the caches' rollback) where a step's own clock stops at its scores."""
+def plain_steps_of(events) -> int:
+    """A speculative run's decode steps that had no guess (prompt lookup found nothing): its tokens
+    after the first that no step with guesses made."""
+    count, guessed = 0, False
+    for event in events:
+        if isinstance(event, DraftVerified) and event.drafted_ids:
+            guessed = True
+        elif isinstance(event, TokenGenerated) and event.index and not event.drafted:
+            count += not guessed  # a step's own token ends it
+            guessed = False
+    return count
+
+
+def break_even(steps: list[DraftVerified], plain_steps: int, plain_step_s: float,
+               emit_s: float = 0.0) -> BreakEven | None:
+    """The prediction for a run whose steps with guesses were ``steps``, beside ``plain_steps``
+    steps without, against plain steps of ``plain_step_s`` (each
+    token's events after its scores taking ``emit_s``). Every cost is read from the steps' own
+    clocks; the run's measured speed-up is read from its decode time, which the prediction never
+    sees."""
     steps = [s for s in steps if s.drafted_ids]
     if not steps or not plain_step_s > 0:
         return None
@@ -213,12 +242,7 @@ def break_even(steps: list[DraftVerified], decode_tokens: int, plain_step_s: flo
     alpha = accepted / looked_at if looked_at else 0.0
     guesses = [len(s.drafted_ids) for s in steps]
     draft_cost = sum(s.draft_s for s in steps) / sum(guesses) / plain_step_s
-    plain_steps = max(0, decode_tokens - sum(s.accepted + 1 for s in steps))
-    if decode_s:
-        rest = decode_s - plain_steps * plain_step_s - sum(s.draft_s for s in steps)
-    else:
-        rest = sum(max(s.step_s, s.verify_s) - s.draft_s for s in steps)
-    verify_cost = max(rest, 0.0) / len(steps) / plain_step_s
+    verify_cost = sum(step_cost_s(s, emit_s) - s.draft_s for s in steps) / len(steps) / plain_step_s
     tokens = sum(expected_tokens(alpha, k) for k in guesses) + plain_steps
     cost = sum(k * draft_cost + verify_cost for k in guesses) + plain_steps
     mean = sum(guesses) / len(guesses)

@@ -86,8 +86,9 @@ def test_speculative_run_marks_tokens_and_reports_the_speedup(qtbot, window, spe
     tool.draw()
     x, measured = tool.measured_curve.getData()
     steps = tool._steps
+    emit = result.emit_s  # a plain token's events after its scores, read from the plain run's clocks
     assert len(x) == len(steps) and list(measured) == pytest.approx(
-        [(s.accepted + 1) / result.plain_decode_tokens_per_s / s.step_s for s in steps])
+        [(s.accepted + 1) / result.plain_decode_tokens_per_s / (s.step_s + (s.accepted + 1) * emit) for s in steps])
     assert len(tool.predicted_curve.getData()[0]) == len(steps)
     assert f"expected {result.break_even.predicted:.2f}×" in summary
     # prompt lookup: no model, the same answer

@@ -754,3 +754,15 @@ def test_the_compiled_step_runs_what_an_architecture_does_otherwise(long_models,
     assert compiled.token_ids == eager.token_ids
     if rows:
         assert loaded.fast.compiled_rows is not None and together() == eager_batch
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_an_early_exit_views_compiled_step_is_its_own(tiny_models, arch, isolated_cache):
+    """A view of the first layers is built into a package of its own, also where the model's own
+    fused projections leave the view's weights named as the whole model's (Phi-3)."""
+    from engine.generation.compiled_step import package_path
+    from engine.models.fast import early_exit_decoder
+
+    loaded = load_model(LoadRequest(str(tiny_models[arch]), "fp32-fast", "cpu"))
+    view = early_exit_decoder(loaded.fast, 1)
+    assert package_path(view, 2) != package_path(loaded.fast, 2)

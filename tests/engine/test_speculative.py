@@ -386,7 +386,8 @@ def test_sampled_prompt_lookup_is_seeded_and_counts_add_up(loaded_llama):
 def test_the_predicted_speedup_is_the_formula_of_what_was_measured():
     """(1 − α^(k+1)) / ((1 − α)(k·c + v)); α from the steps as the share of looked-at guesses kept;
     the break-even α is where the formula gives 1."""
-    from engine.measure.speculative_run import break_even, break_even_alpha, expected_speedup, expected_tokens
+    from engine.measure.speculative_run import (break_even, break_even_alpha, expected_speedup, expected_tokens,
+                                                plain_steps_of)
 
     assert expected_tokens(0.0, 4) == 1 and expected_tokens(1.0, 4) == 5
     assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
@@ -402,7 +403,16 @@ def test_the_predicted_speedup_is_the_formula_of_what_was_measured():
 
     steps = [step(4, 4, 0.004, 0.016), step(4, 1, 0.004, 0.016), step(2, 0, 0.002, 0.014)]
     # 5 + 2 + 1 tokens in those steps, 2 more from plain steps; a plain step takes 10 ms
-    predicted = break_even(steps, 10, 0.010)
+    def token(index, drafted):
+        from engine.base.memory import MemorySample
+
+        return TokenGenerated(index=index, token_id=index, text="", logprob=0.0, top_alternatives=(), latency_s=0.0,
+                              elapsed_s=0.0, kv_cache_bytes=0, kv_cache_bytes_predicted=0,
+                              memory=MemorySample(None, "cpu"), drafted=drafted)
+    events = [token(0, False), token(1, False), steps[0], *[token(i, True) for i in (2, 3, 4, 5)], token(6, False),
+              token(7, False), steps[1], token(8, True), token(9, False)]
+    assert plain_steps_of(events) == 2
+    predicted = break_even(steps, 2, 0.010)
     assert predicted.alpha == pytest.approx(5 / (5 + 2))  # the 5 kept of the 7 looked at
     assert predicted.draft_cost == pytest.approx(0.010 / 10 / 0.010)
     assert predicted.verify_cost == pytest.approx((0.012 + 0.012 + 0.012) / 3 / 0.010)
@@ -410,7 +420,7 @@ def test_the_predicted_speedup_is_the_formula_of_what_was_measured():
     tokens = 2 * expected_tokens(predicted.alpha, 4) + expected_tokens(predicted.alpha, 2) + 2
     cost = 2 * (4 * 0.1 + 1.2) + (2 * 0.1 + 1.2) + 2
     assert predicted.predicted == pytest.approx(tokens / cost)
-    assert break_even([], 10, 0.01) is None and break_even(steps, 10, 0.0) is None
-    # with the run's decode time, v is all it spent besides the drafts and the plain steps
-    timed = break_even(steps, 10, 0.010, decode_s=0.080)
-    assert timed.verify_cost == pytest.approx((0.080 - 2 * 0.010 - 0.010) / 3 / 0.010)
+    assert break_even([], 2, 0.01) is None and break_even(steps, 2, 0.0) is None
+    # each token's events after its scores (1 ms each here) are part of its step's cost
+    timed = break_even(steps, 2, 0.010, emit_s=0.001)
+    assert timed.verify_cost == pytest.approx((0.012 + 0.005 + 0.012 + 0.002 + 0.012 + 0.001) / 3 / 0.010)
