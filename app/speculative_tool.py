@@ -187,6 +187,9 @@ class SpeculativeTool(SessionTool):
                     "Decoding plainly first …" if compare else "Loading the draft …")
 
     def _on_speculation_events(self, run: str, events) -> None:
+        if run == "draft":
+            self.controls.status.setText("Building the draft's compiled step (once on this machine) …")
+            return
         if run == "plain":
             self._plain_tokens += sum(isinstance(e, TokenGenerated) for e in events)
             self.controls.status.setText(f"Decoding plainly first … {self._plain_tokens} tokens")

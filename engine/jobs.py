@@ -371,6 +371,10 @@ class SweepJob:
         return SweepResult(tuple(points), tuple(skipped))
 
 
+BUILDING_DRAFT = "building"
+"""What a speculative run says while its draft's compiled step is built (its first on this machine)."""
+
+
 @dataclass(frozen=True)
 class SpeculateJob:
     """Speculative decoding with ``draft`` (kept loaded for the next job), after plain decoding of
@@ -393,6 +397,11 @@ class SpeculateJob:
                 draft.close()
             ctx.keep.pop("draft", None)
             ctx.keep["draft"] = draft = load_draft(spec, ctx.model, cancel=ctx.cancel)
+        building = draft.fast._compile_thread if draft.fast is not None else None
+        if building is not None and building.is_alive():  # the draft's own compiled step, before any timing
+            ctx.emit(Tagged("draft", BUILDING_DRAFT))
+            while building.is_alive() and not ctx.cancel.cancelled:
+                building.join(0.2)
         with using_model_core(ctx) as core:  # lent to the draft for the run
             return speculative_report(ctx.model, draft, self.request, self.draft_tokens, self.compare_plain,
                                       ctx.cancel, lambda run, event: ctx.emit(Tagged(run, event)), record=True,

@@ -10,7 +10,8 @@
 // multiply-add per 16 weights and one reduction per row at the end. bf16 weights against bf16
 // activations use AVX512-BF16's pairwise products (vdpbf16ps: 32 weights an instruction, each
 // product exact in fp32) where the CPU has them, else are widened to fp32 as they load. Several
-// rows: tiles of 4 weight rows × 4 activation rows (16 sums in registers). Every output's sum runs
+// rows: 8 weight rows × 2 activation rows, 4 × 3, 4 × 4 or 4 × 5 in one tile (at most 20 sums in
+// registers), more in tiles of 4 × 4 and one of the rest. Every output's sum runs
 // in the same order whatever the tile, so a row's answer is the same alone or beside others.
 //
 // Measured against PyTorch's F.linear and Inductor's products: docs/benchmarks.md, "The dense products".

@@ -28,6 +28,7 @@ namespace {
 
 constexpr bool Q8_OFFSET = true;
 constexpr int ROW_TILE = 4, COL_TILE = 2, ROW1_COL_TILE = 2;
+constexpr bool FEW_ROWS_TOGETHER = true;  // 5 rows × 2 groups: 10 sums, 10 dots and 4 more of 32 registers
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 widen_bf16(__m256i raw) {  // 16 bf16 values as fp32 (the same bits, 16 places up)

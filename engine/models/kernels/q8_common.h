@@ -44,7 +44,8 @@ inline int32_t four_bytes(const uint8_t* p) {
 // Every (rows, column groups) tile of the product, split across threads by column tiles (TN
 // groups of 16 columns where there are TM rows or more, else TN1: a few rows have registers to
 // spare). Each column tile takes every row while its weights are in cache: row tiles of TM, then
-// one tile of the rows left, or of TM + 1 where one would be left (a verification pass's 5 rows
+// (FEW_ROWS_TOGETHER: where the registers hold them) one tile of the rows left, or of TM + 1 where
+// one would be left, else the rest a row at a time (a verification pass's 5 rows
 // read the weights from memory once and sum each weight block once, as one row does; row tiles
 // over all the columns, then the last row over them again, read them twice).
 template <int TM, int TN, typename Tile>
@@ -63,7 +64,7 @@ void rows_left(int64_t left, int64_t m0, int64_t g, int64_t width, Tile& tile) {
     }
 }
 
-template <int TM, int TN, int TN1, typename Tile>
+template <int TM, int TN, int TN1, bool FEW_ROWS_TOGETHER, typename Tile>
 void tiles(int64_t M, int64_t groups, Tile&& tile) {
     const int64_t wide = M >= TM ? TN : TN1;  // the column tile the threads split by
     at::parallel_for(0, (groups + wide - 1) / wide, 1, [&](int64_t begin, int64_t end) {
@@ -72,14 +73,15 @@ void tiles(int64_t M, int64_t groups, Tile&& tile) {
             const int64_t width = std::min(wide, last - g);
             int64_t m0 = 0;
             for (; m0 + TM <= M; m0 += TM) {
-                if (M - m0 == TM + 1) {  // one row more than a tile: one tile of them all
+                if (FEW_ROWS_TOGETHER && M - m0 == TM + 1) {  // one row more than a tile: one tile of them all
                     row_tiles<TM + 1, TN>(m0, g, width, tile);
                     m0 = M;
                     break;
                 }
                 row_tiles<TM, TN>(m0, g, width, tile);
             }
-            if (M - m0 == 1) row_tiles<1, TN1>(m0, g, width, tile);
+            if (!FEW_ROWS_TOGETHER || M - m0 == 1)
+                for (; m0 < M; ++m0) row_tiles<1, TN1>(m0, g, width, tile);
             else if (m0 < M) rows_left<2, TM, TN>(M - m0, m0, g, width, tile);
         }
     });

@@ -17,7 +17,8 @@
 namespace {
 
 constexpr bool Q8_OFFSET = false;
-constexpr int ROW_TILE = 4, COL_TILE = 1, ROW1_COL_TILE = 2;  // 16 ymm registers: 2 rows × 2 half-groups of sums
+constexpr int ROW_TILE = 4, COL_TILE = 1, ROW1_COL_TILE = 2;
+constexpr bool FEW_ROWS_TOGETHER = false;  // 16 ymm registers: the rows past the tiles go one at a time
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {

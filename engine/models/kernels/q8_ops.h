@@ -4,6 +4,7 @@
 //   Q8_OFFSET                                           q8's activations stored as q + 128
 //   ROW_TILE, COL_TILE, ROW1_COL_TILE                   the tiles the registers hold (rows × groups of
 //                                                       16 columns; groups for a single row)
+//   FEW_ROWS_TOGETHER                                   whether up to ROW_TILE + 1 rows fit one tile
 // and, where it defines WORKBENCH_AMX (q8_gemm_amx.cpp), for products of at least AMX_ROWS rows:
 //   amx_allowed()                                       whether this process may use the tiles
 //   quantized_room(…), quantize_blocks(…)               quantize_rows's two halves: room, then a
@@ -54,7 +55,7 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& w, const to
         }
 #endif
         quantize_rows(xp, M, K, Q8_OFFSET, false, xq);
-        tiles<ROW_TILE, COL_TILE, ROW1_COL_TILE>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
+        tiles<ROW_TILE, COL_TILE, ROW1_COL_TILE, FEW_ROWS_TOGETHER>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
             q8_tile<decltype(tm)::value, decltype(tn)::value>(wp, sp, xq, m0, g0, K, N, yp);
         });
     });
@@ -89,7 +90,7 @@ torch::Tensor q4_linear(const torch::Tensor& x, const torch::Tensor& w, const to
         }
 #endif
         quantize_rows(xp, M, K, false, true, xq);
-        tiles<ROW_TILE, COL_TILE, ROW1_COL_TILE>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
+        tiles<ROW_TILE, COL_TILE, ROW1_COL_TILE, FEW_ROWS_TOGETHER>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
             q4_tile<decltype(tm)::value, decltype(tn)::value>(wp, dp, mp, xq, m0, g0, K, N, yp);
         });
     });
