@@ -409,7 +409,7 @@ class EngineCore:
                 if is_out_of_memory(exc):
                     raise
                 work.failed.append((r, exc))
-        decoding = [r for r in work.decoding if r.rid in proposals]
+        decoding = work.decoding = [r for r in work.decoding if r.rid in proposals]  # (a failed guess: not decoded)
         for r in (r for r in decoding if proposals[r.rid].tokens):
             guesses = proposals[r.rid].tokens
             started = time.perf_counter()
