@@ -41,8 +41,8 @@ from engine.units import format_bytes, format_count, format_seconds
 __all__ = ["BATCHES", "CONTEXTS", "CostWindow"]
 
 
-MEASURED_KV = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "int8": "int8"}
-"""The cost model's KV dtypes this app runs (``--kv-dtype``'s names); fp8 and int4 are predicted only."""
+MEASURED_KV = frozenset({"fp32", "bf16", "fp16", "int8"})
+"""The cost model's KV dtypes this app runs (``--kv-dtype``'s names too); fp8 and int4 are predicted only."""
 
 
 class CostWindow(QMainWindow):
@@ -473,7 +473,7 @@ class CostWindow(QMainWindow):
         if precision not in PRECISIONS:
             return None, f"{precision} is a GGUF format this app predicts but doesn't run."
         own = costs.kv_dtype_name(get_precision(precision).kv_dtype("cpu"))
-        choice = "auto" if kv == own else MEASURED_KV.get(kv)
+        choice = "auto" if kv == own else kv if kv in MEASURED_KV else None
         if choice is None:
             return None, f"A {kv} KV cache is predicted here, not run."
         return LoadRequest(self.model_ref(), precision, "cpu", kv_dtype=choice), ""

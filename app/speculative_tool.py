@@ -11,7 +11,6 @@ and a check cost (engine/measure/speculative_run.py).
 from __future__ import annotations
 
 import html
-import statistics
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -33,7 +32,7 @@ from app.widgets.live_plots import PlotPanel
 from app.widgets.session_tool import DEFAULT_PROMPT, REJECTED, SessionTool
 from engine.base.events import DraftVerified, Finished, Loaded, Prefilled, TokenGenerated
 from engine.jobs import SpeculateJob
-from engine.measure.speculative_run import explain, step_cost_s, step_predictions
+from engine.measure.speculative_run import emit_seconds, explain, step_cost_s, step_predictions
 from engine.units import format_bytes, format_rate, format_seconds
 
 if TYPE_CHECKING:
@@ -114,10 +113,10 @@ class SpeculativeTool(SessionTool):
         self.step_curve.setPen(None)
         self.running_curve = self.acceptance_plot.curve("so far", "main")
         self.speedup_plot = PlotPanel(
-            "spec-speedup", "Each step's speed-up over a plain decode step (dots: its tokens over its time, its clock and its "
-            "tokens' events, in plain steps) beside the one predicted (line) from the acceptance rate α so far, the guesses k and what a guess "
-            "(c) and the check (v) cost: (1 − α^(k+1)) / ((1 − α)(k·c + v)). Above 1×, the step paid. Needs the plain "
-            "run first.", "speed-up (×)", "step")
+            "spec-speedup", "Each step's speed-up over a plain decode step (dots: its tokens over its time, its "
+            "clock and its tokens' events, in plain steps) beside the one predicted (line) from the acceptance rate "
+            "α so far, the guesses k and what a guess (c) and the check (v) cost: (1 − α^(k+1)) / ((1 − α)(k·c + v)). "
+            "Above 1×, the step paid. Needs the plain run first.", "speed-up (×)", "step")
         self.measured_curve = self.speedup_plot.curve("this step (dots)", "second", symbol="o", symbolSize=5,
                                                       symbolBrush="#f39c12")
         self.measured_curve.setPen(None)
@@ -262,7 +261,7 @@ class SpeculativeTool(SessionTool):
                 curve.setData([], [])
             return
         x = list(range(1, len(steps) + 1))
-        emit = max(0.0, plain - statistics.median(self._plain_clocks)) if self._plain_clocks else 0.0
+        emit = emit_seconds(plain, self._plain_clocks)
         measured = [(s.accepted + 1) * plain / step_cost_s(s, emit) for s in steps]
         predicted = step_predictions(steps, plain, emit)
         self.measured_curve.setData(x, measured)

@@ -71,8 +71,7 @@ def verify_ratio(loaded, context: int, guesses: int, rounds: int = 60) -> tuple[
 def runs(loaded, draft_text: str, request: GenerationRequest, guesses: int, rounds: int) -> dict:
     """Plain then speculative decoding of ``request``, ``rounds`` times: median figures."""
     draft = load_draft(parse_draft(draft_text, loaded.info.precision), loaded)
-    if draft.fast is not None and draft.fast._compile_thread is not None:
-        draft.fast._compile_thread.join()  # its compiled step, built or loaded before any timing
+    draft.wait_for_compile()  # its compiled step, built or loaded before any timing
     reports = [speculative_report(loaded, draft, request, guesses, compare_plain=True) for _ in range(rounds)]
     predicted = [r.break_even for r in reports]
     draft.close()
@@ -121,7 +120,8 @@ def main() -> int:
                   + ("—" if result["predicted"] is None else f"{result['predicted']:.2f}×")
                   + f"; same tokens: {result['same']}", flush=True)
         loaded.close()
-    print("\nprecision   draft          k   α     c     v     plain t/s  spec t/s  measured  predicted  pred÷meas  same")
+    print("\nprecision   draft          k   α     c     v     plain t/s  spec t/s  measured  predicted  pred÷meas  "
+          "same")
     for precision, guesses, r in results:
         known = r["predicted"] is not None
         print(f"{precision:<11} {r['draft']:<14} {guesses:<3} "

@@ -256,8 +256,7 @@ def _bench(args) -> int:
         print(f"Draft {spec.label} …", file=sys.stderr, flush=True)
         draft = load_draft(spec, loaded, progress=_LoadPrinter())
         if args.compile and draft.fast is not None:  # its own compiled step, readied beside the target's
-            if draft.fast._compile_thread is not None:
-                draft.fast._compile_thread.join()
+            draft.wait_for_compile()
             state = "ready" if draft.fast.compiled is not None else "not ready: its guesses run the eager step"
             print(f"  the draft's compiled step {state}", file=sys.stderr)
 

@@ -116,7 +116,8 @@ class MeasureJob:
 
         loaded = ctx.model
         longest = (loaded.info.context_length or self.context) - self.tokens
-        ids = quality.text_tokens(loaded, quality.read_text(None)[1])[1:]
+        name, text = quality.read_text(None)
+        ids = quality.text_tokens(loaded, text)[1:]
         ids = ids[:max(1, min(self.context - self.tokens, longest, len(ids)))]
         request = GenerationRequest(loaded.tokenizer.decode(ids), mode="raw", max_new_tokens=self.tokens,
                                     ignore_eos=True, reuse_prefix=False)
@@ -128,7 +129,7 @@ class MeasureJob:
                 tokens += [event] if isinstance(event, TokenGenerated) else []
                 ctx.emit(event)
         remember(loaded.info, final, "single", f"*Measured for the Cost explorer: {final.prompt_tokens:,} tokens of "
-                                               f"{quality.read_text(None)[0]}, then {final.tokens} tokens.*", tokens)
+                                               f"{name}, then {final.tokens} tokens.*", tokens)
         return final
 
 
@@ -397,11 +398,9 @@ class SpeculateJob:
                 draft.close()
             ctx.keep.pop("draft", None)
             ctx.keep["draft"] = draft = load_draft(spec, ctx.model, cancel=ctx.cancel)
-        building = draft.fast._compile_thread if draft.fast is not None else None
-        if building is not None and building.is_alive():  # the draft's own compiled step, before any timing
+        if draft.compiling():  # the draft's own compiled step, before any timing
             ctx.emit(Tagged("draft", BUILDING_DRAFT))
-            while building.is_alive() and not ctx.cancel.cancelled:
-                building.join(0.2)
+            draft.wait_for_compile(lambda: ctx.cancel.cancelled)
         with using_model_core(ctx) as core:  # lent to the draft for the run
             return speculative_report(ctx.model, draft, self.request, self.draft_tokens, self.compare_plain,
                                       ctx.cancel, lambda run, event: ctx.emit(Tagged(run, event)), record=True,

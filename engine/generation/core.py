@@ -340,7 +340,7 @@ class EngineCore:
                     choices = self._sample(work)
             work.rows.clear()  # the scores are sampled: let go of them before the watch ends
         yield from self._outputs(work, choices, began)
-        yield self._step_completed(work, plan, began, queried, watch)
+        yield self._step_completed(work, began, queried, watch)
         self.steps += 1
 
     def _drop_cancelled(self) -> Iterator[GenerationEvent]:
@@ -466,7 +466,7 @@ class EngineCore:
                                                    memory))
         work.memory = memory
 
-    def _step_completed(self, work: "_Pass", plan, began: float, queried: int, watch) -> StepCompleted:
+    def _step_completed(self, work: "_Pass", began: float, queried: int, watch) -> StepCompleted:
         now = time.perf_counter()
         predicted = [self.loaded.predicted_kv_bytes(r.computed) for r in self.running if r.in_runner]
         return StepCompleted(

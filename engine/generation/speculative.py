@@ -145,6 +145,17 @@ class Draft:
 
         compile_in_background(fast, rows=False)  # one row at a time: the draft guesses one token after another
 
+    def compiling(self) -> bool:
+        """Whether the draft's compiled step is being built (or loaded) on its thread."""
+        thread = self.fast._compile_thread if self.fast is not None else None
+        return thread is not None and thread.is_alive()
+
+    def wait_for_compile(self, cancelled=lambda: False) -> None:
+        """Until the draft's compiled step is ready (or its build failed), or ``cancelled()``: a
+        measured run's draft runs its own step, and its build doesn't share the machine with it."""
+        while self.compiling() and not cancelled():
+            self.fast._compile_thread.join(0.2)
+
     def close(self) -> None:
         if self.fast is not None:
             self.fast._stop_compile.set()  # a build in progress ends with its child
@@ -237,7 +248,7 @@ class _Sequence:
     """One request's speculation state."""
 
     length: int = 0
-    """Tokens in the draft's cache (prompt lookup: tokens indexed)."""
+    """Tokens in the draft's cache."""
     drafted: int = 0
     accepted: int = 0
     step: int = 0
@@ -255,6 +266,9 @@ class Guesses(Proposer):
         self.target, self.draft_tokens = target, draft_tokens
         self.lookahead = draft_tokens
         self.sequences: dict[int, _Sequence] = {}
+        head = target.model.get_output_embeddings()
+        self.width = getattr(head, "out_features", None) or target.model.config.get_text_config().vocab_size
+        """The target's scores' width (a draft's distributions are laid over it)."""
 
     def add(self, seq: int, request: GenerationRequest, tokens: int) -> None:
         self.sequences[seq] = _Sequence()
@@ -299,8 +313,6 @@ class PromptLookup(Guesses):
         self.ids: dict[int, list[int]] = {}
         self.seen: dict[int, dict[tuple[int, ...], int]] = {}
         """Per request: each n-gram → where the tokens after its latest occurrence begin."""
-        head = target.model.get_output_embeddings()
-        self.width = getattr(head, "out_features", None) or target.model.config.get_text_config().vocab_size
 
     def add(self, seq: int, request: GenerationRequest, tokens: int) -> None:
         super().add(seq, request, tokens)
@@ -347,8 +359,6 @@ class Speculation(Guesses):
         super().__init__(target, draft_tokens)
         self.draft = draft
         self.runner = draft.runner()
-        head = target.model.get_output_embeddings()
-        self.width = getattr(head, "out_features", None) or target.model.config.get_text_config().vocab_size
 
     # -- the core's hooks --------------------------------------------------------------
     @property

@@ -15,7 +15,7 @@ looked at), the share it kept.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -94,8 +94,7 @@ class SpeculativeReport:
         the KV figure): the plain run's time per token less its steps' own clocks."""
         if self.plain is None or self.plain_step_s is None:
             return 0.0
-        clocks = [t.latency_s for t in self.plain.tokens[1:]]
-        return max(0.0, self.plain_step_s - statistics.median(clocks)) if clocks else 0.0
+        return emit_seconds(self.plain_step_s, [t.latency_s for t in self.plain.tokens[1:]])
 
     @property
     def break_even(self) -> BreakEven | None:
@@ -195,10 +194,16 @@ def step_cost_s(step: DraftVerified, emit_s: float) -> float:
     return max(step.step_s, step.verify_s + step.draft_s) + (step.accepted + 1) * emit_s
 
 
-def step_predictions(steps: list[DraftVerified], plain_step_s: float, emit_s: float = 0.0) -> list[float]:
-    """Each step's predicted speed-up (its own k) from the acceptance and costs of the steps up to
-    it: what the speculative tool draws beside each step's measured one."""
-    out: list[float] = []
+def emit_seconds(plain_step_s: float, clocks: list[float]) -> float:
+    """What a plain step's token takes after its scores (its events: detokenizing, logprobs, the
+    KV figure): a plain step's time less the median of the steps' own clocks ``clocks``."""
+    return max(0.0, plain_step_s - statistics.median(clocks)) if clocks else 0.0
+
+
+def _running_costs(steps: list[DraftVerified], plain_step_s: float,
+                   emit_s: float) -> Iterator[tuple[float, float, float]]:
+    """α, c and v from the steps up to each one, in order: α the share of the guesses looked at
+    that were kept, c a guess's draft time and v the rest of a step, over a plain step's time."""
     accepted = looked_at = guesses = 0
     draft_s = rest_s = 0.0
     for n, s in enumerate(steps, 1):
@@ -208,9 +213,14 @@ def step_predictions(steps: list[DraftVerified], plain_step_s: float, emit_s: fl
         guesses += k
         draft_s += s.draft_s
         rest_s += step_cost_s(s, emit_s) - s.draft_s
-        alpha = accepted / looked_at if looked_at else 0.0
-        out.append(expected_speedup(alpha, k, draft_s / guesses / plain_step_s, rest_s / n / plain_step_s))
-    return out
+        yield accepted / looked_at if looked_at else 0.0, draft_s / guesses / plain_step_s, rest_s / n / plain_step_s
+
+
+def step_predictions(steps: list[DraftVerified], plain_step_s: float, emit_s: float = 0.0) -> list[float]:
+    """Each step's predicted speed-up (its own k) from the acceptance and costs of the steps up to
+    it: what the speculative tool draws beside each step's measured one."""
+    return [expected_speedup(alpha, len(s.drafted_ids), c, v)
+            for s, (alpha, c, v) in zip(steps, _running_costs(steps, plain_step_s, emit_s))]
 
 
 def plain_steps_of(events) -> int:
@@ -236,13 +246,8 @@ def break_even(steps: list[DraftVerified], plain_steps: int, plain_step_s: float
     steps = [s for s in steps if s.drafted_ids]
     if not steps or not plain_step_s > 0:
         return None
-    accepted = sum(s.accepted for s in steps)
-    rejected = sum(s.accepted < len(s.drafted_ids) for s in steps)
-    looked_at = accepted + rejected
-    alpha = accepted / looked_at if looked_at else 0.0
+    *_, (alpha, draft_cost, verify_cost) = _running_costs(steps, plain_step_s, emit_s)
     guesses = [len(s.drafted_ids) for s in steps]
-    draft_cost = sum(s.draft_s for s in steps) / sum(guesses) / plain_step_s
-    verify_cost = sum(step_cost_s(s, emit_s) - s.draft_s for s in steps) / len(steps) / plain_step_s
     tokens = sum(expected_tokens(alpha, k) for k in guesses) + plain_steps
     cost = sum(k * draft_cost + verify_cost for k in guesses) + plain_steps
     mean = sum(guesses) / len(guesses)

@@ -50,9 +50,10 @@ inline int32_t four_bytes(const uint8_t* p) {
 // over all the columns, then the last row over them again, read them twice).
 template <int TM, int TN, typename Tile>
 void row_tiles(int64_t m0, int64_t g, int64_t width, Tile& tile) {
+    using std::integral_constant;
     int64_t c = 0;
-    for (; c + TN <= width; c += TN) tile(std::integral_constant<int, TM>{}, std::integral_constant<int, TN>{}, m0, g + c);
-    for (; c < width; ++c) tile(std::integral_constant<int, TM>{}, std::integral_constant<int, 1>{}, m0, g + c);
+    for (; c + TN <= width; c += TN) tile(integral_constant<int, TM>{}, integral_constant<int, TN>{}, m0, g + c);
+    for (; c < width; ++c) tile(integral_constant<int, TM>{}, integral_constant<int, 1>{}, m0, g + c);
 }
 
 // The rows left after the full row tiles (fewer than TM: ``left``), as one tile of R rows.

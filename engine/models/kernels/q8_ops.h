@@ -55,9 +55,10 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& w, const to
         }
 #endif
         quantize_rows(xp, M, K, Q8_OFFSET, false, xq);
-        tiles<ROW_TILE, COL_TILE, ROW1_COL_TILE, FEW_ROWS_TOGETHER>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
+        auto tile = [&](auto tm, auto tn, int64_t m0, int64_t g0) {
             q8_tile<decltype(tm)::value, decltype(tn)::value>(wp, sp, xq, m0, g0, K, N, yp);
-        });
+        };
+        tiles<ROW_TILE, COL_TILE, ROW1_COL_TILE, FEW_ROWS_TOGETHER>(M, groups, tile);
     });
     return y;
 }
@@ -90,9 +91,10 @@ torch::Tensor q4_linear(const torch::Tensor& x, const torch::Tensor& w, const to
         }
 #endif
         quantize_rows(xp, M, K, false, true, xq);
-        tiles<ROW_TILE, COL_TILE, ROW1_COL_TILE, FEW_ROWS_TOGETHER>(M, groups, [&](auto tm, auto tn, int64_t m0, int64_t g0) {
+        auto tile = [&](auto tm, auto tn, int64_t m0, int64_t g0) {
             q4_tile<decltype(tm)::value, decltype(tn)::value>(wp, dp, mp, xq, m0, g0, K, N, yp);
-        });
+        };
+        tiles<ROW_TILE, COL_TILE, ROW1_COL_TILE, FEW_ROWS_TOGETHER>(M, groups, tile);
     });
     return y;
 }
