@@ -22,13 +22,13 @@ from PySide6.QtWidgets import (
     QTableWidgetItem,
 )
 
-from app.glossary import link_headers
 from app.frame_budget import in_turns
+from app.glossary import link_headers
 from app.widgets.live_plots import PlotPanel
 from app.widgets.session_tool import DEFAULT_PROMPT, SessionTool
 from engine.base.events import BatchStep
+from engine.base.units import format_bytes, format_rate, format_seconds
 from engine.jobs import SweepJob, Tagged
-from engine.units import format_bytes, format_rate, format_seconds
 
 
 def parse_batches(text: str) -> list[int]:

@@ -26,17 +26,19 @@ from PySide6.QtWidgets import (
 )
 
 from app.frame_budget import FrameBudget
+from app.quality_run import QualityRun
+from app.screen import fit_screen, scrolling
 from app.widgets.compare_plots import ComparePlots
 from app.widgets.compare_summary import SummaryTable
 from app.widgets.lane_widget import LaneWidget
 from app.widgets.quality_view import QualityView
-from app.screen import fit_screen, scrolling
-from engine.measure import compare
-from engine.measure.compare import LaneSpec
 from engine.base.errors import EngineError
 from engine.base.request import GenerationRequest
 from engine.base.sampling import SamplingParams
+from engine.measure import compare
+from engine.measure.compare import LaneSpec
 from engine.models.sources import reference_weights
+from engine.storage import history
 
 LADDER = ("fp32", "bf16", "int8", "nf4")
 LANES_MIN_HEIGHT = 190
@@ -277,8 +279,6 @@ class CompareWindow(QMainWindow):
         self._start_quality()
 
     def _start_quality(self) -> None:
-        from app.quality_run import QualityRun
-
         self.running = True
         self.quality_run = run = QualityRun(self.lanes, parent=self, **self.quality_settings)
         run.progressed.connect(lambda lane, text: lane._set_status(text))
@@ -395,8 +395,6 @@ class CompareWindow(QMainWindow):
             self._finish_run()
 
     def _finish_run(self) -> None:
-        from engine.storage import history
-
         for lane in self.lanes:
             if lane.run.finished is not None:
                 history.remember(lane.loaded, lane.run.finished, "compare", tokens=lane.run.tokens, error=lane.run.error)

@@ -29,14 +29,15 @@ from app.screen import fit_screen, scrolling
 from app.widgets.cost_charts import BATCHES, CONTEXTS, CostCharts
 from app.worker import ModelSession
 from engine.base.errors import EngineError
+from engine.base.units import format_bytes, format_count, format_seconds
 from engine.estimates import costs, hardware
 from engine.estimates.costs import ALL_PRECISIONS, KV_DTYPES
 from engine.estimates.estimate import DEFAULT_HUB_ID, config_for, count_parameters, shipped_models
+from engine.estimates.parallel import plan_tensor_parallel
 from engine.jobs import MeasureJob
 from engine.models.loading import LoadRequest
 from engine.models.precision import PRECISIONS, get_precision
 from engine.storage.history import RunRecord, load_all
-from engine.units import format_bytes, format_count, format_seconds
 
 __all__ = ["BATCHES", "CONTEXTS", "CostWindow"]
 
@@ -423,7 +424,6 @@ class CostWindow(QMainWindow):
         Apple profile."""
         if profile.kind != "gpu":
             return None
-        from engine.estimates.parallel import plan_tensor_parallel
 
         e = self.estimate
         try:

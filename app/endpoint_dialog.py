@@ -23,6 +23,9 @@ from PySide6.QtWidgets import (
 )
 
 from app.background import Background
+from engine.base.errors import EngineError
+from engine.endpoint import EndpointSpec, is_endpoint, list_models, parse_endpoint
+from engine.endpoint.source import KEY_ENV
 
 EXPLANATION = ("Any OpenAI-compatible server: vLLM, SGLang, llama.cpp's llama-server, Ollama, transformers serve, "
                "or this app's own Server tab. Its answers are timed here as each chunk arrives; what only the "
@@ -32,8 +35,6 @@ EXPLANATION = ("Any OpenAI-compatible server: vLLM, SGLang, llama.cpp's llama-se
 class EndpointDialog(QDialog):
     def __init__(self, url: str = "http://127.0.0.1:8000/v1", model: str | None = None,
                  api_key: str | None = None, parent: QWidget | None = None) -> None:
-        from engine.endpoint.source import KEY_ENV
-
         super().__init__(parent)
         self.setObjectName("endpointDialog")
         self.setWindowTitle("Use a served model")
@@ -85,8 +86,6 @@ class EndpointDialog(QDialog):
 
     def spec_text(self) -> str:
         """``endpoint:URL#MODEL`` as chosen (raises ``InvalidRequestError`` for a malformed URL)."""
-        from engine.endpoint import EndpointSpec, parse_endpoint
-
         spec = parse_endpoint(self.url.text())
         return EndpointSpec(spec.url, self.model.currentText().strip() or None).text
 
@@ -94,9 +93,6 @@ class EndpointDialog(QDialog):
         return self.key.text() or None
 
     def list_models(self) -> None:
-        from engine.endpoint import list_models
-        from engine.base.errors import EngineError
-
         try:
             self.spec_text()
         except EngineError as exc:
@@ -120,8 +116,6 @@ class EndpointDialog(QDialog):
         self.status.setText(str(exc))
 
     def _accept(self) -> None:
-        from engine.base.errors import EngineError
-
         try:
             self.spec_text()
         except EngineError as exc:
@@ -137,8 +131,6 @@ class EndpointDialog(QDialog):
 def ask_for_endpoint(parent: QWidget, chosen: str, api_key: str | None, on_chosen) -> EndpointDialog:
     """Open the dialog window-modal (never blocking the app), filled from ``chosen`` when it is an
     endpoint; ``on_chosen(spec_text, api_key)`` runs if the user confirms."""
-    from engine.endpoint import is_endpoint, parse_endpoint
-
     spec = parse_endpoint(chosen) if is_endpoint(chosen) else None
     dialog = EndpointDialog(spec.url if spec else "http://127.0.0.1:8000/v1", spec.model if spec else None,
                             api_key, parent)

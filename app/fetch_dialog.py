@@ -8,7 +8,7 @@ from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import QDialog, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
 from engine.base.events import LoadProgress
-from engine.units import format_bytes
+from engine.base.units import format_bytes
 
 FETCH_STAGES = ("download", "verify", "extract", "convert", "tokenizer", "save")
 """Stages of a first load of the default model (later loads skip them all)."""

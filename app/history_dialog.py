@@ -26,8 +26,8 @@ from PySide6.QtWidgets import (
 from app.background import Background
 from app.run_window import RunWindow, describe
 from app.screen import fit_screen
+from engine.base.units import format_rate, format_seconds
 from engine.storage.history import RunRecord, ServedRun, delete, entries, history_dir, load_all
-from engine.units import format_rate, format_seconds
 
 COLUMNS = ("when", "kind", "model", "precision", "device", "batch", "tokens", "decode tok/s (each)",
            "aggregate tok/s", "TTFT", "result")

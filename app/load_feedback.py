@@ -6,6 +6,7 @@ from __future__ import annotations
 from PySide6.QtCore import QObject, Slot
 from PySide6.QtWidgets import QMessageBox
 
+from app.fetch_dialog import FETCH_STAGES, FetchDialog, OPENING_STAGES
 from engine.base.events import LoadProgress
 
 
@@ -18,7 +19,6 @@ class LoadFeedback(QObject):
     @Slot(object)
     def on_progress(self, event: LoadProgress) -> None:
         self.main.model_panel.show_progress(event)
-        from app.fetch_dialog import FETCH_STAGES, FetchDialog, OPENING_STAGES
 
         # the dialog opens only when something is fetched or converted (a later load of the
         # converted copy reports "tokenizer" too, and must not flash the first-run dialog)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from engine.models.precision import PRECISIONS
+
 CLI_COMMANDS = ("bench", "compare", "sweep", "estimate", "hardware", "models", "serve", "load", "perplexity")
 
 
@@ -28,8 +30,6 @@ class _WindowParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.models.precision import PRECISIONS
-
     parser = _WindowParser(
         prog="inference-workbench",
         description="Open the Inference Workbench window, or run a command (inference-workbench COMMAND --help).",
@@ -95,7 +95,7 @@ def tour_check(window, app, folder: str) -> None:
     from PySide6.QtCore import QTimer
     from PySide6.QtGui import QGuiApplication
 
-    from app.tour import STEPS
+    from app.tour import STEPS  # lazy: the command line never imports Qt
 
     target = Path(folder)
     target.mkdir(parents=True, exist_ok=True)
@@ -154,22 +154,22 @@ def settings():
 
 def settle_process() -> None:
     """Once the window exists: Qt's and our modules live as long as the app, so garbage collections
-    skip them (engine/heap.py); and the GIL changes hands after 1 ms, not 5: painting calls into
+    skip them (engine/base/heap.py); and the GIL changes hands after 1 ms, not 5: painting calls into
     Python dozens of times a frame, and each call waits for the GIL while another thread runs
     Python (reading the history, loading a tokenizer)."""
-    from engine import heap
+    from engine.base import heap  # lazy: the command line never imports Qt
 
     heap.settle()
     sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
 def collect_on_gui_thread(app) -> None:
-    """engine/heap.py's full collections (a model dropped) run on the GUI thread: a collection
+    """engine/base/heap.py's full collections (a model dropped) run on the GUI thread: a collection
     destroys what sits in garbage cycles, a closed window's widgets among them, and Qt widgets
     destroyed on the model's worker thread crashed the app (a local model dropped for an endpoint)."""
     from PySide6.QtCore import QObject, Qt, Signal
 
-    from engine import heap
+    from engine.base import heap  # lazy: the command line never imports Qt
 
     class Collector(QObject):
         requested = Signal()
@@ -186,7 +186,7 @@ def create_app(argv: list[str]):
     from PySide6.QtGui import QIcon
     from PySide6.QtWidgets import QApplication
 
-    from app.resources import icon_path, stylesheet
+    from app.resources import icon_path, stylesheet  # lazy: the command line never imports Qt
 
     app = QApplication.instance() or QApplication([sys.argv[0], *argv])
     collect_on_gui_thread(app)
@@ -229,7 +229,7 @@ def display_problem() -> str | None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and (argv[0] in CLI_COMMANDS or argv[0] == "--debug"):
-        from engine.cli import main as cli_main
+        from engine.cli import main as cli_main  # lazy: the command line never imports Qt
 
         return cli_main(argv)
     args = build_parser().parse_args(argv)
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from PySide6.QtCore import QTimer
 
-    from app.main_window import MainWindow
+    from app.main_window import MainWindow  # lazy: the command line never imports Qt
 
     window = MainWindow(settings())
     if args.model:

@@ -25,6 +25,7 @@ from app.load_feedback import LoadFeedback
 from app.main_menus import build_menus
 from app.screen import fit_screen, scrolling
 from app.tool_windows import ToolWindows
+from app.tour import offer, open_tour
 from app.transcript import Transcript, ending
 from app.widgets.generation_panel import GenerationPanel
 from app.widgets.live_plots import LivePlots
@@ -35,9 +36,10 @@ from app.widgets.server_panel import ServerPanel
 from app.widgets.status_line import StatusLine
 from app.worker import ModelSession
 from engine.base.events import Finished, Loaded
+from engine.base.units import format_bytes, format_rate, format_seconds
+from engine.endpoint.stream import served_line
 from engine.runs import Run
 from engine.storage import history
-from engine.units import format_bytes, format_rate, format_seconds
 
 log = logging.getLogger(__name__)
 
@@ -223,8 +225,6 @@ class MainWindow(QMainWindow):
         self.stop()
 
     def open_tour(self):
-        from app.tour import open_tour
-
         return open_tour(self)
 
     @property
@@ -448,8 +448,6 @@ class MainWindow(QMainWindow):
         if waiting is not None:
             self.generate(waiting)
         else:
-            from app.tour import offer
-
             offer(self)  # the first start only
 
     @Slot(object)
@@ -515,8 +513,6 @@ class MainWindow(QMainWindow):
         served = ""
         if self.run.answered is not None:  # what the server said, beside what was measured here
             from dataclasses import asdict
-
-            from engine.cli_text import served_line
 
             served = f" · {served_line(asdict(self.run.answered))}"
         cached = ""

@@ -6,12 +6,12 @@ from __future__ import annotations
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QGridLayout, QSplitter, QTextBrowser, QVBoxLayout, QWidget
 
-from app.widgets.live_plots import LivePlots
 from app.screen import fit_screen
+from app.widgets.live_plots import LivePlots
+from engine.base.units import format_bytes, format_rate, format_seconds
 from engine.load.metrics import not_completed
-from engine.storage.history import RunRecord
 from engine.runs import Run
-from engine.units import format_bytes, format_rate, format_seconds
+from engine.storage.history import RunRecord
 
 
 def describe(r: RunRecord) -> str:

@@ -31,9 +31,9 @@ from PySide6.QtWidgets import (
 from app.widgets.live_plots import PlotPanel
 from app.widgets.session_tool import DEFAULT_PROMPT, REJECTED, SessionTool
 from engine.base.events import DraftVerified, Finished, Loaded, Prefilled, TokenGenerated
+from engine.base.units import format_bytes, format_rate, format_seconds
 from engine.jobs import SpeculateJob
 from engine.measure.speculative_run import emit_seconds, explain, step_cost_s, step_predictions
-from engine.units import format_bytes, format_rate, format_seconds
 
 if TYPE_CHECKING:
     from engine.measure.speculative_run import SpeculativeReport

@@ -23,8 +23,8 @@ class ToolWindows(QObject):
     def open_compare(self):
         """The Compare window, its lane 1 set to the model chosen in the main window (lane 2 the
         same model in nf4)."""
-        from app.compare_window import CompareWindow
-        from engine.measure.compare import LaneSpec
+        from app.compare_window import CompareWindow  # lazy: a tool's window loads when it first opens
+        from engine.measure.compare import LaneSpec  # lazy: a tool's window loads when it first opens
 
         if self.compare is None:
             self.compare = CompareWindow()
@@ -45,7 +45,7 @@ class ToolWindows(QObject):
     def open_costs(self):
         """The Cost explorer, showing the model and precision chosen in the main window (it reads
         configs, measures this machine and scans the history off the GUI thread)."""
-        from app.cost_window import CostWindow
+        from app.cost_window import CostWindow  # lazy: a tool's window loads when it first opens
 
         if self.costs is None:
             self.costs = CostWindow()
@@ -58,7 +58,7 @@ class ToolWindows(QObject):
 
     def open_history(self):
         """Every finished run (kept in the user data folder), reopened read-only."""
-        from app.history_dialog import HistoryDialog
+        from app.history_dialog import HistoryDialog  # lazy: a tool's window loads when it first opens
 
         dialog = HistoryDialog(self.main)
         dialog.setAttribute(Qt.WA_DeleteOnClose)
@@ -68,7 +68,7 @@ class ToolWindows(QObject):
 
     def open_speedups(self):
         """Batching sweep and speculative decoding on the main window's loaded model."""
-        from app.speedup_window import SpeedupWindow
+        from app.speedup_window import SpeedupWindow  # lazy: a tool's window loads when it first opens
 
         if self.speedups is None:
             self.speedups = SpeedupWindow(self.main.session, self.main.request_for_tool)
@@ -78,7 +78,7 @@ class ToolWindows(QObject):
 
     def open_traffic(self):
         """The server's traffic, live (the Server panel starts and stops the server)."""
-        from app.traffic_window import TrafficWindow
+        from app.traffic_window import TrafficWindow  # lazy: a tool's window loads when it first opens
 
         if self.traffic is None:
             self.traffic = TrafficWindow(self.main.server_panel)

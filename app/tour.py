@@ -31,7 +31,9 @@ from PySide6.QtWidgets import (
 )
 
 from app.glossary import linked, open_glossary
-from engine.units import format_bytes, format_count, format_rate, format_seconds, kv_dtype_label
+from engine.base.units import format_bytes, format_count, format_rate, format_seconds, kv_dtype_label
+from engine.jobs import CeilingJob, TokenizeJob, WeightsJob
+from engine.measure.compare import LaneSpec
 from engine.models.sources import reference_weights
 
 PROMPT = "In two sentences: what does a GPU do?"
@@ -510,8 +512,6 @@ class Tour(QDialog):
 
     # -- the steps -----------------------------------------------------------------------------
     def _measure_tokens(self) -> None:
-        from engine.jobs import TokenizeJob
-
         main = self.main
         main.prompt.editor.setPlainText(PROMPT)
         self._outline(main.prompt)
@@ -550,8 +550,6 @@ class Tour(QDialog):
         self._generate(PROMPT, finished)
 
     def _measure_weights(self) -> None:
-        from engine.jobs import WeightsJob
-
         main = self.main
         self._outline(main.plots.memory)
         main.plots.refresh(main.run)
@@ -591,8 +589,6 @@ class Tour(QDialog):
         self._generate(FOLLOW_UP, finished)
 
     def _measure_bandwidth(self) -> None:
-        from engine.jobs import CeilingJob
-
         main = self.main
         self._outline(main.plots.speed)
         context = self.context_tokens or 64
@@ -652,8 +648,6 @@ class Tour(QDialog):
         self._run_tool(tool, finished)
 
     def _measure_quantization(self) -> None:
-        from engine.measure.compare import LaneSpec
-
         window = self.main.open_compare()
         loaded = self.main.model_panel.loaded_request  # lane 1: the model the main window runs, as loaded
         if loaded is not None and not window.running:

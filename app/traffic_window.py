@@ -26,18 +26,23 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.glossary import link_headers
 from app.background import Background
 from app.frame_budget import FrameBudget
+from app.glossary import link_headers
 from app.screen import fit_screen, scrolling
 from app.transcript import Transcript, Turn
 from app.widgets.live_plots import PlotPanel
 from app.widgets.output_view import OutputView
 from app.widgets.traffic_plots import TrafficPlots
 from engine.base.errors import EngineError
-from engine.load.report import ms
+from engine.base.units import format_bytes, format_rate, parse_numbers
+from engine.endpoint import api_key_from_env, parse_endpoint
+from engine.load.generator import LoadPlan, LoadRunner
+from engine.load.metrics import not_completed
+from engine.load.prompts import read_prompts
+from engine.load.report import ms, remember, write_csv, write_json
 from engine.models.precision import dtype_bytes
-from engine.units import format_bytes, format_rate
+from engine.storage.history import load_all
 
 REFRESH_MS = 50
 GROUPS = 4
@@ -177,11 +182,6 @@ class LoadBox(QGroupBox):
         self._draw_points()  # the legend names the ceiling only where it is drawn
 
     def plan(self):
-        from engine.cli_serve import parse_numbers
-        from engine.load.generator import LoadPlan
-
-        from engine.endpoint import api_key_from_env, parse_endpoint
-
         values = tuple(parse_numbers(self.values.text(), int if self.mode.currentData() == "concurrency" else float))
         if self.targets_this_server():
             started = self.panel.started
@@ -197,9 +197,6 @@ class LoadBox(QGroupBox):
 
     @Slot()
     def run(self) -> None:
-        from engine.load.generator import LoadRunner
-        from engine.load.prompts import read_prompts
-
         if self.runner is not None or self.panel.started is None and self.targets_this_server():
             return
         try:
@@ -220,8 +217,6 @@ class LoadBox(QGroupBox):
         self._load_id = load_id = uuid.uuid4().hex
 
         def work() -> None:
-            from engine.load.report import remember
-
             try:
                 results, error = runner.run(), None
                 remember(plan, results, load_id)  # every load joins the history: one chart across servers and days
@@ -269,8 +264,6 @@ class LoadBox(QGroupBox):
         if error is not None:
             self.status.setText(f"The load failed: {error}")
         else:
-            from engine.load.metrics import not_completed
-
             summaries = [r.summary for r in results]
             rest = not_completed(sum(s.not_sent for s in summaries), sum(s.errored for s in summaries),
                                  sum(s.cut for s in summaries),
@@ -283,8 +276,6 @@ class LoadBox(QGroupBox):
 
     def reload_history(self) -> None:
         """Read the history's loads off the GUI thread; the chart redraws when they arrive."""
-        from engine.storage.history import load_all
-
         def loads():
             return [r for r in load_all() if r.kind == "load" and r.extra.get("summary", {}).get("tpot")]
 
@@ -363,8 +354,6 @@ class LoadBox(QGroupBox):
     def save(self, path: str | None = None) -> None:
         from pathlib import Path
 
-        from engine.load.report import write_json
-
         if not self.results:
             return
         if path is None:
@@ -373,8 +362,6 @@ class LoadBox(QGroupBox):
             if not path:
                 return
         if str(path).endswith(".csv"):
-            from engine.load.report import write_csv
-
             write_csv(Path(path), self.results)
         else:
             write_json(Path(path), self._plan, self.results)

@@ -15,11 +15,15 @@ import time
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 from app.background import yield_to_the_gui
-
 from engine.base.cancel import CancelToken
 from engine.base.errors import EngineError
-from engine.base.events import BatchStep, DraftVerified, Finished, TokenGenerated
+from engine.base.events import BatchStep, DraftVerified, Finished, LoadProgress, TokenGenerated
+from engine.estimates.estimate import config_for, fits_beside_loaded, predict
 from engine.jobs import GenerateJob, JobContext, ServeDoor, Tagged
+from engine.models.devices import available_devices
+from engine.models.loading import load_model
+from engine.models.model import release_free_memory
+from engine.models.sources import list_models
 from engine.serve.service import Accepted, NotServingError, Rejected, RequestEvent, TrafficStep
 
 
@@ -57,9 +61,6 @@ class EngineWorker(QObject):
     @Slot()
     def probe(self) -> None:
         """Find devices and cached models here, so the GUI thread never imports torch."""
-        from engine.models.devices import available_devices
-        from engine.models.sources import list_models
-
         self.devices_found.emit(available_devices())
         try:
             self.models_found.emit(list_models())
@@ -71,10 +72,6 @@ class EngineWorker(QObject):
         """Load ``request``; the model loaded now stays loaded and usable until the new one is
         ready, so a failed or cancelled load loses nothing (unless memory is too short to hold
         both: then it is unloaded first, and the progress says so)."""
-        from engine.estimates.estimate import fits_beside_loaded
-        from engine.base.events import LoadProgress
-        from engine.models.loading import load_model
-
         if self._model is not None and not fits_beside_loaded(request.model, request.precision, request.device):
             self.load_progressed.emit(LoadProgress("unload", 0, 0, f"Not enough free memory to keep "
                                                    f"{self._model.info.name} while loading: unloading it first"))
@@ -90,7 +87,7 @@ class EngineWorker(QObject):
         self.loaded.emit(model.info)
         if model.fast is not None:  # the fast path compiles its decode step while the model is usable
             self.compile_started.emit()
-            from engine.generation.compiled_step import compile_in_background
+            from engine.generation.compiled_step import compile_in_background  # lazy: torch, on the model's thread
 
             compile_in_background(model.fast, self._compile_done)
 
@@ -105,8 +102,6 @@ class EngineWorker(QObject):
     @Slot(object)
     def predict(self, request) -> None:
         """Memory this load would need (from the config on disk), before loading anything."""
-        from engine.estimates.estimate import config_for, predict
-
         try:
             config = config_for(request.model)
             prediction = None if config is None else predict(config, request.precision, request.device)
@@ -118,7 +113,6 @@ class EngineWorker(QObject):
     def drop_draft(self) -> None:
         """Free the speculative draft (its window closed); the model stays."""
         self._drop_draft()
-        from engine.models.model import release_free_memory
 
         release_free_memory()
 
@@ -137,7 +131,7 @@ class EngineWorker(QObject):
         if self._model is not None:
             model, self._model = self._model, None
             if model.fast is not None:
-                from engine.generation.compiled_step import stop_compiling
+                from engine.generation.compiled_step import stop_compiling  # lazy: torch, on the model's thread
 
                 stop_compiling(model.fast, timeout=0)  # its build process is killed within a fraction of a second
             model.close()

@@ -43,7 +43,7 @@ from engine.generation.paged_cache import PagedCache  # noqa: E402
 from engine.measure import quality  # noqa: E402
 from engine.measure.batch import stream_batch  # noqa: E402
 from engine.models.loading import LoadRequest, load_model  # noqa: E402
-from engine.units import format_bytes, kv_dtype_label  # noqa: E402
+from engine.base.units import format_bytes, kv_dtype_label  # noqa: E402
 
 
 def decode_rate(loaded, prompts: list[list[int]], tokens: int) -> tuple[float, list[tuple[int, ...]]]:

@@ -30,7 +30,7 @@ from engine.base.request import GenerationRequest  # noqa: E402
 from engine.generation.generate import generate  # noqa: E402
 from engine.measure import quality  # noqa: E402
 from engine.models.loading import LoadRequest, load_model  # noqa: E402
-from engine.units import format_bytes  # noqa: E402
+from engine.base.units import format_bytes  # noqa: E402
 
 PRECISIONS = "fp32,bf16,int8,nf4,fp32-fast,bf16-fast,int8-fast,int4-fast"
 

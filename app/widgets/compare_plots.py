@@ -7,8 +7,8 @@ import numpy as np
 import pyqtgraph as pg
 
 from app.widgets.lane_widget import LaneWidget
-from app.widgets.live_plots import ROLLING_WINDOW, PlotPanel
-from engine.units import binary_unit
+from app.widgets.live_plots import PlotPanel, ROLLING_WINDOW
+from engine.base.units import binary_unit
 
 
 class ComparePlots:

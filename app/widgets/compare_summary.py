@@ -9,7 +9,7 @@ from PySide6.QtGui import QBrush, QColor
 from PySide6.QtWidgets import QTableWidget, QTableWidgetItem
 
 from app.glossary import link_headers
-from engine.units import format_bytes, format_rate, format_seconds
+from engine.base.units import format_bytes, format_rate, format_seconds
 
 COLUMNS = (
     ("lane", "Lane"), ("label", "Configuration"), ("load_s", "Load"), ("weights_bytes", "Weights"),

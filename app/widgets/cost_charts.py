@@ -17,9 +17,11 @@ from PySide6.QtWidgets import QGridLayout, QStackedWidget, QWidget
 
 from app.frame_budget import in_turns
 from app.widgets.live_plots import PlotPanel
-from engine.estimates import costs
 from engine.base.errors import EngineError
+from engine.base.units import binary_unit
+from engine.estimates import costs
 from engine.estimates.costs import ALL_PRECISIONS
+from engine.estimates.parallel import ceiling_for, plan_tensor_parallel
 from engine.storage.history import RunRecord
 
 CONTEXTS = [2 ** k for k in range(7, 18)]  # 128 … 131072
@@ -204,8 +206,6 @@ class CostCharts(QWidget):
     def _draw_loads(self, e, config, profile) -> None:
         """Load sweeps against servers of this model: all requests' tok/s at the concurrency reached,
         each labelled with its share of the ceiling of the plan's GPU count at that batch and context."""
-        from engine.estimates.parallel import ceiling_for
-
         for item in getattr(self, "_load_labels", []):
             self.speed_plot.plot.removeItem(item)
         self._load_labels = []
@@ -362,8 +362,6 @@ LABEL_GAP = 6
 def _on_gpus(config, profile, e, gpus: int) -> tuple[np.ndarray, np.ndarray]:
     """The decode ceiling and whether it fits, at every batch of the chart, on ``gpus`` GPUs with
     tensor parallelism (engine/estimates/parallel.py)."""
-    from engine.estimates.parallel import plan_tensor_parallel
-
     options = []
     for batch in BATCHES:
         plan = plan_tensor_parallel(config, profile, e.precision, e.kv_dtype, e.context, batch, model=e.model)
@@ -373,8 +371,6 @@ def _on_gpus(config, profile, e, gpus: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _unit(largest: float) -> tuple[float, str]:
-    from engine.units import binary_unit
-
     return binary_unit(largest)
 
 

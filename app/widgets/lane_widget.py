@@ -23,15 +23,15 @@ from PySide6.QtWidgets import (
 
 from app.widgets.model_panel import KV_TIP, _compact, show_served_choice
 from app.worker import ModelSession
-from engine.endpoint.source import is_endpoint
-from engine.measure.compare import LaneRun, LaneSpec
 from engine.base.events import Finished, Loaded
-from engine.jobs import GenerateJob, ScoreJob
-from engine.models.loading import LoadRequest
-from engine.models.precision import KV_DTYPES, PRECISIONS
 from engine.base.request import GenerationRequest
 from engine.base.sampling import SamplingParams
-from engine.units import format_bytes, format_rate, format_seconds, kv_dtype_label
+from engine.base.units import format_bytes, format_rate, format_seconds, kv_dtype_label
+from engine.endpoint.source import is_endpoint
+from engine.jobs import GenerateJob, ScoreJob
+from engine.measure.compare import LaneRun, LaneSpec
+from engine.models.loading import LoadRequest
+from engine.models.precision import KV_DTYPES, PRECISIONS
 
 LANE_COLOURS = ("#2d7dd2", "#e67e22", "#27ae60", "#8e44ad")
 DIFFERENT = QColor(231, 76, 60, 90)  # a token unlike lane 1's at the same position
@@ -173,7 +173,7 @@ class LaneWidget(QFrame):
 
     def open_endpoint_dialog(self) -> None:
         """A served model for this lane: URL, listed model, key (kept while the app runs, never saved)."""
-        from app.endpoint_dialog import ask_for_endpoint
+        from app.endpoint_dialog import ask_for_endpoint  # lazy: the dialog is a layer above the widgets
 
         self.endpoint_dialog = ask_for_endpoint(self, self.spec().model, self._api_key, self._use_endpoint)
 

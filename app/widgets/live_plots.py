@@ -24,8 +24,8 @@ from PySide6.QtGui import QFont, QFontMetrics, QPalette
 from PySide6.QtWidgets import QGraphicsView, QLabel, QVBoxLayout, QWidget
 
 from app.glossary import linked, open_glossary
+from engine.base.units import binary_unit, format_seconds
 from engine.runs import Run
-from engine.units import binary_unit, format_seconds
 
 pg.setConfigOptions(antialias=False, background=None)
 

@@ -21,11 +21,11 @@ from PySide6.QtWidgets import (
 )
 
 from app.screen import compact
+from engine.base.events import LoadProgress, Loaded
+from engine.base.units import format_bytes, format_count, format_seconds, kv_dtype_label
 from engine.endpoint.source import is_endpoint
-from engine.base.events import Loaded, LoadProgress
 from engine.models.loading import LoadRequest
 from engine.models.precision import KV_DTYPES, PRECISIONS
-from engine.units import format_bytes, format_count, format_seconds, kv_dtype_label
 
 _FACTS = ("Model", "Format", "Precision", "Device", "Hardware", "Weights", "Load time", "Architecture", "Parameters",
           "Context", "Layers · KV heads · head dim", "KV per token")
@@ -245,7 +245,7 @@ class ModelPanel(QWidget):
 
     def open_endpoint_dialog(self) -> None:
         """Ask for a served model's URL, name and key (window-modal, not blocking the app)."""
-        from app.endpoint_dialog import ask_for_endpoint
+        from app.endpoint_dialog import ask_for_endpoint  # lazy: the dialog is a layer above the widgets
 
         current = self.request().model
         start = current if is_endpoint(current) else (self.remembered_endpoint or current)

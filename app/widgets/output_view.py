@@ -14,7 +14,7 @@ from PySide6.QtGui import QColor, QFont, QPalette, QTextCharFormat, QTextCursor,
 from PySide6.QtWidgets import QPlainTextEdit, QToolTip, QWidget
 
 from app.transcript import Transcript, Turn
-from engine.units import format_seconds
+from engine.base.units import format_seconds
 
 _TURN = QTextFormat.UserProperty + 1
 _TOKEN = QTextFormat.UserProperty + 2

@@ -27,7 +27,7 @@ from PySide6.QtWidgets import (
 
 from app.glossary import link_headers
 from app.widgets.live_plots import PlotPanel
-from engine.units import format_bytes, format_rate
+from engine.base.units import format_bytes, format_rate
 
 COLUMNS = ("Lane", "Configuration", "Weights", "KV / token", "Decode tok/s", "Perplexity", "Mean KLD", "KLD p99",
            "Same top",

@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (
 
 from app.screen import compact
 from engine.base.errors import EngineError
+from engine.base.units import parse_size
 from engine.jobs import ServeJob, Served, ServerStarted, Tagged
 from engine.serve.traffic import TrafficLog
 
@@ -213,8 +214,7 @@ class ServerPanel(QWidget):
         self.examples.setEnabled(self.started is not None)
 
     def _settings(self):
-        from engine.cli_serve import parse_size
-        from engine.serve.server import ServeSettings
+        from engine.serve.server import ServeSettings  # lazy: uvicorn loads when a server starts
 
         budget = self.kv_budget.text().strip()
         return ServeSettings(host=self.host.text().strip(), port=self.port.value(),

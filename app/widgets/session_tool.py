@@ -8,6 +8,7 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, QTimer, Signal, Slot
 from PySide6.QtWidgets import QFormLayout, QHBoxLayout, QLabel, QPushButton, QSplitter, QVBoxLayout, QWidget
 
+from engine.base.errors import CancelledError
 from engine.base.events import Loaded
 
 REFRESH_MS = 50
@@ -141,7 +142,6 @@ class SessionTool(QWidget):
     def _on_job_failed(self, job_id: int, exc) -> None:
         if job_id != self.job:
             return
-        from engine.base.errors import CancelledError
 
         self.job = None
         self._set_running(False)

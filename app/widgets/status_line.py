@@ -6,8 +6,8 @@ from __future__ import annotations
 from PySide6.QtWidgets import QLabel, QStatusBar
 
 from engine.base.events import Loaded
+from engine.base.units import format_bytes, format_rate, format_seconds
 from engine.runs import Run
-from engine.units import format_bytes, format_rate, format_seconds
 
 WIDEST = {"device": "device: cuda:0", "ttft": "TTFT 1000.0 ms", "prompt": "prompt 10000 (10000 cached)",
           "speed": "decode 1000.0 tok/s",

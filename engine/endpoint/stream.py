@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from engine.base.errors import EndpointError
 from engine.base.events import Alternative
+from engine.base.units import format_rate, format_seconds
 
 FINISH = {"stop": "eos", "length": "length", "abort": "cancelled", "content_filter": "eos",
           "tool_calls": "eos", "function_call": "eos", "error": "error"}
@@ -162,3 +163,22 @@ def spread(pieces: int, gap_s: float, first: bool, ttft_s: float) -> list[float]
     if first:
         return [ttft_s] + [0.0] * (pieces - 1)
     return [gap_s / pieces] * pieces
+
+
+def served_line(answered: dict) -> str:
+    """How a served answer was counted, and the server's own timings where it sent them (llama.cpp):
+    the figures measured here can be checked against the server's."""
+    times = list(answered.get("chunk_times_s") or ())
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    per_chunk = f" (p50 {format_seconds(gaps[len(gaps) // 2])} apart)" if gaps else ""
+    counted = answered["counted_by"]
+    if counted == "chunks" and answered["usage_completion_tokens"] is not None:
+        counted = "usage (its chunks carry no per-token count)"  # the total is the server's
+    line = (f"by {answered['server']} · {answered['chunks']} chunks{per_chunk} · tokens counted by {counted}"
+            + (f" · usage {answered['usage_prompt_tokens']} prompt + {answered['usage_completion_tokens']} answer"
+               if answered["usage_completion_tokens"] is not None else " · the server sent no usage"))
+    timings = answered.get("timings") or {}
+    own = [f"{name} {format_rate(timings.get(key))}" for name, key in (("prompt", "prompt_per_second"),
+                                                                     ("decode", "predicted_per_second"))
+           if isinstance(timings.get(key), (int, float))]
+    return line + (f" · its own timings: {', '.join(own)}" if own else "")

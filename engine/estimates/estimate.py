@@ -35,7 +35,7 @@ from engine.base.kv import kv_layout
 from engine.storage.paths import resource_dir
 from engine.models.precision import get_precision, dtype_bytes
 from engine.models.load_lock import exclusive
-from engine.imports import heavy_imports
+from engine.base.imports import heavy_imports
 from engine.models.kernels import cpu_flags, expected as kernels_expected
 from engine.endpoint.source import is_endpoint
 from engine.models import default_model, sources

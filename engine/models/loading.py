@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from engine.models import sources, default_model
 from engine.base.cancel import CancelToken
 from engine.models.devices import device_name, resolve_device
-from engine import heap
-from engine.imports import heavy_imports
+from engine.base import heap
+from engine.base.imports import heavy_imports
 from engine.base.errors import (
     CorruptModelError, EngineError, NotAModelError, OutOfMemoryError, UnsafeCheckpointError, is_out_of_memory,
     UnsupportedPrecisionError)
@@ -26,7 +26,7 @@ from engine.models.model import LoadedModel
 from engine.models.templates import ensure_template
 from engine.models.precision import (FastPrecision, Precision, dtype_bytes, get_precision, kv_cache_dtype,
                                     unsupported_type_reason)
-from engine.progress import ProgressReporter, reporting
+from engine.base.progress import ProgressReporter, reporting
 from engine.models.load_lock import exclusive
 from engine.endpoint import connect, is_endpoint, parse_endpoint
 from engine.models.gguf_files import gguf_architecture
@@ -66,7 +66,7 @@ def load_model(request: LoadRequest, progress: Callable[[LoadProgress], None] | 
     precision = get_precision(request.precision)
     preflight(request, precision)  # what the header rules out is said before seconds of imports
     reporter.report("imports", 0, 0, "Importing torch and transformers")
-    heavy_imports()  # one thread at a time (engine/imports.py)
+    heavy_imports()  # one thread at a time (engine/base/imports.py)
 
     device = resolve_device(request.device)
     precision.check_device(device.type)

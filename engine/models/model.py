@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 
-from engine import heap
+from engine.base import heap
 from engine.base.errors import InvalidRequestError, PromptTooLongError
 from engine.base.events import Loaded
 from engine.base.kv import KVLayout
@@ -91,7 +91,7 @@ class LoadedModel:
 
         self.model = None
         self.fast = None
-        heap.release()  # its reference cycles may be frozen (engine/heap.py)
+        heap.release()  # its reference cycles may be frozen (engine/base/heap.py)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         elif self.device.type == "mps":

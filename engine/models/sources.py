@@ -20,7 +20,7 @@ from engine.base.errors import (
     UnsafeCheckpointError,
 )
 from engine.models.gguf_files import ensure_converted, read_provenance
-from engine.progress import ProgressReporter
+from engine.base.progress import ProgressReporter
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]

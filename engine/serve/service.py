@@ -29,7 +29,7 @@ from engine.base.events import Finished, StepCompleted, TokenGenerated
 from engine.base.cancel import CancelToken
 from engine.base.request import GenerationRequest
 from engine.generation.core import EngineCore
-from engine.units import format_bytes, kv_dtype_label
+from engine.base.units import format_bytes, kv_dtype_label
 from engine.generation.decoding import failed_event
 from engine.generation.invariant import answers_note
 

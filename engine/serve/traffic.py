@@ -16,7 +16,7 @@ import numpy as np
 from engine.base.events import Finished, Preempted, Prefilled, TokenGenerated
 from engine.runs import Run
 from engine.serve.service import RequestArrived, RequestEvent, TrafficStep
-from engine.units import format_bytes, format_rate, format_seconds
+from engine.base.units import format_bytes, format_rate, format_seconds
 
 STEP_FIELDS = ("at_s", "step_s", "batch", "decode_tokens", "prefill_tokens", "waiting", "running", "kv_bytes",
                "kept_bytes", "preempted", "cached_tokens", "kv_blocks_used", "kv_blocks_kept", "shared_bytes",

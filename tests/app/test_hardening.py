@@ -276,7 +276,7 @@ def test_a_dropped_model_is_collected_on_the_gui_thread(qtbot, window):
     import gc
     import threading
 
-    from engine import heap
+    from engine.base import heap
 
     seen = []
 

@@ -9,7 +9,7 @@ from shiboken6 import isValid as shiboken_valid
 
 from app.tour import EDIT_PROMPT, STEPS, Tour
 from engine.measure.compare import LaneSpec
-from engine.units import format_bytes, format_rate, format_seconds
+from engine.base.units import format_bytes, format_rate, format_seconds
 from tests.app.conftest import load
 
 

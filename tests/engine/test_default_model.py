@@ -127,7 +127,7 @@ def test_cancel_during_download_leaves_nothing(isolated_cache):
         if event.stage == "download":
             cancel.cancel()
 
-    from engine.progress import ProgressReporter
+    from engine.base.progress import ProgressReporter
 
     with pytest.raises(CancelledError):
         default_model.ensure(ProgressReporter(progress, cancel))
@@ -159,7 +159,7 @@ def test_a_bundle_downloads_without_pip(tmp_path, monkeypatch):
 
     from engine.models import default_model
     from engine.base.errors import DownloadError
-    from engine.progress import ProgressReporter
+    from engine.base.progress import ProgressReporter
 
     payload = tmp_path / "served.whl"
     payload.write_bytes(b"x" * (600 << 10))

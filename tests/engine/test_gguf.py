@@ -107,7 +107,7 @@ def test_a_conversion_waits_for_another_into_the_same_folder(small_gguf, isolate
     from engine.base.cancel import CancelToken
     from engine.base.errors import CancelledError
     from engine.models import gguf_files
-    from engine.progress import ProgressReporter
+    from engine.base.progress import ProgressReporter
 
     out_dir = isolated_cache / "converted" / "small"
     out_dir.parent.mkdir(parents=True)

@@ -3,7 +3,7 @@
 import gc
 import weakref
 
-from engine import heap
+from engine.base import heap
 
 
 class Node:

@@ -1,4 +1,4 @@
-"""The first import of torch and transformers, one thread at a time (engine/imports.py)."""
+"""The first import of torch and transformers, one thread at a time (engine/base/imports.py)."""
 
 import subprocess
 import sys
@@ -9,7 +9,7 @@ import textwrap
 # themselves (two threads importing transformers at once handed one of them a half-made module).
 SCRIPT = textwrap.dedent("""
     import sys, threading
-    from engine import imports
+    from engine.base import imports
     from engine.estimates.estimate import config_for
     from engine.estimates.hardware import measure_cpu
     from engine.models.loading import LoadRequest, load_model

@@ -120,7 +120,7 @@ def test_a_tight_kv_budget_preempts_and_every_stream_still_gets_its_solo_answer(
 def test_the_serve_command_takes_no_prefix_caching():
     import argparse
 
-    from engine.cli_serve import add_parsers
+    from engine.cli.serve import add_parsers
 
     parser = argparse.ArgumentParser()
     add_parsers(parser.add_subparsers(dest="command"), {"fp32": None})

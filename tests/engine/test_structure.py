@@ -11,9 +11,9 @@ from pathlib import Path
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
 
 
-def modules() -> dict[str, ast.Module]:
+def modules(folder: Path = ENGINE) -> dict[str, ast.Module]:
     return {".".join(path.relative_to(ENGINE.parent).with_suffix("").parts).removesuffix(".__init__"):
-            ast.parse(path.read_text(), str(path)) for path in sorted(ENGINE.rglob("*.py"))}
+            ast.parse(path.read_text(), str(path)) for path in sorted(folder.rglob("*.py"))}
 
 
 def group(module: str) -> str:
@@ -39,7 +39,8 @@ def imports(tree: ast.Module) -> list[tuple[ast.stmt, str, bool]]:
             names = [a.name for a in node.names]
         else:
             continue
-        found += [(node, name, id(node) in inner) for name in names if name == "engine" or name.startswith("engine.")]
+        found += [(node, name, id(node) in inner) for name in names
+                  if name in ("engine", "app") or name.startswith(("engine.", "app."))]
     return found
 
 
@@ -88,12 +89,15 @@ def test_no_import_cycle_between_the_engines_parts():
                 edges.setdefault(group(name), set()).add(group(target))
     assert cycles(edges) == []
     assert "base" not in edges  # and everything may import it
+    assert not [part for part, targets in edges.items() if "cli" in targets]  # the command line is a client, never a part
     assert edges["models"].isdisjoint({"generation", "serve", "measure"})  # a loaded model is plain data
 
 
 def test_an_import_of_ours_inside_a_function_says_why():
+    """In the engine and the app alike: the usual reason is start-up (the window opens without
+    torch, the command line without Qt)."""
     unexplained = []
-    for name, tree in modules().items():
+    for name, tree in (modules() | modules(ENGINE.parent / "app")).items():
         lines = (ENGINE.parent / (name.replace(".", "/") + ".py")).read_text().splitlines() \
             if (ENGINE.parent / (name.replace(".", "/") + ".py")).exists() else \
             (ENGINE.parent / name.replace(".", "/") / "__init__.py").read_text().splitlines()
@@ -102,6 +106,14 @@ def test_an_import_of_ours_inside_a_function_says_why():
             if inside and not said:
                 unexplained.append(f"{name}:{node.lineno} imports {target}")
     assert not unexplained
+
+
+def test_the_window_imports_no_command_line():
+    """What the window and the command line both need lives in the layer they share; only the
+    launcher, which hands ``inference-workbench bench …`` to the command line, names it."""
+    found = [(name, target) for name, tree in modules(ENGINE.parent / "app").items() if name != "app.main"
+             for _, target, _ in imports(tree) if target == "engine.cli" or target.startswith("engine.cli.")]
+    assert not found
 
 
 def test_the_checks_see_a_cycle_and_an_unexplained_import():  # the checks above can fail

@@ -14,10 +14,11 @@ import os
 import sys
 from pathlib import Path
 
-from engine import cli_quality, cli_serve
 from engine.base.errors import EngineError, InvalidRequestError
-from engine.cli_text import add_kv_dtype, compare_table, estimate_summary, speculative_summary, summary
-from engine.units import format_bytes, format_rate, format_seconds
+from engine.base.units import format_bytes, format_rate, format_seconds
+from engine.cli import quality as cli_quality
+from engine.cli import serve as cli_serve
+from engine.cli.text import add_kv_dtype, compare_table, estimate_summary, speculative_summary, summary
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -414,7 +415,7 @@ def _estimate(args) -> int:
     data = result.to_dict()
     print(estimate_summary(result, hardware.get(args.hardware)))
     if args.gpus:
-        from engine.cli_text import parallel_summary  # lazy: start-up
+        from engine.cli.text import parallel_summary  # lazy: start-up
         from engine.estimates.parallel import plan_tensor_parallel  # lazy: start-up
 
         plan = plan_tensor_parallel(config, hardware.get(args.hardware), args.precision, args.kv_dtype, args.context,
@@ -498,6 +499,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unexpected {type(exc).__name__}: {exc} (run with --debug for details)", file=sys.stderr)
         return EXIT_ERROR
 
-
-if __name__ == "__main__":
-    sys.exit(main())

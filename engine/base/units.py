@@ -1,6 +1,11 @@
-"""Human formatting of sizes, times and rates (shared by the CLI and the window)."""
+"""Sizes, times and rates for people: formatting them and parsing what someone typed (shared by the
+command line and the window)."""
 
 from __future__ import annotations
+
+import re
+
+from engine.base.errors import InvalidRequestError
 
 
 def format_bytes(n: float | None) -> str:
@@ -51,3 +56,31 @@ def binary_unit(largest: float) -> tuple[float, str]:
 def kv_dtype_label(torch_name: str) -> str:
     """A KV cache's dtype as a reader knows it: ``int8 (q8_0 blocks)``, ``float16``…"""
     return "int8 (q8_0 blocks: a scale per 32)" if torch_name == "int8" else torch_name
+
+
+_SIZE = re.compile(r"^\s*([0-9.eE+]+)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
+_FACTORS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30,
+            "ti": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``"2GiB"``, ``"500MB"``, ``"1e9"`` → bytes."""
+    match = _SIZE.match(text or "")
+    if not match:
+        raise InvalidRequestError(f"{text!r} is not a size: write e.g. 2GiB, 500MB or 1e9 (bytes).")
+    unit = (match.group(2) or "").lower().rstrip("b")
+    try:
+        return int(float(match.group(1)) * _FACTORS[unit])
+    except (KeyError, ValueError):
+        raise InvalidRequestError(f"{text!r} is not a size: write e.g. 2GiB, 500MB or 1e9 (bytes).") from None
+
+
+def parse_numbers(text: str, kind=float) -> list:
+    """``"1,4,16"`` → numbers above 0 (a sweep's settings)."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise InvalidRequestError(f"{text!r} is not a comma-separated list of numbers.") from None
+    if not values or any(v <= 0 for v in values):
+        raise InvalidRequestError(f"{text!r}: give one or more numbers above 0.")
+    return values

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 
-from engine import heap
+from engine.base import heap
 
 _lock = threading.Lock()
 _done = False
@@ -31,7 +31,7 @@ def heavy_imports() -> None:
     with _lock:
         if _done:
             return
-        with heap.settling():  # the modules imported live as long as the process (engine/heap.py)
+        with heap.settling():  # the modules imported live as long as the process (engine/base/heap.py)
             import torch  # noqa: F401
             from transformers import (  # noqa: F401
                 AutoConfig,

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from engine.estimates.costs import TABLE_LOOKUP
-from engine.units import format_bytes, format_count, format_rate, format_seconds, kv_dtype_label
+from engine.base.units import format_bytes, format_count, format_rate, format_seconds, kv_dtype_label
+from engine.endpoint.stream import served_line
 
 
 def summary(r: dict) -> str:
@@ -56,25 +57,6 @@ def decode_tokens(r: dict) -> str:
     how = {"usage": f" (the server's usage, over {chunks} chunks)",
            "chunks": " (chunks counted as one token each: the server sent no usage)"}
     return f"{r['tokens']} tokens" + how.get(r["tokens_counted_by"], "")
-
-
-def served_line(answered: dict) -> str:
-    """How a served answer was counted, and the server's own timings where it sent them (llama.cpp):
-    the figures measured here can be checked against the server's."""
-    times = list(answered.get("chunk_times_s") or ())
-    gaps = sorted(b - a for a, b in zip(times, times[1:]))
-    per_chunk = f" (p50 {format_seconds(gaps[len(gaps) // 2])} apart)" if gaps else ""
-    counted = answered["counted_by"]
-    if counted == "chunks" and answered["usage_completion_tokens"] is not None:
-        counted = "usage (its chunks carry no per-token count)"  # the total is the server's
-    line = (f"by {answered['server']} · {answered['chunks']} chunks{per_chunk} · tokens counted by {counted}"
-            + (f" · usage {answered['usage_prompt_tokens']} prompt + {answered['usage_completion_tokens']} answer"
-               if answered["usage_completion_tokens"] is not None else " · the server sent no usage"))
-    timings = answered.get("timings") or {}
-    own = [f"{name} {format_rate(timings.get(key))}" for name, key in (("prompt", "prompt_per_second"),
-                                                                     ("decode", "predicted_per_second"))
-           if isinstance(timings.get(key), (int, float))]
-    return line + (f" · its own timings: {', '.join(own)}" if own else "")
 
 
 def _server_state(samples: list[dict]) -> str:

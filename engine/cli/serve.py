@@ -3,40 +3,11 @@
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
-from engine.base.errors import InvalidRequestError
-from engine.cli_text import add_kv_dtype
-
-_SIZE = re.compile(r"^\s*([0-9.eE+]+)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
-_FACTORS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30,
-            "ti": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """``"2GiB"``, ``"500MB"``, ``"1e9"`` → bytes."""
-    match = _SIZE.match(text or "")
-    if not match:
-        raise InvalidRequestError(f"{text!r} is not a size: write e.g. 2GiB, 500MB or 1e9 (bytes).")
-    unit = (match.group(2) or "").lower().rstrip("b")
-    try:
-        return int(float(match.group(1)) * _FACTORS[unit])
-    except (KeyError, ValueError):
-        raise InvalidRequestError(f"{text!r} is not a size: write e.g. 2GiB, 500MB or 1e9 (bytes).") from None
-
-
-def parse_numbers(text: str, kind=float) -> list:
-    """``"1,4,16"`` → numbers above 0 (a sweep's settings)."""
-    try:
-        values = [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise InvalidRequestError(f"{text!r} is not a comma-separated list of numbers.") from None
-    if not values or any(v <= 0 for v in values):
-        raise InvalidRequestError(f"{text!r}: give one or more numbers above 0.")
-    return values
-
+from engine.base.units import parse_numbers, parse_size
+from engine.cli.text import add_kv_dtype
 
 def add_parsers(sub, precisions) -> None:
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible API (continuous batching)")
@@ -122,7 +93,7 @@ def serve(args, load_printer) -> int:
               file=sys.stderr, flush=True)
         compile_in_background(loaded.fast, lambda report: print(f"Fast path: {report.describe()}", file=sys.stderr,
                                                                 flush=True))
-    from engine.units import format_bytes  # lazy: start-up
+    from engine.base.units import format_bytes  # lazy: start-up
 
     print(f"Serving {server.model_name} at {server.url} (batch up to {settings.max_batch}, KV budget "
           f"{format_bytes(server.service.settings.kv_budget_bytes)}); Ctrl-C stops.", flush=True)

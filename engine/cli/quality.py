@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from engine.base.errors import InvalidRequestError
-from engine.cli_text import add_kv_dtype
+from engine.cli.text import add_kv_dtype
 
 
 def add_parser(sub, precisions) -> None:
@@ -182,7 +182,7 @@ def _reference(args, model: str, get_model, text: str, name: str, cancel):
 
 
 def summary(report, reference=None) -> str:
-    from engine.units import format_bytes, kv_dtype_label  # lazy: start-up
+    from engine.base.units import format_bytes, kv_dtype_label  # lazy: start-up
 
     lines = [
         f"model     {report.model} · {report.precision} · {report.device}"
