@@ -51,8 +51,8 @@ def in_turns(steps: list[Callable[[], None]], done: Callable[[], None] | None = 
              wanted: Callable[[], bool] = lambda: True, owner=None) -> None:
     """Run ``steps`` one per turn of the event loop, then ``done``; stop early once ``wanted()`` is
     false (newer inputs replaced these), or once ``owner`` (a QObject: the widget drawn) is deleted.
-    A 1 ms timer between two steps, not a zero one: the loop serves its due timers and paints in
-    between, so no turn pays for two charts (each ~20 ms)."""
+    A timer of one millisecond between two steps, not a zero one: the loop serves its due timers and paints in
+    between, so no turn pays for two charts."""
     from PySide6.QtCore import QTimer
 
     def later() -> None:

@@ -154,7 +154,7 @@ def settings():
 
 def settle_process() -> None:
     """Once the window exists: Qt's and our modules live as long as the app, so garbage collections
-    skip them (engine/base/heap.py); and the GIL changes hands after 1 ms, not 5: painting calls into
+    skip them (engine/base/heap.py); and the GIL changes hands after SWITCH_INTERVAL_S, not Python's default (five times that): painting calls into
     Python dozens of times a frame, and each call waits for the GIL while another thread runs
     Python (reading the history, loading a tokenizer)."""
     from engine.base import heap  # lazy: the command line never imports Qt

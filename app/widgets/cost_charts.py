@@ -1,7 +1,7 @@
 """The cost explorer's four charts: the memory a setup needs, the decode speed ceiling against
 batch, $ per 1M tokens against batch, and KV bytes against context, with measured runs on them.
 
-Built one chart per turn of the event loop (each pyqtgraph plot takes ~20 ms to make), so
+Built one chart per turn of the event loop (each pyqtgraph plot takes a frame or more to make), so
 opening the window never blocks the GUI for long; ``ready`` says they are all there.
 """
 
@@ -128,7 +128,7 @@ class CostCharts(QWidget):
              prefix: int = 0) -> None:
         """Draw ``e`` (the estimate at the chosen batch and context), the sweeps around it, and the
         measured ``runs`` of this model, precision and hardware: one chart per turn of the event
-        loop (with a thousand runs a chart and its repaint take ~20–40 ms); ``drawn`` follows.
+        loop (with a thousand runs a chart and its repaint take a frame or two); ``drawn`` follows.
         A new call restarts the drawing. ``loads``: load-sweep settings against servers of this model,
         drawn on the speed chart as shares of the ceiling of ``gpus`` GPUs."""
         self._loads, self._gpus, self._prefix = list(loads), gpus, prefix

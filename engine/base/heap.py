@@ -1,7 +1,7 @@
 """Garbage-collector pauses, kept out of the measurements and the GUI.
 
 A full (generation 2) collection walks every object the collector tracks: transformers' modules
-and a loaded model's Python objects come to about a million, so one takes 0.1–0.4 s on our CPUs,
+and a loaded model's Python objects come to about a million, so one takes a good fraction of a second,
 with the GIL held, stalling every thread: the window's event loop, a server's other requests, the
 token being timed. Once something long-lived is made (a model loaded, the app started), :func:`settle`
 freezes the objects alive then (``gc.freeze``): later collections skip them. :func:`release`, when a

@@ -3,7 +3,8 @@ load, perplexity.
 
 Errors end the program with one line on stderr and a non-zero exit code; ``--debug``
 shows the traceback. Each command imports what it runs inside its function (``# lazy: start-up``):
-``--help`` and the window's launch take ~60 ms of imports instead of ~360 ms.
+``--help`` and the window's launch import a fraction of what the commands need
+(benchmarks/window_startup.py).
 """
 
 from __future__ import annotations

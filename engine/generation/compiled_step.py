@@ -23,9 +23,8 @@ choice was measured alternating in one process: docs/benchmarks.md, "The dense p
 Why not ``torch.compile`` in a thread of the app, as before: while inductor traces, torch.fx
 patches ``nn.Module.__call__`` for the whole process, and a generation running meanwhile failed
 with "NameError: module is not installed as a submodule"; inductor's Python held the GIL so long
-that such a generation ran at 0.5-0.7 tokens/s for the whole compile (measured: 64 tokens in
-94 s); and inductor's own disk cache refuses graphs holding prepacked (mkldnn) weights, so every
-load compiled again for 80-100 s per cache size. A child process at the lowest priority avoids
+that such a generation crawled for the whole compile; and inductor's own disk cache refuses
+graphs holding prepacked (mkldnn) weights, so every load compiled again, for every cache size. A child process at the lowest priority avoids
 all three, and what it leaves on disk is loaded by every later load of the same weights.
 
 The package holds the model's weights and the GEMM kernels' packed copies; on loading, the
@@ -380,7 +379,7 @@ class _LoadedStep:
 
     It hands the runner its inputs as the flat list they export to (keys, values, cos, sin, ids,
     position): the package's own ``__call__`` parsed its call spec and flattened the 60-odd
-    tensors again at every token, ~0.12 ms of a 7.7 ms int4 step."""
+    tensors again at every token, a visible share of a quantized step (benchmarks/batch_step.py)."""
 
     def __init__(self, runner, constants: dict[str, torch.Tensor]) -> None:
         self.runner, self.constants = runner, constants
@@ -422,7 +421,7 @@ def _memory_shortfall(d) -> str | None:
 def _compile_each_kernel_template_once() -> None:
     """In the build process only: inductor compiles a jinja template from its source for every
     C++ GEMM kernel it renders (~4,700 compilations of 36 distinct sources for the default model);
-    each source is compiled once here. Measured: an int4-fast build 87.0 → 67.4 s."""
+    each source is compiled once here, which takes a good share off every build."""
     try:
         from torch._inductor.codegen.common import KernelTemplate
     except ImportError:  # another PyTorch: its own behaviour

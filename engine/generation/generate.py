@@ -123,7 +123,7 @@ def decode_activations(core: "EngineCore", token: int) -> int | None:
     """A decode step's activations for ``core``'s model at one sequence, read from the allocator
     (engine/base/memory.StepAllocations) once per loaded model: a throwaway one-token sequence read
     and one token decoded under the watch through the idle core, before the request it serves is
-    submitted, so no request's clock or tokens see it (on a CPU the watch slows its step ~3×)."""
+    submitted, so no request's clock or tokens see it (on a CPU the watch slows its step several times over)."""
     loaded = core.loaded
     if loaded.decode_activations_read or not core.idle:
         return loaded.decode_activations

@@ -364,8 +364,8 @@ class PagedCache:
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's token ids [B, 1], positions [B] and block tables [B, W] (the widest row's
         blocks; a shorter row's table is padded with its own first block, never read): numpy-backed
-        tensors kept per batch size and width and filled in place (three new tensors a step cost
-        ~60 µs), copied to the device where the model isn't on the CPU. ``consecutive``: the rows
+        tensors kept per batch size and width and filled in place (three new tensors a step
+        cost more than the copy), copied to the device where the model isn't on the CPU. ``consecutive``: the rows
         are one sequence's next positions (a row after its length's), not each its own."""
         tables = [self._table(seq) for seq in seqs]
         width = max(len(t) for t in tables)

@@ -286,8 +286,8 @@ class GraphStep:
     """A lone request's decode step captured once as a CUDA graph over a static cache of
     ``capacity`` tokens (transformers' StaticCache, whose position is a tensor on the device),
     then replayed for every token: one launch where the eager step launches each layer's kernels
-    one by one from Python. On an H200 the default model's eager decode took 22-24 ms a token,
-    bound by those launches, for 0.065 ms of weights to read. The request's cache is copied in
+    one by one from Python. On a fast GPU a small model's eager decode is bound by those launches,
+    not by its weights (benchmarks/cuda_check.py). The request's cache is copied in
     when it starts decoding (:meth:`load`) and back into its own DynamicCache whenever anything
     else needs it (:meth:`unload`). ``capture=False`` runs the same static step eager (a CPU has no
     graphs: the tests check the copies and positions with it)."""

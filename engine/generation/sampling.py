@@ -177,14 +177,12 @@ def row_totals(scores: "torch.Tensor", picks: bool = True,  # noqa: F821
     Where the int8 kernels are loaded, their ``row_totals`` (kernels/scores.h): one parallel pass
     in which each thread reads the scores its own core's cache holds from the step, the same for
     a row alone or in a batch, bit for bit. Right after a decode step a 49,152-score row lies half
-    in each core's cache: one numpy pass over it took ~0.12 ms there (~0.01 ms hot); the three
-    passes the totals took in numpy ~0.29 ms of an int8-fast token's ~11 ms, and the search of
-    the token's five likeliest alternatives (decoding.top_scores) ~0.25–0.4 ms more.
+    in each core's cache, where one numpy pass over it is an order of magnitude slower than hot,
+    and numpy took three passes (and the search of the token's five likeliest alternatives,
+    decoding.top_scores, more): a visible share of a quantized token (benchmarks/batch_step.py).
 
     Elsewhere, one CPU row: the argmax first, then the row less its maximum, exponentiated and
-    summed in numpy. Several rows, or a GPU's: torch.logsumexp, whose CPU threads take rows each
-    (16 rows of the default model's scores: 1.5 ms against 2.35 ms in one thread, from cold
-    caches)."""
+    summed in numpy. Several rows, or a GPU's: torch.logsumexp, whose CPU threads take rows each."""
     import numpy as np
     import torch
 
@@ -228,8 +226,8 @@ def distribution(params: SamplingParams, logits: "torch.Tensor", seen: "torch.Te
 
 
 def argmax(scores: "torch.Tensor") -> int:  # noqa: F821
-    """Index of the first largest score. On the CPU numpy's argmax is ~20× faster than torch's
-    for one vocabulary-sized vector (5 µs vs 90 µs), with the same first-index tie rule."""
+    """Index of the first largest score. On the CPU numpy's argmax is much faster than torch's
+    for one vocabulary-sized vector (no dispatch), with the same first-index tie rule."""
     import torch
 
     if scores.device.type == "cpu":

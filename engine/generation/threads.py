@@ -3,9 +3,9 @@
 PyTorch's CPU kernels split each matmul across its OpenMP threads (one per core by default),
 and every split ends at a barrier where all threads wait for the slowest. When another
 program keeps one of those cores busy, the thread that shares it gets a fraction of the core
-and every barrier waits for it: on two cores, with one busy loop beside it, bf16 decoding
-fell from 28 to 11 tokens/s (and much further in longer runs), while one thread, alone on the
-free core, keeps 20 tokens/s (benchmarks/contention.py).
+and every barrier waits for it: on two cores, with one busy loop beside it, decoding falls
+to well under half its speed, while one thread, alone on the free core, keeps most of it
+(benchmarks/contention.py).
 
 So between tokens (at most every :data:`INTERVAL_S`), :func:`adapt` measures how many cores
 *other* processes used since the last look (the busy time of the CPUs this process may run
@@ -13,8 +13,8 @@ on, less this process's own CPU time) and sets the thread count to the cores lef
 below one nor above the count PyTorch started with. A quiet machine keeps every thread.
 
 The OpenMP wait policy stays active (threads spin briefly at a barrier before sleeping): it
-can only be set before PyTorch starts, and passive waiting cost quiet bf16 decoding 38% here
-(28.3 → 17.5 tokens/s) to save what the thread count already saves.
+can only be set before PyTorch starts, and passive waiting costs quiet decoding a third of its
+speed to save what the thread count already saves (benchmarks/contention.py).
 
 ``INFERENCE_WORKBENCH_THREADS=N`` fixes the count instead (benchmarks that compare thread
 counts, or a user who knows better).
@@ -63,8 +63,8 @@ def _cpus() -> list[int]:
 def _busy_seconds(cpus: list[int]) -> float | None:
     """CPU seconds spent not idle on ``cpus``, since boot, less the time the hypervisor ran
     something else on them (steal): that is no process this one can leave a core to, and it
-    comes in bursts on either CPU. Counted, a shared host's 0.05–0.1 s of steal in a 0.25 s
-    span read as a quarter to half a core busy elsewhere on a quiet machine, and the engine
+    comes in bursts on either CPU. Counted, a shared host's steal read as a quarter to half a
+    core busy elsewhere on a quiet machine, and the engine
     gave up a thread (and its compiled step, built for two) for the next span."""
     import psutil
 

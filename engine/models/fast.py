@@ -559,8 +559,8 @@ def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
                 scale: float, cap: float = 0.0) -> torch.Tensor:
     """Attention of one query token over a whole cache, as two small matmuls and a softmax in fp32,
     the query heads of a KV head side by side (GQA without copying K and V). PyTorch's CPU flash
-    kernel blocks for long queries: for a single one it cost ~0.1 ms (fp32) to ~0.3 ms (bf16) a
-    layer, ~40% of a quantized decode step; this costs a few µs once compiled."""
+    kernel blocks for long queries: for a single one its set-up outweighed the work, a large
+    share of a quantized decode step; this is a few small kernels once compiled."""
     batch, heads, _, dim = q.shape
     kv_heads = keys.shape[1]
     grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim).float()
@@ -579,8 +579,7 @@ def _decode_step(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: lis
     (engine/generation/compiled_step.py): the pool's blocks, the table's width and the rotary
     tables' length are its varying sizes, dynamic dimensions of one build. With
     ``d.step_attention`` the attention is the kernels' (it reads the blocks up to ``position``
-    only; measured eager on the default model's layer shapes, 20-26 µs a layer against 72-79 µs
-    for the matmuls); else two matmuls over a copy of the table's blocks, masked past ``position``."""
+    only, in a fraction of the matmuls' time: docs/benchmarks.md, "A batched step's parts"); else two matmuls over a copy of the table's blocks, masked past ``position``."""
     block_tokens = key_pools[0].shape[2]
     cos, sin = cos_table.index_select(2, position), sin_table.index_select(2, position)
     tables = split_table(d, table)

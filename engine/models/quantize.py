@@ -11,7 +11,7 @@ rows, so its cost is the arithmetic. Two families:
 - weight-only (:class:`Int8WeightOnlyLinear`, :class:`Int4WeightOnlyLinear`) elsewhere: int8 with
   one scale per output row, int4 with a scale and zero per group of 32 inputs, multiplied by
   PyTorch's CPU weight-only kernels with bf16 activations. Those kernels slow down sharply on very
-  tall matrices (a 49152 × 576 vocabulary head ran ~6× slower than the same bytes in 4096-row
+  tall matrices (a 49152 × 576 vocabulary head ran several times slower than the same bytes in 4096-row
   pieces), so those layers work in row blocks.
 """
 
@@ -152,7 +152,7 @@ class Int4WeightOnlyLinear(_BlockedLinear):
         several, the parts' packed weights becoming views of the fused one's rows (no extra
         memory). ``None`` where the parts can't share its rows: the packing interleaves rows in
         blocks of 64, so each part must be a whole number of them (checked by multiplying), all
-        in one row block. Measured on the default model (compiled step, interleaved): 12.4 → 11.9 ms."""
+        in one row block."""
         group = parts[0].group
         rows = sum(p.out_features for p in parts)
         if rows > ROW_BLOCK or any(len(p.blocks) != 1 or p.out_features % 64 or p.group != group for p in parts):

@@ -157,8 +157,8 @@ class Server:
         The thread that loaded the model is the best place: PyTorch's CPU kernels run on an
         OpenMP team per calling thread, and once two teams exist (more threads than cores),
         libgomp cuts how long idle workers spin, so each parallel region waits for its workers
-        to wake: int8-fast decoding went from 16 to 25-28 ms a token on a thread of its own,
-        beside the team of the thread that loaded the model (2 cores)."""
+        to wake: decoding on a thread of its own, beside the team of the thread that loaded the
+        model, took half as long again a token (benchmarks/serve.py)."""
         try:
             self.service.run()
         finally:

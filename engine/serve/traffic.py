@@ -233,7 +233,7 @@ class TrafficLog:
         bands of a stacked chart, whose requests and shared band add up to the step's KV bytes. A
         slot holds one request at a time (the lowest free one when it starts holding cache), so
         there are as many bands as requests ever ran at once, not one per request of the last
-        minute (a hundred filled curves cost a redraw 80 ms)."""
+        minute (a hundred filled curves would make every redraw slow)."""
         times = np.fromiter((row[0] for row in self._steps), float, len(self._steps))
         first = int(np.searchsorted(times, since_s))
         held = list(self._kv)[first:]

@@ -124,7 +124,7 @@ def test_a_config_read_that_fails_is_said_and_read_again(qtbot, costs_window, mo
 
 
 def test_the_window_shows_before_its_charts_are_made(qtbot, tmp_path, monkeypatch, isolated_cache):
-    """Each chart takes ~20 ms to make: they are made one per event-loop turn after the window opens."""
+    """Each chart takes a frame or more to make: they are made one per event-loop turn after the window opens."""
     from app.main import create_app
 
     monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path / "data"))

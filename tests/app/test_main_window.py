@@ -366,8 +366,8 @@ def test_a_new_model_answers_with_its_own_core_not_the_last_ones(qtbot, window, 
 
 
 def test_a_message_the_status_bar_cannot_show_whole_is_shown_under_the_prompt(qtbot, window):
-    """At 1000 px the status bar's figures leave its message ~100 px: "Done: … prompt tokens from
-    the cache" was cut to "Done: 16 tokens, 11.6 tok/s, 96 of 129 promp". Such a message is
+    """At 1000 px the status bar's figures leave its message ~100 px:
+    "Done: … prompt tokens from the cache" was cut to "Done: 16 tokens, 11.6 tok/s, 96 of 129 promp". Such a message is
     shown under the prompt too, where it wraps; a short one, or in a wide window, is not."""
     window.resize(1000, 700)
     window.show()

@@ -65,7 +65,7 @@ def test_the_architecture_is_read_from_the_header_alone(tmp_path, arch):
 
 
 def test_a_fast_precision_for_an_unsupported_gguf_is_refused_before_the_imports(tmp_path, monkeypatch):
-    """Refusing int8-fast for a Gemma (1) GGUF took 10 s: torch and transformers imported, then
+    """Refusing int8-fast for a Gemma (1) GGUF took seconds: torch and transformers imported, then
     the whole 256k-token header parsed, for one string."""
     import gguf
 

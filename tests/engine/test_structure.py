@@ -190,3 +190,29 @@ def test_the_tree_speaks_only_of_the_product():
     # the check finds what it looks for (samples made from its words, so no file holds them)
     made = [f"{word} {n}" for n, word in enumerate(("Stop", "issue", "session"), 3)] + [" ".join(("borrowed", "GPU"))]
     assert process_words("; ".join(made)) == made
+
+
+TIMING = re.compile(r"(?<![\w.])~?\d+(?:[.,]\d+)?(?:\s?(?:[-–]|→|to)\s?~?\d+(?:[.,]\d+)?)?\s?"
+                    r"(?:ms|µs|us|s|tok/s|tokens/s|GB/s|GiB/s)(?![\w/])")
+
+
+def timings(doc: str) -> list[str]:
+    """Durations and rates a docstring states, leaving out quoted examples of what a window shows."""
+    return TIMING.findall(re.sub(r'"[^"\n]*"', "", doc))
+
+
+def test_no_docstring_quotes_one_runs_timings():
+    """A figure measured once goes stale with the next CPU or change: a docstring says why and
+    names the benchmark that measures it (docs/benchmarks.md holds the current figures)."""
+    found = {}
+    for folder in ("engine", "app", "tests"):
+        for path in sorted((ENGINE.parent / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    if said := timings(ast.get_docstring(node, clean=False) or ""):
+                        found[f"{path.relative_to(ENGINE.parent)}:{getattr(node, 'lineno', 1)}"] = said
+    assert not found, found
+    assert timings("took ~0.12 ms of a 7.7 ms step; 28 → 17.5 tokens/s, 20-26 µs") == ["~0.12 ms", "7.7 ms",
+                                                                                      "28 → 17.5 tokens/s", "20-26 µs"]
+    assert timings('the title reads "184 ms"; a 2 × 2 grid, 1.8× as long') == []
+
