@@ -7,8 +7,10 @@ newest request when the running ones need blocks that aren't there, and gives th
 budget to one decode token per generating request and chunks of the prompts still being read,
 so a long prompt is read over several steps instead of stalling everyone else for its whole
 length. The core carries the plan out: it sets up admitted requests' caches (copying any
-prefix found in the prefix cache), runs the chunks and the batched decode step, samples, and
-makes the events. A request that ends (its stop rule, its cancel flag, an error) leaves
+prefix found in the prefix cache); the execute stage (engine/generation/execute.py) runs the
+chunks and the batched decode step and samples; the output stage
+(engine/generation/step_output.py) makes the events. The thread count and the memory the events
+carry are read on their own clock, not every step (engine/generation/upkeep.py). A request that ends (its stop rule, its cancel flag, an error) leaves
 between steps and its blocks are freed at once; the full blocks it computed stay in the prefix
 cache (when it is on) for later requests that begin the same way.
 
@@ -33,21 +35,21 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from engine.base.cancel import CancelToken
-from engine.generation.decoding import (PREFILL_CHUNK, SeenTokens, failed_event, finished_event,
-                                        top_scores)
-from engine.generation.output import OutputProcessor
-from engine.generation.kv_manager import BLOCK_TOKENS, KVCacheManager
-from engine.generation.scheduler import Scheduler
-from engine.base.errors import EngineError, InvalidRequestError, is_out_of_memory, non_finite_message
-from engine.base.events import (Alternative, Finished, GenerationEvent, Preempted, Prefilled, PromptScored,
-                                PromptTokenScore, StepCompleted, TokenGenerated)
+from engine.base.errors import EngineError, InvalidRequestError, is_out_of_memory
+from engine.base.events import Finished, GenerationEvent, Preempted, StepCompleted
 from engine.base.memory import MemoryProbe, StepAllocations
 from engine.base.request import GenerationRequest
-from engine.generation.proposer import NOTHING, Proposal, Proposer
-from engine.generation.sampling import Choice, make_sampler, sample_batch
+from engine.generation.decoding import PREFILL_CHUNK, SeenTokens, failed_event, finished_event
+from engine.generation.execute import StepExecutor, StepWork
 from engine.generation.invariant import PROMPT_CHUNK, fixed_row_products
-from engine.generation.threads import adapt as adapt_threads
+from engine.generation.kv_manager import BLOCK_TOKENS, KVCacheManager
+from engine.generation.output import OutputProcessor
+from engine.generation.proposer import NOTHING, Proposal, Proposer
 from engine.generation.runners import batch_runner_for
+from engine.generation.sampling import Choice, make_sampler
+from engine.generation.scheduler import Scheduler
+from engine.generation.step_output import StepOutputs
+from engine.generation.upkeep import Upkeep
 
 if TYPE_CHECKING:
     from engine.models.model import LoadedModel
@@ -128,32 +130,6 @@ class _Request:
         return self.request.prompt_logprobs is not None and len(self.prompt_scores) < len(self.prompt) - 1
 
 
-@dataclass(eq=False)
-class _Pass:
-    """One step's work as it goes: what the plan gave it, what its forward passes computed (the
-    requests whose scores are ready, in the order of ``rows`` and ``counts``), and what went wrong."""
-
-    decoding: list = field(default_factory=list)
-    chunks: list = field(default_factory=list)
-    ready: list = field(default_factory=list)
-    rows: list = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
-    proposals: dict[int, Proposal] = field(default_factory=dict)
-    verify_s: dict[int, float] = field(default_factory=dict)
-    failed: list = field(default_factory=list)
-    scored: list = field(default_factory=list)
-    """Prompts whose scores this step completed (sent before their first token)."""
-    cached: int = 0
-    preempted: int = 0
-    memory: object = None
-
-    def take(self, r, scores, count: int) -> None:
-        """``r``'s scores are ready: ``count`` rows of them."""
-        self.ready.append(r)
-        self.rows.append(scores)
-        self.counts.append(count)
-
-
 class EngineCore:
     """Submit requests, then call :meth:`step` (or iterate :meth:`run`) until :attr:`idle`."""
 
@@ -171,9 +147,11 @@ class EngineCore:
         """Read the next step's activations from the allocator (StepCompleted.activation_bytes)."""
         self.probe = MemoryProbe(loaded.device)
         self.probe.reset_peak()
+        self.upkeep = Upkeep(self.probe)
+        self.outputs = StepOutputs(loaded, self.runner, self._finish)
+        self.executor = StepExecutor(loaded, self.runner, self.outputs)
         self.start = time.perf_counter()
         self._next_id = 1
-        self._special = frozenset(loaded.tokenizer.all_special_ids)
 
     def _configure(self, settings: CoreSettings, kept: KVCacheManager | None = None,
                    proposer: Proposer | None = None) -> None:
@@ -308,36 +286,33 @@ class EngineCore:
     def _step(self) -> Iterator[GenerationEvent]:
         """One step's events, made as they are consumed: a request's tokens one by one (a step
         may give it several: the draft's accepted guesses), so a cancel pressed while one is
-        shown stops before the next. Schedule → run the forward passes → sample → process the
-        outputs into events.
+        shown stops before the next. Schedule (engine/generation/scheduler.py) → execute the
+        forward passes and sample (engine/generation/execute.py) → process the outputs into
+        events (engine/generation/step_output.py).
 
         Whatever fails in one request's own work (its admission, its prompt chunk, its guesses,
         its verification, sampling, detokenizing, stop rules) ends that request alone with the
         error; the batched decode pass and running out of memory are everyone's, and raise."""
         import torch
 
-        adapt_threads()
+        self.upkeep.before_step()
         invariant = bool(getattr(self.loaded, "batch_invariant", False))
         self.runner.batch_invariant = invariant
         self.scheduler.aligned = PROMPT_CHUNK if invariant else None
         began = time.perf_counter()
         yield from self._drop_cancelled()
         queried = self.kv.queries
-        plan = self.scheduler.schedule()
-        work = _Pass()
-        yield from self._start(plan, work)
+        work = StepWork()
+        yield from self._start(self.scheduler.schedule(), work)
         # a watched step: what its forward passes and sampling held at most beyond what it keeps
         watch = StepAllocations(self.loaded.device) if self.watch_next else None
         self.watch_next = False
         exact = fixed_row_products if invariant else nullcontext
         with watch or nullcontext():
             with torch.inference_mode(), exact():
-                self._read_prompts(work)
-                self._decode(work)
-            choices: list[Choice | Exception] = []
-            if work.ready:
-                with torch.inference_mode(), exact():
-                    choices = self._sample(work)
+                self.executor.read_prompts(work, self.kv, self.proposer)
+                self.executor.decode(work, self.proposer)
+                choices = self.executor.sample(work)
             work.rows.clear()  # the scores are sampled: let go of them before the watch ends
         yield from self._outputs(work, choices, began)
         yield self._step_completed(work, began, queried, watch)
@@ -353,7 +328,7 @@ class EngineCore:
                 except Exception as exc:
                     yield self._fail(r, exc)
 
-    def _start(self, plan, work: "_Pass") -> Iterator[GenerationEvent]:
+    def _start(self, plan, work: StepWork) -> Iterator[GenerationEvent]:
         """The plan's preemptions and admissions; what this step reads and decodes."""
         for r in plan.preempted:
             yield from self._guarded(r, self._preempt(r))
@@ -364,92 +339,12 @@ class EngineCore:
         work.chunks = [(r, size) for r, size in plan.chunks if r in self.running and r.in_runner]
         work.preempted = len(plan.preempted)
 
-    def _read_prompts(self, work: "_Pass") -> None:
-        """Each prompt chunk through the runner (and the proposer); a prompt read to its end
-        gives its first token's scores."""
-        import torch
-
-        for r, size in work.chunks:
-            if r.prefill_started is None:
-                r.prefill_started = time.perf_counter()
-            try:
-                ids = torch.tensor([r.feed[r.prefilled:r.prefilled + size]], dtype=torch.long,
-                                   device=self.loaded.device)
-                if r.scoring_prompt:
-                    out = self.runner.prefill(r.rid, ids, rows=size).view(size, -1)
-                    self._score_prompt(r, r.prefilled, out)
-                    out = out[-1]
-                else:
-                    out = self.runner.prefill(r.rid, ids)
-                self.proposer.prefill(r.rid, ids)
-                r.prefilled += size
-                r.computed += size
-                self.kv.keep(r.rid, r.feed, r.prefilled, None if self.paged else self._copier(r))
-                if r.prefilled == len(r.feed) and r.request.prompt_logprobs is not None and not r.prompt_scored:
-                    work.scored.append(self._prompt_scored(r))
-            except Exception as exc:
-                if is_out_of_memory(exc):
-                    raise
-                work.failed.append((r, exc))
-                continue
-            if r.prefilled == len(r.feed):
-                work.take(r, out.unsqueeze(0), 1)
-
-    def _decode(self, work: "_Pass") -> None:
-        """The proposer's guesses for each generating request; a request with guesses checks its
-        last token and them in one pass of its own (the scores after each), the rest decode one
-        token each in one batched pass."""
-        import torch
-
-        proposals = work.proposals
-        for r in work.decoding:
-            try:
-                proposals[r.rid] = self.proposer.propose(r.rid, r.sampler, r.seen.all(), self._room(r))
-            except Exception as exc:
-                if is_out_of_memory(exc):
-                    raise
-                work.failed.append((r, exc))
-        decoding = work.decoding = [r for r in work.decoding if r.rid in proposals]  # (a failed guess: not decoded)
-        for r in (r for r in decoding if proposals[r.rid].tokens):
-            guesses = proposals[r.rid].tokens
-            started = time.perf_counter()
-            try:
-                ids = torch.tensor([[r.next_token, *guesses]], dtype=torch.long, device=self.loaded.device)
-                out = self.runner.prefill(r.rid, ids, rows=len(guesses) + 1)
-            except Exception as exc:
-                if is_out_of_memory(exc):
-                    raise
-                work.failed.append((r, exc))
-                continue
-            work.verify_s[r.rid] = time.perf_counter() - started
-            r.computed += len(guesses) + 1
-            work.take(r, out.view(len(guesses) + 1, -1), len(guesses) + 1)
-        plain = [r for r in decoding if not proposals[r.rid].tokens]
-        if plain:
-            scores = self.runner.decode([r.rid for r in plain], [r.next_token for r in plain])
-            work.rows.append(scores)
-            for r in plain:
-                r.computed += 1
-                work.ready.append(r)
-                work.counts.append(1)
-
-    def _sample(self, work: "_Pass") -> list[Choice | Exception]:
-        """Every ready request's tokens from the step's scores, the whole batch in one call."""
-        import torch
-
-        ready, proposals = work.ready, work.proposals
-        return sample_batch([r.sampler for r in ready], torch.cat(work.rows) if len(work.rows) > 1 else work.rows[0],
-                            work.counts, [r.seen.all() for r in ready],
-                            [proposals.get(r.rid, NOTHING).tokens for r in ready],
-                            [proposals.get(r.rid, NOTHING).probs for r in ready],
-                            top=max(r.request.top_alternatives for r in ready))
-
-    def _outputs(self, work: "_Pass", choices: list, began: float) -> Iterator[GenerationEvent]:
+    def _outputs(self, work: StepWork, choices: list, began: float) -> Iterator[GenerationEvent]:
         """The step's events: failures, prompts scored, then each request's tokens."""
         for r, exc in work.failed:
             yield self._fail(r, exc)
         yield from work.scored
-        memory = self.probe.sample()
+        memory = self.upkeep.memory()
         now = time.perf_counter()
         chosen = {r.rid: choice for r, choice in zip(work.ready, choices)}
         for r in list(self.running):
@@ -466,7 +361,7 @@ class EngineCore:
                                                    memory))
         work.memory = memory
 
-    def _step_completed(self, work: "_Pass", began: float, queried: int, watch) -> StepCompleted:
+    def _step_completed(self, work: StepWork, began: float, queried: int, watch) -> StepCompleted:
         now = time.perf_counter()
         predicted = [self.loaded.predicted_kv_bytes(r.computed) for r in self.running if r.in_runner]
         return StepCompleted(
@@ -481,50 +376,6 @@ class EngineCore:
             kv_blocks_shared=self.kv.shared_blocks,
             kv_pool_bytes=self.runner.storage_nbytes() if self.paged else 0,
             activation_bytes=watch.activation_bytes if watch else None)
-
-    def _score_prompt(self, r: _Request, start: int, logits) -> None:
-        """Keep the scores of the prompt tokens that ``logits`` (rows for positions ``start`` …)
-        predict: each position's row scores the token after it."""
-        import torch
-
-        first = len(r.prompt_scores)  # positions before it were scored by an earlier chunk (or admission)
-        end = min(start + logits.shape[0], len(r.prompt) - 1)
-        if end <= first:
-            return
-        rows = logits[first - start:end - start].float()
-        logprobs = torch.log_softmax(rows, dim=-1)
-        if not torch.isfinite(logprobs).all():
-            info = self.loaded.info
-            raise EngineError(f"{info.name} in {info.precision} produced NaN/infinite scores in the prompt (tokens "
-                              f"{first + 2}–{end + 1}): no prompt log-probabilities. Try fp32.")
-        targets = torch.tensor(r.prompt[first + 1:end + 1], dtype=torch.long, device=logprobs.device)
-        picked = logprobs.gather(-1, targets.unsqueeze(-1))
-        ranks = (logprobs > picked).sum(-1) + 1
-        k = r.request.prompt_logprobs
-        top = logprobs.topk(k, dim=-1) if k else None
-        picked, ranks = picked.squeeze(-1).tolist(), ranks.tolist()
-        top_values, top_ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
-        for i in range(end - first):
-            r.prompt_scores.append((r.prompt[first + 1 + i], picked[i], ranks[i],
-                                    tuple(zip(top_ids[i], top_values[i])) if top is not None else ()))
-
-    def _prompt_scored(self, r: _Request) -> PromptScored:
-        """``r``'s prompt scores as the event its caller gets (the tokens' texts read now)."""
-        text = self.loaded.token_text
-        r.prompt_scored = True
-        return PromptScored(tuple(
-            PromptTokenScore(token, text(token), logprob, rank, tuple(Alternative(i, text(i), v) for i, v in top))
-            for token, logprob, rank, top in r.prompt_scores), request_id=r.rid)
-
-    def _room(self, r: _Request) -> int:
-        """Tokens ``r`` may still get: its ``max_tokens`` and the context."""
-        room = r.request.max_new_tokens - len(r.tokens)
-        context = self.loaded.info.context_length
-        return room if context is None else min(room, context - len(r.prompt) - len(r.tokens))
-
-    def _copier(self, r: _Request):
-        """What the KV manager calls to copy a block of ``r``'s cache out."""
-        return lambda start, end: self.runner.block_kv(r.rid, start, end)
 
     # -- admission and preemption -------------------------------------------------------------
     def _admit(self, r: _Request) -> Iterator[GenerationEvent]:
@@ -612,8 +463,7 @@ class EngineCore:
     def _emit(self, r: _Request, choice: Choice, proposal: Proposal, verify_s: float, began: float, now: float,
               memory) -> Iterator[GenerationEvent]:
         """What the step gave ``r``: its cache rolled back to the accepted guesses (and the
-        proposer told), then its tokens one by one. They share the step's time (a stop charges
-        the time of those it won't emit to the last)."""
+        proposer told), then its tokens, made into events by the output stage."""
         if proposal.tokens:
             keep = r.computed - (len(proposal.tokens) - choice.accepted)
             self.kv.crop(r.rid, keep)
@@ -623,73 +473,8 @@ class EngineCore:
             if verified is not None:
                 # the step's time with its rollback (the caches cropped to what was kept)
                 yield replace(verified, elapsed_s=now - r.arrived, step_s=time.perf_counter() - began)
-        share = (now - began) / max(1, len(choice.tokens))
-        guessing = self.proposer.lookahead > 0  # its tokens say whether a guess made them
-        for j, (token, scores, log_total, largest) in enumerate(choice.tokens):
-            later = len(choice.tokens) - 1 - j
-            yield from self._token(r, token, scores, log_total, now, memory, guessed=j < choice.accepted if guessing
-                                   else None, latency=share, unused=share * later, ahead=later, largest=largest)
-            if r not in self.running:  # it stopped at this token
-                return
-            if later and r.cancel.cancelled and not r.output.pending:
-                yield self._finish(r, "cancelled")
-                return
-        if not choice.finite:
-            message = non_finite_message(self.loaded.info.precision, self.loaded.info.name, len(r.tokens))
-            yield self._finish(r, "error", error=message)
-
-    def _token(self, r: _Request, token: int, scores, log_total: float, now: float, memory,
-               guessed: bool | None = None, latency: float = 0.0, unused: float = 0.0,
-               ahead: int = 0, largest=None) -> Iterator[GenerationEvent]:
-        """``token``, chosen after ``scores`` (whose log-normaliser is ``log_total``), for ``r``:
-        its events, and its end if it stops here.
-
-        Latency, as on the single-request path, is the engine's own time: the first token's is
-        the time since submission (queueing and prompt), a later token's its share of the step
-        that made it (what the consumer does between steps is not the model's time), plus
-        ``unused`` if the request stops here (the time of a step's tokens it won't emit).
-        ``ahead``: tokens after this one that the step already put in the cache (accepted guesses);
-        ``largest``: the scores' largest few (ids, scores), best first, where the sampler took
-        them for the batch (else the alternatives are searched for here)."""
-        loaded, request = self.loaded, r.request
-        n_prompt = len(r.prompt)
-        if not r.tokens:
-            prefill_s = now - (r.prefill_started or now)
-            computed = n_prompt - r.cached_tokens
-            yield (Prefilled(
-                prompt_tokens=n_prompt, prefill_s=prefill_s,
-                prefill_tokens_per_s=computed / prefill_s if prefill_s > 0 else 0.0,
-                kv_cache_bytes=self.runner.kv_bytes(r.rid), kv_cache_bytes_predicted=loaded.predicted_kv_bytes(n_prompt),
-                memory=memory, request_id=r.rid, cached_tokens=r.cached_tokens))
-        top_k = request.top_alternatives
-        alternatives = ()
-        if top_k:
-            if largest is not None and len(largest[0]) >= top_k:
-                ids, values = largest[0][:top_k], largest[1][:top_k]
-            else:
-                ids, values = top_scores(scores, top_k)
-            alternatives = tuple(Alternative(i, loaded.token_text(i), v - log_total) for i, v in zip(ids, values))
-        if largest is not None and largest[0] and largest[0][0] == token:  # greedy's: the largest, read already
-            chosen = largest[1][0] - log_total
-        else:
-            chosen = float(scores[token]) - log_total
-        r.tokens.append(token)
-        r.seen.append(token)
-        piece, reason, stop_string = r.output.add(token, r.cancel)
-        if len(r.tokens) == 1:
-            latency = now - r.arrived
-        if reason is not None:
-            latency += unused
-        r.latencies.append(latency)
-        r.next_token = token
-        in_cache = n_prompt + len(r.tokens) - 1 + ahead
-        yield (TokenGenerated(
-            index=len(r.tokens) - 1, token_id=token, text=piece, logprob=chosen, top_alternatives=alternatives,
-            latency_s=latency, elapsed_s=time.perf_counter() - r.arrived, kv_cache_bytes=self.runner.kv_bytes(r.rid),
-            kv_cache_bytes_predicted=loaded.predicted_kv_bytes(in_cache), memory=memory,
-            special=token in self._special, drafted=guessed, request_id=r.rid))
-        if reason is not None:
-            yield self._finish(r, reason, stop_string)
+        yield from self.outputs.tokens(r, choice, began, now, memory, self.proposer.lookahead > 0,
+                                       lambda r: r in self.running)
 
     def _finish(self, r: _Request, reason: str, stop_string: str | None = None, error: str | None = None) -> Finished:
         """End ``r`` now: its totals, its full blocks kept for later prompts (unless it failed:
@@ -702,7 +487,7 @@ class EngineCore:
                 self.runner.crop(r.rid, in_cache)
                 r.computed = in_cache
             if reason != "error":
-                self.kv.keep(r.rid, r.prompt + r.tokens, in_cache, None if self.paged else self._copier(r))
+                self.kv.keep(r.rid, r.prompt + r.tokens, in_cache, None if self.paged else self.executor.copier(r))
             kv = self.runner.kv_bytes(r.rid)
         self.scheduler.remove(r)
         if r.in_runner:
@@ -710,6 +495,7 @@ class EngineCore:
             r.in_runner = False
         self._release_proposer(r)
         text = r.output.text if r.output is not None else ""
+        self.upkeep.memory(fresh=True)  # its peak includes its end
         event = finished_event(reason, r.tokens, r.latencies, len(r.prompt), r.arrived, self.probe, kv,
                                self.loaded.predicted_kv_bytes(in_cache), text, stop_string, **r.counts)
         return replace(event, request_id=r.rid, error=error, cached_tokens=r.cached_tokens, preemptions=r.preemptions,

@@ -76,7 +76,7 @@ def test_a_batch_works_out_no_alternatives_it_never_shows(loaded_llama, monkeypa
     """A batch's steps carry tokens and texts, not each token's top alternatives: asked for
     them (the request's default), the batch still never computes them, and its tokens are the
     same as alone."""
-    from engine.generation import core
+    from engine.generation import step_output
 
     def no(*args, **kwargs):
         raise AssertionError("a batch computed top alternatives")
@@ -84,7 +84,7 @@ def test_a_batch_works_out_no_alternatives_it_never_shows(loaded_llama, monkeypa
     requests = [GenerationRequest(p, mode="raw", max_new_tokens=6, ignore_eos=True) for p in PROMPTS[:2]]
     assert requests[0].top_alternatives > 0
     expected = [alone(loaded_llama, r) for r in requests]
-    monkeypatch.setattr(core, "top_scores", no)
+    monkeypatch.setattr(step_output, "top_scores", no)
     _, final = batched(loaded_llama, requests)
     assert [s.token_ids for s in final.sequences] == expected and all(s.reason == "length" for s in final.sequences)
 
