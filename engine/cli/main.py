@@ -17,8 +17,8 @@ from pathlib import Path
 
 from engine.base.errors import EngineError, InvalidRequestError
 from engine.base.units import format_bytes, format_rate, format_seconds
-from engine.cli import quality as cli_quality
-from engine.cli import serve as cli_serve
+import engine.cli.quality as cli_quality
+import engine.cli.serve as cli_serve
 from engine.cli.text import add_kv_dtype, compare_table, estimate_summary, speculative_summary, summary
 
 EXIT_ERROR = 1
