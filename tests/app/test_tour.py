@@ -7,7 +7,8 @@ import pytest
 from PySide6.QtCore import Qt
 from shiboken6 import isValid as shiboken_valid
 
-from app.tour import EDIT_PROMPT, STEPS, Tour
+from app.tour import STEPS, Tour
+from app.tour_steps import EDIT_PROMPT
 from engine.measure.compare import LaneSpec
 from engine.base.units import format_bytes, format_rate, format_seconds
 from tests.app.conftest import load
@@ -212,7 +213,7 @@ def test_esc_leaves_the_tour_where_its_panel_is_active(qtbot, toured):
 
 
 def test_the_tour_says_a_faster_token_is_shorter_not_slower():
-    from app.tour import _times
+    from app.tour_steps import _times
 
     assert _times(1.8) == "1.8× as long" and _times(1 / 1.25) == "1.2× shorter" and _times(1.01) == "about the same"
 
