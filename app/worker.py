@@ -16,7 +16,7 @@ from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 from app.background import yield_to_the_gui
 from engine.base.cancel import CancelToken
-from engine.base.errors import EngineError
+from engine.base.errors import EngineError, request_failed
 from engine.base.events import BatchStep, DraftVerified, Finished, LoadProgress, TokenGenerated
 from engine.estimates.estimate import config_for, fits_beside_loaded, predict
 from engine.jobs import GenerateJob, JobContext, ServeDoor, Tagged
@@ -24,7 +24,7 @@ from engine.models.devices import available_devices
 from engine.models.loading import load_model
 from engine.models.model import release_free_memory
 from engine.models.sources import list_models
-from engine.serve.service import Accepted, NotServingError, Rejected, RequestEvent, TrafficStep
+from engine.generation.service import Accepted, NotServingError, Rejected, RequestEvent, TrafficStep
 
 
 BATCH_S = 0.02
@@ -267,10 +267,11 @@ class ModelSession(QObject):
         return job_id
 
     def ask(self, request) -> int:
-        """``request`` answered by this model: one route whether it serves or not. Not serving:
-        a :class:`GenerateJob` (through the model's core, on its engine thread). Serving: straight
-        into the serving core, beside the HTTP clients' requests (the same core, so the same
-        prefix cache). Returns an id the ``job_*`` signals carry, as :meth:`submit` does."""
+        """``request`` answered by this model, through its engine service whether it serves or not
+        (the same service, tokenizer, queue and error shape; the same prefix cache). Only who
+        steps it differs: not serving, a :class:`GenerateJob` on the model's engine thread;
+        serving, the server's loop on that thread, beside the HTTP clients' requests. Returns an
+        id the ``job_*`` signals carry, as :meth:`submit` does."""
         door = self.door
         if door is None or not door.is_open:
             return self.submit(GenerateJob(request))
@@ -328,8 +329,8 @@ class ModelSession(QObject):
             del self._asked[tag]
             if pending:
                 self.job_events.emit(asked, tuple(pending))
-            if event.reason == "error":
-                self.job_failed.emit(asked, EngineError(event.error or "The engine failed."))
+            if event.reason == "error":  # the shape a GenerateJob's failure has too
+                self.job_failed.emit(asked, request_failed(event))
             else:
                 self.job_finished.emit(asked, event)
         else:

@@ -43,6 +43,7 @@ from engine.models.loading import LoadRequest, load_model
 from engine.base.request import GenerationRequest
 from engine_vs_transformers import theirs  # benchmarks/ is on the path when run as a script
 from engine.generation.core import EngineCore
+from engine.generation.service import EngineService
 from engine.generation.generate import alone, generate
 from engine.generation.runners import ReferenceBatchRunner
 
@@ -84,26 +85,27 @@ def datasheet(device: torch.device):
     return None
 
 
-def _ours(loaded, request, core=None) -> tuple[list[float], TokenGenerated, Finished]:
-    events = list(generate(loaded, request, core=core))
+def _ours(loaded, request, service=None) -> tuple[list[float], TokenGenerated, Finished]:
+    events = list(generate(loaded, request, service=service))
     tokens = [e for e in events if isinstance(e, TokenGenerated)]
     return [t.latency_s for t in tokens[1:]], tokens[-1], events[-1]
 
 
-def _cores(loaded) -> tuple[EngineCore | None, EngineCore | None]:
-    """Two kept cores for the reference path (None, None on the fast path): the engine's own runner
+def _services(loaded) -> tuple[EngineService | None, EngineService | None]:
+    """Two kept services for the reference path (None, None on the fast path): the engine's own runner
     (on CUDA a lone request's decode step is captured once as a CUDA graph and replayed) and one
     whose steps stay eager, for the same steps side by side."""
     if loaded.fast is not None:
         return None, None
     eager = ReferenceBatchRunner(loaded.model, loaded.supports_logits_to_keep, graphs=False)
-    return EngineCore(loaded, alone()), EngineCore(loaded, alone(), runner=eager)
+    eager_core = EngineCore(loaded, alone(), runner=eager)
+    return EngineService(loaded, alone()), EngineService(loaded, alone(), core=eager_core)
 
 
-def _step_kind(core) -> str:
-    if core is None:
+def _step_kind(service) -> str:
+    if service is None:
         return "fast path"
-    runner = core.runner  # the reference runner (the fast path has no core here)
+    runner = service.core.runner  # the reference runner (the fast path has no service here)
     if runner.graph is not None and runner.graph.graph is not None:
         return f"CUDA graph ({runner.graph.capacity} slots)"
     return f"eager ({runner.graph_error})" if runner.graph_error else "eager"
@@ -131,15 +133,15 @@ def check(name: str, device: str, tokens: int, rounds: int, cpu_too: bool) -> di
         row["compile_s"], row["compile_error"] = report.seconds, report.error
     ours, eager_steps, theirs_steps, on_cpu = [], [], [], []
     last = final = None
-    core, eager_core = _cores(loaded)
-    _ours(loaded, request, core)  # warm: the allocator and kernels settle (and the step is captured)
+    service, eager_service = _services(loaded)
+    _ours(loaded, request, service)  # warm: the allocator and kernels settle (and the step is captured)
     answers = {}
     for _ in range(rounds):
-        steps, last, final = _ours(loaded, request, core)
+        steps, last, final = _ours(loaded, request, service)
         ours += steps
         answers["ours"] = final.token_ids
-        if eager_core is not None:
-            steps, _, eager_final = _ours(loaded, request, eager_core)
+        if eager_service is not None:
+            steps, _, eager_final = _ours(loaded, request, eager_service)
             eager_steps += steps
             answers["eager"] = eager_final.token_ids
         if loaded.fast is None:  # generate runs the same weights only on the reference path
@@ -149,7 +151,7 @@ def check(name: str, device: str, tokens: int, rounds: int, cpu_too: bool) -> di
     if "eager" in answers:
         a, b = answers["ours"], answers["eager"]
         row["same_tokens"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    row["step"] = _step_kind(core)
+    row["step"] = _step_kind(service)
     predicted_weights = weights_bytes(count_parameters(config_for("default")), name, loaded.device.type)
     predicted_kv = loaded.predicted_kv_bytes(ids.shape[1] + tokens - 1)
     memory = last.memory

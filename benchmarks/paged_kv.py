@@ -98,14 +98,14 @@ elif part == "d":
     from engine.base.events import Finished
     from engine.base.request import ChatMessage
     from engine.base.sampling import SamplingParams
-    from engine.generation.generate import generate, kept_core
-    core = kept_core(loaded)
+    from engine.generation.generate import generate, kept_service
+    service = kept_service(loaded)
     history, continues, turns, before = (), None, [], 0
     for question in QUESTIONS_D:
         extra = {"continues": continues} if "continues" in GenerationRequest.__dataclass_fields__ else {}
         request = GenerationRequest(question, history=history, max_new_tokens=200, top_alternatives=0,
                                     sampling=SamplingParams(temperature=0.0), **extra)
-        final = [e for e in generate(loaded, request, core=core) if isinstance(e, Finished)][0]
+        final = [e for e in generate(loaded, request, service=service) if isinstance(e, Finished)][0]
         turns.append((final.prompt_tokens, final.cached_tokens, before, final.text.count("\n\n")))
         before = final.prompt_tokens + final.tokens
         history += (ChatMessage("user", question), ChatMessage("assistant", final.text))

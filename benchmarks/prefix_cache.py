@@ -7,7 +7,7 @@
 2. A six-turn chat over the API, each turn's prompt the whole conversation so far: TTFT of each
    turn with caching and without, turn 6's ratio (target ≤ 0.3).
 3. The same chat the window's way (in this process: its kept core, engine/generation/generate.py's
-   ``kept_core``, with *Reuse cached prompt KV* on and off): TTFT of turn 6 with / without.
+   ``kept_service``, with *Reuse cached prompt KV* on and off): TTFT of turn 6 with / without.
 
 Each server is ``inference-workbench serve`` in a subprocess (batch 16, no history); the two are
 measured in turns (on, off, on, off) and the means of the two rounds printed.
@@ -173,7 +173,7 @@ def window_chat(precision: str, system: str, tokens: int, rounds: int) -> None:
     ``reuse_prefix`` as the Generation panel's switch sets it."""
     from engine.base.events import Finished
     from engine.base.request import ChatMessage, GenerationRequest
-    from engine.generation.generate import generate, kept_core
+    from engine.generation.generate import generate, kept_service
     from engine.models.loading import LoadRequest, load_model
 
     loaded = load_model(LoadRequest("default", precision, "cpu"))
@@ -182,12 +182,12 @@ def window_chat(precision: str, system: str, tokens: int, rounds: int) -> None:
     texts: dict[bool, list[str]] = {}
     for _ in range(rounds):
         for reuse in (True, False):
-            core, history, times, answers = kept_core(loaded), [], [], []
+            service, history, times, answers = kept_service(loaded), [], [], []
             for question in TURNS:
                 request = GenerationRequest(question, system_prompt=system, history=tuple(history),
                                             max_new_tokens=tokens * 2, ignore_eos=True, top_alternatives=5,
                                             reuse_prefix=reuse)
-                final = next(e for e in generate(loaded, request, core=core) if isinstance(e, Finished))
+                final = next(e for e in generate(loaded, request, service=service) if isinstance(e, Finished))
                 times.append(final.ttft_s)
                 answers.append(final.text)
                 history += [ChatMessage("user", question), ChatMessage("assistant", final.text)]

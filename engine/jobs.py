@@ -19,17 +19,17 @@ from engine.base.cancel import CancelToken
 from engine.base.errors import EngineError
 from engine.base.events import BatchStep, Finished, TokenGenerated
 from engine.base.request import GenerationRequest
-from engine.generation.generate import generate, kept_core
+from engine.generation.generate import generate, kept_service
 from engine.models.loading import weights_read_bytes
 from engine.models.model import LoadedModel
 from engine.estimates.hardware import THIS_MACHINE, this_machine
 from engine.measure.sweep import ceiling_for, estimate_for, profile_for, record_points, run_sweep
 from engine.generation.speculative import load_draft, parse_draft
-from engine.serve.service import NotServingError, Ticket, Token
+from engine.generation.service import NotServingError, Ticket, Token
 from engine.storage.history import remember
 
 if TYPE_CHECKING:
-    from engine.generation.core import EngineCore
+    from engine.generation.service import EngineService
     from engine.measure.quality import QualityReport, Reference
     from engine.measure.sweep import SweepPoint, SweepSkip
     from engine.serve.protocol import Defaults
@@ -53,46 +53,48 @@ class Tagged:
     event: object
 
 
-def model_core(ctx: JobContext) -> "EngineCore | None":
-    """The loaded model's engine core, kept while it stays loaded (``None`` for a model served
-    elsewhere): the window's prompts run through it one at a time, and serving runs the HTTP
-    clients' (and the window's) through it, so both find what its prefix cache keeps."""
+def model_service(ctx: JobContext) -> "EngineService | None":
+    """The loaded model's engine service, kept while it stays loaded (``None`` for a model served
+    elsewhere): every job of the model submits to it (the window's prompts one at a time, sweeps
+    and speculative runs under their own limits for a while, and serving, which runs it on this
+    thread for the HTTP clients and the window alike), so all find what its prefix cache keeps."""
     if not isinstance(ctx.model, LoadedModel) or ctx.model.model is None:
         return None
-    core = ctx.keep.get("core")
-    if core is None or core.loaded is not ctx.model:  # none yet, or another model's
-        core = ctx.keep["core"] = kept_core(ctx.model)
-    return core
+    service = ctx.keep.get("service")
+    if service is None or service.loaded is not ctx.model:  # none yet, or another model's
+        service = ctx.keep["service"] = kept_service(ctx.model)
+    return service
 
 
 @contextmanager
-def using_model_core(ctx: JobContext) -> Iterator["EngineCore | None"]:
-    """:func:`model_core` for one job's work; if that work fails the core is dropped (its state
-    may be half-changed) and the next job gets a fresh one."""
+def using_model_service(ctx: JobContext) -> Iterator["EngineService | None"]:
+    """:func:`model_service` for one job's work; if that work fails unexpectedly (not a request's
+    own error, which the service contains) the service is dropped, its state perhaps half-changed,
+    and the next job gets a fresh one."""
     try:
-        yield model_core(ctx)
+        yield model_service(ctx)
+    except EngineError:
+        raise
     except BaseException:
-        ctx.keep.pop("core", None)
+        ctx.keep.pop("service", None)
         raise
 
 
 @dataclass(frozen=True)
 class GenerateJob:
     """One answer, token by token: emits ``Prefilled``, ``TokenGenerated``…; returns the
-    ``Finished`` (a run that stops on non-finite scores raises ``NonFiniteError``, which carries
-    the run so far)."""
+    ``Finished`` (a run that fails raises ``RequestFailedError``, which carries the run so far)."""
 
     request: GenerationRequest
     kind: ClassVar[str] = "generation"
 
     def run(self, ctx: JobContext) -> Finished:
-        """Through the model's kept core (made at the first prompt, kept while the model stays
-        loaded): its prefix cache holds the earlier prompts and answers, so a chat's next turn
-        copies the KV of the conversation so far. A failure drops the core (its state may be
-        half-changed); the next prompt gets a fresh one."""
+        """Through the model's engine service (made at the first prompt, kept while the model stays
+        loaded), stepped on this thread: its prefix cache holds the earlier prompts and answers,
+        so a chat's next turn copies the KV of the conversation so far."""
         final = None
-        with using_model_core(ctx) as core:
-            for event in generate(ctx.model, self.request, ctx.cancel, core=core):
+        with using_model_service(ctx) as service:
+            for event in generate(ctx.model, self.request, ctx.cancel, service=service):
                 if isinstance(event, Finished):
                     final = event
                 else:
@@ -361,9 +363,9 @@ class SweepJob:
                 steps.setdefault(batch, []).append(event)
                 ctx.emit(Tagged(batch, event))
 
-        with using_model_core(ctx) as core:  # under each batch's limits in turn
+        with using_model_service(ctx) as service:  # under each batch's limits in turn
             points, skipped = run_sweep(ctx.model, self.request, self.batches, ctx.cancel, on_event=on_event,
-                                        on_point=ctx.emit, core=core)
+                                        on_point=ctx.emit, service=service)
         if points:
             try:
                 record_points(ctx.model, points, len(ctx.model.encode(self.request)), steps)
@@ -401,10 +403,10 @@ class SpeculateJob:
         if draft.compiling():  # the draft's own compiled step, before any timing
             ctx.emit(Tagged("draft", BUILDING_DRAFT))
             draft.wait_for_compile(lambda: ctx.cancel.cancelled)
-        with using_model_core(ctx) as core:  # lent to the draft for the run
+        with using_model_service(ctx) as service:  # lent to the draft for the run
             return speculative_report(ctx.model, draft, self.request, self.draft_tokens, self.compare_plain,
                                       ctx.cancel, lambda run, event: ctx.emit(Tagged(run, event)), record=True,
-                                      core=core)
+                                      service=service)
 
 
 @dataclass(frozen=True)
@@ -478,7 +480,7 @@ class ServeDoor:
 @dataclass(frozen=True)
 class ServeJob:
     """The model behind the OpenAI-compatible API (engine/serve) until cancelled: emits
-    :class:`ServerStarted`, then the core's traffic events (engine/serve/service.py) as they
+    :class:`ServerStarted`, then the core's traffic events (engine/generation/service.py) as they
     happen; cancelling drains the requests in flight, or cancels them if ``stop_now`` is set
     (then or later). Other jobs of this model wait meanwhile."""
 
@@ -491,15 +493,15 @@ class ServeJob:
     def run(self, ctx: JobContext) -> Served:
         from engine.serve.server import Server  # lazy: importing it loads uvicorn
 
-        core = model_core(ctx)
-        if core is None:
+        service = model_service(ctx)
+        if service is None:
             raise EngineError(f"{ctx.model.info.name} is served elsewhere: it can't be served again from here. "
                               "Load a local model to serve it.")
-        alone = core.settings
+        alone, waiting = service.settings, service.max_waiting
         try:
-            server = Server(ctx.model, self.settings, core=core)  # the window's core, under the server's limits
-        except BaseException:  # a busy port, say: the window's core goes back as it was
-            core.reconfigure(alone)
+            server = Server(ctx.model, self.settings, service=service)  # the window's, under the server's limits
+        except BaseException:  # a busy port, say: the window's service goes back as it was
+            service.reconfigure(alone, waiting)
             raise
         settings = server.service.settings
         stop_listening = server.service.listen(ctx.emit)
@@ -523,11 +525,11 @@ class ServeJob:
             ctx.cancel.cancel()  # the watcher ends too
             server.stop(drain=False, timeout=30)
             stop_listening()
-            ctx.keep.pop("core", None)
-            after = server.service.core  # the same, or a fresh one if a failed step replaced it
-            if after is not None and after.idle:
-                after.reconfigure(alone)  # back to one request at a time, its prefix cache kept
-                ctx.keep["core"] = after
+            if service.core.idle:  # back to one request at a time, its prefix cache kept
+                service.reconfigure(alone, waiting)
+                service.reopen()
+            else:
+                ctx.keep.pop("service", None)
         if not requested:
             raise RuntimeError("The server stopped by itself (see the log).")
         return Served(server.url, server.service.served)

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 
-def serve(loaded, core=None, **settings):
+def serve(loaded, service=None, **settings):
     """A started :class:`engine.serve.server.Server` for ``loaded`` (no history, a 1 GiB KV budget,
-    batch 8), ``settings`` overriding; ``core``: an idle core of the model's to serve through.
+    batch 8), ``settings`` overriding; ``service``: the model's idle engine service to serve through.
     The caller stops it."""
     from engine.serve.server import Server, ServeSettings
 
     base = dict(port=0, max_batch=8, history=False, kv_budget_bytes=1 << 30)
-    return Server(loaded, ServeSettings(**{**base, **settings}), core=core).start()
+    return Server(loaded, ServeSettings(**{**base, **settings}), service=service).start()
 
 
 class ThirdPartyServer:

@@ -59,16 +59,31 @@ class OutOfMemoryError(EngineError):
     """The device ran out of memory."""
 
 
-class NonFiniteError(EngineError):
-    """The model's scores became NaN or infinite: its answer from there on would be noise.
+NON_FINITE = "produced NaN/infinite scores"
+"""What :func:`non_finite_message` says, and :func:`request_failed` reads."""
 
-    ``finished`` holds the run up to the last finite token (``reason == "error"``), so the
-    caller can keep it, marked failed.
-    """
+
+class RequestFailedError(EngineError):
+    """A request ended with an error (``Finished(reason="error")``): the one shape every client
+    of the engine service gets, raised by :func:`request_failed`. ``finished`` holds the run up to
+    the failure, so the caller can keep it, marked failed."""
 
     def __init__(self, message: str, finished=None) -> None:
         super().__init__(message)
         self.finished = finished
+
+
+class NonFiniteError(RequestFailedError):
+    """The model's scores became NaN or infinite: its answer from there on would be noise
+    (``finished``: the run up to the last finite token)."""
+
+
+def request_failed(finished) -> RequestFailedError:
+    """The error a failed request's ``Finished`` raises: :class:`NonFiniteError` where its scores
+    stopped being finite (:func:`non_finite_message` said so), else :class:`RequestFailedError`."""
+    message = finished.error or "The engine failed on this request."
+    kind = NonFiniteError if NON_FINITE in message else RequestFailedError
+    return kind(message, finished)
 
 
 class EndpointError(EngineError):
@@ -88,7 +103,7 @@ class EndpointAuthError(EndpointError):
 def non_finite_message(precision: str, model: str, index: int) -> str:
     """What to tell a person whose generation produced NaN/inf scores at token ``index``."""
     other = "fp32" if precision != "fp32" else "bf16 or another model file"
-    return (f"{model} in {precision} produced NaN/infinite scores at token {index + 1}, so the generation was "
+    return (f"{model} in {precision} {NON_FINITE} at token {index + 1}, so the generation was "
             f"stopped (what came after would be noise). This precision overflows or breaks for this model: "
             f"try {other}.")
 

@@ -283,6 +283,10 @@ class EngineCore:
     def step(self) -> list[GenerationEvent]:
         return list(self._step())
 
+    def stepping(self) -> Iterator[GenerationEvent]:
+        """One step's events as :meth:`step` makes them, each made when the one before is read."""
+        return self._step()
+
     def _step(self) -> Iterator[GenerationEvent]:
         """One step's events, made as they are consumed: a request's tokens one by one (a step
         may give it several: the draft's accepted guesses), so a cancel pressed while one is

@@ -43,7 +43,7 @@ from engine.generation.runners import runner_for
 if TYPE_CHECKING:
     import torch
 
-    from engine.generation.core import EngineCore
+    from engine.generation.service import EngineService
     from engine.generation.sampling import RequestSampler
     from engine.models.model import LoadedModel
 
@@ -230,17 +230,17 @@ def load_draft(spec: DraftSpec, target: "LoadedModel", progress: Callable | None
 
 
 def stream_speculative(target: "LoadedModel", draft: Draft, request: GenerationRequest, draft_tokens: int,
-                       cancel: CancelToken | None = None, core: "EngineCore | None" = None,
+                       cancel: CancelToken | None = None, service: "EngineService | None" = None,
                        ) -> Iterator[GenerationEvent]:
     """Like :func:`~engine.generation.generate.generate`, with :class:`DraftVerified` events between
-    the tokens: the request alone in an engine core (``core``: the model's own, idle, lent for the
-    run; ``None``: one of its own) whose proposer is the draft's (:meth:`Draft.proposer`)."""
+    the tokens: the request alone in an engine service (``service``: the model's own, idle, lent
+    for the run; ``None``: one of its own) whose proposer is the draft's (:meth:`Draft.proposer`)."""
 
     if target.model is None:
         raise EngineError("The model was unloaded: load it again.")
     proposer = draft.proposer(target, draft_tokens)
     request = request.validated()
-    return stream(target, request, target.encode(request), cancel or CancelToken(), proposer=proposer, core=core)
+    return stream(target, request, cancel or CancelToken(), proposer=proposer, service=service)
 
 
 @dataclass

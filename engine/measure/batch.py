@@ -20,42 +20,29 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from engine.base.cancel import CancelToken
-from engine.base.errors import (
-    EngineError,
-    InvalidRequestError,
-    NonFiniteError,
-    OutOfMemoryError,
-    is_out_of_memory,
-)
-from engine.base.events import (
-    BatchEvent,
-    BatchFinished,
-    BatchStep,
-    Finished,
-    SequenceResult,
-    StepCompleted,
-    TokenGenerated,
-)
+from engine.base.errors import EngineError, InvalidRequestError, OutOfMemoryError, is_out_of_memory, request_failed
+from engine.base.events import BatchEvent, BatchFinished, BatchStep, Finished, SequenceResult, StepCompleted
 from engine.base.memory import MemoryProbe
 from engine.base.request import GenerationRequest
-from engine.generation.core import CoreSettings, EngineCore
+from engine.generation.core import CoreSettings
+from engine.generation.service import EngineService, Rejected, Ticket, Token
 
 if TYPE_CHECKING:
     from engine.models.model import LoadedModel
 
 
 def stream_batch(loaded: "LoadedModel", request: GenerationRequest, prompts: list[list[int]],
-                 cancel: CancelToken | None = None, core: EngineCore | None = None) -> Iterator[BatchEvent]:
+                 cancel: CancelToken | None = None, service: EngineService | None = None) -> Iterator[BatchEvent]:
     """Generate for every prompt in ``prompts`` (token ids) at once; sampling, limits and stop
     strings of ``request`` apply to each sequence on its own (its prompt text is not used).
-    ``core``: the model's own engine core (idle), lent for the batch; ``None``: one of its own."""
+    ``service``: the model's own engine service (idle), lent for the batch; ``None``: one of its own."""
     if not prompts or any(not p for p in prompts):
         raise InvalidRequestError("A batch needs at least one prompt, and no prompt may be empty.")
     if loaded.model is None:
         raise EngineError("This model was unloaded: load it again to generate.")
     request = request.validated()
     try:
-        yield from _run_on_core(loaded, request, [list(p) for p in prompts], cancel or CancelToken(), core)
+        yield from _run_on_service(loaded, request, [list(p) for p in prompts], cancel or CancelToken(), service)
     except EngineError:
         raise
     except Exception as exc:
@@ -66,51 +53,58 @@ def stream_batch(loaded: "LoadedModel", request: GenerationRequest, prompts: lis
         raise EngineError(f"Batched generation failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _run_on_core(loaded: "LoadedModel", request: GenerationRequest, prompts: list[list[int]],
-                 cancel: CancelToken, core: EngineCore | None) -> Iterator[BatchEvent]:
-    """The batch through an engine core (its runner decodes all rows in one step): every prompt
-    a request, all read in the first step, then one step per token, no KV budget (the sweep
-    checks memory before), no prefix cache (every row computes its prompt, as a batch of
-    different prompts would). A sequence that ends leaves the batch (its cache freed); the
+def _run_on_service(loaded: "LoadedModel", request: GenerationRequest, prompts: list[list[int]],
+                    cancel: CancelToken, service: EngineService | None) -> Iterator[BatchEvent]:
+    """The batch through an engine service (its core's runner decodes all rows in one step):
+    every prompt a request, all read in the first step, then one step per token, no KV budget
+    (the sweep checks memory before), no prefix cache (every row computes its prompt, as a batch
+    of different prompts would). A sequence that ends leaves the batch (its cache freed); the
     batch's figures are those of its fullest step."""
 
     batch = len(prompts)
     settings = CoreSettings(token_budget=sum(len(p) for p in prompts) + batch, max_batch=batch,
                             prefill_chunk=max(len(p) for p in prompts))
-    if core is None:
-        yield from _batch(EngineCore(loaded, settings), request, prompts, cancel)
+    if service is None:
+        yield from _batch(EngineService(loaded, settings), request, prompts, cancel)
         return
-    with core.borrowed(settings):
-        yield from _batch(core, request, prompts, cancel)
+    with service.borrowed(settings):
+        yield from _batch(service, request, prompts, cancel)
 
 
-def _batch(core: EngineCore, request: GenerationRequest, prompts: list[list[int]],
+def _batch(service: EngineService, request: GenerationRequest, prompts: list[list[int]],
            cancel: CancelToken) -> Iterator[BatchEvent]:
     batch = len(prompts)
     start = time.perf_counter()
-    core.probe.reset_peak()
+    service.core.probe.reset_peak()
     # a batch shows each step's tokens, never their alternatives: not worked out (at 16 rows, 16
-    # cold passes over a step's scores, ~1.5 ms of a ~35 ms int8-fast step)
+    # cold passes over a step's scores, a visible share of a quantized step)
     request = replace(request, reuse_prefix=False, top_alternatives=0)
-    rows = {core.submit(request, cancel, prompt): i for i, prompt in enumerate(prompts)}
+    arrived: list[tuple[int, object]] = []  # (row, event), as the service hands them over
+    tickets = [service.submit(Ticket(request, lambda event, row=i: arrived.append((row, event)), prompt_ids=prompt,
+                                     cancel=cancel)) for i, prompt in enumerate(prompts)]
     finals: dict[int, Finished] = {}
     latencies: list[float] = []
     fullest = watched = None
-    while not core.idle:
+    while not all(t.ended for t in tickets):
         # the first decode step, every row in it: its activations read from the allocator (and
         # its time left out of the decode figures, as the watch slows it on the CPU)
-        core.watch_next = len(latencies) == 1
+        step = service.turn(watch=len(latencies) == 1)
+        if step is None and not arrived and not all(t.ended for t in tickets):
+            raise EngineError("The engine service lost requests of this batch.")
         ids: list[int | None] = [None] * batch
         texts = [""] * batch
-        for event in core.step():
-            if isinstance(event, TokenGenerated):
-                ids[rows[event.request_id]], texts[rows[event.request_id]] = event.token_id, event.text
+        for row, event in arrived:
+            if isinstance(event, Rejected):
+                raise event.error
+            if isinstance(event, Token):
+                ids[row], texts[row] = event.event.token_id, event.event.text
             elif isinstance(event, Finished):
                 if event.reason == "error":
-                    raise NonFiniteError(event.error)
-                finals[rows[event.request_id]] = event
-            elif isinstance(event, StepCompleted):
-                step = event
+                    raise request_failed(event)
+                finals[row] = event
+        arrived.clear()
+        if step is None:
+            continue
         latencies.append(step.step_s)
         if step.activation_bytes is not None:
             watched = step
@@ -119,13 +113,12 @@ def _batch(core: EngineCore, request: GenerationRequest, prompts: list[list[int]
         yield BatchStep(step=step.step, token_ids=tuple(ids), texts=tuple(texts), latency_s=step.step_s,
                         elapsed_s=time.perf_counter() - start, active=step.batch, kv_cache_bytes=step.kv_cache_bytes,
                         kv_cache_bytes_predicted=step.kv_cache_bytes_predicted, memory=step.memory)
-    core.watch_next = False
     left_out = watched.step_s if watched else 0.0
     results = tuple(SequenceResult(
         index=i, reason=f.reason, tokens=f.tokens, prompt_tokens=f.prompt_tokens, ttft_s=f.ttft_s,
         mean_token_latency_s=_per_token(f, left_out), token_ids=f.token_ids,
         text=f.text) for i, f in sorted(finals.items()))
-    yield _batch_finished(results, latencies[0] if latencies else 0.0, latencies, start, core.probe,
+    yield _batch_finished(results, latencies[0] if latencies else 0.0, latencies, start, service.core.probe,
                           fullest.kv_cache_bytes if fullest else 0,
                           fullest.kv_cache_bytes_predicted if fullest else 0,
                           any(r.reason == "cancelled" for r in results), watched)

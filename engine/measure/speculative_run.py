@@ -29,7 +29,7 @@ from engine.measure import bench
 from engine.storage import history
 
 if TYPE_CHECKING:
-    from engine.generation.core import EngineCore
+    from engine.generation.service import EngineService
     from engine.models.model import LoadedModel
 
 
@@ -258,10 +258,10 @@ def break_even(steps: list[DraftVerified], plain_steps: int, plain_step_s: float
 def speculative_report(target: "LoadedModel", draft: Draft, request: GenerationRequest, draft_tokens: int,
                        compare_plain: bool = False, cancel: CancelToken | None = None,
                        on_event: Callable[[str, GenerationEvent], None] | None = None,
-                       record: bool = False, core: "EngineCore | None" = None) -> SpeculativeReport:
+                       record: bool = False, service: "EngineService | None" = None) -> SpeculativeReport:
     """Run ``request`` with speculative decoding (after plain decoding of it when ``compare_plain``)
     and report. ``record``: keep the run in the history (a read-only data folder doesn't fail the run).
-    ``core``: the model's own engine core (idle), which both runs go through; either way both
+    ``service``: the model's own engine service (idle), which both runs go through; either way both
     compute the whole prompt (no prefix cache hit), so their times compare."""
 
     def passing(run: str):
@@ -271,8 +271,8 @@ def speculative_report(target: "LoadedModel", draft: Draft, request: GenerationR
     request = replace(request, reuse_prefix=False)
     plain = None
     if compare_plain:
-        plain = bench.measure(generate(target, request, cancel, core=core), weights, passing("plain"))
-    measured = bench.measure(stream_speculative(target, draft, request, draft_tokens, cancel, core=core), weights,
+        plain = bench.measure(generate(target, request, cancel, service=service), weights, passing("plain"))
+    measured = bench.measure(stream_speculative(target, draft, request, draft_tokens, cancel, service=service), weights,
                              passing("speculative"))
     result = SpeculativeReport(draft.label, draft_tokens, draft.weights_bytes, measured, plain)
     if record:

@@ -130,10 +130,10 @@ def run_sweep(loaded, request: GenerationRequest, batches: Iterable[int], cancel
               on_event: Callable[[int, BatchEvent], None] | None = None,
               on_point: Callable[[SweepPoint], None] | None = None,
               available: Callable[[], int | None] | None = None,
-              with_ceiling: bool = True, core=None) -> tuple[list[SweepPoint], list[SweepSkip]]:
+              with_ceiling: bool = True, service=None) -> tuple[list[SweepPoint], list[SweepSkip]]:
     """Run the batch sizes in order; stop at the first one predicted not to fit (it and every
-    larger one are reported as skipped) or when cancelled. ``core``: the model's own engine
-    core (idle), lent to each batch in turn; ``None``: a core of each batch's own."""
+    larger one are reported as skipped) or when cancelled. ``service``: the model's own engine
+    service (idle), lent to each batch in turn; ``None``: one of each batch's own."""
 
     cancel = cancel or CancelToken()
     request = request.validated()
@@ -163,7 +163,7 @@ def run_sweep(loaded, request: GenerationRequest, batches: Iterable[int], cancel
         if cancel.cancelled:
             break
         finished: BatchFinished | None = None
-        for event in stream_batch(loaded, request, [prompt_ids] * batch, cancel, core=core):
+        for event in stream_batch(loaded, request, [prompt_ids] * batch, cancel, service=service):
             if on_event is not None:
                 on_event(batch, event)
             if isinstance(event, BatchFinished):

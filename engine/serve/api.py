@@ -1,5 +1,5 @@
 """The HTTP side of the server: a FastAPI app that turns OpenAI-style requests into tickets for the
-engine core (engine/serve/service.py) and the core's events back into OpenAI responses, streamed
+engine core (engine/generation/service.py) and the core's events back into OpenAI responses, streamed
 as server-sent events or whole. Nothing here decodes: the core does, for every caller at once.
 
 Errors are OpenAI-style JSON bodies with the matching status, never a traceback: 400 malformed
@@ -38,9 +38,9 @@ from engine.base.events import Finished, PromptScored
 from engine.generation.output import StopTrimmer
 from engine.serve import protocol
 from engine.serve.metrics import ServerMetrics
-from engine.serve.service import (
+from engine.generation.service import (
     Accepted,
-    CoreService,
+    EngineService,
     NotServingError,
     QueueFullError,
     Rejected,
@@ -126,7 +126,7 @@ class _HostCheck:
         return await self.app(scope, receive, send)
 
 
-def create_app(service: CoreService, model_name: str, api_key: str | None = None,
+def create_app(service: EngineService, model_name: str, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, metrics: ServerMetrics | None = None,
                stream_interval: int = 1, defaults: protocol.Defaults | None = None,
                allowed_hosts: frozenset[str] | None = None) -> FastAPI:

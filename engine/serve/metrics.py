@@ -2,7 +2,7 @@
 label ``model_name``) so a Grafana board made for vLLM reads it unchanged.
 
 Gauges are read when scraped (requests running and waiting, KV cache used); histograms and
-counters are fed by the core's events (engine/serve/service.py's listener), on the core's thread.
+counters are fed by the core's events (engine/generation/service.py's listener), on the core's thread.
 
 Times are a client's, as vLLM's are: from the request's arrival at the HTTP front end (its wait
 for the core included) to each token's event. TTFT: arrival to first token; inter-token latency:
@@ -18,10 +18,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from engine.base.events import Finished, TokenGenerated
 from engine.serve.protocol import FINISH_REASONS
-from engine.serve.service import RequestArrived, RequestEvent, TrafficStep
+from engine.generation.service import RequestArrived, RequestEvent, TrafficStep
 
 if TYPE_CHECKING:
-    from engine.serve.service import CoreService
+    from engine.generation.service import EngineService
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards' quantiles line up
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -35,7 +35,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 class ServerMetrics:
     """One registry per server (two servers in one process never mix their figures)."""
 
-    def __init__(self, service: "CoreService", model_name: str) -> None:
+    def __init__(self, service: "EngineService", model_name: str) -> None:
         self.registry = registry = CollectorRegistry()
         labels = {"model_name": model_name}
 

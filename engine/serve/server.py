@@ -1,4 +1,4 @@
-"""A running server: the engine core's thread (engine/serve/service.py) and uvicorn serving the
+"""A running server: the engine core's thread (engine/generation/service.py) and uvicorn serving the
 API (engine/serve/api.py) for one loaded model, started and stopped as one.
 
 The socket is bound before anything else (port 0 picks a free one, which :attr:`Server.url`
@@ -22,12 +22,11 @@ import uvicorn
 from engine.base.errors import InvalidRequestError
 from engine.base.events import Finished, TokenGenerated
 from engine.base.memory import default_kv_budget
-from engine.serve.service import RequestArrived, RequestEvent, CoreService
+from engine.generation.service import RequestArrived, RequestEvent, EngineService
 from engine.generation.core import CoreSettings
 from engine.serve.protocol import model_defaults
 
 if TYPE_CHECKING:
-    from engine.generation.core import EngineCore
     from engine.models.model import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -104,9 +103,9 @@ class Server:
     :meth:`serve_forever` from this one (the CLI: Ctrl-C stops it)."""
 
     def __init__(self, loaded: "LoadedModel", settings: ServeSettings | None = None,
-                 core: "EngineCore | None" = None) -> None:
-        """``core``: the model's own idle core to serve through (the window's, its prefix cache
-        kept), under the server's limits; ``None``: a new one."""
+                 service: "EngineService | None" = None) -> None:
+        """``service``: the model's own idle engine service to serve through (the window's, its
+        prefix cache kept), under the server's limits; ``None``: a new one."""
         from engine.serve.api import create_app  # lazy: importing it loads fastapi, prometheus_client, starlette
 
         self.settings = settings = (settings or ServeSettings()).validated()
@@ -114,9 +113,10 @@ class Server:
         budget = settings.kv_budget_bytes or default_kv_budget(loaded.device)
         limits = CoreSettings(token_budget=settings.token_budget, max_batch=settings.max_batch, kv_budget_bytes=budget,
                               prefix_caching=settings.prefix_caching)
-        if core is not None:
-            core.reconfigure(limits)
-        self.service: CoreService = CoreService(loaded, limits, max_waiting=settings.max_waiting, core=core)
+        if service is not None:
+            service.reconfigure(limits, settings.max_waiting)
+            service.reopen()
+        self.service: EngineService = service or EngineService(loaded, limits, max_waiting=settings.max_waiting)
         self.model_name = settings.model_name or loaded.info.name
         self.drain = True
         """What stopping does with requests in flight: finish them (``True``) or cancel them."""
@@ -132,6 +132,7 @@ class Server:
         self.port = self.socket.getsockname()[1]
         self._uvicorn = _Uvicorn(config, self)
         self._thread: threading.Thread | None = None
+        self._core_thread = False
         self._invariant_before = loaded.batch_invariant  # set once nothing above can fail; stop() restores it
         loaded.batch_invariant = settings.batch_invariant or loaded.batch_invariant
 
@@ -145,6 +146,7 @@ class Server:
         """Serve HTTP from a thread of its own; the engine core steps on another (``core_thread``)
         or on the caller's, which then calls :meth:`run_core` (best where the model was loaded:
         see :meth:`run_core`)."""
+        self._core_thread = core_thread
         if core_thread:
             self.service.start()
         self._thread = threading.Thread(target=self._run, name="api-server", daemon=True)
@@ -203,6 +205,8 @@ class Server:
         if self._thread is not None:
             self._thread.join(timeout)
             ended = not self._thread.is_alive()
+        if self._core_thread:  # the service's own thread ends once its requests have
+            ended = self.service.join(timeout) and ended
         if ended:
             self.loaded.batch_invariant = self._invariant_before
         return ended
@@ -243,7 +247,7 @@ class _HistoryWriter:
     """Every finished served request as a run in the history (kind ``served``, the client's
     address and the endpoint kept; never a key), written on a thread of its own."""
 
-    def __init__(self, loaded: "LoadedModel", service: "CoreService") -> None:
+    def __init__(self, loaded: "LoadedModel", service: "EngineService") -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.info = loaded.info

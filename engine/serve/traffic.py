@@ -1,5 +1,5 @@
 """The server's traffic as the traffic view draws it, built from the core's events
-(engine/serve/service.py): one track per request (when it arrived, was admitted, got its first
+(engine/generation/service.py): one track per request (when it arrived, was admitted, got its first
 token, was preempted and admitted again, finished; the prompt tokens it found in the prefix
 cache; its tokens as a run) and one row per step (batch, tokens, queue, KV cache by request and
 the prefix cache's kept blocks, preemptions). Qt-free; bounded (the oldest requests and steps
@@ -15,7 +15,7 @@ import numpy as np
 
 from engine.base.events import Finished, Preempted, Prefilled, TokenGenerated
 from engine.runs import Run
-from engine.serve.service import RequestArrived, RequestEvent, TrafficStep
+from engine.generation.service import RequestArrived, RequestEvent, TrafficStep
 from engine.base.units import format_bytes, format_rate, format_seconds
 
 STEP_FIELDS = ("at_s", "step_s", "batch", "decode_tokens", "prefill_tokens", "waiting", "running", "kv_bytes",

@@ -163,7 +163,7 @@ def test_a_failure_in_one_request_ends_it_alone(loaded_llama, monkeypatch, where
 
 def test_an_out_of_memory_error_is_everyones(loaded_llama, monkeypatch):
     """Running out of memory is not one request's fault: the step raises, for the service to end
-    every request (engine/serve/service.py)."""
+    every request (engine/generation/service.py)."""
     core = EngineCore(loaded_llama, CoreSettings(token_budget=32, max_batch=8))
     core.submit(request(CORPUS[0]))
 

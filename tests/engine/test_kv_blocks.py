@@ -379,26 +379,29 @@ def test_preemption_under_speculation_keeps_the_solo_answers_and_the_draft_count
 def test_new_limits_keep_the_prefix_cache_and_a_server_serves_through_the_windows_core(loaded_llama):
     import httpx
 
-    from engine.generation.generate import kept_core
+    from engine.generation.generate import kept_service
     from tests.serving import serve
 
-    core = kept_core(loaded_llama)
+    service = kept_service(loaded_llama)
+    core = service.core
     alone = core.settings
-    first = [e for e in generate(loaded_llama, chat("What is a token?"), core=core) if isinstance(e, Finished)][0]
+    first = [e for e in generate(loaded_llama, chat("What is a token?"), service=service) if isinstance(e, Finished)][0]
     kept = core.kv.kept_blocks
     assert kept > 0 and first.cached_tokens == 0
-    server = serve(loaded_llama, core=core)  # reconfigured to the server's limits, the same core
+    server = serve(loaded_llama, service=service)  # reconfigured to the server's limits, the same core
     try:
-        assert server.service.core is core and core.settings.max_batch == 8 and core.kv.kept_blocks == kept
+        assert server.service is service and service.core is core and core.settings.max_batch == 8
+        assert core.kv.kept_blocks == kept
         answer = httpx.post(f"{server.url}/completions", timeout=60, json={
             "model": server.model_name, "prompt": SYSTEM + "What is a KV cache?", "max_tokens": 4,
             "temperature": 0}).json()
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     finally:
         server.stop(drain=False, timeout=30)
-    core.reconfigure(alone)
+    service.reconfigure(alone)
+    service.reopen()
     assert core.settings == alone and core.kv.kept_blocks >= kept
-    again = [e for e in generate(loaded_llama, chat("What is a token?"), core=core) if isinstance(e, Finished)][0]
+    again = [e for e in generate(loaded_llama, chat("What is a token?"), service=service) if isinstance(e, Finished)][0]
     assert again.cached_tokens > 0 and again.token_ids == first.token_ids
     smaller = CoreSettings(max_batch=1, kv_budget_bytes=2 * 16 * loaded_llama.info.kv_bytes_per_token,
                            prefix_caching=True)
@@ -407,12 +410,12 @@ def test_new_limits_keep_the_prefix_cache_and_a_server_serves_through_the_window
 
 
 def test_the_windows_core_takes_a_request_as_long_as_the_context(loaded_llama):
-    from engine.generation.generate import kept_core
+    from engine.generation.generate import kept_service
 
-    core = kept_core(loaded_llama)
+    service = kept_service(loaded_llama)
     context = loaded_llama.info.context_length
     request = GenerationRequest("The quick brown fox", mode="raw", max_new_tokens=10 * context, ignore_eos=True)
-    final = [e for e in generate(loaded_llama, request, core=core) if isinstance(e, Finished)][0]
+    final = [e for e in generate(loaded_llama, request, service=service) if isinstance(e, Finished)][0]
     assert final.reason == "context" and final.prompt_tokens + final.tokens == context
 
 
@@ -423,18 +426,18 @@ def test_a_chats_next_turn_continues_from_its_tokens_and_reads_only_what_is_new(
     turn computes only the last answer's final token and its own (the history's text tokenized
     again can split otherwise, and the cache finds nothing past the first difference)."""
     from engine.base.request import ChatMessage
-    from engine.generation.generate import kept_core
+    from engine.generation.generate import kept_service
 
     from tests.tiny import build_model_folder
 
     folder = build_model_folder(tmp_path / "long", "llama", byte_tokenizer, max_position_embeddings=1024)
     loaded = load_model(LoadRequest(str(folder), precision, "cpu"))
-    core = kept_core(loaded)
+    service = kept_service(loaded)
     history, continues, differs = (), None, 0
     for turn in range(4):
         request = GenerationRequest(f"Turn {turn}: a KV cache?\n\nPlainly.", history=history,
                                     max_new_tokens=17 + turn, ignore_eos=True, continues=continues)
-        final = [e for e in generate(loaded, request, core=core) if isinstance(e, Finished)][0]
+        final = [e for e in generate(loaded, request, service=service) if isinstance(e, Finished)][0]
         if continues is not None:
             earlier = continues[0] + continues[1]
             assert final.continued and final.prompt_ids[:len(earlier)] == earlier
@@ -447,7 +450,7 @@ def test_a_chats_next_turn_continues_from_its_tokens_and_reads_only_what_is_new(
     loaded.tokenizer.chat_template = CHAT_TEMPLATE_MARKING_PAST
     try:
         request = GenerationRequest("And now?", history=history, max_new_tokens=4, continues=continues)
-        final = [e for e in generate(loaded, request, core=core) if isinstance(e, Finished)][0]
+        final = [e for e in generate(loaded, request, service=service) if isinstance(e, Finished)][0]
         assert final.continued is False and final.tokens > 0 and final.prompt_ids == tuple(loaded.encode(
             replace(request, continues=None)))
     finally:

@@ -12,7 +12,7 @@ from engine.base.events import BatchFinished, DraftVerified, Finished, TokenGene
 from engine.base.request import GenerationRequest
 from engine.base.sampling import SamplingParams
 from engine.generation.core import CoreSettings, EngineCore
-from engine.generation.generate import generate, kept_core
+from engine.generation.generate import generate, kept_service
 from engine.generation.proposer import NOTHING, Proposal, Proposer
 from engine.models.loading import LoadRequest, load_model
 from tests.tiny import CORPUS
@@ -151,20 +151,21 @@ def chat_turn(text):
 def test_a_batch_sweep_borrows_the_models_core_and_gives_it_back(loaded_llama):
     from engine.measure.sweep import run_sweep
 
-    core = kept_core(loaded_llama)
+    service = kept_service(loaded_llama)
+    core = service.core
     before = core.settings
-    list(generate(loaded_llama, chat_turn("What is a token?"), core=core))
+    list(generate(loaded_llama, chat_turn("What is a token?"), service=service))
     kept, kept_bytes = core.kv.kept_blocks, core.kept_bytes()
     assert kept > 0
 
-    points, skipped = run_sweep(loaded_llama, greedy(CORPUS[0], 8), [1, 3], core=core, with_ceiling=False,
+    points, skipped = run_sweep(loaded_llama, greedy(CORPUS[0], 8), [1, 3], service=service, with_ceiling=False,
                                 available=lambda: None)
     assert [p.batch for p in points] == [1, 3] and not skipped
     assert all(p.generated_tokens == 8 * p.batch for p in points)
     assert core.idle and core.settings == before and type(core.proposer) is Proposer
     assert (core.kv.kept_blocks, core.kept_bytes()) == (kept, kept_bytes)  # the sweep's prompts kept nothing
     assert len(core.runner) == 0
-    again = [e for e in generate(loaded_llama, chat_turn("What is a KV cache?"), core=core)
+    again = [e for e in generate(loaded_llama, chat_turn("What is a KV cache?"), service=service)
              if isinstance(e, Finished)][0]
     assert again.cached_tokens > 0  # the window's chat still finds its prefix
 
@@ -174,13 +175,14 @@ def test_a_speculative_run_borrows_the_models_core_and_gives_it_back(loaded_llam
     from engine.measure.speculative_run import speculative_report
 
     draft = load_draft(DraftSpec("early-exit", layers=1), loaded_llama)
-    core = kept_core(loaded_llama)
+    service = kept_service(loaded_llama)
+    core = service.core
     before = core.settings
-    list(generate(loaded_llama, chat_turn("What is a token?"), core=core))
+    list(generate(loaded_llama, chat_turn("What is a token?"), service=service))
     kept = core.kv.kept_blocks
 
     request = greedy(CORPUS[1])
-    report = speculative_report(loaded_llama, draft, request, 3, compare_plain=True, core=core)
+    report = speculative_report(loaded_llama, draft, request, 3, compare_plain=True, service=service)
     assert report.same_tokens_as_plain and report.drafted_tokens > 0
     assert report.finished.cached_tokens == 0 and report.plain.finished.cached_tokens == 0  # both computed cold
     assert list(report.finished.token_ids) == solo(loaded_llama, request)
@@ -188,7 +190,7 @@ def test_a_speculative_run_borrows_the_models_core_and_gives_it_back(loaded_llam
     assert core.kv.kept_blocks >= kept and len(core.runner) == 0
 
     # a run abandoned half-way (the consumer stops reading) leaves the core idle and plain
-    stream = stream_speculative(loaded_llama, draft, greedy(CORPUS[2], 40), 3, CancelToken(), core=core)
+    stream = stream_speculative(loaded_llama, draft, greedy(CORPUS[2], 40), 3, CancelToken(), service=service)
     seen = 0
     for event in stream:
         seen += isinstance(event, DraftVerified)
@@ -196,7 +198,7 @@ def test_a_speculative_run_borrows_the_models_core_and_gives_it_back(loaded_llam
             break
     stream.close()
     assert seen == 2 and core.idle and type(core.proposer) is Proposer and len(core.runner) == 0
-    after = [e for e in generate(loaded_llama, greedy(CORPUS[2]), core=core) if isinstance(e, TokenGenerated)]
+    after = [e for e in generate(loaded_llama, greedy(CORPUS[2]), service=service) if isinstance(e, TokenGenerated)]
     assert [e.token_id for e in after] == solo(loaded_llama, greedy(CORPUS[2]))
     assert all(e.drafted is None for e in after)  # plain decoding again
 
@@ -204,12 +206,12 @@ def test_a_speculative_run_borrows_the_models_core_and_gives_it_back(loaded_llam
 def test_a_busy_core_is_not_lent(loaded_llama):
     from engine.base.errors import EngineError
 
-    core = kept_core(loaded_llama)
-    core.submit(greedy(CORPUS[0]))
+    service = kept_service(loaded_llama)
+    events = service.answer(greedy(CORPUS[0]))  # taken into the core now
     with pytest.raises(EngineError, match="busy"):
-        with core.borrowed(CoreSettings(max_batch=4)):
+        with service.borrowed(CoreSettings(max_batch=4)):
             pass
-    assert [e for e in core.run() if isinstance(e, Finished)][0].reason == "length"
+    assert [e for e in events if isinstance(e, Finished)][0].reason == "length"
 
 
 def test_a_batch_through_the_core_equals_the_batch_on_its_own(loaded_llama):
@@ -217,8 +219,9 @@ def test_a_batch_through_the_core_equals_the_batch_on_its_own(loaded_llama):
 
     prompts = [loaded_llama.encode(greedy(text)) for text in CORPUS[:3]]
     own = [e for e in stream_batch(loaded_llama, greedy(CORPUS[0], 10), prompts) if isinstance(e, BatchFinished)][0]
-    core = kept_core(loaded_llama)
-    lent = [e for e in stream_batch(loaded_llama, greedy(CORPUS[0], 10), prompts, core=core)
+    service = kept_service(loaded_llama)
+    core = service.core
+    lent = [e for e in stream_batch(loaded_llama, greedy(CORPUS[0], 10), prompts, service=service)
             if isinstance(e, BatchFinished)][0]
     assert [s.token_ids for s in lent.sequences] == [s.token_ids for s in own.sequences]
     assert lent.kv_cache_bytes == own.kv_cache_bytes and lent.generated_tokens == 30

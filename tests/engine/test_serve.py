@@ -14,7 +14,7 @@ import pytest
 from engine.base.events import Finished, StepCompleted
 from engine.serve.server import ServeSettings
 from tests.serving import serve
-from engine.serve.service import RequestEvent, TrafficStep
+from engine.generation.service import RequestEvent, TrafficStep
 from engine.generation.generate import generate
 
 PROMPTS = ["The quick brown fox", "Memory bandwidth limits", "A key-value cache stores", "Quantization stores",
@@ -437,7 +437,7 @@ def test_serve_command_streams_and_ctrl_c_ends_streams_cleanly(tiny_llama, tmp_p
 
 def test_traffic_log_output_rate_is_tokens_over_the_last_second():
     from engine.base.events import MemorySample
-    from engine.serve.service import RequestState
+    from engine.generation.service import RequestState
     from engine.serve.traffic import TrafficLog
 
     log = TrafficLog()

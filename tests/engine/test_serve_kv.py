@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.base.events import Preempted, TokenGenerated
 from engine.base.request import GenerationRequest
-from engine.serve.service import RequestEvent, TrafficStep
+from engine.generation.service import RequestEvent, TrafficStep
 from engine.serve.traffic import TrafficLog
 from tests.serving import serve
 from engine.generation.generate import generate

@@ -18,7 +18,7 @@ import pytest
 from engine.base.events import Finished, TokenGenerated
 from engine.base.sampling import SamplingParams
 from engine.base.request import GenerationRequest
-from engine.serve.service import Accepted, CoreService, QueueFullError, Rejected, RequestArrived, Ticket, Token
+from engine.generation.service import Accepted, EngineService, QueueFullError, Rejected, RequestArrived, Ticket, Token
 from tests.engine.test_serve import http, server  # noqa: F401 (fixtures: a server of this module's own)
 from tests.serving import serve
 from engine.generation.generate import generate
@@ -36,7 +36,7 @@ def request(prompt: str, tokens: int = 12) -> GenerationRequest:
                              ignore_eos=True, top_alternatives=0)
 
 
-def run_until(service: CoreService, done: threading.Event) -> None:
+def run_until(service: EngineService, done: threading.Event) -> None:
     """Step ``service`` on its own thread until ``done``, then stop it."""
     service.start()
     try:
@@ -114,7 +114,7 @@ def test_token_ids_outside_the_vocabulary_get_400_while_other_streams_go_on(serv
 
 
 def test_a_callers_failing_callback_ends_its_request_alone(loaded_llama):
-    service = CoreService(loaded_llama)
+    service = EngineService(loaded_llama)
     events: dict[int, list] = {0: [], 1: [], 2: []}
     done = threading.Event()
 
@@ -143,7 +143,7 @@ def test_a_burst_fills_the_batch_and_the_queue_before_429(loaded_llama):
     """64 at once with a batch of 16 and 8 waiting: 24 taken (the core hasn't picked any up yet)."""
     from engine.generation.core import CoreSettings
 
-    service = CoreService(loaded_llama, CoreSettings(max_batch=16), max_waiting=8)
+    service = EngineService(loaded_llama, CoreSettings(max_batch=16), max_waiting=8)
     taken, refused = 0, 0
     for i in range(64):
         try:
@@ -157,7 +157,7 @@ def test_a_burst_fills_the_batch_and_the_queue_before_429(loaded_llama):
 
 
 def test_a_full_server_says_when_to_try_again_from_how_often_requests_end():
-    from engine.serve.service import retry_after
+    from engine.generation.service import retry_after
 
     assert retry_after([], 100.0) == 1 and retry_after([99.0], 100.0) == 1  # too few to tell
     assert retry_after([90.0, 94.0, 98.0], 100.0) == 4  # one ended every 4 s
@@ -168,7 +168,7 @@ def test_a_full_server_says_when_to_try_again_from_how_often_requests_end():
 def test_a_submit_wakes_the_core_even_while_a_caller_waits_on_it(loaded_llama):
     """One condition serves the core (waiting for work) and callers of wait_until: a submit that
     woke one waiter could wake the caller and leave the core asleep (a lost wake-up)."""
-    service = CoreService(loaded_llama)
+    service = EngineService(loaded_llama)
     waiters = service._lock._waiters  # CPython's FIFO of threads waiting on the condition
     watcher = threading.Thread(target=service.wait_until, args=(lambda s: s.served >= 1, 60))
     watcher.start()
@@ -196,7 +196,7 @@ def test_a_request_is_timed_from_its_arrival_not_from_when_the_core_takes_it(loa
     inbox, other requests' steps) is part of its TTFT and end-to-end time in /metrics."""
     from engine.serve.metrics import ServerMetrics
 
-    service = CoreService(loaded_llama)
+    service = EngineService(loaded_llama)
     metrics = ServerMetrics(service, "m")
     arrivals = []
     service.listen(lambda e: arrivals.append(e) if isinstance(e, RequestArrived) else None)
@@ -229,7 +229,7 @@ def test_metrics_time_each_token_as_the_gap_since_the_requests_last(loaded_llama
     the length of the step that made the second; TPOT is (last − first) / (n − 1)."""
     from engine.serve.metrics import ServerMetrics
 
-    service = CoreService(loaded_llama)
+    service = EngineService(loaded_llama)
     metrics = ServerMetrics(service, "m")
     tokens: dict[int, list[float]] = {}
     finished = threading.Event()
@@ -355,7 +355,7 @@ def test_the_panels_examples_answer_within_their_limit(server):
     import io
 
     from app.widgets.server_panel import EXAMPLE_MAX_TOKENS, examples
-    from engine.serve.service import RequestEvent
+    from engine.generation.service import RequestEvent
 
     ended = []
     stop_listening = server.service.listen(
@@ -408,7 +408,7 @@ def test_the_windows_door_is_open_when_the_server_says_it_started(loaded_llama):
 def test_a_request_being_taken_in_is_still_in_flight(loaded_llama, monkeypatch):
     """While the core tokenizes a request it is in flight: a caller waiting for in_flight == 0
     (the server drained) must not see 0 then."""
-    service = CoreService(loaded_llama)
+    service = EngineService(loaded_llama)
     seen = []
     encode = loaded_llama.encode
     monkeypatch.setattr(loaded_llama, "encode", lambda r: seen.append((service.in_flight, service.waiting))
@@ -424,10 +424,10 @@ def test_a_core_that_cannot_be_rebuilt_stops_the_service_and_tells_every_caller(
     """A step fails for everyone and no fresh core can be made: nobody is left waiting, and new
     requests are refused instead of queueing forever."""
     from engine.base.errors import EngineError
-    from engine.serve import service as service_module
-    from engine.serve.service import NotServingError
+    from engine.generation import service as service_module
+    from engine.generation.service import NotServingError
 
-    service = CoreService(loaded_llama)
+    service = EngineService(loaded_llama)
     heard: dict[int, list] = {0: [], 1: []}
     done = threading.Event()
     for i in heard:
@@ -436,11 +436,12 @@ def test_a_core_that_cannot_be_rebuilt_stops_the_service_and_tells_every_caller(
 
     def broken_step():
         raise RuntimeError("a kernel failed")
+        yield  # (a step's events, as the core makes them)
 
     def no_core(*args, **kwargs):
         raise MemoryError("no room for a fresh core")
 
-    monkeypatch.setattr(service.core, "step", broken_step)
+    monkeypatch.setattr(service.core, "stepping", broken_step)
     monkeypatch.setattr(service_module, "EngineCore", no_core)
     service.start()
     assert done.wait(60) and service.join(30)

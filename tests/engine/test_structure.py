@@ -108,6 +108,34 @@ def test_an_import_of_ours_inside_a_function_says_why():
     assert not unexplained
 
 
+def core_drivers(tree: ast.Module) -> list[str]:
+    """Calls that make an engine core or step, run, submit to or lend one."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        called = ast.unparse(node.func)
+        if called == "EngineCore" or (isinstance(node.func, ast.Attribute) and node.func.attr in DRIVING
+                                      and re.search(r"(^|\.)core$", ast.unparse(node.func.value))):
+            found.append(called)
+    return found
+
+
+DRIVING = ("step", "stepping", "run", "submit", "borrowed", "reconfigure")
+
+
+def test_one_road_only_the_engine_service_drives_a_core():
+    """Every client of a loaded model (the window served or not, comparison lanes, bench and
+    generate, sweeps, speculative runs, the HTTP server) submits to its engine service
+    (engine/generation/service.py); nothing else makes, steps or lends an engine core."""
+    found = {name: calls for folder in (ENGINE, ENGINE.parent / "app") for name, tree in modules(folder).items()
+             if name not in ("engine.generation.service", "engine.generation.core")
+             and (calls := core_drivers(tree))}
+    assert not found
+    sample = ast.parse("core = EngineCore(m)\ncore.step()\nservice.core.borrowed()\nservice.turn()\nrun()")
+    assert core_drivers(sample) == ["EngineCore", "core.step", "service.core.borrowed"]
+
+
 def test_the_window_imports_no_command_line():
     """What the window and the command line both need lives in the layer they share; only the
     launcher, which hands ``inference-workbench bench …`` to the command line, names it."""

@@ -1,13 +1,19 @@
-"""The engine core behind a door many callers knock on at once: one thread owns the core and
-steps it; any thread submits requests and gets each request's events through its own callback.
+"""The engine service: one per loaded model, the only thing that drives its engine core. Every
+client submits requests to it (the window, a comparison's lanes, ``bench``, sweeps, speculative
+runs, the HTTP server) and gets each request's events through its own callback.
 
-The server (engine/serve/api.py) is one such caller, the window's traffic view another
-(through :meth:`CoreService.listen`). A request is tokenized on the core's thread (the
-tokenizer is not shared across threads), then either refused (:class:`Rejected`: too long,
-malformed) or taken (:class:`Accepted`), after which its ``Prefilled``/``TokenGenerated``
-(wrapped as :class:`Token`, with how the token reads alone)/``Finished`` follow. Cancelling a
-ticket ends its request before the next step and frees its cache. More requests than a full
-batch and ``max_waiting`` behind it raise :class:`QueueFullError` at once, in the caller's thread.
+Who steps the core: a thread of the service's own (:meth:`EngineService.start`, or the caller of
+:meth:`run`: a server), or, where none runs, the client itself on its own thread
+(:meth:`answer`, :meth:`turn`: the window's prompts between two servings, the CLI, a sweep).
+Either way a request takes the same road: it is tokenized on the stepping thread (the tokenizer
+is not shared across threads), then refused (:class:`Rejected`: too long, malformed) or taken
+(:class:`Accepted`), after which its ``Prefilled``/``TokenGenerated`` (wrapped as
+:class:`Token`, with how the token reads alone)/``Finished`` follow; a request that fails ends
+with ``Finished(reason="error")``, which :meth:`answer` raises as
+:class:`~engine.base.errors.RequestFailedError` with the run so far. Cancelling a ticket ends its
+request before the next step and frees its cache. More requests than a full batch and
+``max_waiting`` behind it raise :class:`QueueFullError` at once, in the caller's thread. Listeners
+(:meth:`listen`: the traffic view, the server's metrics) hear every request's events and steps.
 
 Whatever goes wrong with one request (its prompt, its sampling, a caller's callback failing)
 ends that request alone; only a failing batched step or running out of memory ends them all.
@@ -20,21 +26,22 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.base.errors import EngineError, InvalidRequestError, is_out_of_memory
-from engine.base.events import Finished, StepCompleted, TokenGenerated
 from engine.base.cancel import CancelToken
+from engine.base.errors import EngineError, InvalidRequestError, is_out_of_memory, request_failed
+from engine.base.events import Finished, GenerationEvent, StepCompleted, TokenGenerated
 from engine.base.request import GenerationRequest
-from engine.generation.core import EngineCore
 from engine.base.units import format_bytes, kv_dtype_label
+from engine.generation.core import CoreSettings, EngineCore
 from engine.generation.decoding import failed_event
 from engine.generation.invariant import answers_note
 
 if TYPE_CHECKING:
-    from engine.generation.core import CoreSettings
+    from engine.generation.proposer import Proposer
     from engine.models.model import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -158,13 +165,16 @@ class Ticket:
     count from here, the wait before the core takes it included (the HTTP front end sets it as a
     request comes in, as vLLM times from arrival)."""
 
+    ended: bool = False
+    """Its ``Finished`` or ``Rejected`` was sent."""
+
     def abort(self) -> None:
         """End the request (thread-safe): it leaves the core before the next step."""
         self.cancel.cancel()
 
 
-class CoreService:
-    """An :class:`~engine.generation.core.EngineCore` stepped by one thread (:meth:`start`)."""
+class EngineService:
+    """A loaded model's :class:`~engine.generation.core.EngineCore` and the requests submitted to it."""
 
     def __init__(self, loaded: "LoadedModel", settings: "CoreSettings | None" = None, max_waiting: int = 256,
                  core: "EngineCore | None" = None) -> None:
@@ -181,6 +191,10 @@ class CoreService:
         self._accepting = True
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
+        self._running = False
+        """A thread runs :meth:`run` (a server): clients submit and wait, never step."""
+        self._under_way: Iterator[None] | None = None
+        """A step paused while a client on this thread reads its events one by one."""
         self._listeners: list[Callable[[object], None]] = []
         self._kv = 0
         self._ends: deque[float] = deque(maxlen=32)
@@ -227,7 +241,7 @@ class CoreService:
         with self._lock:
             return len(self._inbox) + len(self._tickets)
 
-    def start(self) -> "CoreService":
+    def start(self) -> "EngineService":
         self._thread = threading.Thread(target=self.run, name="engine-core", daemon=True)
         self._thread.start()
         return self
@@ -246,7 +260,7 @@ class CoreService:
         """Wait for the thread to end; ``True`` if it did."""
         return self._stopped.wait(timeout)
 
-    def wait_until(self, condition: Callable[["CoreService"], bool], timeout: float) -> bool:
+    def wait_until(self, condition: Callable[["EngineService"], bool], timeout: float) -> bool:
         """Wait (on the core's steps, not by polling) until ``condition(self)`` holds."""
         deadline = time.monotonic() + timeout
         with self._lock:
@@ -305,6 +319,8 @@ class CoreService:
     def run(self) -> None:
         """Step the core until stopped. Should the core itself fail beyond repair (a fresh one can't
         be made), the service stops taking requests and every caller hears so, never left waiting."""
+        with self._lock:
+            self._running = True
         try:
             while True:
                 with self._lock:
@@ -323,8 +339,145 @@ class CoreService:
             self._abandon(exc)
         finally:
             with self._lock:
+                self._running = False
                 self._stopped.set()
                 self._lock.notify_all()
+
+    def reopen(self) -> None:
+        """Take requests again after a stop (the window's prompts, once its server has stopped)."""
+        with self._lock:
+            if self._running:
+                raise EngineError("The engine service still runs: stop it first.")
+            self._accepting = True
+            self._stopped.clear()
+
+    def reconfigure(self, settings: CoreSettings, max_waiting: int | None = None) -> None:
+        """New limits for this idle service's core (a server's batch and budget, or the window's
+        one request at a time): the same runner and caches, the prefix cache's kept blocks kept."""
+        self.core.reconfigure(settings)
+        self.settings = self.core.settings
+        self.max_waiting = max_waiting or self.max_waiting
+        with self._lock:
+            self._blocks = (0, 0, self.core.kv.total_blocks)
+
+    @contextmanager
+    def borrowed(self, settings: CoreSettings | None = None, proposer: "Proposer | None" = None):
+        """This idle service under other limits (a batch sweep) or with a proposer (a speculative
+        run) for a while, then back as it was (:meth:`EngineCore.borrowed`); never while a server
+        runs it. Requests a client left behind are dropped."""
+        with self._lock:
+            if self._running:
+                raise EngineError("The model is serving: its core is lent only when the server has stopped.")
+        core, before, ahead = self.core, self.settings, self.core.proposer
+        with core.borrowed(settings, proposer):  # a busy core raises here, and nothing is lent
+            try:
+                self.settings = core.settings
+                yield self
+            finally:
+                self.settings = before
+                with self._lock:  # (their requests are dropped from the core: nothing more comes)
+                    for ticket in [*self._inbox, *self._tickets.values()]:
+                        ticket.ended = True
+                    self._inbox.clear()
+                    self._tickets.clear()
+                    self._waiting = 0
+                if self.core is not core:  # a failed step replaced it under the borrowed limits
+                    self.core = EngineCore(self.loaded, before, proposer=ahead)
+
+    # -- a client stepping the core on its own thread ----------------------------------------
+    def answer(self, request: GenerationRequest, cancel: CancelToken | None = None,
+               prompt_ids: list[int] | None = None, client: str = "") -> Iterator[GenerationEvent]:
+        """``request``'s events for a client on its own thread: ``Prefilled``, ``TokenGenerated`` …
+        and its ``Finished``. A refused request raises its error (now, where no thread runs the
+        service: it is tokenized and checked before this returns); a failed one raises
+        :class:`~engine.base.errors.RequestFailedError` with the run so far. Where no thread runs
+        the service, the core steps on the caller's thread as the events are read (other
+        requests submitted meanwhile share its steps), else the caller waits for them."""
+        events: deque = deque()
+        ticket = self.submit(Ticket(request, events.append, client=client, endpoint=client,
+                                    prompt_ids=None if prompt_ids is None else list(prompt_ids),
+                                    cancel=cancel or CancelToken()))
+        if not self.running:
+            self._take()  # tokenized and checked now: a bad request raises here
+            if events and isinstance(events[0], Rejected):
+                raise events[0].error
+        return self._events(ticket, events)
+
+    def _events(self, ticket: Ticket, events: deque) -> Iterator[GenerationEvent]:
+        def read(ending: bool) -> Iterator[GenerationEvent]:
+            """The events so far; the request's end only when ``ending`` (its step is over)."""
+            while events and (ending or not isinstance(events[0], Finished)):
+                event = events.popleft()
+                if isinstance(event, Rejected):
+                    raise event.error
+                if isinstance(event, Finished):
+                    if event.reason == "error":
+                        raise request_failed(event)
+                    yield event
+                    return
+                if not isinstance(event, Accepted):
+                    yield event.event if isinstance(event, Token) else event
+
+        step = None  # a step under way on this thread, paused while its events are read
+        try:
+            while not ticket.ended or events:
+                yield from read(ending=True)
+                if ticket.ended:
+                    continue
+                if self.running:  # a server's thread steps: wait for it
+                    with self._lock:
+                        self._lock.wait_for(lambda: events or not self._running, timeout=1.0)
+                    continue
+                self._end_step_under_way()
+                self._take()
+                if self.core.idle and not events:
+                    raise EngineError("The engine service lost this request.")
+                step = self._under_way = self._stepping(one_by_one=True)
+                for _ in step:  # each event read as the core makes it
+                    yield from read(ending=False)
+                step = self._under_way = None
+        finally:
+            if step is not None:  # the reader left mid-step: the step ends for every request in it
+                self._end_step_under_way()
+            if not ticket.ended:  # the client stopped reading: its request ends, its cache freed
+                ticket.abort()
+                while not ticket.ended and not self.running and self.turn() is not None:
+                    pass
+
+    @property
+    def running(self) -> bool:
+        """A thread runs the service (a server): clients wait for their events."""
+        with self._lock:
+            return self._running
+
+    def turn(self, watch: bool = False) -> StepCompleted | None:
+        """One turn of the service's loop on the calling thread, for a client while no thread runs
+        it: what was submitted is taken, then the core steps once (``watch``: the step's
+        activations read from the allocator, :attr:`StepCompleted.activation_bytes`). Returns the
+        step's figures (``None``: there was nothing to step, or the step failed)."""
+        if self.running:
+            raise EngineError("A server steps this model's core: submit to it and wait.")
+        self._end_step_under_way()
+        self._take()
+        if self.core.idle:
+            return None
+        self.core.watch_next = watch
+        return self._step()
+
+    def _end_step_under_way(self) -> None:
+        """A step another reader paused (each event read as it was made) runs to its end before
+        anything else is stepped: its events go to their requests' clients, to be read later."""
+        step, self._under_way = self._under_way, None
+        if step is not None:
+            for _ in step:
+                pass
+
+    def _take(self) -> None:
+        """The submitted requests into the core (tokenized and checked, or refused)."""
+        with self._lock:
+            incoming = list(self._inbox)
+        for ticket in incoming:
+            self._accept(ticket)
 
     def _now(self) -> float:
         return time.perf_counter() - self.started
@@ -376,6 +529,7 @@ class CoreService:
             waiting = list(self._inbox)
             self._inbox.clear()
         for ticket in waiting:
+            ticket.ended = True
             self._send(ticket, Rejected(NotServingError(message)))
         now, clock = self._now(), time.perf_counter()
         for rid, ticket in list(self._tickets.items()):  # ended as a step ends them: callers, listeners, the count
@@ -385,32 +539,59 @@ class CoreService:
         with self._lock:
             self._inbox.remove(ticket)
             self._lock.notify_all()
+        ticket.ended = True
         self._send(ticket, Rejected(error))
 
-    def _step(self) -> None:
+    def _step(self) -> StepCompleted | None:
+        """One step, every event delivered after it (the server's loop, a batch's turn)."""
+        stepping = self._stepping(one_by_one=False)
+        while True:
+            try:
+                next(stepping)
+            except StopIteration as done:
+                return done.value
+
+    def _stepping(self, one_by_one: bool) -> Iterator[None]:
+        """One step of the core, its events delivered; returns the step's figures (``None``: it
+        failed). ``one_by_one``: each event delivered as the core makes it, and this generator
+        pauses after it, so a reader sees a token before the next is made (a cancel pressed
+        between two of a step's tokens stops the rest); else the step's cache figures first,
+        then its events, so a caller who sees a request finished (``in_flight`` 0) reads the
+        cache after its end (its blocks freed), never the step before's."""
+        now, step = self._now(), None
         try:
-            events = self.core.step()
+            made = self.core.stepping()
+            if not one_by_one:
+                made = list(made)
+                step = next((event for event in made if isinstance(event, StepCompleted)), None)
+                self._figures(step)
+            for event in made:
+                if isinstance(event, StepCompleted):
+                    step = event
+                    continue
+                self._deliver(event, now)
+                if one_by_one:
+                    yield
         except Exception as exc:
             self._fail_all(exc)
-            return
-        now = self._now()
-        step = next((event for event in events if isinstance(event, StepCompleted)), None)
-        # the step's cache figures first, then its events: a caller who sees a request finished
-        # (in_flight 0) reads the cache after its end (its blocks freed), never the step before's
+            return None
+        if one_by_one:
+            self._figures(step)
+        states = self._states() if self._listeners else ()
+        with self._lock:
+            self._lock.notify_all()
+        if step is not None and self._listeners:
+            self._tell(TrafficStep(step, states, self.settings.kv_budget_bytes, now, self._block_map()))
+        return step
+
+    def _figures(self, step: StepCompleted | None) -> None:
+        """What the step left in the cache, for :meth:`kv_bytes`, :meth:`kv_blocks`, :meth:`kv_pool`."""
         with self._lock:
             self._waiting = len(self.core.waiting)
             self._kv = step.kv_cache_bytes if step is not None else 0
             if step is not None:
                 self._blocks = (step.kv_blocks_used, step.kv_blocks_kept, step.kv_blocks_total)
                 self._pool = (step.kv_blocks_shared, step.kv_pool_bytes + step.kv_kept_bytes * (not self.core.paged))
-        for event in events:
-            if not isinstance(event, StepCompleted):
-                self._deliver(event, now)
-        states = self._states() if self._listeners else ()
-        with self._lock:
-            self._lock.notify_all()
-        if step is not None and self._listeners:
-            self._tell(TrafficStep(step, states, self.settings.kv_budget_bytes, now, self._block_map()))
 
     def _deliver(self, event, now: float) -> None:
         """A request's event to its caller and the listeners; its end frees its ticket."""
@@ -426,6 +607,7 @@ class CoreService:
                 self._tickets.pop(rid, None)
                 self._ends.append(time.monotonic())
             self.served += 1
+            ticket.ended = True
             self._send(ticket, event)
             return
         if isinstance(event, TokenGenerated):
@@ -471,9 +653,9 @@ class CoreService:
         error, and a fresh core takes the next ones (the old one's state is not to be trusted)."""
 
         log.exception("engine step failed")
-        message = ("Out of memory: too many requests or too long ones for this machine; the server ended the "
-                   "requests in flight." if is_out_of_memory(exc) else
-                   f"The engine failed: {type(exc).__name__}: {exc}")
+        message = (f"Out of memory on {self.loaded.device}: the requests in flight were too many or too long for "
+                   "this machine; shorten them, run fewer at once, or pick a smaller precision."
+                   if is_out_of_memory(exc) else f"The engine failed: {type(exc).__name__}: {exc}")
         now, clock = self._now(), time.perf_counter()
         for rid, ticket in list(self._tickets.items()):  # ended as a step ends them: callers, listeners, the count
             self._deliver(failed_event(rid, message, total_s=clock - ticket.arrived), now)
@@ -484,5 +666,5 @@ class CoreService:
             self._lock.notify_all()
 
 
-__all__ = ["Accepted", "CoreService", "NotServingError", "QueueFullError", "Rejected",
+__all__ = ["Accepted", "EngineService", "NotServingError", "QueueFullError", "Rejected",
            "RequestArrived", "RequestEvent", "RequestState", "Ticket", "Token", "TrafficStep"]
