@@ -8,8 +8,8 @@ Who steps the core: a thread of the service's own (:meth:`EngineService.start`, 
 Either way a request takes the same road: it is tokenized on the stepping thread (the tokenizer
 is not shared across threads), then refused (:class:`Rejected`: too long, malformed) or taken
 (:class:`Accepted`), after which its ``Prefilled``/``TokenGenerated`` (wrapped as
-:class:`Token`, with how the token reads alone)/``Finished`` follow; a request that fails ends
-with ``Finished(reason="error")``, which :meth:`answer` raises as
+:class:`Token`, with how the token reads alone, where the client asks)/``Finished`` follow; a
+request that fails ends with ``Finished(reason="error")``, which :meth:`answer` raises as
 :class:`~engine.base.errors.RequestFailedError` with the run so far. Cancelling a ticket ends its
 request before the next step and frees its cache. More requests than a full batch and
 ``max_waiting`` behind it raise :class:`QueueFullError` at once, in the caller's thread. Listeners
@@ -281,7 +281,7 @@ class EngineService:
         events: deque = deque()
         ticket = self.submit(Ticket(request, events.append, client=client, endpoint=client,
                                     prompt_ids=None if prompt_ids is None else list(prompt_ids),
-                                    cancel=cancel or CancelToken()))
+                                    cancel=cancel or CancelToken(), token_texts=False))
         if not self.running:
             self._take()  # tokenized and checked now: a bad request raises here
             if events and isinstance(events[0], Rejected):
@@ -495,7 +495,7 @@ class EngineService:
             ticket.ended = True
             self._send(ticket, event)
             return
-        if isinstance(event, TokenGenerated):
+        if isinstance(event, TokenGenerated) and ticket.token_texts:
             try:
                 token = Token(event, self.loaded.token_text(event.token_id))
             except Exception:  # this token won't read alone: its request ends, not the core

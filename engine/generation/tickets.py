@@ -136,6 +136,9 @@ class Ticket:
     count from here, the wait before the core takes it included (the HTTP front end sets it as a
     request comes in, as vLLM times from arrival)."""
 
+    token_texts: bool = True
+    """Each token as a :class:`Token`, with how it reads alone (an API's logprobs); ``False``: the
+    ``TokenGenerated`` as it is (its text piece is enough)."""
     ended: bool = False
     """Its ``Finished`` or ``Rejected`` was sent."""
 

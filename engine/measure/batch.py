@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING
 
 from engine.base.cancel import CancelToken
 from engine.base.errors import EngineError, InvalidRequestError, OutOfMemoryError, is_out_of_memory, request_failed
-from engine.base.events import BatchEvent, BatchFinished, BatchStep, Finished, SequenceResult, StepCompleted
+from engine.base.events import (BatchEvent, BatchFinished, BatchStep, Finished, SequenceResult, StepCompleted,
+                                TokenGenerated)
 from engine.base.memory import MemoryProbe
 from engine.base.request import GenerationRequest
 from engine.generation.core import CoreSettings
-from engine.generation.service import EngineService, Rejected, Ticket, Token
+from engine.generation.service import EngineService, Rejected, Ticket
 
 if TYPE_CHECKING:
     from engine.models.model import LoadedModel
@@ -81,7 +82,7 @@ def _batch(service: EngineService, request: GenerationRequest, prompts: list[lis
     request = replace(request, reuse_prefix=False, top_alternatives=0)
     arrived: list[tuple[int, object]] = []  # (row, event), as the service hands them over
     tickets = [service.submit(Ticket(request, lambda event, row=i: arrived.append((row, event)), prompt_ids=prompt,
-                                     cancel=cancel)) for i, prompt in enumerate(prompts)]
+                                     cancel=cancel, token_texts=False)) for i, prompt in enumerate(prompts)]
     finals: dict[int, Finished] = {}
     latencies: list[float] = []
     fullest = watched = None
@@ -96,8 +97,8 @@ def _batch(service: EngineService, request: GenerationRequest, prompts: list[lis
         for row, event in arrived:
             if isinstance(event, Rejected):
                 raise event.error
-            if isinstance(event, Token):
-                ids[row], texts[row] = event.event.token_id, event.event.text
+            if isinstance(event, TokenGenerated):
+                ids[row], texts[row] = event.token_id, event.text
             elif isinstance(event, Finished):
                 if event.reason == "error":
                     raise request_failed(event)
