@@ -154,10 +154,11 @@ def settings():
 
 def settle_process() -> None:
     """Once the window exists: Qt's and our modules live as long as the app, so garbage collections
-    skip them (engine/base/heap.py); and the GIL changes hands after SWITCH_INTERVAL_S, not Python's default (five times that): painting calls into
-    Python dozens of times a frame, and each call waits for the GIL while another thread runs
-    Python (reading the history, loading a tokenizer)."""
-    from engine.base import heap  # lazy: the command line never imports Qt
+    skip them (engine/base/heap.py); and the GIL changes hands after SWITCH_INTERVAL_S, not Python's
+    default (five times that): painting calls into Python dozens of times a frame, and each call
+    waits for the GIL while another thread runs Python (reading the history, loading a
+    tokenizer)."""
+    from engine.base import heap  # lazy: the window's alone
 
     heap.settle()
     sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -169,7 +170,7 @@ def collect_on_gui_thread(app) -> None:
     destroyed on the model's worker thread crashed the app (a local model dropped for an endpoint)."""
     from PySide6.QtCore import QObject, Qt, Signal
 
-    from engine.base import heap  # lazy: the command line never imports Qt
+    from engine.base import heap  # lazy: the window's alone
 
     class Collector(QObject):
         requested = Signal()
@@ -229,7 +230,7 @@ def display_problem() -> str | None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and (argv[0] in CLI_COMMANDS or argv[0] == "--debug"):
-        from engine.cli import main as cli_main  # lazy: the command line never imports Qt
+        from engine.cli import main as cli_main  # lazy: the window's launch never loads the command line
 
         return cli_main(argv)
     args = build_parser().parse_args(argv)

@@ -34,6 +34,7 @@ from app.tour_steps import ANSWER_TOKENS, FOLLOW_UP, HIGHLIGHT, PROMPT, STEPS, S
 
 log = logging.getLogger(__name__)
 
+
 class Highlight(QWidget):
     """An outline over a widget (drawn on top of it, clicks pass through), following its size."""
 

@@ -127,7 +127,7 @@ class EngineWorker(QObject):
 
     def _drop_model(self) -> None:
         self._drop_draft()
-        self._kept.clear()  # the model's kept core (its caches, its prefix cache) goes with it
+        self._kept.clear()  # the model's engine service (its caches, its prefix cache) goes with it
         if self._model is not None:
             model, self._model = self._model, None
             if model.fast is not None:

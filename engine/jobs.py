@@ -68,15 +68,15 @@ def model_service(ctx: JobContext) -> "EngineService | None":
 
 @contextmanager
 def using_model_service(ctx: JobContext) -> Iterator["EngineService | None"]:
-    """:func:`model_service` for one job's work; if that work fails unexpectedly (not a request's
-    own error, which the service contains) the service is dropped, its state perhaps half-changed,
-    and the next job gets a fresh one."""
+    """:func:`model_service` for one job's work; if that work fails and leaves the service other
+    than idle and open (a request's own error, which the service contains, leaves it so), it is
+    dropped, its state perhaps half-changed, and the next job gets a fresh one."""
+    service = model_service(ctx)
     try:
-        yield model_service(ctx)
-    except EngineError:
-        raise
+        yield service
     except BaseException:
-        ctx.keep.pop("service", None)
+        if service is not None and not service.ready:
+            ctx.keep.pop("service", None)
         raise
 
 
@@ -523,16 +523,17 @@ class ServeJob:
         finally:
             self.door.close()
             ctx.cancel.cancel()  # the watcher ends too
-            server.stop(drain=False, timeout=30)
+            ended = server.stop(drain=False, timeout=30)
             stop_listening()
-            if service.core.idle:  # back to one request at a time, its prefix cache kept
-                service.reconfigure(alone, waiting)
+            served = service.served
+            if ended and service.core is not None and service.core.idle:  # back to one request at a
+                service.reconfigure(alone, waiting)  # time, its prefix cache kept
                 service.reopen()
-            else:
+            else:  # still stopping, or broken: the next job gets a fresh one
                 ctx.keep.pop("service", None)
         if not requested:
             raise RuntimeError("The server stopped by itself (see the log).")
-        return Served(server.url, server.service.served)
+        return Served(server.url, served)
 
     def _watch(self, ctx: JobContext, server) -> None:
         """Turn the job's cancel (and ``stop_now``) into the service's stop; stop it too if HTTP

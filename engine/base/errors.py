@@ -73,6 +73,14 @@ class RequestFailedError(EngineError):
         self.finished = finished
 
 
+class RequestOutOfMemoryError(OutOfMemoryError, RequestFailedError):
+    """A request ended because the device ran out of memory (``finished``: its run so far)."""
+
+
+OUT_OF_MEMORY = "Out of memory on"
+"""How the engine service's message for a step that ran out of memory begins."""
+
+
 class NonFiniteError(RequestFailedError):
     """The model's scores became NaN or infinite: its answer from there on would be noise
     (``finished``: the run up to the last finite token)."""
@@ -80,9 +88,11 @@ class NonFiniteError(RequestFailedError):
 
 def request_failed(finished) -> RequestFailedError:
     """The error a failed request's ``Finished`` raises: :class:`NonFiniteError` where its scores
-    stopped being finite (:func:`non_finite_message` said so), else :class:`RequestFailedError`."""
+    stopped being finite (:func:`non_finite_message` said so), :class:`RequestOutOfMemoryError`
+    where its step ran out of memory, else :class:`RequestFailedError`."""
     message = finished.error or "The engine failed on this request."
-    kind = NonFiniteError if NON_FINITE in message else RequestFailedError
+    kind = (NonFiniteError if NON_FINITE in message else RequestOutOfMemoryError if message.startswith(OUT_OF_MEMORY)
+            else RequestFailedError)
     return kind(message, finished)
 
 

@@ -20,12 +20,13 @@ batched step's are the kernels' ``dense_linear`` (engine/models/kernels/dense.h)
 weights once for a tile of rows where Inductor's dynamic-batch products did not keep up. Each
 choice was measured alternating in one process: docs/benchmarks.md, "The dense products".
 
-Why not ``torch.compile`` in a thread of the app, as before: while inductor traces, torch.fx
-patches ``nn.Module.__call__`` for the whole process, and a generation running meanwhile failed
-with "NameError: module is not installed as a submodule"; inductor's Python held the GIL so long
-that such a generation crawled for the whole compile; and inductor's own disk cache refuses
-graphs holding prepacked (mkldnn) weights, so every load compiled again, for every cache size. A child process at the lowest priority avoids
-all three, and what it leaves on disk is loaded by every later load of the same weights.
+Why not ``torch.compile`` in a thread of the app, as before: while inductor traces, torch.fx patches
+``nn.Module.__call__`` for the whole process, and a generation running meanwhile failed with
+"NameError: module is not installed as a submodule"; inductor's Python held the GIL so long that
+such a generation crawled for the whole compile; and inductor's own disk cache refuses graphs
+holding prepacked (mkldnn) weights, so every load compiled again, for every cache size. A child
+process at the lowest priority avoids all three, and what it leaves on disk is loaded by every later
+load of the same weights.
 
 The package holds the model's weights and the GEMM kernels' packed copies; on loading, the
 model's own tensors take the weights' place (``user_managed``: no second copy), so memory grows

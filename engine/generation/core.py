@@ -5,14 +5,14 @@ waiting requests while the batch has room and their KV blocks fit (engine/genera
 blocks are taken as a request grows, never reserved for its longest answer), preempts the
 newest request when the running ones need blocks that aren't there, and gives the step's token
 budget to one decode token per generating request and chunks of the prompts still being read,
-so a long prompt is read over several steps instead of stalling everyone else for its whole
-length. The core carries the plan out: it sets up admitted requests' caches (copying any
-prefix found in the prefix cache); the execute stage (engine/generation/execute.py) runs the
-chunks and the batched decode step and samples; the output stage
-(engine/generation/step_output.py) makes the events. The thread count and the memory the events
-carry are read on their own clock, not every step (engine/generation/upkeep.py). A request that ends (its stop rule, its cancel flag, an error) leaves
-between steps and its blocks are freed at once; the full blocks it computed stay in the prefix
-cache (when it is on) for later requests that begin the same way.
+so a long prompt is read over several steps instead of stalling everyone else for its whole length.
+The core carries the plan out: it sets up admitted requests' caches (copying any prefix found in the
+prefix cache); the execute stage (engine/generation/execute.py) runs the chunks and the batched
+decode step and samples; the output stage (engine/generation/step_output.py) makes the events. The
+thread count and the memory the events carry are read on their own clock, not every step
+(engine/generation/upkeep.py). A request that ends (its stop rule, its cancel flag, an error) leaves
+between steps and its blocks are freed at once; the full blocks it computed stay in the prefix cache
+(when it is on) for later requests that begin the same way.
 
 Each request carries its own sampling settings, stop rules and cancel flag, and gets the same
 events as a generation alone (:class:`Prefilled`, :class:`TokenGenerated`, :class:`Finished`,

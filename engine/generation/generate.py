@@ -1,4 +1,5 @@
-"""One generation: a single request through the engine core (engine/generation/core.py), as a stream of events.
+"""One generation: a single request through the model's engine service (engine/generation/service.py)
+and so its engine core, as a stream of events.
 
 Our own loop rather than ``model.generate()`` with a streamer, so every token comes with
 what it cost (latency, KV bytes measured and predicted, memory) and a cancel flag is
@@ -17,7 +18,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from engine.base.cancel import CancelToken
-from engine.base.errors import EngineError, OutOfMemoryError, is_out_of_memory
+from engine.base.errors import EngineError, OutOfMemoryError, RequestOutOfMemoryError, is_out_of_memory
 from engine.base.events import Finished, GenerationEvent, Prefilled
 from engine.base.memory import default_kv_budget
 from engine.base.request import GenerationRequest
@@ -80,18 +81,24 @@ def _answered(loaded: "LoadedModel", events: Iterator[GenerationEvent], activati
             if isinstance(event, (Finished, Prefilled)):
                 event = replace(event, activation_bytes=activations)
             yield event
+    except OutOfMemoryError as exc:  # the service's words are for every request in flight: this one's
+        raise RequestOutOfMemoryError(_out_of_memory(loaded, proposer), getattr(exc, "finished", None)) from exc
     except EngineError:
         raise
     except Exception as exc:
         if is_out_of_memory(exc):
-            hint = ("use a smaller draft or fewer draft tokens" if proposer is not None else
-                    "shorten the prompt or answer, or pick a smaller precision")
-            raise OutOfMemoryError(f"Out of memory on {loaded.device} while generating: {hint}.") from exc
+            raise OutOfMemoryError(_out_of_memory(loaded, proposer)) from exc
         what = "Speculative decoding" if proposer is not None else "Generation"
         raise EngineError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
     finally:
         events.close()  # a client that stopped reading: its request ends before the loan does
         lent.close()
+
+
+def _out_of_memory(loaded: "LoadedModel", proposer) -> str:
+    hint = ("use a smaller draft or fewer draft tokens" if proposer is not None else
+            "shorten the prompt or answer, or pick a smaller precision")
+    return f"Out of memory on {loaded.device} while generating: {hint}."
 
 
 def alone(**limits) -> CoreSettings:

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from engine.base.cancel import CancelToken
-from engine.base.errors import EngineError, InvalidRequestError, is_out_of_memory, request_failed
+from engine.base.errors import OUT_OF_MEMORY, EngineError, InvalidRequestError, is_out_of_memory, request_failed
 from engine.base.events import Finished, GenerationEvent, StepCompleted, TokenGenerated
 from engine.base.request import GenerationRequest
 from engine.base.units import format_bytes, kv_dtype_label
@@ -204,6 +204,7 @@ class EngineService:
     def run(self) -> None:
         """Step the core until stopped. Should the core itself fail beyond repair (a fresh one can't
         be made), the service stops taking requests and every caller hears so, never left waiting."""
+        self._end_step_under_way()
         with self._lock:
             self._running = True
         try:
@@ -229,16 +230,21 @@ class EngineService:
                 self._lock.notify_all()
 
     def reopen(self) -> None:
-        """Take requests again after a stop (the window's prompts, once its server has stopped)."""
+        """Take requests again after a stop (a server's start on a model's service, the window's
+        prompts once it has stopped); what it counts (requests served, the traffic's clock)
+        starts again."""
         with self._lock:
             if self._running:
                 raise EngineError("The engine service still runs: stop it first.")
             self._accepting = True
             self._stopped.clear()
+            self._ends.clear()
+        self.started, self.served = time.perf_counter(), 0  # a server's figures count from its start
 
     def reconfigure(self, settings: CoreSettings, max_waiting: int | None = None) -> None:
         """New limits for this idle service's core (a server's batch and budget, or the window's
         one request at a time): the same runner and caches, the prefix cache's kept blocks kept."""
+        self._end_step_under_way()
         self.core.reconfigure(settings)
         self.settings = self.core.settings
         self.max_waiting = max_waiting or self.max_waiting
@@ -253,6 +259,7 @@ class EngineService:
         with self._lock:
             if self._running:
                 raise EngineError("The model is serving: its core is lent only when the server has stopped.")
+        self._end_step_under_way()
         core, before, ahead = self.core, self.settings, self.core.proposer
         with core.borrowed(settings, proposer):  # a busy core raises here, and nothing is lent
             try:
@@ -266,8 +273,8 @@ class EngineService:
                     self._inbox.clear()
                     self._tickets.clear()
                     self._waiting = 0
-                if self.core is not core:  # a failed step replaced it under the borrowed limits
-                    self.core = EngineCore(self.loaded, before, proposer=ahead)
+                if self.core is not None and self.core is not core:  # a failed step replaced it: the
+                    self.core.reconfigure(before, proposer=ahead)  # fresh one, back to the model's limits
 
     # -- a client stepping the core on its own thread ----------------------------------------
     def answer(self, request: GenerationRequest, cancel: CancelToken | None = None,
@@ -320,14 +327,26 @@ class EngineService:
                 step = self._under_way = self._stepping(one_by_one=True)
                 for _ in step:  # each event read as the core makes it
                     yield from read(ending=False)
-                step = self._under_way = None
+                if self._under_way is step:  # (another reader may have finished it and begun its own)
+                    self._under_way = None
+                step = None
         finally:
-            if step is not None:  # the reader left mid-step: the step ends for every request in it
-                self._end_step_under_way()
+            if step is not None:  # the reader left mid-step: its step ends for every request in it
+                for _ in step:
+                    pass
+                if self._under_way is step:
+                    self._under_way = None
             if not ticket.ended:  # the client stopped reading: its request ends, its cache freed
                 ticket.abort()
                 while not ticket.ended and not self.running and self.turn() is not None:
                     pass
+
+    @property
+    def ready(self) -> bool:
+        """Idle, open and whole: its core holds no request, takes new ones, and no thread runs it."""
+        with self._lock:
+            return (self._accepting and not self._running and not self._inbox and not self._tickets
+                    and self.core is not None and self.core.idle)
 
     @property
     def running(self) -> bool:
@@ -414,8 +433,8 @@ class EngineService:
             waiting = list(self._inbox)
             self._inbox.clear()
         for ticket in waiting:
-            ticket.ended = True
             self._send(ticket, Rejected(NotServingError(message)))
+            ticket.ended = True
         now, clock = self._now(), time.perf_counter()
         for rid, ticket in list(self._tickets.items()):  # ended as a step ends them: callers, listeners, the count
             self._deliver(failed_event(rid, message, total_s=clock - ticket.arrived), now)
@@ -424,8 +443,8 @@ class EngineService:
         with self._lock:
             self._inbox.remove(ticket)
             self._lock.notify_all()
-        ticket.ended = True
         self._send(ticket, Rejected(error))
+        ticket.ended = True
 
     def _step(self) -> StepCompleted | None:
         """One step, every event delivered after it (the server's loop, a batch's turn)."""
@@ -492,8 +511,8 @@ class EngineService:
                 self._tickets.pop(rid, None)
                 self._ends.append(time.monotonic())
             self.served += 1
-            ticket.ended = True
             self._send(ticket, event)
+            ticket.ended = True  # (after: a reader on another thread stops once it has its end)
             return
         if isinstance(event, TokenGenerated) and ticket.token_texts:
             try:
@@ -538,7 +557,7 @@ class EngineService:
         error, and a fresh core takes the next ones (the old one's state is not to be trusted)."""
 
         log.exception("engine step failed")
-        message = (f"Out of memory on {self.loaded.device}: the requests in flight were too many or too long for "
+        message = (f"{OUT_OF_MEMORY} {self.loaded.device}: the requests in flight were too many or too long for "
                    "this machine; shorten them, run fewer at once, or pick a smaller precision."
                    if is_out_of_memory(exc) else f"The engine failed: {type(exc).__name__}: {exc}")
         now, clock = self._now(), time.perf_counter()

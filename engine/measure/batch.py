@@ -5,11 +5,12 @@ at batch B the same read makes B tokens, so until compute runs out the aggregate
 grows almost B-fold while each request's own speed barely drops. The cost is memory: each
 sequence has its own KV cache.
 
-Every prompt is a request of the engine core (engine/generation/core.py), all submitted together: the
-core reads the prompts, then decodes one token for every sequence per step in one forward
-pass (the fast path's paged cache, or transformers' forward over a left-padded batched cache),
-so each sequence's greedy tokens equal those of running it alone. A finished sequence (end
-of sequence, stop string, its own limit) leaves the batch and its cache is freed at once.
+Every prompt is a request of the model's engine service (engine/generation/service.py), all
+submitted together and stepped here, one step a turn: the core reads the prompts, then decodes one
+token for every sequence per step in one forward pass (the fast path's paged cache, or transformers'
+forward over a left-padded batched cache), so each sequence's greedy tokens equal those of running
+it alone. A finished sequence (end of sequence, stop string, its own limit) leaves the batch and its
+cache is freed at once.
 """
 
 from __future__ import annotations
@@ -42,15 +43,17 @@ def stream_batch(loaded: "LoadedModel", request: GenerationRequest, prompts: lis
     if loaded.model is None:
         raise EngineError("This model was unloaded: load it again to generate.")
     request = request.validated()
+    out_of_memory = (f"Out of memory on {loaded.device} at batch {len(prompts)}: every sequence has its own KV "
+                     "cache; use a smaller batch, fewer tokens or a smaller precision.")
     try:
         yield from _run_on_service(loaded, request, [list(p) for p in prompts], cancel or CancelToken(), service)
+    except OutOfMemoryError as exc:  # the service's words are for every request in flight: the batch's
+        raise OutOfMemoryError(out_of_memory) from exc
     except EngineError:
         raise
     except Exception as exc:
         if is_out_of_memory(exc):
-            raise OutOfMemoryError(
-                f"Out of memory on {loaded.device} at batch {len(prompts)}: every sequence has its own KV "
-                "cache; use a smaller batch, fewer tokens or a smaller precision.") from exc
+            raise OutOfMemoryError(out_of_memory) from exc
         raise EngineError(f"Batched generation failed: {type(exc).__name__}: {exc}") from exc
 
 
@@ -77,18 +80,23 @@ def _batch(service: EngineService, request: GenerationRequest, prompts: list[lis
     batch = len(prompts)
     start = time.perf_counter()
     service.core.probe.reset_peak()
+    service.core.upkeep.memory(fresh=True)  # the first step's memory sample after the reset
     # a batch shows each step's tokens, never their alternatives: not worked out (at 16 rows, 16
     # cold passes over a step's scores, a visible share of a quantized step)
     request = replace(request, reuse_prefix=False, top_alternatives=0)
     arrived: list[tuple[int, object]] = []  # (row, event), as the service hands them over
+    # each row its own cancel token (one failing row ends alone), the batch's cancel passed to all
     tickets = [service.submit(Ticket(request, lambda event, row=i: arrived.append((row, event)), prompt_ids=prompt,
-                                     cancel=cancel, token_texts=False)) for i, prompt in enumerate(prompts)]
+                                     token_texts=False)) for i, prompt in enumerate(prompts)]
     finals: dict[int, Finished] = {}
     latencies: list[float] = []
     fullest = watched = None
     while not all(t.ended for t in tickets):
         # the first decode step, every row in it: its activations read from the allocator (and
         # its time left out of the decode figures, as the watch slows it on the CPU)
+        if cancel.cancelled:
+            for ticket in tickets:
+                ticket.abort()
         step = service.turn(watch=len(latencies) == 1)
         if step is None and not arrived and not all(t.ended for t in tickets):
             raise EngineError("The engine service lost requests of this batch.")

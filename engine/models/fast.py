@@ -577,9 +577,10 @@ def _decode_step(d: FastDecoder, key_pools: list[torch.Tensor], value_pools: lis
     """One decode step of one sequence (one token at ``position``, a 1-element tensor), its cache
     the blocks ``table`` [1, W] names in the pool. What the compiled step is exported from
     (engine/generation/compiled_step.py): the pool's blocks, the table's width and the rotary
-    tables' length are its varying sizes, dynamic dimensions of one build. With
-    ``d.step_attention`` the attention is the kernels' (it reads the blocks up to ``position``
-    only, in a fraction of the matmuls' time: docs/benchmarks.md, "A batched step's parts"); else two matmuls over a copy of the table's blocks, masked past ``position``."""
+    tables' length are its varying sizes, dynamic dimensions of one build. With ``d.step_attention``
+    the attention is the kernels' (it reads the blocks up to ``position`` only, in a fraction of the
+    matmuls' time: docs/benchmarks.md, "A batched step's parts"); else two matmuls over a copy of
+    the table's blocks, masked past ``position``."""
     block_tokens = key_pools[0].shape[2]
     cos, sin = cos_table.index_select(2, position), sin_table.index_select(2, position)
     tables = split_table(d, table)

@@ -87,7 +87,8 @@ class ServerMetrics:
         self._labels = labels
         self._times: dict[int, list[float]] = {}
         """Each unfinished request's first and latest token, seconds since its arrival."""
-        service.listen(self.on_event)
+        self.close = service.listen(self.on_event)
+        """Stop hearing the service (it outlives its server: it is the model's)."""
 
     def on_event(self, event) -> None:
         if isinstance(event, TrafficStep):

@@ -193,6 +193,7 @@ class Server:
             self.service.join(30)
             if self._history is not None:
                 self._history.close()
+            self.app.state.metrics.close()
             self.socket.close()
 
     def stop(self, drain: bool = True, timeout: float = 60.0) -> bool:

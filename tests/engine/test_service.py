@@ -83,3 +83,22 @@ def test_one_error_shape_names_scores_that_stopped_being_finite():
     other = failed_event(2, "The engine failed: boom")
     assert isinstance(request_failed(nan), NonFiniteError) and request_failed(nan).finished is nan
     assert type(request_failed(other)) is RequestFailedError and str(request_failed(other)) == other.error
+
+
+def test_answers_read_in_turn_one_event_each_stay_right(loaded_llama):
+    """Two readers on one thread taking turns, an event each: a step one of them paused runs to its
+    end before the other steps, so neither answer loses or repeats a token."""
+    requests = [greedy(CORPUS[0], 10), greedy(CORPUS[1], 7)]
+    service = EngineService(loaded_llama, CoreSettings(max_batch=4))
+    readers = [service.answer(r) for r in requests]
+    read: list[list] = [[], []]
+    while readers[0] is not None or readers[1] is not None:
+        for i, reader in enumerate(readers):
+            if reader is not None:
+                event = next(reader, None)
+                if event is None:
+                    readers[i] = None
+                else:
+                    read[i].append(event)
+    assert [tokens_of(r) for r in read] == [alone(loaded_llama, r) for r in requests]
+    assert service.core.idle and service.ready

@@ -89,7 +89,8 @@ def test_no_import_cycle_between_the_engines_parts():
                 edges.setdefault(group(name), set()).add(group(target))
     assert cycles(edges) == []
     assert "base" not in edges  # and everything may import it
-    assert not [part for part, targets in edges.items() if "cli" in targets]  # the command line is a client, never a part
+    # the command line is a client, never a part
+    assert not [part for part, targets in edges.items() if "cli" in targets]
     assert edges["models"].isdisjoint({"generation", "serve", "measure"})  # a loaded model is plain data
 
 
@@ -243,4 +244,3 @@ def test_no_docstring_quotes_one_runs_timings():
     assert timings("took ~0.12 ms of a 7.7 ms step; 28 → 17.5 tokens/s, 20-26 µs") == ["~0.12 ms", "7.7 ms",
                                                                                       "28 → 17.5 tokens/s", "20-26 µs"]
     assert timings('the title reads "184 ms"; a 2 × 2 grid, 1.8× as long') == []
-
