@@ -25,7 +25,7 @@ from engine.models.model import LoadedModel
 from engine.estimates.hardware import THIS_MACHINE, this_machine
 from engine.measure.sweep import ceiling_for, estimate_for, profile_for, record_points, run_sweep
 from engine.generation.speculative import load_draft, parse_draft
-from engine.generation.service import NotServingError, Ticket, Token
+from engine.generation.service import NotServingError, Ticket
 from engine.storage.history import remember
 
 if TYPE_CHECKING:
@@ -472,8 +472,9 @@ class ServeDoor:
             service, emit = self._service, self._emit
 
         def sink(event) -> None:
-            emit(Tagged(tag, event.event if isinstance(event, Token) else event))
-        service.submit(Ticket(request, sink, client="window", endpoint="window", cancel=cancel))
+            emit(Tagged(tag, event))
+        # the window reads each token's text piece: no token's text alone is worked out for it
+        service.submit(Ticket(request, sink, client="window", endpoint="window", cancel=cancel, token_texts=False))
         return tag
 
 

@@ -308,7 +308,7 @@ class EngineService:
                     yield event
                     return
                 if not isinstance(event, Accepted):
-                    yield event.event if isinstance(event, Token) else event
+                    yield event  # (its tokens as they are: the ticket asks for no texts)
 
         step = None  # a step under way on this thread, paused while its events are read
         try:
