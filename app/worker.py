@@ -19,12 +19,13 @@ from engine.base.cancel import CancelToken
 from engine.base.errors import EngineError, request_failed
 from engine.base.events import BatchStep, DraftVerified, Finished, LoadProgress, TokenGenerated
 from engine.estimates.estimate import config_for, fits_beside_loaded, predict
-from engine.jobs import GenerateJob, JobContext, ServeDoor, Tagged
+from engine.jobs import JobContext, Tagged
 from engine.models.devices import available_devices
 from engine.models.loading import load_model
 from engine.models.model import release_free_memory
 from engine.models.sources import list_models
-from engine.generation.service import Accepted, NotServingError, Rejected, RequestEvent, TrafficStep
+from engine.generation.service import Accepted, Rejected, RequestEvent, TrafficStep
+from engine.prompts import Failed, PromptDoor, PromptJob
 
 
 BATCH_S = 0.02
@@ -51,6 +52,7 @@ class EngineWorker(QObject):
         super().__init__()  # no parent: moveToThread needs a parentless object
         self._model = None
         self._kept: dict = {}  # what jobs keep between them (a speculative draft)
+        self.door = PromptDoor()  # the window's prompts' way into the model's engine service
 
     @Slot()
     def yield_to_the_gui(self) -> None:
@@ -166,7 +168,7 @@ class EngineWorker(QObject):
                 flush()
 
         try:
-            result = job.run(JobContext(self._model, cancel, emit, self._kept))
+            result = job.run(JobContext(self._model, cancel, emit, self._kept, self.door))
         except Exception as exc:  # errors cross the thread as data
             flush()
             self.job_failed.emit(job_id, exc)
@@ -250,10 +252,12 @@ class ModelSession(QObject):
         """Jobs not yet ended: id → (job, its cancel token)."""
         self.running: int | None = None
         """The id of the job running now."""
-        self.door: ServeDoor | None = None
-        """The serving core's door while this model serves (set by whoever runs the ServeJob)."""
+        self.door = self.worker.door
+        """The model's door for the window's prompts (engine/prompts.py)."""
         self._asked: dict[object, tuple[int, CancelToken, list]] = {}
-        """Prompts asked through the door: its tag → (their id, cancel token, events not yet sent)."""
+        """Prompts asked at the door: their tag → (their id, cancel token, events not yet sent)."""
+        self._ended: dict[int, tuple[Signal, object]] = {}
+        """Asked prompts' ends heard while their own job runs: said once it has ended."""
         self.thread.start()
 
     # -- jobs ------------------------------------------------------------------------
@@ -267,31 +271,28 @@ class ModelSession(QObject):
         return job_id
 
     def ask(self, request) -> int:
-        """``request`` answered by this model, through its engine service whether it serves or not
-        (the same service, tokenizer, queue and error shape; the same prefix cache). Only who
-        steps it differs: not serving, a :class:`GenerateJob` on the model's engine thread;
-        serving, the server's loop on that thread, beside the HTTP clients' requests. Returns an
-        id the ``job_*`` signals carry, as :meth:`submit` does."""
-        door = self.door
-        if door is None or not door.is_open:
-            return self.submit(GenerateJob(request))
+        """``request`` answered by this model's engine service (engine/prompts.py): while a server
+        runs, beside the HTTP clients' requests; otherwise by a :class:`PromptJob` of its own
+        queued behind the jobs before it, whose id it takes, so it waits, starts and ends as any
+        job does. The same service, tokenizer, queue and error shape either way. Returns an id
+        the ``job_*`` signals carry, as :meth:`submit` does."""
         cancel = CancelToken()
         try:
-            tag = door.submit(request, cancel)
-        except NotServingError:  # the server is stopping: the prompt waits for the engine thread instead
-            return self.submit(GenerateJob(request))
-        except EngineError as exc:  # a full queue: said as the job's failure, once the caller holds the id
-            error, tag = exc, None
-        job_id, self._next_job = self._next_job, self._next_job + 1
-        if tag is None:
+            prompt, waits = self.door.ask(request, cancel)
+        except EngineError as exc:  # the server's queue is full: said as a failure once the caller holds the id
+            job_id, self._next_job, error = self._next_job, self._next_job + 1, exc
             QTimer.singleShot(0, self, lambda: self.job_failed.emit(job_id, error))
+            return job_id
+        if waits:
+            job_id = self.submit(PromptJob(prompt))
         else:
-            self._asked[tag] = (job_id, cancel, [])
+            job_id, self._next_job = self._next_job, self._next_job + 1
+        self._asked[prompt.tag] = (job_id, cancel, [])
         return job_id
 
     def cancel(self, job_id: int | None) -> None:
-        """Stop a job (running: at its next token; waiting: it ends as soon as it starts), or a
-        prompt asked through the serving core (at its next step)."""
+        """Stop a job (running: at its next token; waiting: it ends as soon as it starts), or an
+        asked prompt (at its next step)."""
         if job_id in self.jobs:
             self.jobs[job_id][1].cancel()
         for asked, cancel, _ in self._asked.values():
@@ -300,8 +301,8 @@ class ModelSession(QObject):
 
     @Slot(int, object)
     def _on_worker_events(self, job_id: int, events: tuple) -> None:
-        """A job's events on to its listeners, but a prompt asked through the serving core gets
-        its own (they travel among the serve job's, tagged)."""
+        """A job's events on to its listeners, but an asked prompt's go to its own id (they travel
+        tagged among the events of the job that steps the service: a server, a PromptJob)."""
         if not self._asked:
             self.job_events.emit(job_id, events)
             return
@@ -322,19 +323,22 @@ class ModelSession(QObject):
         asked, _, pending = self._asked[tag]
         if isinstance(event, Accepted):
             return
-        if isinstance(event, Rejected):
-            del self._asked[tag]
-            self.job_failed.emit(asked, event.error)
-        elif isinstance(event, Finished):
-            del self._asked[tag]
-            if pending:
-                self.job_events.emit(asked, tuple(pending))
-            if event.reason == "error":  # the shape a GenerateJob's failure has too
-                self.job_failed.emit(asked, request_failed(event))
-            else:
-                self.job_finished.emit(asked, event)
-        else:
+        if not isinstance(event, (Rejected, Failed, Finished)):
             pending.append(event)
+            return
+        del self._asked[tag]
+        if pending:
+            self.job_events.emit(asked, tuple(pending))
+        if isinstance(event, (Rejected, Failed)):
+            ended = (self.job_failed, event.error)
+        elif event.reason == "error":  # raised as generate() raises it, the run so far in it
+            ended = (self.job_failed, request_failed(event))
+        else:
+            ended = (self.job_finished, event)
+        if asked in self.jobs:  # its own job still runs: said once that has ended, as any job's end is
+            self._ended[asked] = ended
+        else:
+            ended[0].emit(asked, ended[1])
 
     def waiting(self) -> list[int]:
         """Ids of the jobs waiting for the running one, in order."""
@@ -362,15 +366,29 @@ class ModelSession(QObject):
         self._on_ended(job_id, self.job_failed, exc)
 
     def _on_ended(self, job_id: int, signal, payload) -> None:
-        self.jobs.pop(job_id, None)
+        job, _ = self.jobs.pop(job_id, (None, None))
         if self.running == job_id:
             self.running = None
-        signal.emit(job_id, payload)
-        if self._asked and (self.door is None or not self.door.is_open):  # the server ended under them
-            for tag, (asked, _, _) in list(self._asked.items()):
-                del self._asked[tag]
-                self.job_failed.emit(asked, EngineError("The server stopped before this answer finished."))
+        if not isinstance(job, PromptJob):
+            signal.emit(job_id, payload)
+        elif job_id in self._ended:  # its prompt's end, not the job's
+            signal, payload = self._ended.pop(job_id)
+            signal.emit(job_id, payload)
+        self._unanswered(payload if signal is self.job_failed else None)
         self.queue_changed.emit()
+
+    def _unanswered(self, error: Exception | None) -> None:
+        """Asked prompts nothing will answer any more fail: neither in a running server's service
+        nor waiting at the door for their own job (the server ended under them, the job could
+        not run)."""
+        if not self._asked or self.door.is_open:
+            return
+        queued = {job.prompt.tag for job, _ in self.jobs.values() if isinstance(job, PromptJob)}
+        for tag, (asked, _, _) in list(self._asked.items()):
+            if tag not in queued:
+                self.door.drop(tag)
+                del self._asked[tag]
+                self.job_failed.emit(asked, error or EngineError("The engine stopped before this answer finished."))
 
     # -- the model -------------------------------------------------------------------
     def load(self, request) -> None:
@@ -388,6 +406,8 @@ class ModelSession(QObject):
         """Cancel whatever runs or waits, end the thread; ``False`` if it did not end in time."""
         self.cancel_load()
         for _, cancel in self.jobs.values():
+            cancel.cancel()
+        for _, cancel, _ in self._asked.values():
             cancel.cancel()
         self.thread.quit()
         if not self.thread.wait(timeout_ms):

@@ -1,8 +1,10 @@
 """The kinds of work a loaded model does for the app, one small frozen dataclass each.
 
 A job runs in the model's engine thread with a :class:`JobContext`: the model, the job's cancel
-token, ``emit`` for its events as they happen (batched to the GUI by the worker) and ``keep``, a
-place for what should outlive one job (a speculative draft). ``run`` returns the job's typed
+token, ``emit`` for its events as they happen (batched to the GUI by the worker), ``keep``, a
+place for what should outlive one job (a speculative draft), and ``door``, where the window's
+prompts wait for the model (engine/prompts.py: a prompt is a job of its own, or joins a
+running server's batch). ``run`` returns the job's typed
 result or raises. The app's session (app/worker.py) queues jobs per model and knows nothing of
 their kinds: a new kind of job is a new class here, and nothing else changes.
 """
@@ -25,13 +27,13 @@ from engine.models.model import LoadedModel
 from engine.estimates.hardware import THIS_MACHINE, this_machine
 from engine.measure.sweep import ceiling_for, estimate_for, profile_for, record_points, run_sweep
 from engine.generation.speculative import load_draft, parse_draft
-from engine.generation.service import NotServingError, Ticket
 from engine.storage.history import remember
 
 if TYPE_CHECKING:
     from engine.generation.service import EngineService
     from engine.measure.quality import QualityReport, Reference
     from engine.measure.sweep import SweepPoint, SweepSkip
+    from engine.prompts import PromptDoor
     from engine.serve.protocol import Defaults
 
 
@@ -42,6 +44,8 @@ class JobContext:
     emit: Callable[[object], None]
     keep: dict = field(default_factory=dict)
     """Kept by the worker from one job to the next while the model stays loaded."""
+    door: "PromptDoor | None" = None
+    """The model's door for the window's prompts (engine/prompts.py)."""
 
 
 @dataclass(frozen=True)
@@ -78,28 +82,6 @@ def using_model_service(ctx: JobContext) -> Iterator["EngineService | None"]:
         if service is not None and not service.ready:
             ctx.keep.pop("service", None)
         raise
-
-
-@dataclass(frozen=True)
-class GenerateJob:
-    """One answer, token by token: emits ``Prefilled``, ``TokenGenerated``…; returns the
-    ``Finished`` (a run that fails raises ``RequestFailedError``, which carries the run so far)."""
-
-    request: GenerationRequest
-    kind: ClassVar[str] = "generation"
-
-    def run(self, ctx: JobContext) -> Finished:
-        """Through the model's engine service (made at the first prompt, kept while the model stays
-        loaded), stepped on this thread: its prefix cache holds the earlier prompts and answers,
-        so a chat's next turn copies the KV of the conversation so far."""
-        final = None
-        with using_model_service(ctx) as service:
-            for event in generate(ctx.model, self.request, ctx.cancel, service=service):
-                if isinstance(event, Finished):
-                    final = event
-                else:
-                    ctx.emit(event)
-        return final
 
 
 @dataclass(frozen=True)
@@ -437,47 +419,6 @@ class Served:
     requests: int
 
 
-class ServeDoor:
-    """The app's own door onto a serving core: a request submitted here joins the batch beside
-    the HTTP clients' (one core, two doors); its events come back as the serve job's events,
-    ``Tagged(("window", n), event)``. Thread-safe; open only while the server runs."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._service = None
-        self._emit = None
-        self._next = 1
-
-    def open(self, service, emit) -> None:
-        with self._lock:
-            self._service, self._emit = service, emit
-
-    def close(self) -> None:
-        with self._lock:
-            self._service = self._emit = None
-
-    @property
-    def is_open(self) -> bool:
-        with self._lock:
-            return self._service is not None
-
-    def submit(self, request: GenerationRequest, cancel: CancelToken) -> tuple[str, int]:
-        """Queue ``request`` in the serving core; returns its tag. Raises ``NotServingError`` when
-        the server is not (or no longer) running, ``QueueFullError`` when its queue is full."""
-
-        with self._lock:
-            if self._service is None:
-                raise NotServingError("The server is not running.")
-            tag, self._next = ("window", self._next), self._next + 1
-            service, emit = self._service, self._emit
-
-        def sink(event) -> None:
-            emit(Tagged(tag, event))
-        # the window reads each token's text piece: no token's text alone is worked out for it
-        service.submit(Ticket(request, sink, client="window", endpoint="window", cancel=cancel, token_texts=False))
-        return tag
-
-
 @dataclass(frozen=True)
 class ServeJob:
     """The model behind the OpenAI-compatible API (engine/serve) until cancelled: emits
@@ -488,7 +429,6 @@ class ServeJob:
     settings: object
     """engine.serve.server.ServeSettings"""
     stop_now: CancelToken = field(default_factory=CancelToken, compare=False)
-    door: ServeDoor = field(default_factory=ServeDoor, compare=False)
     kind: ClassVar[str] = "serving"
 
     def run(self, ctx: JobContext) -> Served:
@@ -511,9 +451,10 @@ class ServeJob:
         try:
             ceilings = tuple((b, c) for b in sorted({1, 2, 4, 8, 16, 32, 64, settings.max_batch})
                              if b <= settings.max_batch and (c := ceiling_for(ctx.model, b, 512)) is not None)
-            # the door opens before anyone hears of the start: the window submits once it has
-            # (opened after, a prompt sent at once on a busy machine met a closed door)
-            self.door.open(server.service, ctx.emit)
+            # the window's prompts join the served batch; the door opens before anyone hears of the
+            # start (opened after, a prompt sent at once on a busy machine waited for the server's end)
+            if ctx.door is not None:
+                ctx.door.open(server.service, ctx.emit)
             info = ctx.model.info
             ctx.emit(ServerStarted(server.url, server.model_name, settings.max_batch, settings.kv_budget_bytes,
                                    bool(self.settings.api_key), ceilings, server.defaults,
@@ -522,7 +463,8 @@ class ServeJob:
             server.run_core()
             requested = ctx.cancel.cancelled
         finally:
-            self.door.close()
+            if ctx.door is not None:
+                ctx.door.close()
             ctx.cancel.cancel()  # the watcher ends too
             ended = server.stop(drain=False, timeout=30)
             stop_listening()

@@ -28,7 +28,7 @@ from engine.base.request import GenerationRequest
 from engine.base.sampling import SamplingParams
 from engine.base.units import format_bytes, format_rate, format_seconds, kv_dtype_label
 from engine.endpoint.source import is_endpoint
-from engine.jobs import GenerateJob, ScoreJob
+from engine.jobs import ScoreJob
 from engine.measure.compare import LaneRun, LaneSpec
 from engine.models.loading import LoadRequest
 from engine.models.precision import KV_DTYPES, PRECISIONS
@@ -309,7 +309,7 @@ class LaneWidget(QFrame):
         self._rendered = 0
         self.generating = True
         self._update_state()
-        self.job = self.session.submit(GenerateJob(request))
+        self.job = self.session.ask(request)
 
     def stop(self) -> None:
         self.session.cancel(self.job)

@@ -235,7 +235,6 @@ class ServerPanel(QWidget):
             return
         self.log.clear()
         self._job = ServeJob(settings)
-        self.session.door = self._job.door  # the window's prompts join the served batch while it serves
         self.job = self.session.submit(self._job)
         self._say("Starting…")
         self._update()
@@ -312,7 +311,6 @@ class ServerPanel(QWidget):
 
     def _ended(self, message: str, error: bool = False) -> None:
         self.job, self._job, self.started, self._stopping = None, None, None, False
-        self.session.door = None
         self.url.clear()
         self.defaults.clear()
         for view in self._example_views.values():

@@ -2,7 +2,7 @@
 with its events complete; a waiting job can be cancelled; the session says what runs and waits."""
 
 from engine.base.events import BatchStep, Finished, Prefilled, TokenGenerated
-from engine.jobs import GenerateJob, ScoreJob, Scored, SweepJob, SweepResult, Tagged, TokenizeJob, Tokenized
+from engine.jobs import ScoreJob, Scored, SweepJob, SweepResult, Tagged, TokenizeJob, Tokenized
 from engine.models.loading import LoadRequest
 from engine.base.request import GenerationRequest
 from engine.measure.sweep import SweepPoint
@@ -31,10 +31,10 @@ def test_a_generation_a_comparison_and_a_sweep_queued_on_one_model(qtbot, tiny_l
     session = _session(qtbot, tiny_llama)
     log = _record(session)
     request = GenerationRequest("The quick brown fox", mode="raw", max_new_tokens=12, ignore_eos=True)
-    answer = GenerateJob(request)
-    lanes = [GenerateJob(request), ScoreJob(request, (5, 6, 7))]  # a comparison lane: its answer, then scoring
     sweep = SweepJob(GenerationRequest("fox", mode="raw", max_new_tokens=3, ignore_eos=True), (1, 2))
-    ids = [session.submit(job) for job in (answer, *lanes, sweep)]
+    # the window's prompt, a comparison lane's (its answer, then scoring), a sweep
+    ids = [session.ask(request), session.ask(request), session.submit(ScoreJob(request, (5, 6, 7))),
+           session.submit(sweep)]
     assert session.busy and session.waiting()[-3:] == ids[1:]
     with qtbot.waitSignal(session.job_finished, timeout=120_000, check_params_cb=lambda job, _: job == ids[-1]):
         pass
@@ -78,7 +78,7 @@ def test_a_cancelled_waiting_job_ends_without_running_and_the_next_one_runs(qtbo
     log = _record(session)
     long = GenerationRequest("fox", mode="raw", max_new_tokens=100_000, ignore_eos=True)
     short = GenerationRequest("fox", mode="raw", max_new_tokens=3, ignore_eos=True)
-    first, second, third = (session.submit(GenerateJob(r)) for r in (long, short, short))
+    first, second, third = (session.ask(r) for r in (long, short, short))
     qtbot.waitUntil(lambda: session.running == first, timeout=30_000)
     assert session.describe(first) == "generation" and session.waiting() == [second, third]
     session.cancel(second)
@@ -97,7 +97,7 @@ def test_a_job_without_a_model_fails_with_a_message(qtbot):
 
     session = ModelSession("empty")
     with qtbot.waitSignal(session.job_failed, timeout=10_000) as blocker:
-        job = session.submit(GenerateJob(GenerationRequest("fox", mode="raw")))
+        job = session.submit(TokenizeJob(GenerationRequest("fox", mode="raw")))
     assert blocker.args[0] == job and "No model is loaded" in str(blocker.args[1])
     assert not session.busy
     assert session.shutdown()
@@ -163,3 +163,60 @@ def test_the_session_keeps_its_queue_in_the_gui_thread(qtbot, tiny_llama, monkey
         session.submit(TokenizeJob(GenerationRequest("fox", mode="raw")))
     assert booked == [threading.main_thread()] and not session.busy
     session.shutdown()
+
+
+def test_an_asked_prompt_waits_behind_a_sweep_and_is_never_taken_into_its_batch(qtbot, tiny_llama, tmp_path,
+                                                                                monkeypatch):
+    """A prompt asked while a sweep holds the model's engine service on loan waits at the door, is
+    seen waiting as its job, and is answered alone once the sweep ends: the sweep's batches hold
+    its own requests only."""
+    monkeypatch.setenv("INFERENCE_WORKBENCH_DATA", str(tmp_path))
+    session = _session(qtbot, tiny_llama)
+    log = _record(session)
+    sweep = session.submit(SweepJob(GenerationRequest("fox", mode="raw", max_new_tokens=3, ignore_eos=True), (1, 2)))
+    asked = session.ask(GenerationRequest("The quick brown fox", mode="raw", max_new_tokens=5, ignore_eos=True))
+    assert session.waiting()[-1] == asked and session.describe(asked) == "generation"
+    with qtbot.waitSignal(session.job_finished, timeout=120_000, check_params_cb=lambda job, _: job == asked):
+        pass
+    order = [(entry[0], entry[1]) for entry in log if entry[0] != "events"]
+    assert order == [("started", sweep), ("finished", sweep), ("started", asked), ("finished", asked)]
+    steps = [e for entry in log if entry[0] == "events" and entry[1] == sweep for e in entry[2]
+             if isinstance(e, Tagged) and isinstance(e.event, BatchStep)]
+    assert {e.tag for e in steps} == {1, 2} and all(len(e.event.token_ids) == e.tag for e in steps)
+    final = next(entry[2] for entry in log if entry[0] == "finished" and entry[1] == asked)
+    events = [e for entry in log if entry[0] == "events" and entry[1] == asked for e in entry[2]]
+    assert isinstance(final, Finished) and final.reason == "length" and final.tokens == 5
+    assert isinstance(events[0], Prefilled) and [e.index for e in events[1:]] == list(range(5))
+    assert final.activation_bytes is not None and final.activation_bytes > 0  # read from the allocator
+    assert not session.busy and not session.door.waiting()
+    assert session.shutdown()
+
+
+def test_an_asked_prompt_whose_job_breaks_fails_with_why_and_the_next_is_answered(qtbot, tiny_llama, monkeypatch):
+    from engine.generation.service import EngineService
+
+    session = _session(qtbot, tiny_llama)
+    turn = EngineService.turn
+    monkeypatch.setattr(EngineService, "turn", lambda self, watch=False: 1 / 0)
+    request = GenerationRequest("The quick brown fox", mode="raw", max_new_tokens=4, ignore_eos=True)
+    with qtbot.waitSignal(session.job_failed, timeout=60_000) as blocker:
+        asked = session.ask(request)
+    assert blocker.args[0] == asked and "ZeroDivisionError" in str(blocker.args[1])
+    qtbot.waitUntil(lambda: not session.busy, timeout=10_000)
+    monkeypatch.setattr(EngineService, "turn", turn)
+    with qtbot.waitSignal(session.job_finished, timeout=60_000) as blocker:
+        again = session.ask(request)
+    assert blocker.args[0] == again and blocker.args[1].tokens == 4  # a fresh service took it
+    assert session.shutdown()
+
+
+def test_a_prompt_asked_without_a_model_fails_with_a_message_and_is_not_kept(qtbot):
+    from app.worker import ModelSession
+
+    session = ModelSession("empty")
+    with qtbot.waitSignal(session.job_failed, timeout=10_000) as blocker:
+        asked = session.ask(GenerationRequest("fox", mode="raw"))
+    assert blocker.args[0] == asked and "No model is loaded" in str(blocker.args[1])
+    qtbot.waitUntil(lambda: not session.busy, timeout=10_000)
+    assert not session.door.waiting() and not session._asked  # nothing left to be answered by a later job
+    assert session.shutdown()

@@ -381,21 +381,23 @@ def test_the_windows_door_is_open_when_the_server_says_it_started(loaded_llama):
     then (it opened just after, and a busy machine let the window in first: a closed door)."""
     from engine.base.cancel import CancelToken
     from engine.jobs import JobContext, ServerStarted, ServeJob, Tagged
+    from engine.prompts import PromptDoor
     from engine.serve.server import ServeSettings
 
     job = ServeJob(ServeSettings(port=0, history=False, kv_budget_bytes=1 << 30))
+    door = PromptDoor()
     cancel = CancelToken()
     finished = threading.Event()
     tags = []
 
     def emit(event) -> None:  # runs on the job's thread, as the window's queued slot would, at once
         if isinstance(event, ServerStarted):
-            tags.append(job.door.submit(request("The quick brown fox", 3), CancelToken()))
+            tags.append(door.ask(request("The quick brown fox", 3), CancelToken()))
         elif isinstance(event, Tagged) and isinstance(event.event, Finished):
             finished.set()
             cancel.cancel()
 
-    runner = threading.Thread(target=job.run, args=(JobContext(loaded_llama, cancel, emit),))
+    runner = threading.Thread(target=job.run, args=(JobContext(loaded_llama, cancel, emit, door=door),))
     runner.start()
     try:
         assert finished.wait(60)
@@ -403,6 +405,7 @@ def test_the_windows_door_is_open_when_the_server_says_it_started(loaded_llama):
         cancel.cancel()
         runner.join(60)
     assert len(tags) == 1 and not runner.is_alive()
+    assert tags[0][1] is False  # straight into the server's batch, not waiting at the door
 
 
 def test_a_request_being_taken_in_is_still_in_flight(loaded_llama, monkeypatch):
