@@ -16,7 +16,7 @@ from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 from app.background import yield_to_the_gui
 from engine.base.cancel import CancelToken
-from engine.base.errors import EngineError, request_failed
+from engine.base.errors import EngineError
 from engine.base.events import BatchStep, DraftVerified, Finished, LoadProgress, TokenGenerated
 from engine.estimates.estimate import config_for, fits_beside_loaded, predict
 from engine.jobs import JobContext, Tagged
@@ -24,7 +24,7 @@ from engine.models.devices import available_devices
 from engine.models.loading import load_model
 from engine.models.model import release_free_memory
 from engine.models.sources import list_models
-from engine.generation.service import Accepted, Rejected, RequestEvent, TrafficStep
+from engine.generation.service import Accepted, Rejected, RequestEvent, TrafficStep, failure
 from engine.prompts import Failed, PromptDoor, PromptJob
 
 
@@ -329,12 +329,8 @@ class ModelSession(QObject):
         del self._asked[tag]
         if pending:
             self.job_events.emit(asked, tuple(pending))
-        if isinstance(event, (Rejected, Failed)):
-            ended = (self.job_failed, event.error)
-        elif event.reason == "error":  # raised as generate() raises it, the run so far in it
-            ended = (self.job_failed, request_failed(event))
-        else:
-            ended = (self.job_finished, event)
+        error = event.error if isinstance(event, Failed) else failure(event)  # as generate() raises it
+        ended = (self.job_finished, event) if error is None else (self.job_failed, error)
         if asked in self.jobs:  # its own job still runs: said once that has ended, as any job's end is
             self._ended[asked] = ended
         else:

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from engine.base.cancel import CancelToken
-from engine.base.errors import OUT_OF_MEMORY, EngineError, InvalidRequestError, is_out_of_memory, request_failed
+from engine.base.errors import OUT_OF_MEMORY, EngineError, InvalidRequestError, is_out_of_memory
 from engine.base.events import Finished, GenerationEvent, StepCompleted, TokenGenerated
 from engine.base.request import GenerationRequest
 from engine.base.units import format_bytes, kv_dtype_label
@@ -48,6 +48,7 @@ from engine.generation.tickets import (
     Ticket,
     Token,
     TrafficStep,
+    failure,
     retry_after,
 )
 
@@ -300,11 +301,10 @@ class EngineService:
             """The events so far; the request's end only when ``ending`` (its step is over)."""
             while events and (ending or not isinstance(events[0], Finished)):
                 event = events.popleft()
-                if isinstance(event, Rejected):
-                    raise event.error
+                error = failure(event)
+                if error is not None:
+                    raise error
                 if isinstance(event, Finished):
-                    if event.reason == "error":
-                        raise request_failed(event)
                     yield event
                     return
                 if not isinstance(event, Accepted):
@@ -571,4 +571,4 @@ class EngineService:
 
 
 __all__ = ["Accepted", "EngineService", "NotServingError", "QueueFullError", "Rejected",
-           "RequestArrived", "RequestEvent", "RequestState", "Ticket", "Token", "TrafficStep"]
+           "RequestArrived", "RequestEvent", "RequestState", "Ticket", "Token", "TrafficStep", "failure"]

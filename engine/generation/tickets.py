@@ -1,8 +1,9 @@
 """What a client of the engine service (engine/generation/service.py) holds and hears: its
 :class:`Ticket` for a submitted request, the answers to a submission (:class:`Accepted`,
 :class:`Rejected`, :class:`Token`), the refusals (:class:`QueueFullError`,
-:class:`NotServingError`), and what a listener hears of the traffic (:class:`RequestArrived`,
-:class:`RequestEvent`, :class:`TrafficStep` with each request's :class:`RequestState`).
+:class:`NotServingError`), the error a request ended with (:func:`failure`), and what a
+listener hears of the traffic (:class:`RequestArrived`, :class:`RequestEvent`,
+:class:`TrafficStep` with each request's :class:`RequestState`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.base.cancel import CancelToken
-from engine.base.errors import EngineError
-from engine.base.events import StepCompleted, TokenGenerated
+from engine.base.errors import EngineError, request_failed
+from engine.base.events import Finished, StepCompleted, TokenGenerated
 from engine.base.request import GenerationRequest
 
 
@@ -59,6 +60,17 @@ class Rejected:
     """The request was refused before it ran (the error says why)."""
 
     error: EngineError
+
+
+def failure(event) -> BaseException | None:
+    """The error a request's event ends it with, for a client that raises or shows it: a refusal's
+    own, or a failed ``Finished`` as :func:`~engine.base.errors.request_failed` words it (its
+    run so far in it); ``None`` for any other event."""
+    if isinstance(event, Rejected):
+        return event.error
+    if isinstance(event, Finished) and event.reason == "error":
+        return request_failed(event)
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,13 +21,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from engine.base.cancel import CancelToken
-from engine.base.errors import EngineError, InvalidRequestError, OutOfMemoryError, is_out_of_memory, request_failed
+from engine.base.errors import EngineError, InvalidRequestError, OutOfMemoryError, is_out_of_memory
 from engine.base.events import (BatchEvent, BatchFinished, BatchStep, Finished, SequenceResult, StepCompleted,
                                 TokenGenerated)
 from engine.base.memory import MemoryProbe
 from engine.base.request import GenerationRequest
 from engine.generation.core import CoreSettings
-from engine.generation.service import EngineService, Rejected, Ticket
+from engine.generation.service import EngineService, Ticket, failure
 
 if TYPE_CHECKING:
     from engine.models.model import LoadedModel
@@ -103,13 +103,12 @@ def _batch(service: EngineService, request: GenerationRequest, prompts: list[lis
         ids: list[int | None] = [None] * batch
         texts = [""] * batch
         for row, event in arrived:
-            if isinstance(event, Rejected):
-                raise event.error
+            error = failure(event)
+            if error is not None:
+                raise error
             if isinstance(event, TokenGenerated):
                 ids[row], texts[row] = event.token_id, event.text
             elif isinstance(event, Finished):
-                if event.reason == "error":
-                    raise request_failed(event)
                 finals[row] = event
         arrived.clear()
         if step is None:
