@@ -190,8 +190,8 @@ def _streamed(event) -> bool:
 class ModelSession(QObject):
     """The GUI's handle on one model's worker thread: load, unload, and a queue of jobs.
 
-    Windows :meth:`submit` jobs (engine/jobs.py) and get an id; jobs run one at a time in the
-    order submitted, and the session says which runs and which wait (``queue_changed``), so a
+    Windows :meth:`submit` jobs (engine/jobs.py) and :meth:`ask` prompts (engine/prompts.py), and
+    get an id; jobs run one at a time in the order submitted, and the session says which runs and which wait (``queue_changed``), so a
     window never has to keep another out of the engine: a job submitted while another runs
     waits, visibly. ``job_started / job_events / job_finished / job_failed`` carry the id; a
     window listens for its own ids.

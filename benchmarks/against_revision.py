@@ -8,7 +8,7 @@ beside them: prefix caching on):
 
 1. one request alone: decode tok/s (median per-token latency after the first), target ≥ 0.97× old;
 2. sixteen requests at once: output tok/s of all (first token to last), target ≥ 1.0× old;
-3. one request as the window and ``bench`` send it (``generate()``, its alternatives included):
+3. one request as ``bench`` and the library send it (``generate()``, its alternatives included):
    tok/s as its reader receives the tokens (first to last, wall clock), target ≥ 0.97× old.
 
 Prompts differ per request (no prefix is shared, so caching can't flatter the new tree).

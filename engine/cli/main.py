@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="'default', a folder, a .gguf file, a hub id, or a served model, "
                             "endpoint:http://HOST:PORT/v1#MODEL (key from $INFERENCE_WORKBENCH_API_KEY or "
                             "$OPENAI_API_KEY) (default: %(default)s)")
-    bench.add_argument("--precision", default="fp32", choices=list(PRECISIONS))
+    bench.add_argument("--precision", default="fp32", choices=list(PRECISIONS), help="(default: %(default)s)")
     bench.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     add_kv_dtype(bench)
     _add_request_args(bench)
