@@ -365,6 +365,13 @@ class StepCompleted:
     """A watched step only (``EngineCore.watch_next``): the most its forward passes held in
     intermediate tensors at once, read from the allocator (engine/base/memory.StepAllocations);
     on the CPU its ``step_s`` is the watch's, not the model's."""
+    kv_tokens_read: int = 0
+    """Cache tokens the decode rows attended over, each row its whole context (what the
+    step-cost model of engine/estimates/step_cost.py reads)."""
+    prompt_pairs: float = 0.0
+    """Token pairs the prompt chunks attended over: each chunk token over the tokens before it."""
+    prompt_chunks: int = 0
+    """Prompt chunks read in this step (one forward pass each)."""
 
 
 @dataclass(frozen=True, slots=True)

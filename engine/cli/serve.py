@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from engine.base.errors import InvalidRequestError
 from engine.base.units import parse_numbers, parse_size
 from engine.cli.text import add_kv_dtype
 
@@ -65,6 +66,11 @@ def add_parsers(sub, precisions) -> None:
     load.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     load.add_argument("--slo", help="goodput counts requests within these, e.g. ttft:500,tpot:50 (ms)")
     load.add_argument("--seed", type=int, default=0, help="seed of the prompt order and arrival gaps")
+    load.add_argument("--predict", action="store_true",
+                      help="beside each setting, the serving simulator's prediction for it (this workbench's "
+                      "server: its model is loaded here and its steps timed once)")
+    load.add_argument("--predict-model", default="default",
+                      help="with --predict: the served model as this machine loads it (default: %(default)s)")
     load.add_argument("--json", type=Path, help="write every request's figures and the summaries here")
     load.add_argument("--csv", type=Path, help="write a row per setting here (servers line up in one sheet)")
 
@@ -127,10 +133,17 @@ def load(args) -> int:
         ignore_eos=args.ignore_eos, endpoint=args.endpoint, seed=args.seed,
         slo=parse_slo(args.slo) if args.slo else None).validated()
     prompts = read_prompts(args.prompts)
-    from engine.load.report import summary_line, summary_header, write_json  # lazy: start-up
+    from engine.load.report import predicted_line, summary_header, summary_line, write_json  # lazy: start-up
+
+    predictor = _predictor(args, plan, prompts) if args.predict else None
+
+    def said(result) -> None:
+        print(summary_line(result), flush=True)
+        if predictor is not None:
+            print(predicted_line(predictor.predict(plan, result).summary, result.summary), flush=True)
 
     print(summary_header(plan), flush=True)
-    results = LoadRunner(plan, prompts, on_result=lambda r: print(summary_line(r), flush=True)).run()
+    results = LoadRunner(plan, prompts, on_result=said).run()
     if not args.no_history:
         from engine.load.report import remember  # lazy: start-up
 
@@ -146,3 +159,16 @@ def load(args) -> int:
     return 0 if all(r.summary.completed for r in results) else 1
 
 
+def _predictor(args, plan, prompts):
+    """The simulator standing in for the server ``plan`` loads (``load --predict``)."""
+    import httpx  # lazy: start-up
+
+    from engine.estimates.predict_load import predictor_for  # lazy: the engine (torch)
+
+    headers = {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else {}
+    try:
+        listed = httpx.get(plan.url.rstrip("/") + "/models", headers=headers, timeout=10).json().get("data") or []
+    except (httpx.HTTPError, ValueError) as exc:
+        raise InvalidRequestError(f"Can't read {plan.url}/models to predict its load: {exc}") from None
+    entry = next((m for m in listed if isinstance(m, dict) and (plan.model is None or m.get("id") == plan.model)), {})
+    return predictor_for(entry.get("meta") or {}, args.predict_model, prompts, plan.endpoint)

@@ -379,7 +379,10 @@ class EngineCore:
             kv_blocks_total=self.kv.total_blocks, kv_block_tokens=self.kv.block_tokens,
             kv_blocks_shared=self.kv.shared_blocks,
             kv_pool_bytes=self.runner.storage_nbytes() if self.paged else 0,
-            activation_bytes=watch.activation_bytes if watch else None)
+            activation_bytes=watch.activation_bytes if watch else None,
+            kv_tokens_read=sum(r.computed for r in work.decoding),  # (each row's context, its new token in it)
+            prompt_pairs=sum(size * (r.prefilled - size + (size + 1) / 2) for r, size in work.chunks),
+            prompt_chunks=len(work.chunks))
 
     # -- admission and preemption -------------------------------------------------------------
     def _admit(self, r: _Request) -> Iterator[GenerationEvent]:

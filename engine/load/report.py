@@ -33,6 +33,31 @@ def summary_line(result: SettingResult) -> str:
     return line
 
 
+def predicted_line(predicted, measured=None) -> str:
+    """The serving simulator's figures for a setting (engine/estimates/simulator.py), in the
+    summary line's columns, and how far each is from what was measured."""
+    p = predicted
+    line = (f"{'  predicted':<18} {p.completed:>3}/{p.requests:<2} {p.request_throughput:>7.2f} "
+            f"{p.output_throughput:>9.1f}  {ms(p.ttft, 'median', ''):>9} {ms(p.ttft, 'p99', ''):>7} "
+            f"{ms(p.tpot, 'median', ''):>9} {ms(p.tpot, 'p99', ''):>7} {ms(p.itl, 'p99', ''):>8} "
+            f"{ms(p.e2e, 'median', ''):>8}")
+    if p.goodput is not None:
+        line += f"  {p.goodput:.2f} req/s"
+    if measured is not None:
+        parts = []
+        for name, pair in (("out tok/s", (p.output_throughput, measured.output_throughput)),
+                           ("TTFT p50", _median(p.ttft, measured.ttft)), ("TPOT p50", _median(p.tpot, measured.tpot))):
+            if pair[0] is not None and pair[1]:
+                parts.append(f"{name} {(pair[0] - pair[1]) / pair[1]:+.0%}")
+        if parts:
+            line += "\n    predicted against measured: " + ", ".join(parts)
+    return line
+
+
+def _median(predicted: dict | None, measured: dict | None) -> tuple[float | None, float | None]:
+    return (predicted or {}).get("median"), (measured or {}).get("median")
+
+
 def server_line(server) -> str:
     """What the server's /metrics said during the setting."""
     if server.kind is None:

@@ -98,6 +98,16 @@ class _BodyLimit:
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
+def engine_limits(service: EngineService) -> dict:
+    """The engine's limits as ``/v1/models`` lists them: what a serving simulator needs to plan as
+    this server schedules (engine/estimates/simulator.py ``EngineLimits``)."""
+    settings, kv = service.settings, service.core.kv
+    return {"max_batch": settings.max_batch, "token_budget": settings.token_budget,
+            "prefill_chunk": settings.prefill_chunk, "chunked_prefill": settings.chunked_prefill,
+            "kv_blocks": kv.total_blocks, "block_tokens": kv.block_tokens, "prefix_caching": kv.prefix_caching,
+            "kv_bytes_per_token": service.loaded.info.kv_bytes_per_token}
+
+
 def host_name(header: str) -> str:
     """The name part of a ``Host`` header (``[::1]:8000`` → ``::1``, ``LocalHost:80`` → ``localhost``)."""
     header = header.strip().lower()
@@ -227,7 +237,7 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
         authorize(request)
         info = service.loaded.info  # what runs it, as llama.cpp's `meta` says of its model
         meta = {"precision": info.precision, "device": info.device, "device_name": info.device_name,
-                "n_params": info.parameters, "size": info.weights_bytes}
+                "n_params": info.parameters, "size": info.weights_bytes, "engine": engine_limits(service)}
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "inference-workbench", "max_model_len": context,
                                             "meta": meta}]}

@@ -272,3 +272,53 @@ def test_a_server_without_metrics_is_said_to_have_none():
     assert detect(sglang) == "sglang" and sample(sglang, "sglang", 0).kv_usage == 0.25
     assert detect(_values("process_cpu_seconds_total 1\n")) is None and set(KINDS) == {"vllm", "sglang", "llama.cpp"}
     assert ServerState().peak("running") is None
+
+
+def test_load_predicts_each_setting_beside_what_it_measured(server, tiny_llama, capsys, monkeypatch, tmp_path):
+    """``load --predict`` against this workbench's server: the engine's limits read from its
+    /v1/models, the model loaded here and its steps timed once (kept: not timed again), each
+    setting simulated with the generator's own order and the prompts as the server tokenized them."""
+    import engine.estimates.step_cost as step_cost
+    from engine.cli import main
+
+    timed = []
+    calibrate = step_cost.calibrate
+
+    def briefly(loaded, settings, seconds=30.0):
+        timed.append(settings)
+        return calibrate(loaded, settings, 2.0)
+    monkeypatch.setattr(step_cost, "calibrate", briefly)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(p.text for p in PROMPTS))
+    args = ["load", "--url", server.url, "--concurrency", "1,3", "--requests", "3", "--max-tokens", "4",
+            "--ignore-eos", "--no-history", "--prompts", str(prompts), "--predict", "--predict-model", str(tiny_llama)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert sum(line.startswith("  predicted  ") for line in lines) == 2
+    assert sum(line.startswith("    predicted against measured: out tok/s") for line in lines) == 2
+    assert len(timed) == 1 and timed[0].max_batch == 8 and timed[0].token_budget == server.settings.token_budget
+    assert main(args) == 0  # the timing was kept for this model and these limits
+    assert len(timed) == 1 and "timing the engine's steps" not in capsys.readouterr().out
+
+
+def test_the_prediction_reads_the_prompts_as_the_server_did(server, tiny_llama):
+    import httpx
+
+    from engine.estimates.predict_load import predictor_for
+
+    meta = httpx.get(server.url + "/models").json()["data"][0]["meta"]
+    assert meta["engine"]["max_batch"] == 8 and meta["engine"]["prefix_caching"] is True
+    predictor = predictor_for(meta, str(tiny_llama), PROMPTS, "chat", progress=lambda line: None)
+    plan = LoadPlan(url=server.url, concurrency=(2,), requests=4, max_tokens=3, ignore_eos=True).validated()
+    (setting,) = LoadRunner(plan, PROMPTS).run()
+    predicted = predictor.predict(plan, setting)
+    assert [r.prompt_tokens for r in predicted.results] == [r.prompt_tokens for r in setting.results]
+    assert predicted.summary.completed == 4 and predicted.summary.output_tokens == setting.summary.output_tokens
+
+
+def test_predicting_a_server_that_lists_no_engine_says_so():
+    from engine.estimates.predict_load import predictor_for
+
+    with pytest.raises(InvalidRequestError, match="this workbench's server"):
+        predictor_for({"precision": "bf16"}, "default", PROMPTS, "chat")

@@ -1,0 +1,205 @@
+"""The serving simulator's predictions against the server itself, side by side in one run.
+
+For each precision: ``inference-workbench serve`` on the default model in a subprocess (its
+defaults: batch 16, token budget 128, prefix caching on), its compiled steps ready; the step-cost
+model calibrated in this process on the same model and limits (engine/estimates/step_cost.py
+``calibrate``, a short sweep of its own, never the runs it is checked against); then the load
+generator (engine/load) sends each setting and the simulator (engine/estimates/simulator.py)
+predicts the same setting from the same plan (the same seed: the same order and arrivals) and
+the prompts' token ids:
+
+- two workloads: the shipped short questions with 64-token answers, and the shipped long
+  documents with 32-token answers;
+- closed loops of 1, 4 and 16 users, then Poisson rates at about 30%, 60% and 90% of the
+  saturation throughput measured at 16 users;
+- ``--shared-prefix``: every prompt behind one long shared preamble (prefix caching on);
+- ``--small-kv``: a KV budget that holds a few requests' worst case, so the server preempts;
+  preemptions counted from its ``/metrics`` against the simulator's.
+
+Targets: p50 and p90 TTFT and TPOT within 15% of the load generator's, throughput within 10%,
+preemptions within ±20%. Prints the CPU flags, the step-cost model, every row and its errors.
+
+    python benchmarks/contention.py   # first, if another program may be running
+    python benchmarks/simulator.py [--precisions bf16-fast,int8-fast] [--requests 24] [--shared-prefix] [--small-kv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.preemption import cpu_flags  # noqa: E402
+from benchmarks.serve import free_port, start_server, stop, wait_healthy  # noqa: E402
+from benchmarks.serve_agreement import scrape  # noqa: E402
+
+PREAMBLE = ("You are a careful assistant for a company's internal documentation. Answer briefly, in plain "
+            "words, and say when you are not sure. ") * 12
+
+
+def ready_when_compiled(server, timeout: float = 900.0) -> None:
+    """Wait for the server's line saying its compiled steps are ready (its stderr)."""
+    done = threading.Event()
+
+    def read() -> None:
+        for line in server.stderr:
+            if b"Fast path:" in line and b"background" not in line:
+                done.set()
+    threading.Thread(target=read, daemon=True).start()
+    if not done.wait(timeout):
+        raise SystemExit("the server's compiled steps were not ready in time")
+
+
+def token_ids(loaded, prompts) -> list[list[int]]:
+    """Each prompt's token ids as the server reads it (its chat template around a user message)."""
+    from engine.base.request import GenerationRequest
+
+    return [loaded.encode(GenerationRequest(p.text)) for p in prompts]
+
+
+def run_plan(url: str, prompts, plan_args: dict):
+    from engine.load.generator import LoadPlan, LoadRunner
+
+    plan = LoadPlan(url=url, ignore_eos=True, max_duration_s=600, **plan_args).validated()
+    (setting,) = LoadRunner(plan, prompts).run()
+    return plan, setting
+
+
+def predict(plan, ids: list[list[int]], simulator):
+    """The simulator's figures for ``plan``: the same order and arrivals, each prompt's own ids (so
+    what the server found in its prefix cache is found here too: the simulator runs the settings
+    in the server's order and keeps its cache between them)."""
+    from engine.estimates.simulator import closed_loop, open_loop
+
+    if plan.concurrency:
+        workload = closed_loop(int(plan.concurrency[0]), ids, [plan.max_tokens], plan.requests, plan.seed)
+    else:
+        workload = open_loop(plan.rates[0], ids, [plan.max_tokens], plan.requests, plan.seed, plan.burstiness)
+    return simulator.run(workload)
+
+
+def error(predicted: float | None, measured: float | None) -> float | None:
+    if predicted is None or not measured:
+        return None
+    return (predicted - measured) / measured
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--precisions", default="bf16-fast,int8-fast")
+    parser.add_argument("--requests", type=int, default=24, help="requests per setting (16 users: at least 48)")
+    parser.add_argument("--calibrate-seconds", type=float, default=30.0)
+    parser.add_argument("--shared-prefix", action="store_true", help="every prompt behind one shared preamble")
+    parser.add_argument("--small-kv", action="store_true", help="a KV budget small enough to preempt")
+    args = parser.parse_args()
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+    from engine.estimates.simulator import EngineLimits, ServingSimulator
+    from engine.estimates.step_cost import calibrate
+    from engine.generation.compiled_step import compile_decoder
+    from engine.generation.core import CoreSettings
+    from engine.load.prompts import Prompt, read_prompts
+    from engine.models.loading import LoadRequest, load_model
+
+    shipped = read_prompts()
+    workloads = [("short questions, 64-token answers", [p for p in shipped if p.kind == "short"], 64),
+                 ("long documents, 32-token answers", [p for p in shipped if p.kind == "long"], 32)]
+    if args.shared_prefix:
+        workloads = [(f"{name}, behind a shared preamble", [Prompt(PREAMBLE + p.text, p.kind) for p in prompts],
+                      tokens) for name, prompts, tokens in workloads[:1]]
+    print(f"CPU flags: {cpu_flags()}")
+    rows = []
+    for precision in args.precisions.split(","):
+        loaded = load_model(LoadRequest("default", precision))
+        if loaded.fast is not None:
+            compile_decoder(loaded.fast)  # built into the cache once: the server then loads it
+        per_token = loaded.info.kv_bytes_per_token
+        kv_budget = None
+        if args.small_kv:  # four requests' worst case: 16 at once must preempt
+            longest = max(len(i) for _, prompts, _ in workloads for i in token_ids(loaded, prompts)) + 64
+            kv_budget = 4 * (longest + 16) * per_token
+        from engine.base.memory import default_kv_budget
+
+        settings = CoreSettings(token_budget=128, max_batch=16, kv_budget_bytes=kv_budget or
+                                default_kv_budget(loaded.device), prefix_caching=True)
+        cost = calibrate(loaded, settings, args.calibrate_seconds)
+        print(f"\n{precision}: {cost.describe()}; median error on its own steps {cost.error:.1%}")
+        limits = EngineLimits.of(settings, per_token)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        extra = ("--kv-budget", str(kv_budget)) if kv_budget else ()
+        # its threads fixed: the load generator beside it on this machine would make it give one up
+        server = start_server(port, precision, threads=os.cpu_count() or 1, extra=extra)
+        try:
+            wait_healthy(f"{url}/health", server)
+            if loaded.fast is not None:
+                ready_when_compiled(server)
+            simulator = ServingSimulator(limits, cost)  # the server's twin: its prefix cache kept as the server's
+            for name, prompts, tokens in workloads:
+                ids = token_ids(loaded, prompts)
+                warm_up, _ = run_plan(f"{url}/v1", prompts, {"concurrency": (1,), "requests": 2, "max_tokens": 8})
+                predict(warm_up, ids, simulator)
+                saturation = None
+                for i, extra_args in enumerate([{"concurrency": (c,)} for c in (1, 4, 16)] + [None, None, None]):
+                    if extra_args is None:  # the open loops, once the saturation is known
+                        extra_args = {"rates": (round(saturation * (0.3, 0.6, 0.9)[i - 3], 3),)}
+                    requests = max(args.requests, 3 * extra_args.get("concurrency", (0,))[0])
+                    before = scrape(url)
+                    plan, setting = run_plan(f"{url}/v1", prompts, {**extra_args, "requests": requests,
+                                                                     "max_tokens": tokens})
+                    preempted = scrape(url).get("vllm:num_preemptions_total", 0) - \
+                        before.get("vllm:num_preemptions_total", 0)
+                    measured = setting.summary
+                    if extra_args.get("concurrency") == (16,):
+                        saturation = measured.request_throughput
+                    counted = {r.prompt_tokens for r in setting.results if r.prompt_tokens is not None}
+                    if not counted <= {len(i) for i in ids}:
+                        print(f"  (the server counted prompts of {sorted(counted)[:4]}… tokens, not these)")
+                    simulated = predict(plan, ids, simulator)
+                    rows.append((precision, name, setting.label, measured, simulated.summary, preempted,
+                                 simulated.preemptions))
+                    report(rows[-1])
+        finally:
+            stop(server)
+        del loaded
+    summarize_errors(rows)
+
+
+def report(row) -> None:
+    precision, name, label, measured, predicted, preempted, simulated_preemptions = row
+    parts = []
+    for key in ("ttft", "tpot"):
+        for q in ("median", "p90"):
+            m = (getattr(measured, key) or {}).get(q)
+            p = (getattr(predicted, key) or {}).get(q)
+            e = error(p, m)
+            parts.append(f"{key} {q} {m * 1e3 if m else float('nan'):7.1f} / {p * 1e3 if p else float('nan'):7.1f} ms"
+                         f" ({e:+.0%})" if e is not None else f"{key} {q} —")
+    e = error(predicted.output_throughput, measured.output_throughput)
+    parts.append(f"tok/s {measured.output_throughput:6.1f} / {predicted.output_throughput:6.1f} ({e:+.0%})")
+    if preempted or simulated_preemptions:
+        parts.append(f"preemptions {preempted:g} / {simulated_preemptions}")
+    print(f"  {name[:24]:24} {label:18} " + " · ".join(parts))
+
+
+def summarize_errors(rows) -> None:
+    worst = {"ttft": 0.0, "tpot": 0.0, "throughput": 0.0}
+    for _, _, _, measured, predicted, _, _ in rows:
+        for key in ("ttft", "tpot"):
+            for q in ("median", "p90"):
+                e = error((getattr(predicted, key) or {}).get(q), (getattr(measured, key) or {}).get(q))
+                if e is not None:
+                    worst[key] = max(worst[key], abs(e))
+        e = error(predicted.output_throughput, measured.output_throughput)
+        worst["throughput"] = max(worst["throughput"], abs(e or 0))
+    print(f"\nlargest errors (measured / predicted above): TTFT {worst['ttft']:.0%} (target ≤ 15%), "
+          f"TPOT {worst['tpot']:.0%} (target ≤ 15%), throughput {worst['throughput']:.0%} (target ≤ 10%)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""The serving simulator's prediction beside each setting the load generator measures (``load --predict``).
+
+Against this workbench's server: its ``/v1/models`` lists the engine's limits (batch, token
+budget, prompt chunk, KV blocks, prefix caching), the served model is loaded here at the same
+precision, its steps are timed once on this machine (engine/estimates/step_cost.py, kept for the
+next time) and the prompts tokenized as the server reads them. Each setting is then simulated with
+the generator's own order and arrivals (the same seed), and the simulator keeps its prefix cache
+from one setting to the next as the server does, starting empty: a server that answered other
+requests before holds more in its cache than the prediction assumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from engine.base.errors import EngineError, InvalidRequestError
+from engine.base.request import GenerationRequest
+from engine.estimates.simulator import EngineLimits, ServingSimulator, Simulated, closed_loop, open_loop
+
+if TYPE_CHECKING:
+    from engine.estimates.step_cost import StepCost
+    from engine.load.generator import LoadPlan, SettingResult
+    from engine.load.prompts import Prompt
+
+
+@dataclass
+class Predictor:
+    simulator: ServingSimulator
+    prompt_ids: list[list[int]]
+    cost: "StepCost"
+
+    def predict(self, plan: "LoadPlan", result: "SettingResult") -> Simulated:
+        """``result``'s setting simulated: the generator's order and arrivals, each answer as long as
+        ``max_tokens`` (``ignore_eos``) or as the server's answer to that request was."""
+        if result.mode == "concurrency":
+            workload = closed_loop(int(result.value), self.prompt_ids, [plan.max_tokens], plan.requests, plan.seed)
+        else:
+            workload = open_loop(result.value, self.prompt_ids, [plan.max_tokens], plan.requests, plan.seed,
+                                 plan.burstiness)
+        if not plan.ignore_eos:  # the generator's request j is the simulator's request j: the same shuffle
+            lengths = [r.output_tokens if r.ok and r.output_tokens else plan.max_tokens for r in result.results]
+            workload = replace(workload, requests=tuple(replace(r, output_tokens=n)
+                                                        for r, n in zip(workload.requests, lengths)))
+        return self.simulator.run(workload, plan.slo, plan.max_duration_s)
+
+
+def engine_of(meta: dict) -> EngineLimits:
+    """The simulator's limits from what this workbench's server lists (``meta['engine']``)."""
+    engine = meta.get("engine")
+    if not isinstance(engine, dict):
+        raise InvalidRequestError("--predict needs this workbench's server: its /v1/models lists the engine's "
+                                  "limits, and this server's doesn't.")
+    try:
+        return EngineLimits(int(engine["max_batch"]), int(engine["token_budget"]), int(engine["prefill_chunk"]),
+                            None if engine["kv_blocks"] is None else int(engine["kv_blocks"]),
+                            bool(engine["prefix_caching"]), bool(engine["chunked_prefill"]),
+                            int(engine["block_tokens"]))
+    except (KeyError, TypeError, ValueError):
+        raise InvalidRequestError("The server's /v1/models lists its engine's limits in a shape this version "
+                                  "doesn't read.") from None
+
+
+def predictor_for(meta: dict, model: str, prompts: list["Prompt"], endpoint: str, progress=print) -> Predictor:
+    """A predictor for the server ``meta`` describes (its ``/v1/models`` entry's ``meta``), with
+    ``model`` (a reference this machine can load: ``default``, a folder…) standing for the served
+    one: loaded here at the server's precision, its steps timed once (or the kept timing)."""
+    from engine.estimates.step_cost import calibrate, key_for, remember, remembered  # lazy: the engine (torch)
+    from engine.generation.core import CoreSettings  # lazy: the engine (torch)
+    from engine.models.loading import LoadRequest, load_model  # lazy: the engine (torch)
+
+    limits = engine_of(meta)
+    precision = str(meta.get("precision") or "")
+    progress(f"predict  loading {model} in {precision} here to time its steps …")
+    loaded = load_model(LoadRequest(model, precision, "cpu"))
+    if loaded.fast is not None:
+        from engine.generation.compiled_step import compile_decoder  # lazy: torch's compiler
+
+        compile_decoder(loaded.fast)  # the server runs its compiled steps once they are ready
+    per_token = loaded.info.kv_bytes_per_token or 1
+    settings = CoreSettings(token_budget=limits.token_budget, max_batch=limits.max_batch,
+                            prefill_chunk=limits.prefill_chunk, chunked_prefill=limits.chunked_prefill,
+                            prefix_caching=limits.prefix_caching, block_tokens=limits.block_tokens,
+                            kv_budget_bytes=None if limits.kv_blocks is None else
+                            limits.kv_blocks * limits.block_tokens * per_token)
+    key = key_for(loaded, settings)
+    cost = remembered(key)
+    if cost is None:
+        progress("predict  timing the engine's steps on this machine (about 30 s, kept for the next time) …")
+        cost = calibrate(loaded, settings, 30.0)
+        remember(key, cost)
+    progress(f"predict  {cost.describe()}")
+    mode = "chat" if endpoint == "chat" else "raw"
+    ids = []
+    for number, prompt in enumerate(prompts, 1):
+        try:
+            ids.append(loaded.encode(GenerationRequest(prompt.text, mode=mode)))
+        except EngineError as exc:
+            raise InvalidRequestError(f"--predict: prompt {number} is one the model can't take, so the server "
+                                      f"refuses it too ({exc}); leave it out of the prompts.") from None
+    return Predictor(ServingSimulator(limits, cost), ids, cost)

@@ -1,0 +1,336 @@
+"""A simulator of continuous batching: what response times many users would get, before they come.
+
+The engine core's own scheduler and KV cache manager (engine/generation/scheduler.py,
+engine/generation/kv_manager.py) run on a simulated clock, so the schedule is the engine's by
+construction: the batch limit, the token budget with chunked prefill, KV blocks taken from one
+pool as requests grow, preemption (recompute) when none is left, prefix caching with the same
+chained block keys. What is modelled is only each step's time, from a step-cost model
+(engine/estimates/step_cost.py): measured on this machine from the engine's own steps, or
+predicted for a GPU from its specifications.
+
+Requests arrive as the load generator sends them (engine/load/generator.py): an open loop at a
+rate (gaps from a gamma distribution, 1 = Poisson, the generator's own random draws for the same
+seed), or a closed loop of N users each sending its next request when its last one ended. Out
+come the load generator's own figures (engine/load/metrics.py, vLLM's definitions): TTFT, TPOT,
+ITL and end-to-end distributions, throughput and goodput under an SLO, and the KV cache's use and
+preemptions over time.
+
+Left out: the network and HTTP (a few milliseconds a request on a loopback port), tokenizing,
+answers that end early at an end-of-sequence token (each request generates its output length),
+and speculative decoding.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.base.errors import InvalidRequestError
+from engine.generation.kv_manager import BLOCK_TOKENS, KVCacheManager
+from engine.generation.scheduler import Scheduler
+from engine.load.metrics import RequestResult, Summary, summarize
+
+if TYPE_CHECKING:
+    from engine.estimates.step_cost import StepCost
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    prompt_tokens: int
+    output_tokens: int
+    arrival_s: float = 0.0
+    """When it is sent (an open loop's; a closed loop sends each when a user is free)."""
+    shared_prefix: int = 0
+    """Its first tokens, the same for every request that shares a prefix (a system prompt)."""
+    prompt_ids: tuple[int, ...] | None = None
+    """Its prompt's own token ids, where known (the same prompt twice is then found in the prefix
+    cache as the server finds it); ``None``: ids made up from the lengths."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: tuple[SimRequest, ...]
+    users: int | None = None
+    """A closed loop of this many users (``None``: an open loop, each request at its arrival)."""
+
+    @property
+    def label(self) -> str:
+        return f"concurrency {self.users}" if self.users else f"{len(self.requests)} requests"
+
+
+def open_loop(rate: float, prompts: Sequence, outputs: Sequence[int], requests: int, seed: int = 0,
+              burstiness: float = 1.0, shared_prefix: int = 0) -> Workload:
+    """``requests`` arriving at ``rate`` per second, gaps drawn as the load generator draws them
+    (the same seed gives the same arrivals); each request's prompt (a length, or its token ids)
+    and output length taken in turn from ``prompts`` and ``outputs`` after the generator's
+    shuffle."""
+    if rate <= 0 or burstiness <= 0:
+        raise InvalidRequestError("A rate and its burstiness must be above 0.")
+    lengths = _shuffled(prompts, outputs, requests, seed)
+    rng = lengths.pop()  # the generator draws its gaps from the same random stream, after its shuffle
+    out, t = [], 0.0
+    for i, (prompt, output) in enumerate(lengths):
+        out.append(_request(prompt, output, t, shared_prefix))
+        if i + 1 < requests:
+            t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return Workload(tuple(out))
+
+
+def closed_loop(users: int, prompts: Sequence, outputs: Sequence[int], requests: int, seed: int = 0,
+                shared_prefix: int = 0) -> Workload:
+    """``users`` each sending a request as soon as their last one ended, ``requests`` in all."""
+    if users < 1:
+        raise InvalidRequestError("A closed loop needs at least one user.")
+    lengths = _shuffled(prompts, outputs, requests, seed)
+    lengths.pop()
+    return Workload(tuple(_request(p, o, 0.0, shared_prefix) for p, o in lengths), users)
+
+
+def _request(prompt, output: int, arrival: float, shared: int) -> SimRequest:
+    if isinstance(prompt, int):
+        return SimRequest(prompt, output, arrival, shared)
+    return SimRequest(len(prompt), output, arrival, 0, tuple(prompt))
+
+
+def _shuffled(prompts: Sequence[int], outputs: Sequence[int], requests: int, seed: int) -> list:
+    """The load generator's order: prompt ``i % len(prompts)`` for request ``i``, shuffled with a
+    ``random.Random(seed)`` (returned last: the generator goes on drawing from it)."""
+    if requests < 1 or not prompts or not outputs:
+        raise InvalidRequestError("A workload needs at least one request, prompt length and output length.")
+    if min(p if isinstance(p, int) else len(p) for p in prompts) < 1 or min(outputs) < 1:
+        raise InvalidRequestError("Prompt and output lengths must be at least one token.")
+    rng = random.Random(seed)
+    order = [(prompts[i % len(prompts)], outputs[i % len(outputs)]) for i in range(requests)]
+    rng.shuffle(order)
+    return [*order, rng]
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The engine's knobs as a server runs them (engine/generation/core.py ``CoreSettings``)."""
+
+    max_batch: int = 16
+    token_budget: int = 128
+    prefill_chunk: int = 128
+    kv_blocks: int | None = None
+    """The KV budget in blocks (``None``: no limit, and no prefix caching)."""
+    prefix_caching: bool = True
+    chunked_prefill: bool = True
+    block_tokens: int = BLOCK_TOKENS
+
+    @classmethod
+    def of(cls, settings, kv_bytes_per_token: int | None) -> "EngineLimits":
+        """A core's settings (``CoreSettings``) and a token's KV bytes: the budget in blocks."""
+        blocks = None
+        if settings.kv_budget_bytes is not None and kv_bytes_per_token:
+            blocks = settings.kv_budget_bytes // (kv_bytes_per_token * settings.block_tokens)
+        return cls(settings.max_batch, settings.token_budget, settings.prefill_chunk, blocks,
+                   settings.prefix_caching, settings.chunked_prefill, settings.block_tokens)
+
+
+@dataclass(frozen=True)
+class Moment:
+    """The engine after one simulated step."""
+
+    t: float
+    running: int
+    waiting: int
+    kv_blocks: int
+    """Blocks held by running requests."""
+    preemptions: int
+    """Preemptions so far."""
+
+
+@dataclass
+class Simulated:
+    workload: Workload
+    results: list[RequestResult]
+    summary: Summary
+    steps: int
+    preemptions: int
+    timeline: list[Moment] = field(default_factory=list)
+    """The engine after each step (every step while there are fewer than 4,000; then evenly thinned)."""
+    cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache."""
+    shapes: list[tuple] = field(default_factory=list)
+    """With ``trace``: each step's decode rows, prompt tokens, cache tokens read, prompt token
+    pairs, preemptions and prompt chunks, as ``StepCompleted`` counts them."""
+
+
+@dataclass(eq=False)
+class _Running:
+    """A simulated request as the scheduler sees it (its ``Scheduled`` protocol)."""
+
+    rid: int
+    prompt: list[int]
+    longest: int
+    output: int
+    arrival: float
+    reuse_prefix: bool = True
+    tokens: list[int] = field(default_factory=list)
+    feed: list[int] = field(default_factory=list)
+    prefilled: int = 0
+    next_token: int | None = None
+    computed: int = 0
+    hit: list[int] | None = None
+    preemptions: int = 0
+    blocks_freed: int = 0
+    times: list[float] = field(default_factory=list)
+    cached: int | None = None
+
+
+def simulate(workload: Workload, limits: EngineLimits, cost: "StepCost", slo: dict | None = None,
+             max_duration_s: float | None = None, trace: bool = False) -> Simulated:
+    """``workload`` through a server that starts empty (:meth:`ServingSimulator.run`)."""
+    return ServingSimulator(limits, cost).run(workload, slo, max_duration_s, trace)
+
+
+class ServingSimulator:
+    """A server's engine on a simulated clock: the engine core's scheduler and KV cache manager
+    over one block pool, kept from one workload to the next as a running server keeps its prefix
+    cache (a load generator's settings, one after another)."""
+
+    def __init__(self, limits: EngineLimits, cost: "StepCost") -> None:
+        self.limits, self.cost = limits, cost
+        self.kv = KVCacheManager(1, limits.kv_blocks, limits.prefix_caching, limits.block_tokens)
+        self.scheduler = Scheduler(self.kv, limits.max_batch, limits.token_budget, limits.prefill_chunk,
+                                   limits.chunked_prefill)
+        self._ids = _Ids()
+        self._next_rid = 0
+
+    def run(self, workload: Workload, slo: dict | None = None, max_duration_s: float | None = None,
+            trace: bool = False) -> Simulated:
+        """Run ``workload`` (its clock from 0) through the engine's scheduler, each step taking what
+        the step cost says; the load generator's figures for it (``slo`` as ``parse_slo`` gives
+        it), cut at ``max_duration_s`` as the generator cuts a setting. ``trace``: each step's
+        shape kept (:attr:`Simulated.shapes`). A request the KV budget can't hold even alone
+        raises ``InvalidRequestError``."""
+        kv, scheduler, cost, limits = self.kv, self.scheduler, self.cost, self.limits
+        requests = workload.requests
+        results = [RequestResult(i, sent=True, counted_by="usage") for i in range(len(requests))]
+        for i, request in enumerate(requests):
+            if not kv.fits_alone(request.prompt_tokens + request.output_tokens + 1):
+                raise InvalidRequestError(f"Request {i + 1} ({request.prompt_tokens} prompt and "
+                                          f"{request.output_tokens} output tokens) doesn't fit the KV budget "
+                                          "even alone.")
+        if workload.users:
+            arrivals = [(0.0, i) for i in range(min(workload.users, len(requests)))]
+            sent_next = len(arrivals)
+        else:
+            arrivals = [(r.arrival_s, i) for i, r in enumerate(requests)]
+            sent_next = len(requests)
+        heapq.heapify(arrivals)
+        base = self._next_rid
+        self._next_rid += len(requests)
+        preempted_before = scheduler.preemptions
+        t, steps, left, cached = 0.0, 0, len(requests), 0
+        timeline: list[Moment] = []
+        shapes: list[tuple] = []
+        while left:
+            while arrivals and arrivals[0][0] <= t:
+                when, i = heapq.heappop(arrivals)
+                request = requests[i]
+                prompt = list(request.prompt_ids) if request.prompt_ids else self._ids.prompt(request)
+                scheduler.add(_Running(base + i, prompt, len(prompt) + request.output_tokens, request.output_tokens,
+                                       when, feed=prompt))
+                results[i].start_s, results[i].prompt_tokens = when, len(prompt)
+            if not scheduler.running and not scheduler.waiting:
+                if not arrivals or (max_duration_s is not None and arrivals[0][0] >= max_duration_s):
+                    break
+                t = arrivals[0][0]  # idle until the next arrival
+                continue
+            plan = scheduler.schedule()
+            for r in plan.admitted:
+                if r.cached is None:  # its first admission: what the prefix cache gave its prompt
+                    r.cached = len(r.hit or ()) * limits.block_tokens
+                    cached += r.cached
+            if not plan.decoding and not plan.chunks:
+                raise InvalidRequestError("The KV budget holds none of the waiting requests: make it larger.")
+            kv_read = sum(r.computed + 1 for r in plan.decoding)
+            attended = sum(size * (r.prefilled + (size + 1) / 2) for r, size in plan.chunks)
+            prompt_tokens = sum(size for _, size in plan.chunks)
+            t += cost.seconds(len(plan.decoding), len(plan.chunks), prompt_tokens, kv_read, attended)
+            steps += 1
+            if trace:
+                shapes.append((len(plan.decoding), prompt_tokens, kv_read, attended, len(plan.preempted),
+                               len(plan.chunks)))
+            made = []
+            for r, size in plan.chunks:
+                r.prefilled += size
+                r.computed += size
+                kv.keep(r.rid, r.feed, r.prefilled)
+                if r.prefilled == len(r.feed):
+                    made.append(r)
+            for r in plan.decoding:
+                r.computed += 1
+                made.append(r)
+            for r in made:
+                token = self._ids.next()
+                r.tokens.append(token)
+                r.next_token = token
+                r.times.append(t)
+                if len(r.tokens) >= r.output:
+                    in_cache = min(r.computed, len(r.prompt) + len(r.tokens) - 1)
+                    kv.keep(r.rid, r.prompt + r.tokens, in_cache)
+                    scheduler.remove(r)
+                    _finished(results[r.rid - base], r)
+                    left -= 1
+                    if workload.users and sent_next < len(requests):  # the user sends its next request now
+                        heapq.heappush(arrivals, (t, sent_next))
+                        sent_next += 1
+            timeline.append(Moment(t, len(scheduler.running), len(scheduler.waiting), kv.used_blocks,
+                                   scheduler.preemptions - preempted_before))
+            if max_duration_s is not None and t >= max_duration_s:
+                break
+        for r in [*scheduler.running, *scheduler.waiting]:  # cut: the next workload starts empty
+            scheduler.remove(r)
+        for result in results:
+            if result.ok:
+                continue
+            if result.prompt_tokens is None:  # its moment came after the end: not sent
+                result.sent = False
+            else:  # in flight at the end
+                result.cut, result.error = True, f"cut by the deadline: in flight at {max_duration_s:g} s"
+        ended = [r.start_s + r.e2e_s for r in results if r.e2e_s is not None]
+        summary = summarize(results, max(ended) if ended else t, slo, "the deadline" if left else None)
+        return Simulated(workload, results, summary, steps, scheduler.preemptions - preempted_before,
+                         _thinned(timeline), cached, shapes)
+
+
+def _finished(result: RequestResult, r: _Running) -> None:
+    times = r.times
+    result.ok = True
+    result.ttft_s = times[0] - r.arrival
+    result.e2e_s = times[-1] - r.arrival
+    result.itl_s = [b - a for a, b in zip(times, times[1:])]
+    result.chunk_times_s = [x - r.arrival for x in times]
+    result.output_tokens = len(r.tokens)
+    result.finish_reason = "length"
+
+
+def _thinned(timeline: list[Moment], most: int = 4000) -> list[Moment]:
+    if len(timeline) <= most:
+        return timeline
+    every = len(timeline) / most
+    return [timeline[int(i * every)] for i in range(most)] + [timeline[-1]]
+
+
+class _Ids:
+    """Token ids for simulated prompts and answers: a shared prefix gets the same ids in every
+    request, everything else ids no other request has (so nothing else is found in the cache)."""
+
+    def __init__(self) -> None:
+        self._next = 1 << 20
+
+    def next(self) -> int:
+        self._next += 1
+        return self._next
+
+    def prompt(self, request: SimRequest) -> list[int]:
+        shared = min(request.shared_prefix, request.prompt_tokens - 1)
+        own = range(self._next + 1, self._next + 1 + request.prompt_tokens - shared)
+        self._next += request.prompt_tokens - shared
+        return [*range(1, shared + 1), *own]

@@ -1,0 +1,170 @@
+"""The serving simulator against schedules worked out by hand, and against the engine core itself:
+the same requests, the same limits, the same steps."""
+
+import pytest
+
+from engine.base.errors import InvalidRequestError
+from engine.estimates.simulator import EngineLimits, SimRequest, Workload, closed_loop, open_loop, simulate
+from engine.estimates.step_cost import FEATURES, StepCost, StepSample, fit
+
+SECOND_A_STEP = StepCost(1.0, 0.0, 0.1, 0.0, 0.0, 0.01, 0.0)
+"""1 s a step, 0.1 s a decode row, 0.01 s a prompt token: times that add up by hand."""
+
+
+def _times(result) -> list[float]:
+    return [round(t, 6) for t in result.chunk_times_s]
+
+
+def test_one_request_reads_its_prompt_in_chunks_then_decodes_a_token_a_step():
+    workload = Workload((SimRequest(prompt_tokens=40, output_tokens=5),))
+    limits = EngineLimits(max_batch=4, token_budget=32, prefill_chunk=32)
+    run = simulate(workload, limits, SECOND_A_STEP, trace=True)
+    # 32 prompt tokens (1.32 s), the other 8 and the first token (1.08 s), then 1.1 s a token
+    assert run.shapes == [(0, 32, 0, 32 * 16.5, 0, 1), (0, 8, 0, 8 * (32 + 4.5), 0, 1),
+                          (1, 0, 41, 0, 0, 0), (1, 0, 42, 0, 0, 0), (1, 0, 43, 0, 0, 0), (1, 0, 44, 0, 0, 0)]
+    [result] = run.results
+    assert _times(result) == [2.4, 3.5, 4.6, 5.7, 6.8]
+    assert result.ttft_s == pytest.approx(2.4) and result.e2e_s == pytest.approx(6.8)
+    assert result.tpot_s == pytest.approx(1.1) and run.steps == 6 and run.preemptions == 0
+    assert run.summary.output_throughput == pytest.approx(5 / 6.8)
+
+
+def test_two_requests_share_their_steps():
+    workload = Workload((SimRequest(8, 3), SimRequest(8, 2)))
+    run = simulate(workload, EngineLimits(max_batch=4, token_budget=32, prefill_chunk=32), SECOND_A_STEP)
+    first, second = run.results
+    # both prompts in one step (1 + 0.16 s), then both decode (1 + 0.2 s), then the first alone (1.1 s)
+    assert _times(first) == [1.16, 2.36, 3.46] and _times(second) == [1.16, 2.36]
+    assert run.steps == 3 and run.summary.ttft["median"] == pytest.approx(1.16)
+    assert [(m.running, m.waiting) for m in run.timeline] == [(2, 0), (1, 0), (0, 0)]
+
+
+def test_a_full_batch_makes_the_next_request_wait():
+    workload = Workload((SimRequest(8, 2), SimRequest(8, 2), SimRequest(8, 2)))
+    run = simulate(workload, EngineLimits(max_batch=2, token_budget=32, prefill_chunk=32), SECOND_A_STEP)
+    third = run.results[2]
+    # admitted once the first two end (t = 2.36), then its prompt (1.08 s) and one decode step (1.1 s)
+    assert _times(third) == [3.44, 4.54] and third.ttft_s == pytest.approx(3.44)
+
+
+def test_a_request_preempted_when_blocks_run_out_is_computed_again_later():
+    """Three blocks of 16 tokens for two requests of 8 + 20 tokens: at their 17th cache token the
+    older takes the last block and the newer is preempted; it comes back when the older ends,
+    reads its prompt and 9 tokens again in one chunk, and goes on."""
+    workload = Workload((SimRequest(8, 20), SimRequest(8, 20)))
+    limits = EngineLimits(max_batch=2, token_budget=64, prefill_chunk=64, kv_blocks=3, prefix_caching=False)
+    one_second = StepCost(1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    run = simulate(workload, limits, one_second, trace=True)
+    older, newer = run.results
+    assert _times(older) == [float(t) for t in range(1, 21)]
+    assert _times(newer) == [*map(float, range(1, 10)), *map(float, range(21, 32))]
+    assert run.preemptions == 1 and [shape[4] for shape in run.shapes].index(1) == 9  # the 10th step
+    assert run.shapes[20][:2] == (0, 17)  # its feed again: the prompt and the 9 tokens it had
+    after = run.timeline[9]  # the older holds two blocks, the newer waits
+    assert (after.running, after.waiting, after.kv_blocks, after.preemptions) == (1, 1, 2, 1)
+
+
+def test_a_shared_prefix_is_read_once():
+    """Two requests behind the same 64-token system prompt, the second sent after the first
+    ended: it finds the four blocks in the prefix cache and reads only the rest."""
+    workload = closed_loop(1, [80], [4], requests=2)
+    shared = Workload(tuple(SimRequest(r.prompt_tokens, r.output_tokens, 0.0, 64) for r in workload.requests), 1)
+    limits = EngineLimits(max_batch=4, token_budget=128, prefill_chunk=128, kv_blocks=64)
+    run = simulate(shared, limits, SECOND_A_STEP, trace=True)
+    assert run.cached_tokens == 64
+    assert [shape[1] for shape in run.shapes if shape[1]] == [80, 16]
+    assert run.results[1].start_s == pytest.approx(run.results[0].e2e_s)  # sent when the first ended
+
+
+def test_an_open_loop_sends_as_the_load_generator_does():
+    """The same seed gives the generator's arrivals: its shuffle, then its gamma draws."""
+    import random
+
+    workload = open_loop(2.0, [10, 20, 30], [5], requests=6, seed=7)
+    rng = random.Random(7)
+    order = [(p, 5) for p in [10, 20, 30, 10, 20, 30]]
+    rng.shuffle(order)
+    arrivals, t = [], 0.0
+    for i in range(6):
+        arrivals.append(t)
+        if i < 5:
+            t += rng.gammavariate(1.0, 1.0 / 2.0)
+    assert [(r.prompt_tokens, r.output_tokens) for r in workload.requests] == order
+    assert [r.arrival_s for r in workload.requests] == pytest.approx(arrivals)
+
+
+def test_a_deadline_cuts_what_is_in_flight_and_leaves_the_rest_unsent():
+    workload = Workload(tuple(SimRequest(8, 50, arrival_s=float(i)) for i in range(10)))
+    run = simulate(workload, EngineLimits(max_batch=4), StepCost(0.1, 0, 0, 0, 0, 0, 0), max_duration_s=4.5)
+    outcomes = [r.outcome for r in run.results]
+    assert outcomes[:5] == ["cut"] * 5 and outcomes[5:] == ["not sent"] * 5  # 50 tokens take 5 s
+
+
+def test_a_request_too_long_for_the_kv_budget_is_refused():
+    with pytest.raises(InvalidRequestError, match="doesn't fit"):
+        simulate(Workload((SimRequest(100, 10),)), EngineLimits(kv_blocks=4), SECOND_A_STEP)
+
+
+def test_ten_thousand_requests_are_simulated():
+    """Big workloads finish (their speed is benchmarks/simulator.py's); every request completes."""
+    workload = open_loop(20.0, [50, 200, 600], [32, 128], requests=10_000, seed=1)
+    run = simulate(workload, EngineLimits(max_batch=16, token_budget=256, prefill_chunk=256, kv_blocks=2048),
+                   StepCost(0.001, 0.02, 0.002, 1e-7, 0.001, 0.0002, 0.0))
+    assert run.summary.completed == 10_000 and run.summary.output_throughput > 0
+
+
+def test_the_step_cost_fit_finds_the_figures_it_was_made_from():
+    truth = StepCost(0.0005, 0.004, 0.0006, 2e-7, 0.002, 0.00015, 1e-9)
+    shapes = [(1, 0, 0, 100, 0), (2, 0, 0, 300, 0), (4, 0, 0, 2000, 0), (8, 0, 0, 9000, 0), (16, 0, 0, 20000, 0),
+              (0, 1, 128, 0, 8256), (1, 1, 64, 50, 4000), (4, 2, 100, 400, 30000), (0, 1, 512, 0, 131328),
+              (16, 1, 112, 30000, 9000), (0, 3, 48, 0, 400), (3, 2, 20, 90, 210)]
+    samples = [StepSample(*shape, truth.seconds(*shape)) for shape in shapes]
+    got = fit(samples)
+    for name in FEATURES:
+        assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+    assert got.error == pytest.approx(0.0, abs=1e-9) and got.samples == len(shapes)
+
+
+def test_the_simulator_steps_as_the_engine_core_does(loaded_llama):
+    """The same requests through the engine core (a tiny model) and the simulator, under a
+    server's limits with a small KV budget: step for step the same decode rows, prompt tokens,
+    cache tokens read, prompt pairs, preemptions and prompt chunks."""
+    from engine.base.events import StepCompleted
+    from engine.base.request import GenerationRequest
+    from engine.generation.core import CoreSettings, EngineCore
+
+    per_token = loaded_llama.info.kv_bytes_per_token
+    settings = CoreSettings(token_budget=24, max_batch=3, prefill_chunk=16, kv_budget_bytes=7 * 16 * per_token,
+                            prefix_caching=True)
+    lengths = [(40, 12), (25, 30), (23, 20), (5, 8)]
+    core = EngineCore(loaded_llama, settings)
+    shared = list(range(5, 21))  # the first block shared by the first two prompts
+    prompts = [shared + [100 + i] * (n - 16) if i < 2 else [200 + 7 * i + j for j in range(n)]
+               for i, (n, _) in enumerate(lengths)]
+    for ids, (_, out) in zip(prompts, lengths):
+        request = GenerationRequest("(token ids)", mode="raw", max_new_tokens=out, ignore_eos=True, top_alternatives=0)
+        core.submit(request, prompt_ids=ids)
+    steps = []
+    while not core.idle:
+        steps += [e for e in core.step() if isinstance(e, StepCompleted)]
+    engine = [(s.decode_tokens, s.prefill_tokens, s.kv_tokens_read, s.prompt_pairs, s.preempted, s.prompt_chunks)
+              for s in steps]
+    workload = Workload(tuple(SimRequest(n, out, 0.0, 16 if i < 2 else 0) for i, (n, out) in enumerate(lengths)))
+    run = simulate(workload, EngineLimits.of(settings, per_token), SECOND_A_STEP, trace=True)
+    assert run.shapes == engine
+    assert sum(shape[4] for shape in engine) > 0  # the budget made it preempt: that path was compared too
+
+
+def test_a_prompt_sent_again_is_found_in_the_cache_the_server_kept():
+    """One simulator for two settings, as one server for two: the second finds the first's prompt
+    in the prefix cache (its full blocks, leaving the last token to compute)."""
+    from engine.estimates.simulator import ServingSimulator
+
+    ids = list(range(100, 140))  # 40 tokens: two full blocks and 8
+    simulator = ServingSimulator(EngineLimits(max_batch=4, token_budget=64, prefill_chunk=64, kv_blocks=32),
+                                 SECOND_A_STEP)
+    first = simulator.run(closed_loop(1, [ids], [3], requests=1), trace=True)
+    again = simulator.run(closed_loop(1, [ids], [3], requests=1), trace=True)
+    assert first.cached_tokens == 0 and again.cached_tokens == 32
+    assert first.shapes[0][1] == 40 and again.shapes[0][1] == 8
+    assert again.results[0].ttft_s < first.results[0].ttft_s
