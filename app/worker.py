@@ -258,6 +258,8 @@ class ModelSession(QObject):
         """Prompts asked at the door: their tag → (their id, cancel token, events not yet sent)."""
         self._ended: dict[int, tuple[Signal, object]] = {}
         """Asked prompts' ends heard while their own job runs: said once it has ended."""
+        self._served: set = set()
+        """Tags of asked prompts that went straight into a running server."""
         self.thread.start()
 
     # -- jobs ------------------------------------------------------------------------
@@ -287,6 +289,7 @@ class ModelSession(QObject):
             job_id = self.submit(PromptJob(prompt))
         else:
             job_id, self._next_job = self._next_job, self._next_job + 1
+            self._served.add(prompt.tag)
         self._asked[prompt.tag] = (job_id, cancel, [])
         return job_id
 
@@ -327,6 +330,7 @@ class ModelSession(QObject):
             pending.append(event)
             return
         del self._asked[tag]
+        self._served.discard(tag)
         if pending:
             self.job_events.emit(asked, tuple(pending))
         error = event.error if isinstance(event, Failed) else failure(event)  # as generate() raises it
@@ -365,26 +369,30 @@ class ModelSession(QObject):
         job, _ = self.jobs.pop(job_id, (None, None))
         if self.running == job_id:
             self.running = None
-        if not isinstance(job, PromptJob):
+        error = payload if signal is self.job_failed else None
+        if isinstance(job, PromptJob):  # its prompt's end is said, not the job's
+            tag = job.prompt.tag
+            if tag in self._asked:  # the job ended before its prompt did: it could not run, or broke first
+                del self._asked[tag]
+                self.door.drop(tag)
+                self.job_failed.emit(job_id, error or EngineError("The engine stopped before this answer finished."))
+            elif job_id in self._ended:
+                signal, payload = self._ended.pop(job_id)
+                signal.emit(job_id, payload)
+        else:
             signal.emit(job_id, payload)
-        elif job_id in self._ended:  # its prompt's end, not the job's
-            signal, payload = self._ended.pop(job_id)
-            signal.emit(job_id, payload)
-        self._unanswered(payload if signal is self.job_failed else None)
+            if getattr(job, "kind", "") == "serving":
+                self._server_ended(error)
         self.queue_changed.emit()
 
-    def _unanswered(self, error: Exception | None) -> None:
-        """Asked prompts nothing will answer any more fail: neither in a running server's service
-        nor waiting at the door for their own job (the server ended under them, the job could
-        not run)."""
-        if not self._asked or self.door.is_open:
-            return
-        queued = {job.prompt.tag for job, _ in self.jobs.values() if isinstance(job, PromptJob)}
-        for tag, (asked, _, _) in list(self._asked.items()):
-            if tag not in queued:
-                self.door.drop(tag)
-                del self._asked[tag]
-                self.job_failed.emit(asked, error or EngineError("The engine stopped before this answer finished."))
+    def _server_ended(self, error: Exception | None) -> None:
+        """The prompts that went into the server and got no end (it broke, or stopped without
+        draining them) fail: nothing will answer them any more."""
+        for tag in list(self._served):
+            if tag in self._asked:
+                asked = self._asked.pop(tag)[0]
+                self.job_failed.emit(asked, error or EngineError("The server stopped before this answer finished."))
+        self._served.clear()
 
     # -- the model -------------------------------------------------------------------
     def load(self, request) -> None:

@@ -68,11 +68,26 @@ def predictor_for(meta: dict, model: str, prompts: list["Prompt"], endpoint: str
     from engine.estimates.step_cost import calibrate, key_for, remember, remembered  # lazy: the engine (torch)
     from engine.generation.core import CoreSettings  # lazy: the engine (torch)
     from engine.models.loading import LoadRequest, load_model  # lazy: the engine (torch)
+    from engine.models.precision import KV_DTYPES  # lazy: the engine (torch)
 
     limits = engine_of(meta)
+    engine = meta["engine"]
+    if str(meta.get("device", "cpu")).split(":")[0] != "cpu":
+        raise InvalidRequestError(f"--predict times the server's steps on this machine's CPU, and this server runs "
+                                  f"on {meta.get('device_name') or meta.get('device')}: no prediction for it here.")
+    if engine.get("batch_invariant") or engine.get("lookahead"):
+        raise InvalidRequestError("--predict models plain steps; this server runs batch-invariant arithmetic or "
+                                  "speculative decoding, which it doesn't model.")
     precision = str(meta.get("precision") or "")
     progress(f"predict  loading {model} in {precision} here to time its steps …")
     loaded = load_model(LoadRequest(model, precision, "cpu"))
+    served_kv = engine.get("kv_dtype")
+    if served_kv and served_kv != loaded.info.kv_dtype:  # the server keeps its cache in another dtype: so do we
+        option = next((name for name, dtype in KV_DTYPES.items() if dtype == served_kv), None)
+        if option is None:
+            raise InvalidRequestError(f"The server's KV cache keeps {served_kv}, which this machine can't load.")
+        loaded.close()
+        loaded = load_model(LoadRequest(model, precision, "cpu", kv_dtype=option))
     if loaded.fast is not None:
         from engine.generation.compiled_step import compile_decoder  # lazy: torch's compiler
 

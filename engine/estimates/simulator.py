@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from engine.base.errors import InvalidRequestError
 from engine.generation.kv_manager import BLOCK_TOKENS, KVCacheManager
 from engine.generation.scheduler import Scheduler
+from engine.load.generator import next_gap, setting_order
 from engine.load.metrics import RequestResult, Summary, summarize
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ def open_loop(rate: float, prompts: Sequence, outputs: Sequence[int], requests: 
     for i, (prompt, output) in enumerate(lengths):
         out.append(_request(prompt, output, t, shared_prefix))
         if i + 1 < requests:
-            t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+            t += next_gap(rng, rate, burstiness)
     return Workload(tuple(out))
 
 
@@ -103,8 +104,7 @@ def _shuffled(prompts: Sequence[int], outputs: Sequence[int], requests: int, see
     if min(p if isinstance(p, int) else len(p) for p in prompts) < 1 or min(outputs) < 1:
         raise InvalidRequestError("Prompt and output lengths must be at least one token.")
     rng = random.Random(seed)
-    order = [(prompts[i % len(prompts)], outputs[i % len(outputs)]) for i in range(requests)]
-    rng.shuffle(order)
+    order = setting_order(requests, rng, lambda i: (prompts[i % len(prompts)], outputs[i % len(outputs)]))
     return [*order, rng]
 
 
@@ -229,64 +229,70 @@ class ServingSimulator:
         t, steps, left, cached = 0.0, 0, len(requests), 0
         timeline: list[Moment] = []
         shapes: list[tuple] = []
-        while left:
-            while arrivals and arrivals[0][0] <= t:
-                when, i = heapq.heappop(arrivals)
-                request = requests[i]
-                prompt = list(request.prompt_ids) if request.prompt_ids else self._ids.prompt(request)
-                scheduler.add(_Running(base + i, prompt, len(prompt) + request.output_tokens, request.output_tokens,
-                                       when, feed=prompt))
-                results[i].start_s, results[i].prompt_tokens = when, len(prompt)
-            if not scheduler.running and not scheduler.waiting:
-                if not arrivals or (max_duration_s is not None and arrivals[0][0] >= max_duration_s):
+        deadline = max_duration_s if max_duration_s is not None else float("inf")
+        try:
+            while left:
+                while arrivals and arrivals[0][0] <= t and arrivals[0][0] < deadline:
+                    when, i = heapq.heappop(arrivals)
+                    request = requests[i]
+                    prompt = list(request.prompt_ids) if request.prompt_ids else self._ids.prompt(request)
+                    scheduler.add(_Running(base + i, prompt, len(prompt) + request.output_tokens,
+                                           request.output_tokens, when, feed=prompt))
+                    results[i].start_s, results[i].prompt_tokens = when, len(prompt)
+                if not scheduler.running and not scheduler.waiting:
+                    if not arrivals or arrivals[0][0] >= deadline:
+                        break
+                    t = arrivals[0][0]  # idle until the next arrival
+                    continue
+                plan = scheduler.schedule()
+                for r in plan.admitted:
+                    if r.cached is None:  # its first admission: what the prefix cache gave its prompt
+                        r.cached = len(r.hit or ()) * limits.block_tokens
+                        cached += r.cached
+                if not plan.decoding and not plan.chunks:
+                    raise InvalidRequestError("The KV budget holds none of the waiting requests: make it larger.")
+                kv_read = sum(r.computed + 1 for r in plan.decoding)
+                attended = sum(size * (r.prefilled + (size + 1) / 2) for r, size in plan.chunks)
+                prompt_tokens = sum(size for _, size in plan.chunks)
+                t += cost.seconds(len(plan.decoding), len(plan.chunks), prompt_tokens, kv_read, attended)
+                if t > deadline:  # the setting ends during this step: what it would give is never sent
+                    for when, i in arrivals:  # sent before the end, waiting for the server: cut
+                        if when < deadline:
+                            results[i].start_s, results[i].prompt_tokens = when, requests[i].prompt_tokens
                     break
-                t = arrivals[0][0]  # idle until the next arrival
-                continue
-            plan = scheduler.schedule()
-            for r in plan.admitted:
-                if r.cached is None:  # its first admission: what the prefix cache gave its prompt
-                    r.cached = len(r.hit or ()) * limits.block_tokens
-                    cached += r.cached
-            if not plan.decoding and not plan.chunks:
-                raise InvalidRequestError("The KV budget holds none of the waiting requests: make it larger.")
-            kv_read = sum(r.computed + 1 for r in plan.decoding)
-            attended = sum(size * (r.prefilled + (size + 1) / 2) for r, size in plan.chunks)
-            prompt_tokens = sum(size for _, size in plan.chunks)
-            t += cost.seconds(len(plan.decoding), len(plan.chunks), prompt_tokens, kv_read, attended)
-            steps += 1
-            if trace:
-                shapes.append((len(plan.decoding), prompt_tokens, kv_read, attended, len(plan.preempted),
-                               len(plan.chunks)))
-            made = []
-            for r, size in plan.chunks:
-                r.prefilled += size
-                r.computed += size
-                kv.keep(r.rid, r.feed, r.prefilled)
-                if r.prefilled == len(r.feed):
-                    made.append(r)
-            for r in plan.decoding:
-                r.computed += 1
-                made.append(r)
-            for r in made:
-                token = self._ids.next()
-                r.tokens.append(token)
-                r.next_token = token
-                r.times.append(t)
-                if len(r.tokens) >= r.output:
-                    in_cache = min(r.computed, len(r.prompt) + len(r.tokens) - 1)
-                    kv.keep(r.rid, r.prompt + r.tokens, in_cache)
-                    scheduler.remove(r)
-                    _finished(results[r.rid - base], r)
-                    left -= 1
-                    if workload.users and sent_next < len(requests):  # the user sends its next request now
-                        heapq.heappush(arrivals, (t, sent_next))
-                        sent_next += 1
-            timeline.append(Moment(t, len(scheduler.running), len(scheduler.waiting), kv.used_blocks,
-                                   scheduler.preemptions - preempted_before))
-            if max_duration_s is not None and t >= max_duration_s:
-                break
-        for r in [*scheduler.running, *scheduler.waiting]:  # cut: the next workload starts empty
-            scheduler.remove(r)
+                steps += 1
+                if trace:
+                    shapes.append((len(plan.decoding), prompt_tokens, kv_read, attended, len(plan.preempted),
+                                   len(plan.chunks)))
+                made = set()
+                for r, size in plan.chunks:
+                    r.prefilled += size
+                    r.computed += size
+                    kv.keep(r.rid, r.feed, r.prefilled)
+                    if r.prefilled == len(r.feed):
+                        made.add(r)
+                for r in plan.decoding:
+                    r.computed += 1
+                    made.add(r)
+                for r in [r for r in scheduler.running if r in made]:  # the core's order: its running list
+                    token = self._ids.next()
+                    r.tokens.append(token)
+                    r.next_token = token
+                    r.times.append(t)
+                    if len(r.tokens) >= r.output:
+                        in_cache = min(r.computed, len(r.prompt) + len(r.tokens) - 1)
+                        kv.keep(r.rid, r.prompt + r.tokens, in_cache)
+                        scheduler.remove(r)
+                        _finished(results[r.rid - base], r)
+                        left -= 1
+                        if workload.users and sent_next < len(requests):  # the user sends its next request now
+                            heapq.heappush(arrivals, (t, sent_next))
+                            sent_next += 1
+                timeline.append(Moment(t, len(scheduler.running), len(scheduler.waiting), kv.used_blocks,
+                                       scheduler.preemptions - preempted_before))
+        finally:
+            for r in [*scheduler.running, *scheduler.waiting]:  # cut (or a failure): the next run starts empty
+                scheduler.remove(r)
         for result in results:
             if result.ok:
                 continue
@@ -295,7 +301,7 @@ class ServingSimulator:
             else:  # in flight at the end
                 result.cut, result.error = True, f"cut by the deadline: in flight at {max_duration_s:g} s"
         ended = [r.start_s + r.e2e_s for r in results if r.e2e_s is not None]
-        summary = summarize(results, max(ended) if ended else t, slo, "the deadline" if left else None)
+        summary = summarize(results, max(ended) if ended else min(t, deadline), slo, "the deadline" if left else None)
         return Simulated(workload, results, summary, steps, scheduler.preemptions - preempted_before,
                          _thinned(timeline), cached, shapes)
 

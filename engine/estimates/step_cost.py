@@ -105,32 +105,53 @@ class StepCost:
 
 
 def fit(samples: Iterable[StepSample], source: str = "") -> StepCost:
-    """The figures that best give ``samples``' times (least squares on relative error, so short
-    steps count as much as long ones), none below zero: a term the fit wants negative is left out
-    and the rest fitted again."""
+    """The figures that best give ``samples``' times, none below zero (non-negative least squares,
+    Lawson and Hanson's), on relative errors: each step weighted by one over its fitted time,
+    fitted again until the weights settle, so short steps count as much as long ones without
+    pulling the fit below the times it was given (weighting by the observed times would)."""
     import numpy as np
 
-    samples = [s for s in samples if s.seconds > 0 and math.isfinite(s.seconds)]
+    samples = [s for s in samples if s.seconds > 0 and math.isfinite(s.seconds) and (s.rows or s.chunks)]
     if len(samples) < len(FEATURES):
         raise InvalidRequestError(f"A step-cost model needs at least {len(FEATURES)} timed steps; "
                                   f"{len(samples)} were given.")
     x = np.array([s.features() for s in samples])
     y = np.array([s.seconds for s in samples])
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
     weights = 1.0 / y
-    active = [i for i in range(len(FEATURES)) if x[:, i].any()]
-    while True:
-        solution, *_ = np.linalg.lstsq(x[:, active] * weights[:, None], y * weights, rcond=None)
-        negative = [a for a, v in zip(active, solution) if v < 0]
-        if not negative:
+    for _ in range(4):
+        solution = _nnls((x / scale) * weights[:, None], y * weights) / scale
+        weights = 1.0 / np.maximum(x @ solution, 0.1 * y)
+    errors = np.abs(x @ solution - y) / y
+    return StepCost(*(float(v) for v in solution), source=source, samples=len(samples),
+                    error=float(np.median(errors)))
+
+
+def _nnls(a, b):
+    """``argmin ‖a·x − b‖`` with ``x ≥ 0`` (Lawson and Hanson's active set)."""
+    import numpy as np
+
+    n = a.shape[1]
+    x = np.zeros(n)
+    free = np.zeros(n, dtype=bool)  # the terms allowed above zero
+    tolerance = 1e-10 * max(1.0, float(np.abs(a).max()) * float(np.abs(b).max()))
+    for _ in range(3 * n):
+        gradient = a.T @ (b - a @ x)
+        if free.all() or gradient[~free].max() <= tolerance:
             break
-        active.remove(min(negative, key=lambda a: solution[active.index(a)]))
-    figures = [0.0] * len(FEATURES)
-    for a, v in zip(active, solution):
-        figures[a] = float(v)
-    cost = StepCost(*figures, source=source, samples=len(samples))
-    errors = [abs(cost.seconds(s.rows, s.chunks, s.prompt_tokens, s.kv_tokens, s.pairs) - s.seconds) / s.seconds
-              for s in samples]
-    return StepCost(*figures, source=source, samples=len(samples), error=float(np.median(errors)))
+        free[np.argmax(np.where(free, -np.inf, gradient))] = True
+        while True:
+            z = np.zeros(n)
+            z[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+            if (z[free] > 0).all():
+                x = z
+                break
+            shrinking = free & (z <= 0)
+            step = np.min(x[shrinking] / (x[shrinking] - z[shrinking]))
+            x = x + step * (z - x)
+            free &= x > tolerance
+    return x
 
 
 @dataclass(frozen=True)
@@ -202,7 +223,7 @@ def calibrate(loaded: "LoadedModel", settings: "CoreSettings", seconds: float = 
                 for ticket in tickets:
                     ticket.abort()
     info = loaded.info
-    return fit(samples, source=f"measured here: {info.name} in {info.precision}, {len(samples)} steps")
+    return fit(samples, source=f"fitted to steps timed here: {info.name} in {info.precision}, {len(samples)} steps")
 
 
 def _ids(tokens: int, salt: int, vocab: int) -> list[int]:

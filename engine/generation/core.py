@@ -342,6 +342,9 @@ class EngineCore:
         work.decoding = [r for r in plan.decoding if r in self.running]
         work.chunks = [(r, size) for r, size in plan.chunks if r in self.running and r.in_runner]
         work.preempted = len(plan.preempted)
+        # what the step's shape is, before it runs (the serving simulator's step-cost model reads it)
+        work.kv_read = sum(r.computed + 1 for r in work.decoding)
+        work.pairs = sum(size * (r.prefilled + (size + 1) / 2) for r, size in work.chunks)
 
     def _outputs(self, work: StepWork, choices: list, began: float) -> Iterator[GenerationEvent]:
         """The step's events: failures, prompts scored, then each request's tokens."""
@@ -380,9 +383,7 @@ class EngineCore:
             kv_blocks_shared=self.kv.shared_blocks,
             kv_pool_bytes=self.runner.storage_nbytes() if self.paged else 0,
             activation_bytes=watch.activation_bytes if watch else None,
-            kv_tokens_read=sum(r.computed for r in work.decoding),  # (each row's context, its new token in it)
-            prompt_pairs=sum(size * (r.prefilled - size + (size + 1) / 2) for r, size in work.chunks),
-            prompt_chunks=len(work.chunks))
+            kv_tokens_read=work.kv_read, prompt_pairs=work.pairs, prompt_chunks=len(work.chunks))
 
     # -- admission and preemption -------------------------------------------------------------
     def _admit(self, r: _Request) -> Iterator[GenerationEvent]:

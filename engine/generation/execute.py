@@ -39,6 +39,10 @@ class StepWork:
     cached: int = 0
     preempted: int = 0
     memory: object = None
+    kv_read: int = 0
+    """Cache tokens the decode rows attend over (each row's context and its new token), as planned."""
+    pairs: float = 0.0
+    """Token pairs the prompt chunks attend over, as planned."""
 
     def take(self, r, scores, count: int) -> None:
         """``r``'s scores are ready: ``count`` rows of them."""

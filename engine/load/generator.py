@@ -137,8 +137,7 @@ class LoadRunner:
     async def _setting(self, client, model: str, mode: str, value: float) -> SettingResult:
         plan = self.plan
         rng = random.Random(plan.seed)
-        order = [self.prompts[i % len(self.prompts)] for i in range(plan.requests)]
-        rng.shuffle(order)
+        order = setting_order(plan.requests, rng, lambda i: self.prompts[i % len(self.prompts)])
         results = [RequestResult(i, p.kind) for i, p in enumerate(order)]
         label = f"{mode} {value:g}"
         start = time.perf_counter()
@@ -167,7 +166,7 @@ class LoadRunner:
                 for i in range(plan.requests):
                     work.append(asyncio.ensure_future(one(i)))
                     if i + 1 < plan.requests:
-                        gap = rng.gammavariate(plan.burstiness, 1.0 / (value * plan.burstiness))
+                        gap = next_gap(rng, value, plan.burstiness)
                         if time.perf_counter() + gap - start >= plan.max_duration_s:
                             break  # the next arrival is past the deadline: it and the rest are not sent
                         await asyncio.sleep(gap)
@@ -189,6 +188,20 @@ class LoadRunner:
         duration = (max(ended) if ended else time.perf_counter() - start)
         return SettingResult(mode, value, results, summarize(results, duration, plan.slo, cut_by), model, server,
                              dict(self.runs_on))
+
+
+def setting_order(requests: int, rng: random.Random, item: Callable[[int], object]) -> list:
+    """A setting's requests in the order they are sent: ``item(i)`` for request ``i`` (prompt
+    ``i % n``), shuffled with ``rng`` (the serving simulator orders its requests the same way)."""
+    order = [item(i) for i in range(requests)]
+    rng.shuffle(order)
+    return order
+
+
+def next_gap(rng: random.Random, rate: float, burstiness: float) -> float:
+    """Seconds from one arrival to the next of an open loop: gamma-distributed with shape
+    ``burstiness`` (1 = Poisson) and mean ``1 / rate``, as ``vllm bench serve`` draws them."""
+    return rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
 
 
 async def served_model(client, model: str | None) -> tuple[str, dict]:

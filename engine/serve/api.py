@@ -105,7 +105,9 @@ def engine_limits(service: EngineService) -> dict:
     return {"max_batch": settings.max_batch, "token_budget": settings.token_budget,
             "prefill_chunk": settings.prefill_chunk, "chunked_prefill": settings.chunked_prefill,
             "kv_blocks": kv.total_blocks, "block_tokens": kv.block_tokens, "prefix_caching": kv.prefix_caching,
-            "kv_bytes_per_token": service.loaded.info.kv_bytes_per_token}
+            "kv_bytes_per_token": service.loaded.info.kv_bytes_per_token, "kv_dtype": service.loaded.info.kv_dtype,
+            "batch_invariant": bool(getattr(service.loaded, "batch_invariant", False)),
+            "lookahead": service.core.proposer.lookahead}
 
 
 def host_name(header: str) -> str:

@@ -281,6 +281,7 @@ def test_load_predicts_each_setting_beside_what_it_measured(server, tiny_llama, 
     import engine.estimates.step_cost as step_cost
     from engine.cli import main
 
+    monkeypatch.setenv("INFERENCE_WORKBENCH_HARDWARE_PROFILE", str(tmp_path / "this-machine.json"))  # its timings
     timed = []
     calibrate = step_cost.calibrate
 
@@ -302,23 +303,40 @@ def test_load_predicts_each_setting_beside_what_it_measured(server, tiny_llama, 
     assert len(timed) == 1 and "timing the engine's steps" not in capsys.readouterr().out
 
 
-def test_the_prediction_reads_the_prompts_as_the_server_did(server, tiny_llama):
+def test_the_prediction_sends_the_prompts_in_the_generators_order_as_the_server_read_them(server, tiny_llama,
+                                                                                          monkeypatch, tmp_path):
+    """Request by request, the simulator's prompt is the one the generator sent, as long as the
+    server counted it: the same order (the same seed and shuffle) and the same tokenizing."""
     import httpx
 
+    import engine.estimates.step_cost as step_cost
     from engine.estimates.predict_load import predictor_for
 
+    monkeypatch.setenv("INFERENCE_WORKBENCH_HARDWARE_PROFILE", str(tmp_path / "this-machine.json"))
+    calibrate = step_cost.calibrate
+    monkeypatch.setattr(step_cost, "calibrate", lambda loaded, settings, seconds=30.0: calibrate(loaded, settings, 2.0))
     meta = httpx.get(server.url + "/models").json()["data"][0]["meta"]
     assert meta["engine"]["max_batch"] == 8 and meta["engine"]["prefix_caching"] is True
-    predictor = predictor_for(meta, str(tiny_llama), PROMPTS, "chat", progress=lambda line: None)
-    plan = LoadPlan(url=server.url, concurrency=(2,), requests=4, max_tokens=3, ignore_eos=True).validated()
-    (setting,) = LoadRunner(plan, PROMPTS).run()
+    prompts = [Prompt("The quick brown fox"), Prompt("Memory bandwidth limits " * 3), Prompt("Why? " * 9)]
+    predictor = predictor_for(meta, str(tiny_llama), prompts, "chat", progress=lambda line: None)
+    plan = LoadPlan(url=server.url, concurrency=(2,), requests=9, max_tokens=3, ignore_eos=True, seed=5).validated()
+    (setting,) = LoadRunner(plan, prompts).run()
     predicted = predictor.predict(plan, setting)
+    assert len({r.prompt_tokens for r in setting.results}) == 3
     assert [r.prompt_tokens for r in predicted.results] == [r.prompt_tokens for r in setting.results]
-    assert predicted.summary.completed == 4 and predicted.summary.output_tokens == setting.summary.output_tokens
+    assert predicted.summary.completed == 9 and predicted.summary.output_tokens == 27
 
 
-def test_predicting_a_server_that_lists_no_engine_says_so():
+def test_predicting_a_server_it_cant_model_says_so():
     from engine.estimates.predict_load import predictor_for
 
     with pytest.raises(InvalidRequestError, match="this workbench's server"):
         predictor_for({"precision": "bf16"}, "default", PROMPTS, "chat")
+    engine = {"max_batch": 8, "token_budget": 128, "prefill_chunk": 512, "chunked_prefill": True, "kv_blocks": 64,
+              "block_tokens": 16, "prefix_caching": True}
+    with pytest.raises(InvalidRequestError, match="runs on NVIDIA H100"):
+        predictor_for({"precision": "bf16", "device": "cuda:0", "device_name": "NVIDIA H100", "engine": engine},
+                      "default", PROMPTS, "chat")
+    with pytest.raises(InvalidRequestError, match="batch-invariant"):
+        predictor_for({"precision": "bf16", "device": "cpu", "engine": {**engine, "batch_invariant": True}},
+                      "default", PROMPTS, "chat")

@@ -76,28 +76,26 @@ def test_a_shared_prefix_is_read_once():
     assert run.results[1].start_s == pytest.approx(run.results[0].e2e_s)  # sent when the first ended
 
 
-def test_an_open_loop_sends_as_the_load_generator_does():
-    """The same seed gives the generator's arrivals: its shuffle, then its gamma draws."""
-    import random
-
-    workload = open_loop(2.0, [10, 20, 30], [5], requests=6, seed=7)
-    rng = random.Random(7)
-    order = [(p, 5) for p in [10, 20, 30, 10, 20, 30]]
-    rng.shuffle(order)
-    arrivals, t = [], 0.0
-    for i in range(6):
-        arrivals.append(t)
-        if i < 5:
-            t += rng.gammavariate(1.0, 1.0 / 2.0)
-    assert [(r.prompt_tokens, r.output_tokens) for r in workload.requests] == order
-    assert [r.arrival_s for r in workload.requests] == pytest.approx(arrivals)
+def test_an_open_loop_arrives_at_its_rate():
+    workload = open_loop(4.0, [10, 20, 30], [5], requests=2000, seed=3)
+    arrivals = [r.arrival_s for r in workload.requests]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0.0
+    assert arrivals[-1] / 1999 == pytest.approx(0.25, rel=0.1)  # a mean gap of 1 / rate
+    assert sorted({r.prompt_tokens for r in workload.requests}) == [10, 20, 30]
 
 
 def test_a_deadline_cuts_what_is_in_flight_and_leaves_the_rest_unsent():
+    """As the load generator ends a setting: what was sent and not finished by the deadline is
+    cut (a request waiting for the full batch too), what was due after it is not sent, and a
+    step that ends past the deadline gives nothing."""
     workload = Workload(tuple(SimRequest(8, 50, arrival_s=float(i)) for i in range(10)))
     run = simulate(workload, EngineLimits(max_batch=4), StepCost(0.1, 0, 0, 0, 0, 0, 0), max_duration_s=4.5)
     outcomes = [r.outcome for r in run.results]
     assert outcomes[:5] == ["cut"] * 5 and outcomes[5:] == ["not sent"] * 5  # 50 tokens take 5 s
+    quick = Workload((SimRequest(8, 45, 0.0), SimRequest(8, 46, 0.0)))
+    cut = simulate(quick, EngineLimits(max_batch=4), StepCost(0.1, 0, 0, 0, 0, 0, 0), max_duration_s=4.5)
+    assert [r.outcome for r in cut.results] == ["completed", "cut"]  # its last token's step ends at 4.6 s
+    assert cut.results[0].e2e_s == pytest.approx(4.5)
 
 
 def test_a_request_too_long_for_the_kv_budget_is_refused():
