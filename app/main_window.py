@@ -441,6 +441,7 @@ class MainWindow(QMainWindow):
         self.model_panel.set_loaded_request(self._load_request)
         self.plots.set_ceiling(None)  # measured for the model before
         self.server_panel.set_model(info.name)
+        self.server_panel.model_request = self._load_request  # a load's prediction loads it again to time its steps
         self._update_state()
         self._update_status()
         self.say(f"Loaded {info.name} ({info.precision}) in {format_seconds(info.load_s)}", 5000)

@@ -50,7 +50,7 @@ FRAME_BUDGET = 0.1
 """Share of a core the view's redraws may take while the server runs."""
 """The plots redraw a group per tick, in turn (each group about 5 times a second)."""
 RESULT_COLUMNS = ("setting", "done", "req/s", "out tok/s", "TTFT p50", "TPOT p50", "TPOT p99", "E2E p50",
-                  "not done")
+                  "not done", "predicted: out tok/s", "TTFT p50", "TPOT p50")
 
 
 THIS_SERVER = "this app's server"
@@ -67,6 +67,8 @@ class LoadBox(QGroupBox):
     _request_done = Signal(str, object)  # setting label, RequestResult (from the load's thread)
     _setting_done = Signal(object)  # SettingResult
     _ended = Signal(object, object)  # results, error
+    _predicted = Signal(str, object)  # setting label, Summary the serving simulator predicts for it
+    _said = Signal(str)  # a line for the status, from the load's thread
     load_ended = Signal(object, object)  # results, error: after the box shows them
 
     def __init__(self, panel, parent: QWidget | None = None) -> None:
@@ -105,6 +107,14 @@ class LoadBox(QGroupBox):
         self.max_tokens.setValue(64)
         self.exact = QCheckBox("exactly this many (ignore end of sequence)")
         self.exact.setChecked(True)
+        self.predict = QCheckBox("predict each setting first (serving simulator)")
+        self.predict.setObjectName("loadPredict")
+        self.predict.setToolTip(
+            "Before the load runs, the serving simulator predicts each setting (hollow points, dashed): the "
+            "engine's scheduler on a simulated clock, each step timed from this model's steps measured here "
+            "once (about half a minute the first time) and the server's front end fitted to a short load. "
+            "Then the load measures each setting (filled points). This app's server, exact answer lengths.")
+        self.exact.toggled.connect(lambda *_: self.update_state())
         self.max_duration = QSpinBox()
         self.max_duration.setRange(5, 3600)
         self.max_duration.setValue(300)
@@ -117,6 +127,7 @@ class LoadBox(QGroupBox):
         form.addRow("Requests", self.requests)
         form.addRow("Max tokens", self.max_tokens)
         form.addRow("", self.exact)
+        form.addRow("", self.predict)
         form.addRow("Bound", self.max_duration)
         self.run_button = QPushButton("Run load")
         self.run_button.clicked.connect(self.run)
@@ -138,7 +149,8 @@ class LoadBox(QGroupBox):
         self.chart = PlotPanel("Throughput vs latency", "One point per setting: output tok/s of all requests "
                                "against each request's time per output token (p50), this load's and the history's "
                                "(other servers, other days). The dashed line is the cost model's ceiling on this "
-                               "machine (weights and KV read once per step).",
+                               "machine (weights and KV read once per step); hollow points, the serving "
+                               "simulator's prediction of each setting, drawn before the load measures it.",
                                "tok/s", "TPOT p50 (ms)")
         self.show_history = QCheckBox("earlier loads from the history")
         self.show_history.setObjectName("showHistory")
@@ -147,6 +159,9 @@ class LoadBox(QGroupBox):
         self.history_points: list = []
         self.points = pg.ScatterPlotItem(size=9, brush=pg.mkBrush("#2d7dd2"), pen=None)
         self.chart.plot.addItem(self.points)
+        self.predictions: dict[str, object] = {}  # setting label → the simulator's Summary
+        self.predicted = self.chart.plot.plot([], [], pen=pg.mkPen("#2d7dd2", style=Qt.DashLine), symbol="o",
+                                              symbolSize=11, symbolBrush=None, symbolPen=pg.mkPen("#2d7dd2", width=1.5))
         self.ceiling = self.chart.plot.plot([], [], pen=pg.mkPen("#7f8c8d", style=Qt.DashLine), symbol="o",
                                             symbolSize=4)
         self.labels: list = []
@@ -162,6 +177,8 @@ class LoadBox(QGroupBox):
         self._request_done.connect(self._on_request)
         self._setting_done.connect(self._on_setting)
         self._ended.connect(self._on_ended)
+        self._predicted.connect(self._on_predicted)
+        self._said.connect(self.status.setText)
         self._done = 0
         self.target.currentTextChanged.connect(lambda *_: self.update_state())
         self.update_state()
@@ -176,6 +193,10 @@ class LoadBox(QGroupBox):
         self.run_button.setEnabled(serving and not running)
         self.run_button.setToolTip("" if serving else "Start the server first (Server panel), or name another.")
         self.key.setEnabled(not self.targets_this_server())
+        can_predict = self.targets_this_server() and self.exact.isChecked()
+        self.predict.setEnabled(can_predict and not running)
+        self.predict.setToolTip(self.predict.toolTip() if can_predict else
+                                "Predicts this app's server with exact answer lengths: choose both to predict.")
         self.stop_button.setEnabled(running)
         self.save_button.setEnabled(bool(self.results) and not running)
         self._draw_ceiling()
@@ -206,11 +227,14 @@ class LoadBox(QGroupBox):
             self.status.setText(str(exc))
             return
         self.results = []
+        self.predictions = {}
         self.table.setRowCount(0)
         self._done = 0
         self.runner = LoadRunner(plan, prompts, on_request=lambda label, r: self._request_done.emit(label, r),
                                  on_result=self._setting_done.emit)
         runner = self.runner
+        predicting = self.predict.isEnabled() and self.predict.isChecked()
+        model = getattr(self.panel, "model_request", None)
 
         import uuid
 
@@ -218,6 +242,8 @@ class LoadBox(QGroupBox):
 
         def work() -> None:
             try:
+                if predicting:
+                    self._predict(plan, prompts, model)
                 results, error = runner.run(), None
                 remember(plan, results, load_id)  # every load joins the history: one chart across servers and days
             except Exception as exc:  # shown in the box, never lost
@@ -230,6 +256,24 @@ class LoadBox(QGroupBox):
         threading.Thread(target=work, name="load-generator", daemon=True).start()
         self.status.setText(f"Running {len(plan.settings())} settings × {plan.requests} requests…")
         self.update_state()
+
+    def _predict(self, plan, prompts, model) -> None:
+        """Each setting's prediction, before the load runs it (on the load's thread)."""
+        from engine.estimates.predict_load import predictor_for, server_meta  # lazy: loads a model to time its steps
+
+        meta, served = server_meta(plan.url, plan.api_key, plan.model)
+        predictor = predictor_for(meta, model.model if model is not None else "default", prompts, plan.endpoint,
+                                  progress=lambda line: self._said.emit(line.removeprefix("predict  ")),
+                                  url=plan.url, api_key=plan.api_key, served=served)
+        for mode, value in plan.settings():
+            label = f"concurrency {value:g}" if mode == "concurrency" else f"rate {value:g}/s"
+            self._predicted.emit(label, predictor.predict_setting(plan, mode, value).summary)
+        self._said.emit(f"Predicted {len(plan.settings())} settings; measuring them now…")
+
+    @Slot(str, object)
+    def _on_predicted(self, label: str, summary) -> None:
+        self.predictions[label] = summary
+        self._draw_points()
 
     @Slot()
     def stop(self) -> None:
@@ -250,9 +294,12 @@ class LoadBox(QGroupBox):
         s = setting.summary
         row = self.table.rowCount()
         self.table.insertRow(row)
+        p = self.predictions.get(setting.label)
         cells = (setting.label, f"{s.completed}/{s.requests}", f"{s.request_throughput:.2f}",
                  f"{s.output_throughput:.1f}" + ("" if s.counted_by == "usage" else "*"), ms(s.ttft, "median"),
-                 ms(s.tpot, "median"), ms(s.tpot, "p99"), ms(s.e2e, "median"), s.not_completed())
+                 ms(s.tpot, "median"), ms(s.tpot, "p99"), ms(s.e2e, "median"), s.not_completed(),
+                 *((f"{p.output_throughput:.1f}", ms(p.ttft, "median"), ms(p.tpot, "median")) if p is not None
+                   else ("", "", "")))
         for column, text in enumerate(cells):
             self.table.setItem(row, column, QTableWidgetItem(text))
         self.table.resizeColumnsToContents()
@@ -330,6 +377,11 @@ class LoadBox(QGroupBox):
             self.chart.plot.addItem(text)
             self.labels.append(text)
         self.points.setData(xs, ys)
+        predicted = [(p.tpot["median"] * 1000, p.output_throughput) for p in self.predictions.values() if p.tpot]
+        self.predicted.setData([x for x, _ in predicted], [y for _, y in predicted])
+        if predicted:
+            legend.insert(1, ("predicted", "main", "○"))
+            self.chart.set_legend(legend)
         self._fit()
 
     def _draw_ceiling(self) -> None:
@@ -341,7 +393,7 @@ class LoadBox(QGroupBox):
     def _fit(self) -> None:
         """The view around what is drawn: the measured points and the ceiling."""
         xs, ys = [], []
-        for item in (self.points, self.ceiling, *self.history_points):
+        for item in (self.points, self.ceiling, self.predicted, *self.history_points):
             x, y = item.getData()
             if x is not None:
                 xs += list(x)

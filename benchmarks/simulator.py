@@ -99,6 +99,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+    from engine.estimates.predict_load import fit_front_end
     from engine.estimates.simulator import EngineLimits, ServingSimulator
     from engine.estimates.step_cost import calibrate
     from engine.generation.compiled_step import compile_decoder
@@ -140,6 +141,9 @@ def main() -> None:
             if loaded.fast is not None:
                 ready_when_compiled(server)
             simulator = ServingSimulator(limits, cost)  # the server's twin: its prefix cache kept as the server's
+            short = workloads[0][1]
+            cost = fit_front_end(f"{url}/v1", None, None, short, token_ids(loaded, short), simulator)
+            print(f"  {cost.front.describe()}")
             for name, prompts, tokens in workloads:
                 ids = token_ids(loaded, prompts)
                 warm_up, _ = run_plan(f"{url}/v1", prompts, {"concurrency": (1,), "requests": 2, "max_tokens": 8})

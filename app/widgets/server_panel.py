@@ -68,6 +68,9 @@ class ServerPanel(QWidget):
     """Started, stopped, failed or waiting: the window's other controls follow."""
     traffic_open_clicked = Signal()
 
+    model_request = None
+    """The loaded model's LoadRequest (a prediction of a load loads the same model to time it)."""
+
     def __init__(self, session, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.session = session

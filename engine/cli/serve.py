@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from engine.base.errors import InvalidRequestError
 from engine.base.units import parse_numbers, parse_size
 from engine.cli.text import add_kv_dtype
 
@@ -161,14 +160,8 @@ def load(args) -> int:
 
 def _predictor(args, plan, prompts):
     """The simulator standing in for the server ``plan`` loads (``load --predict``)."""
-    import httpx  # lazy: start-up
+    from engine.estimates.predict_load import predictor_for, server_meta  # lazy: the engine (torch)
 
-    from engine.estimates.predict_load import predictor_for  # lazy: the engine (torch)
-
-    headers = {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else {}
-    try:
-        listed = httpx.get(plan.url.rstrip("/") + "/models", headers=headers, timeout=10).json().get("data") or []
-    except (httpx.HTTPError, ValueError) as exc:
-        raise InvalidRequestError(f"Can't read {plan.url}/models to predict its load: {exc}") from None
-    entry = next((m for m in listed if isinstance(m, dict) and (plan.model is None or m.get("id") == plan.model)), {})
-    return predictor_for(entry.get("meta") or {}, args.predict_model, prompts, plan.endpoint)
+    meta, served = server_meta(plan.url, plan.api_key, plan.model)
+    return predictor_for(meta, args.predict_model, prompts, plan.endpoint, url=plan.url, api_key=plan.api_key,
+                         served=served)

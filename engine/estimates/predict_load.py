@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING
 from engine.base.errors import EngineError, InvalidRequestError
 from engine.base.request import GenerationRequest
 from engine.estimates.simulator import EngineLimits, ServingSimulator, Simulated, closed_loop, open_loop
+from engine.estimates.step_cost import FrontEnd
+from engine.load.generator import LoadPlan, LoadRunner
 
 if TYPE_CHECKING:
     from engine.estimates.step_cost import StepCost
-    from engine.load.generator import LoadPlan, SettingResult
+    from engine.load.generator import SettingResult
     from engine.load.prompts import Prompt
 
 
@@ -33,16 +35,68 @@ class Predictor:
     def predict(self, plan: "LoadPlan", result: "SettingResult") -> Simulated:
         """``result``'s setting simulated: the generator's order and arrivals, each answer as long as
         ``max_tokens`` (``ignore_eos``) or as the server's answer to that request was."""
-        if result.mode == "concurrency":
-            workload = closed_loop(int(result.value), self.prompt_ids, [plan.max_tokens], plan.requests, plan.seed)
-        else:
-            workload = open_loop(result.value, self.prompt_ids, [plan.max_tokens], plan.requests, plan.seed,
-                                 plan.burstiness)
+        lengths = None
         if not plan.ignore_eos:  # the generator's request j is the simulator's request j: the same shuffle
             lengths = [r.output_tokens if r.ok and r.output_tokens else plan.max_tokens for r in result.results]
+        return self.predict_setting(plan, result.mode, result.value, lengths)
+
+    def predict_setting(self, plan: "LoadPlan", mode: str, value: float, lengths: list[int] | None = None) -> Simulated:
+        """A setting of ``plan`` (``concurrency`` or ``rate``) simulated before it runs, each answer
+        ``max_tokens`` long (``lengths``: each request's own)."""
+        if mode == "concurrency":
+            workload = closed_loop(int(value), self.prompt_ids, [plan.max_tokens], plan.requests, plan.seed)
+        else:
+            workload = open_loop(value, self.prompt_ids, [plan.max_tokens], plan.requests, plan.seed, plan.burstiness)
+        if lengths is not None:
             workload = replace(workload, requests=tuple(replace(r, output_tokens=n)
                                                         for r, n in zip(workload.requests, lengths)))
         return self.simulator.run(workload, plan.slo, plan.max_duration_s)
+
+
+def server_meta(url: str, api_key: str | None, model: str | None) -> tuple[dict, str | None]:
+    """What the server at ``url`` lists of ``model`` (the first it lists when ``None``): its
+    ``meta`` and its name."""
+    import httpx  # lazy: only a prediction reads it here
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        listed = httpx.get(url.rstrip("/") + "/models", headers=headers, timeout=10).json().get("data") or []
+    except (httpx.HTTPError, ValueError) as exc:
+        raise InvalidRequestError(f"Can't read {url}/models to predict its load: {exc}") from None
+    entry = next((m for m in listed if isinstance(m, dict) and (model is None or m.get("id") == model)), {})
+    return entry.get("meta") or {}, entry.get("id")
+
+
+FRONT_END_SEED = 7919
+"""The front end's calibration load draws its order apart from the loads it predicts."""
+
+
+def fit_front_end(url: str, api_key: str | None, model: str | None, prompts: list["Prompt"],
+                  ids: list[list[int]], simulator: ServingSimulator, endpoint: str = "chat") -> "StepCost":
+    """What the server's front end adds around the engine's steps, fitted to a short load of its
+    own against it (closed loops of 1 and 8 users, 32-token answers): the gap between the TPOT
+    and TTFT it measured and those the engine's steps alone predict. One user's TPOT gap is a
+    step's and a token's share, eight users' adds seven tokens'; one user's TTFT gap, less those,
+    is a request's. ``simulator`` runs the same load, so its prefix cache stays the server's.
+    Returns the simulator's step cost with the front end in it."""
+    gaps = {}
+    for users in (1, 8):
+        plan = LoadPlan(url=url, model=model, api_key=api_key, concurrency=(users,), requests=4 * users + 8,
+                        max_tokens=32, ignore_eos=True, endpoint=endpoint, seed=FRONT_END_SEED,
+                        max_duration_s=120.0, scrape=False).validated()
+        (setting,) = LoadRunner(plan, prompts).run()
+        predicted = Predictor(simulator, ids, simulator.cost).predict(plan, setting)
+        measured, alone = setting.summary, predicted.summary
+        if not (measured.tpot and alone.tpot and measured.ttft and alone.ttft):
+            raise InvalidRequestError(f"The front end's calibration load got no answers from {url}.")
+        gaps[users] = (measured.tpot["median"] - alone.tpot["median"], measured.ttft["median"] - alone.ttft["median"])
+    token = max(0.0, (gaps[8][0] - gaps[1][0]) / 7)
+    step = max(0.0, gaps[1][0] - token)
+    request = max(0.0, gaps[1][1] - step - token)
+    front = FrontEnd(step, token, request, "fitted to a load of 1 and 8 users against the server")
+    cost = replace(simulator.cost, front=front)
+    simulator.cost = cost
+    return cost
 
 
 def engine_of(meta: dict) -> EngineLimits:
@@ -61,10 +115,12 @@ def engine_of(meta: dict) -> EngineLimits:
                                   "doesn't read.") from None
 
 
-def predictor_for(meta: dict, model: str, prompts: list["Prompt"], endpoint: str, progress=print) -> Predictor:
+def predictor_for(meta: dict, model: str, prompts: list["Prompt"], endpoint: str, progress=print,
+                  url: str | None = None, api_key: str | None = None, served: str | None = None) -> Predictor:
     """A predictor for the server ``meta`` describes (its ``/v1/models`` entry's ``meta``), with
     ``model`` (a reference this machine can load: ``default``, a folder…) standing for the served
-    one: loaded here at the server's precision, its steps timed once (or the kept timing)."""
+    one: loaded here at the server's precision, its steps timed once (or the kept timing); with
+    the server's ``url``, its front end fitted too (:func:`fit_front_end`, kept the same way)."""
     from engine.estimates.step_cost import calibrate, key_for, remember, remembered  # lazy: the engine (torch)
     from engine.generation.core import CoreSettings  # lazy: the engine (torch)
     from engine.models.loading import LoadRequest, load_model  # lazy: the engine (torch)
@@ -106,11 +162,26 @@ def predictor_for(meta: dict, model: str, prompts: list["Prompt"], endpoint: str
         remember(key, cost)
     progress(f"predict  {cost.describe()}")
     mode = "chat" if endpoint == "chat" else "raw"
-    ids = []
-    for number, prompt in enumerate(prompts, 1):
+    ids = _tokenized(loaded, prompts, mode)
+    simulator = ServingSimulator(limits, cost)
+    if url is not None and cost.front is None:
+        progress("predict  fitting the server's front end to a short load of 1 and 8 users …")
+        cost = fit_front_end(url, api_key, served, prompts, ids, simulator, endpoint)
+        remember(key, cost)
+    if cost.front is not None:
+        progress(f"predict  {cost.front.describe()}")
+    return Predictor(simulator, ids, cost)
+
+
+def _tokenized(loaded, prompts: list["Prompt"], mode: str) -> list[list[int] | None]:
+    """Each prompt's ids as the server reads it (``None``: one the model can't take, which the
+    server refuses)."""
+    ids: list[list[int] | None] = []
+    for prompt in prompts:
         try:
             ids.append(loaded.encode(GenerationRequest(prompt.text, mode=mode)))
-        except EngineError as exc:
-            raise InvalidRequestError(f"--predict: prompt {number} is one the model can't take, so the server "
-                                      f"refuses it too ({exc}); leave it out of the prompts.") from None
-    return Predictor(ServingSimulator(limits, cost), ids, cost)
+        except EngineError:
+            ids.append(None)
+    if all(i is None for i in ids):
+        raise InvalidRequestError("The model can't take any of these prompts: nothing to predict.")
+    return ids

@@ -49,6 +49,8 @@ class SimRequest:
     prompt_ids: tuple[int, ...] | None = None
     """Its prompt's own token ids, where known (the same prompt twice is then found in the prefix
     cache as the server finds it); ``None``: ids made up from the lengths."""
+    refused: bool = False
+    """The server refuses it at once (its prompt is one the model can't take)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,9 @@ def closed_loop(users: int, prompts: Sequence, outputs: Sequence[int], requests:
 
 
 def _request(prompt, output: int, arrival: float, shared: int) -> SimRequest:
+    """A length, a prompt's token ids, or ``None``: a prompt the server refuses."""
+    if prompt is None:
+        return SimRequest(1, output, arrival, refused=True)
     if isinstance(prompt, int):
         return SimRequest(prompt, output, arrival, shared)
     return SimRequest(len(prompt), output, arrival, 0, tuple(prompt))
@@ -101,7 +106,7 @@ def _shuffled(prompts: Sequence[int], outputs: Sequence[int], requests: int, see
     ``random.Random(seed)`` (returned last: the generator goes on drawing from it)."""
     if requests < 1 or not prompts or not outputs:
         raise InvalidRequestError("A workload needs at least one request, prompt length and output length.")
-    if min(p if isinstance(p, int) else len(p) for p in prompts) < 1 or min(outputs) < 1:
+    if min(p if isinstance(p, int) else len(p) for p in prompts if p is not None) < 1 or min(outputs) < 1:
         raise InvalidRequestError("Prompt and output lengths must be at least one token.")
     rng = random.Random(seed)
     order = setting_order(requests, rng, lambda i: (prompts[i % len(prompts)], outputs[i % len(outputs)]))
@@ -212,7 +217,7 @@ class ServingSimulator:
         requests = workload.requests
         results = [RequestResult(i, sent=True, counted_by="usage") for i in range(len(requests))]
         for i, request in enumerate(requests):
-            if not kv.fits_alone(request.prompt_tokens + request.output_tokens + 1):
+            if not request.refused and not kv.fits_alone(request.prompt_tokens + request.output_tokens + 1):
                 raise InvalidRequestError(f"Request {i + 1} ({request.prompt_tokens} prompt and "
                                           f"{request.output_tokens} output tokens) doesn't fit the KV budget "
                                           "even alone.")
@@ -230,11 +235,19 @@ class ServingSimulator:
         timeline: list[Moment] = []
         shapes: list[tuple] = []
         deadline = max_duration_s if max_duration_s is not None else float("inf")
+        front = cost.front
         try:
             while left:
                 while arrivals and arrivals[0][0] <= t and arrivals[0][0] < deadline:
                     when, i = heapq.heappop(arrivals)
                     request = requests[i]
+                    if request.refused:  # answered at once with an error: its user sends the next one
+                        results[i].start_s, results[i].error = when, "refused: a prompt the model can't take"
+                        left -= 1
+                        if workload.users and sent_next < len(requests):
+                            heapq.heappush(arrivals, (when, sent_next))
+                            sent_next += 1
+                        continue
                     prompt = list(request.prompt_ids) if request.prompt_ids else self._ids.prompt(request)
                     scheduler.add(_Running(base + i, prompt, len(prompt) + request.output_tokens,
                                            request.output_tokens, when, feed=prompt))
@@ -255,6 +268,9 @@ class ServingSimulator:
                 attended = sum(size * (r.prefilled + (size + 1) / 2) for r, size in plan.chunks)
                 prompt_tokens = sum(size for _, size in plan.chunks)
                 t += cost.seconds(len(plan.decoding), len(plan.chunks), prompt_tokens, kv_read, attended)
+                if front is not None:  # the server's front end, on the same cores
+                    ending = sum(1 for r, size in plan.chunks if r.prefilled + size == len(r.feed))
+                    t += front.step_s + front.token_s * (len(plan.decoding) + ending)
                 if t > deadline:  # the setting ends during this step: what it would give is never sent
                     for when, i in arrivals:  # sent before the end, waiting for the server: cut
                         if when < deadline:
@@ -283,10 +299,10 @@ class ServingSimulator:
                         in_cache = min(r.computed, len(r.prompt) + len(r.tokens) - 1)
                         kv.keep(r.rid, r.prompt + r.tokens, in_cache)
                         scheduler.remove(r)
-                        _finished(results[r.rid - base], r)
+                        _finished(results[r.rid - base], r, front.request_s if front is not None else 0.0)
                         left -= 1
                         if workload.users and sent_next < len(requests):  # the user sends its next request now
-                            heapq.heappush(arrivals, (t, sent_next))
+                            heapq.heappush(arrivals, (t + (front.request_s if front is not None else 0.0), sent_next))
                             sent_next += 1
                 timeline.append(Moment(t, len(scheduler.running), len(scheduler.waiting), kv.used_blocks,
                                        scheduler.preemptions - preempted_before))
@@ -294,7 +310,7 @@ class ServingSimulator:
             for r in [*scheduler.running, *scheduler.waiting]:  # cut (or a failure): the next run starts empty
                 scheduler.remove(r)
         for result in results:
-            if result.ok:
+            if result.ok or result.error:
                 continue
             if result.prompt_tokens is None:  # its moment came after the end: not sent
                 result.sent = False
@@ -306,13 +322,15 @@ class ServingSimulator:
                          _thinned(timeline), cached, shapes)
 
 
-def _finished(result: RequestResult, r: _Running) -> None:
+def _finished(result: RequestResult, r: _Running, latency: float = 0.0) -> None:
+    """``r``'s figures as its client sees them, ``latency`` later than the engine made them (a
+    server's front end: reading the request, sending its answer)."""
     times = r.times
     result.ok = True
-    result.ttft_s = times[0] - r.arrival
-    result.e2e_s = times[-1] - r.arrival
+    result.ttft_s = times[0] - r.arrival + latency
+    result.e2e_s = times[-1] - r.arrival + latency
     result.itl_s = [b - a for a, b in zip(times, times[1:])]
-    result.chunk_times_s = [x - r.arrival for x in times]
+    result.chunk_times_s = [x - r.arrival + latency for x in times]
     result.output_tokens = len(r.tokens)
     result.finish_reason = "length"
 

@@ -81,6 +81,9 @@ class StepCost:
     """Steps it was fitted to (0: predicted)."""
     error: float | None = None
     """Its median relative error on those steps."""
+    front: "FrontEnd | None" = None
+    """What a server's front end adds around the engine's steps (``None``: nothing: the engine
+    alone, as a library or the window runs it)."""
 
     def seconds(self, rows: int, chunks: int, prompt_tokens: int, kv_tokens: int, pairs: float) -> float:
         return (self.base_s + (self.decode_s if rows else 0.0) + self.row_s * rows + self.kv_token_s * kv_tokens
@@ -98,10 +101,33 @@ class StepCost:
     @classmethod
     def from_dict(cls, data: dict) -> "StepCost":
         values = {name: float(data[name]) for name in FEATURES}
-        if not all(math.isfinite(v) and v >= 0 for v in values.values()):
+        front = data.get("front")
+        if front is not None:
+            front = FrontEnd(float(front["step_s"]), float(front["token_s"]), float(front["request_s"]),
+                             str(front.get("source", "")))
+        figures = [*values.values(), *((front.step_s, front.token_s, front.request_s) if front else ())]
+        if not all(math.isfinite(v) and v >= 0 for v in figures):
             raise InvalidRequestError("A step-cost model's figures must be finite and not below zero.")
         return cls(**values, source=str(data.get("source", "")), samples=int(data.get("samples", 0)),
-                   error=data.get("error"))
+                   error=data.get("error"), front=front)
+
+
+@dataclass(frozen=True)
+class FrontEnd:
+    """A server's front end around the engine's steps: the service's loop between steps and each
+    token streamed to its client (formatted and sent, and on a machine the load generator shares,
+    read there too), on the engine's clock; and each request's latency outside it (its HTTP
+    request read and its prompt tokenized before the engine takes it, its answer's last bytes
+    sent). Fitted to a short load against the server (``engine/estimates/predict_load.py``)."""
+
+    step_s: float
+    token_s: float
+    request_s: float
+    source: str = ""
+
+    def describe(self) -> str:
+        return (f"front end: {self.step_s * 1e3:.2f} ms a step, {self.token_s * 1e3:.2f} ms a streamed token, "
+                f"{self.request_s * 1e3:.1f} ms a request ({self.source})")
 
 
 def fit(samples: Iterable[StepSample], source: str = "") -> StepCost:

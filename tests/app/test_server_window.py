@@ -95,6 +95,40 @@ def test_load_generator_in_the_traffic_view(qtbot, window, tiny_llama, tmp_path)
         panel.stop_now_button.click()
 
 
+def test_the_traffic_view_predicts_each_setting_before_measuring_it(qtbot, window, tiny_llama, tmp_path,
+                                                                     monkeypatch):
+    """With *predict* on, each setting's prediction (hollow) is drawn before the load measures it
+    (filled), and the table puts them side by side."""
+    import engine.estimates.step_cost as step_cost
+
+    monkeypatch.setenv("INFERENCE_WORKBENCH_HARDWARE_PROFILE", str(tmp_path / "this-machine.json"))
+    calibrate = step_cost.calibrate
+    monkeypatch.setattr(step_cost, "calibrate", lambda loaded, settings, seconds=30.0: calibrate(loaded, settings, 2.0))
+    load(qtbot, window, tiny_llama)
+    start(qtbot, window)
+    box = window.open_traffic().load_box
+    box.values.setText("1,2")
+    box.requests.setValue(3)
+    box.max_tokens.setValue(4)
+    assert box.predict.isEnabled()
+    box.predict.setChecked(True)
+    order = []
+    box._predicted.connect(lambda label, summary: order.append(("predicted", label)))
+    box._setting_done.connect(lambda setting: order.append(("measured", setting.label)))
+    with qtbot.waitSignal(box._ended, timeout=300_000) as ended:
+        box.run_button.click()
+    assert ended.args[1] is None, ended.args[1]
+    assert order == [("predicted", "concurrency 1"), ("predicted", "concurrency 2"),
+                     ("measured", "concurrency 1"), ("measured", "concurrency 2")]
+    xs, ys = box.predicted.getData()
+    assert len(xs) == 2 and all(x > 0 for x in xs) and all(y > 0 for y in ys)
+    headers = [box.table.horizontalHeaderItem(i).text() for i in range(box.table.columnCount())]
+    predicted = headers.index("predicted: out tok/s")
+    assert all(float(box.table.item(row, predicted).text()) > 0 for row in range(2))
+    box.exact.setChecked(False)  # answers of unknown length: no prediction first
+    assert not box.predict.isEnabled()
+
+
 def test_bad_settings_and_a_busy_port_are_said_and_change_nothing(qtbot, window, tiny_llama):
     import socket
 

@@ -166,3 +166,27 @@ def test_a_prompt_sent_again_is_found_in_the_cache_the_server_kept():
     assert first.cached_tokens == 0 and again.cached_tokens == 32
     assert first.shapes[0][1] == 40 and again.shapes[0][1] == 8
     assert again.results[0].ttft_s < first.results[0].ttft_s
+
+
+def test_a_servers_front_end_adds_its_share_to_each_step():
+    """A step's front-end share (its own, each token streamed in it) on the engine's clock, and
+    each request's latency outside it."""
+    from dataclasses import replace
+
+    from engine.estimates.step_cost import FrontEnd
+
+    served = replace(SECOND_A_STEP, front=FrontEnd(step_s=0.5, token_s=0.1, request_s=1.0))
+    run = simulate(Workload((SimRequest(8, 2),)), EngineLimits(token_budget=32, prefill_chunk=32), served)
+    # its prompt: 1.08 s and the front end's 0.5 + 0.1 (its first token); then 1.1 + 0.5 + 0.1; each seen 1 s later
+    assert _times(run.results[0]) == [2.68, 4.38]
+    assert run.steps == 2 and run.timeline[-1].t == pytest.approx(3.38)
+    kept = StepCost.from_dict(served.to_dict())
+    assert kept == served
+
+
+def test_a_prompt_the_server_refuses_ends_at_once_and_its_user_sends_the_next():
+    workload = closed_loop(1, [None, 20], [4], requests=4, seed=0)
+    run = simulate(workload, EngineLimits(token_budget=64, prefill_chunk=64), SECOND_A_STEP)
+    refused = [r for r, request in zip(run.results, workload.requests) if request.refused]
+    assert len(refused) == 2 and all(r.outcome == "errored" for r in refused)
+    assert run.summary.completed == 2 and run.summary.errored == 2
