@@ -27,6 +27,7 @@ from app.background import Background
 from app.hardware_dialog import HardwareDialog
 from app.screen import fit_screen, scrolling
 from app.widgets.cost_charts import BATCHES, CONTEXTS, CostCharts
+from app.widgets.cost_serving import ServingSection
 from app.worker import ModelSession
 from engine.base.errors import EngineError
 from engine.base.units import format_bytes, format_count, format_seconds
@@ -105,6 +106,7 @@ class CostWindow(QMainWindow):
                                "with and without sharing them.")
         self.training = QLineEdit()
         self.training.setPlaceholderText("training tokens, e.g. 15e12")
+        self.serving = ServingSection(self.background, self.schedule_update)
         edit = QPushButton("Edit hardware…")
         edit.clicked.connect(self.edit_hardware)
         self.numbers = QLabel()
@@ -129,6 +131,7 @@ class CostWindow(QMainWindow):
             form.addRow(label, row)
         form.addRow("Shared prefix", self.prefix)
         form.addRow("Training tokens", self.training)
+        self.serving.add_rows(form)
         self.measure_button = QPushButton("Measure here")
         self.measure_button.setObjectName("measureButton")
         self.measure_button.clicked.connect(self.measure)
@@ -148,7 +151,13 @@ class CostWindow(QMainWindow):
         side_layout = QVBoxLayout(side)
         side_layout.addLayout(form)
         self.numbers.setAlignment(Qt.AlignTop | Qt.AlignLeft)
-        side_layout.addWidget(scrolling(self.numbers), 1)  # the button below stays in view on a short screen
+        figures = QWidget()
+        figures_layout = QVBoxLayout(figures)
+        figures_layout.setContentsMargins(0, 0, 0, 0)
+        figures_layout.addWidget(self.numbers)
+        figures_layout.addWidget(self.serving.label)
+        figures_layout.addStretch(1)
+        side_layout.addWidget(scrolling(figures), 1)  # the button below stays in view on a short screen
         self.plan = None
         self.copy_command = QPushButton("Copy the vLLM command")
         self.copy_command.setEnabled(False)
@@ -274,6 +283,7 @@ class CostWindow(QMainWindow):
         batch = BATCHES[self.batch.value()]
         self.context_label.setText(f"{context:,} tokens")
         self.batch_label.setText(f"{batch}")
+        self.serving.stale()  # until this choice's figures are known (then simulated again, if it changed)
         if not self.charts.built:
             return  # the charts are being made; they ask for an update when they are ready
         if not self.profiles or not self._config_for_current():
@@ -308,6 +318,7 @@ class CostWindow(QMainWindow):
             self.numbers.setText(f"<span style='color:#c0392b'>{exc}</span>")
             return
         self._write_numbers(profile)
+        self.serving.update(self.estimate, profile, self._gpus(profile), self.prefix.value())
         self._show_quality()
         # one chart per event-loop turn; ``updated`` follows the last (charts.drawn)
         self.charts.draw(self.estimate, config, profile, self._points(config, profile), self.kv_dtype.currentData(),

@@ -358,3 +358,39 @@ class _Ids:
         own = range(self._next + 1, self._next + 1 + request.prompt_tokens - shared)
         self._next += request.prompt_tokens - shared
         return [*range(1, shared + 1), *own]
+
+
+USERS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+"""The loads a serving curve simulates: closed loops of this many users."""
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    users: int
+    summary: Summary
+    preemptions: int
+
+
+def serving_curve(cost: "StepCost", limits: EngineLimits, prompt_tokens: int, output_tokens: int,
+                  shared_prefix: int = 0, users: Sequence[int] = USERS, slo: dict | None = None) -> list[CurvePoint]:
+    """Latency and throughput against load: for each number of users, a closed loop sending
+    requests of ``prompt_tokens`` (the first ``shared_prefix`` the same in all) and
+    ``output_tokens`` through a server that starts empty (four requests a user, at least 32)."""
+    out = []
+    for n in users:
+        workload = closed_loop(n, [prompt_tokens], [output_tokens], max(32, 4 * n), shared_prefix=shared_prefix)
+        run = simulate(workload, limits, cost, slo)
+        out.append(CurvePoint(n, run.summary, run.preemptions))
+    return out
+
+
+def most_users(curve: list[CurvePoint], ttft_p90_s: float) -> int | None:
+    """The most users of ``curve`` whose p90 TTFT stays within ``ttft_p90_s`` (``None``: not even
+    the fewest), as long as every smaller load does too."""
+    best = None
+    for point in curve:
+        ttft = point.summary.ttft
+        if ttft is None or ttft["p90"] > ttft_p90_s:
+            break
+        best = point.users
+    return best
