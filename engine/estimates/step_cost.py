@@ -4,15 +4,18 @@ A step puts some decode rows and some prompt chunks through the model: the decod
 batched pass, each prompt chunk in a pass of its own. Its time is modelled from what it does, as
 Vidur (MLSys 2024) models a replica's steps:
 
-    seconds = base + decode × (1 if any row) + row × decode rows + kv × cache tokens the rows read
-              + chunk × prompt chunks + prompt × prompt tokens + pairs × prompt token pairs attended
+    seconds = base + decode × (1 if several rows; one_row instead if one) + row × decode rows
+              + kv × cache tokens the rows read + chunk × prompt chunks + prompt × prompt tokens
+              + pairs × prompt token pairs attended
 
 ``base`` is what any step costs (scheduling, sampling); ``decode`` what the batched pass costs
-whatever it holds (reading every weight once, where decoding is bound by memory); a row and a
+whatever it holds (reading every weight once, where decoding is bound by memory), ``one_row``
+what a lone sequence's pass costs instead (the engine runs it through a step of its own, which
+may be faster or slower than the batched one); a row and a
 prompt token add their share of the products, a chunk its own pass's fixed cost, and the
 attention a term in the cache it reads.
 
-**On this machine** the seven figures are fitted (least squares, none below zero) to the engine's
+**On this machine** the eight figures are fitted (least squares, none below zero) to the engine's
 own steps, timed by its clock (``StepCompleted.step_s``) in a short calibration run
 (:func:`calibrate`) that the app keeps beside the hardware profile. **For a GPU** they are
 predicted from its specifications (:func:`for_gpu`): the weights read once a step at the
@@ -40,7 +43,7 @@ if TYPE_CHECKING:
     from engine.generation.core import CoreSettings
     from engine.models.model import LoadedModel
 
-FEATURES = ("base_s", "decode_s", "row_s", "kv_token_s", "chunk_s", "prompt_token_s", "pair_s")
+FEATURES = ("base_s", "decode_s", "row_s", "kv_token_s", "chunk_s", "prompt_token_s", "pair_s", "one_row_s")
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,8 @@ class StepSample:
                    step.prompt_pairs, step.step_s)
 
     def features(self) -> tuple[float, ...]:
-        return (1.0, float(self.rows > 0), float(self.rows), float(self.kv_tokens), float(self.chunks),
-                float(self.prompt_tokens), float(self.pairs))
+        return (1.0, float(self.rows > 1), float(self.rows), float(self.kv_tokens), float(self.chunks),
+                float(self.prompt_tokens), float(self.pairs), float(self.rows == 1))
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class StepCost:
     chunk_s: float
     prompt_token_s: float
     pair_s: float
+    one_row_s: float = 0.0
     source: str = ""
     """Where the figures come from, in a line (measured here, or a GPU's specifications)."""
     samples: int = 0
@@ -86,11 +90,13 @@ class StepCost:
     alone, as a library or the window runs it)."""
 
     def seconds(self, rows: int, chunks: int, prompt_tokens: int, kv_tokens: int, pairs: float) -> float:
-        return (self.base_s + (self.decode_s if rows else 0.0) + self.row_s * rows + self.kv_token_s * kv_tokens
+        passes = self.decode_s if rows > 1 else self.one_row_s if rows == 1 else 0.0
+        return (self.base_s + passes + self.row_s * rows + self.kv_token_s * kv_tokens
                 + self.chunk_s * chunks + self.prompt_token_s * prompt_tokens + self.pair_s * pairs)
 
     def describe(self) -> str:
-        return (f"a step {self.base_s * 1e3:.2f} ms; its decode pass {self.decode_s * 1e3:.2f} ms + "
+        return (f"a step {self.base_s * 1e3:.2f} ms; its decode pass {self.decode_s * 1e3:.2f} ms "
+                f"({self.one_row_s * 1e3:.2f} ms for a lone row) + "
                 f"{self.row_s * 1e3:.3f} ms a row + {self.kv_token_s * 1e6:.3f} µs a cached token read; a prompt "
                 f"chunk {self.chunk_s * 1e3:.2f} ms + {self.prompt_token_s * 1e3:.3f} ms a token "
                 f"({self.source})")
