@@ -283,7 +283,7 @@ class CostWindow(QMainWindow):
         batch = BATCHES[self.batch.value()]
         self.context_label.setText(f"{context:,} tokens")
         self.batch_label.setText(f"{batch}")
-        self.serving.stale()  # until this choice's figures are known (then simulated again, if it changed)
+        self.serving.stale()  # until this choice's figures are known
         if not self.charts.built:
             return  # the charts are being made; they ask for an update when they are ready
         if not self.profiles or not self._config_for_current():

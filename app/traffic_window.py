@@ -50,7 +50,12 @@ FRAME_BUDGET = 0.1
 """Share of a core the view's redraws may take while the server runs."""
 """The plots redraw a group per tick, in turn (each group about 5 times a second)."""
 RESULT_COLUMNS = ("setting", "done", "req/s", "out tok/s", "TTFT p50", "TPOT p50", "TPOT p99", "E2E p50",
-                  "not done", "predicted: out tok/s", "TTFT p50", "TPOT p50")
+                  "not done", "predicted out tok/s", "predicted TTFT p50", "predicted TPOT p50")
+PREDICT_TIP = ("Before the load runs, the serving simulator predicts each setting (hollow points, dashed): the "
+               "engine's scheduler on a simulated clock, each step timed from this model's steps measured here (the "
+               "model loaded again for it, its steps timed for about half a minute the first time), and the "
+               "server's front end fitted to a short load of 1 and 8 users. Then the load measures each setting "
+               "(filled points). This app's server, exact answer lengths.")
 
 
 THIS_SERVER = "this app's server"
@@ -109,11 +114,7 @@ class LoadBox(QGroupBox):
         self.exact.setChecked(True)
         self.predict = QCheckBox("predict each setting first (serving simulator)")
         self.predict.setObjectName("loadPredict")
-        self.predict.setToolTip(
-            "Before the load runs, the serving simulator predicts each setting (hollow points, dashed): the "
-            "engine's scheduler on a simulated clock, each step timed from this model's steps measured here "
-            "once (about half a minute the first time) and the server's front end fitted to a short load. "
-            "Then the load measures each setting (filled points). This app's server, exact answer lengths.")
+        self.predict.setToolTip(PREDICT_TIP)
         self.exact.toggled.connect(lambda *_: self.update_state())
         self.max_duration = QSpinBox()
         self.max_duration.setRange(5, 3600)
@@ -195,7 +196,7 @@ class LoadBox(QGroupBox):
         self.key.setEnabled(not self.targets_this_server())
         can_predict = self.targets_this_server() and self.exact.isChecked()
         self.predict.setEnabled(can_predict and not running)
-        self.predict.setToolTip(self.predict.toolTip() if can_predict else
+        self.predict.setToolTip(PREDICT_TIP if can_predict else
                                 "Predicts this app's server with exact answer lengths: choose both to predict.")
         self.stop_button.setEnabled(running)
         self.save_button.setEnabled(bool(self.results) and not running)
@@ -261,10 +262,16 @@ class LoadBox(QGroupBox):
         """Each setting's prediction, before the load runs it (on the load's thread)."""
         from engine.estimates.predict_load import predictor_for, server_meta  # lazy: loads a model to time its steps
 
-        meta, served = server_meta(plan.url, plan.api_key, plan.model)
-        predictor = predictor_for(meta, model.model if model is not None else "default", prompts, plan.endpoint,
-                                  progress=lambda line: self._said.emit(line.removeprefix("predict  ")),
-                                  url=plan.url, api_key=plan.api_key, served=served)
+        runner = self.runner
+        try:
+            meta, served = server_meta(plan.url, plan.api_key, plan.model)
+            predictor = predictor_for(meta, model if model is not None else "default", prompts, plan.endpoint,
+                                      progress=lambda line: self._said.emit(line.removeprefix("predict  ")),
+                                      url=plan.url, api_key=plan.api_key, served=served,
+                                      cancelled=lambda: runner is None or runner._stopped)
+        except EngineError as exc:  # the load is measured all the same
+            self._said.emit(f"No prediction: {exc} Measuring the load…")
+            return
         for mode, value in plan.settings():
             label = f"concurrency {value:g}" if mode == "concurrency" else f"rate {value:g}/s"
             self._predicted.emit(label, predictor.predict_setting(plan, mode, value).summary)

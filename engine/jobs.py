@@ -4,9 +4,10 @@ A job runs in the model's engine thread with a :class:`JobContext`: the model, t
 token, ``emit`` for its events as they happen (batched to the GUI by the worker), ``keep``, a
 place for what should outlive one job (a speculative draft), and ``door``, where the window's
 prompts wait for the model (engine/prompts.py: a prompt is a job of its own, or joins a
-running server's batch). ``run`` returns the job's typed
-result or raises. The app's session (app/worker.py) queues jobs per model and knows nothing of
-their kinds: a new kind of job is a new class here, and nothing else changes.
+running server's batch). ``run`` returns the job's typed result or raises. The app's session
+(app/worker.py) queues jobs per model and knows of two kinds only, the prompts' and the
+server's, whose ends it sees to; any other new kind of job is a new class here, and nothing
+else changes.
 """
 
 from __future__ import annotations
@@ -451,8 +452,8 @@ class ServeJob:
         try:
             ceilings = tuple((b, c) for b in sorted({1, 2, 4, 8, 16, 32, 64, settings.max_batch})
                              if b <= settings.max_batch and (c := ceiling_for(ctx.model, b, 512)) is not None)
-            # the window's prompts join the served batch; the door opens before anyone hears of the
-            # start (opened after, a prompt sent at once on a busy machine waited for the server's end)
+            # the window's prompts join the served batch: the door opens before anyone hears of the
+            # start, so a prompt sent the moment the window hears of it finds the door open
             if ctx.door is not None:
                 ctx.door.open(server.service, ctx.emit)
             info = ctx.model.info

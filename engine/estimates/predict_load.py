@@ -103,7 +103,7 @@ def engine_of(meta: dict) -> EngineLimits:
     """The simulator's limits from what this workbench's server lists (``meta['engine']``)."""
     engine = meta.get("engine")
     if not isinstance(engine, dict):
-        raise InvalidRequestError("--predict needs this workbench's server: its /v1/models lists the engine's "
+        raise InvalidRequestError("A prediction needs this workbench's server: its /v1/models lists the engine's "
                                   "limits, and this server's doesn't.")
     try:
         return EngineLimits(int(engine["max_batch"]), int(engine["token_budget"]), int(engine["prefill_chunk"]),
@@ -115,12 +115,15 @@ def engine_of(meta: dict) -> EngineLimits:
                                   "doesn't read.") from None
 
 
-def predictor_for(meta: dict, model: str, prompts: list["Prompt"], endpoint: str, progress=print,
-                  url: str | None = None, api_key: str | None = None, served: str | None = None) -> Predictor:
+def predictor_for(meta: dict, model, prompts: list["Prompt"], endpoint: str, progress=print,
+                  url: str | None = None, api_key: str | None = None, served: str | None = None,
+                  cancelled=lambda: False) -> Predictor:
     """A predictor for the server ``meta`` describes (its ``/v1/models`` entry's ``meta``), with
-    ``model`` (a reference this machine can load: ``default``, a folder…) standing for the served
-    one: loaded here at the server's precision, its steps timed once (or the kept timing); with
-    the server's ``url``, its front end fitted too (:func:`fit_front_end`, kept the same way)."""
+    ``model`` (a reference this machine can load, ``default``, a folder…, or the ``LoadRequest``
+    the server's model was loaded with) standing for the served one: loaded here at the server's
+    precision and KV dtype, its steps timed once (kept for the next time), then let go; with the
+    server's ``url``, its front end fitted too (:func:`fit_front_end`). ``cancelled`` is asked
+    between the stages (a stopped load)."""
     from engine.estimates.step_cost import calibrate, key_for, remember, remembered  # lazy: the engine (torch)
     from engine.generation.core import CoreSettings  # lazy: the engine (torch)
     from engine.models.loading import LoadRequest, load_model  # lazy: the engine (torch)
@@ -129,46 +132,54 @@ def predictor_for(meta: dict, model: str, prompts: list["Prompt"], endpoint: str
     limits = engine_of(meta)
     engine = meta["engine"]
     if str(meta.get("device", "cpu")).split(":")[0] != "cpu":
-        raise InvalidRequestError(f"--predict times the server's steps on this machine's CPU, and this server runs "
-                                  f"on {meta.get('device_name') or meta.get('device')}: no prediction for it here.")
+        raise InvalidRequestError(f"The prediction times the server's steps on this machine's CPU, and this server "
+                                  f"runs on {meta.get('device_name') or meta.get('device')}: no prediction for it.")
     if engine.get("batch_invariant") or engine.get("lookahead"):
-        raise InvalidRequestError("--predict models plain steps; this server runs batch-invariant arithmetic or "
+        raise InvalidRequestError("The prediction models plain steps; this server runs batch-invariant arithmetic or "
                                   "speculative decoding, which it doesn't model.")
     precision = str(meta.get("precision") or "")
-    progress(f"predict  loading {model} in {precision} here to time its steps …")
-    loaded = load_model(LoadRequest(model, precision, "cpu"))
-    served_kv = engine.get("kv_dtype")
-    if served_kv and served_kv != loaded.info.kv_dtype:  # the server keeps its cache in another dtype: so do we
-        option = next((name for name, dtype in KV_DTYPES.items() if dtype == served_kv), None)
-        if option is None:
-            raise InvalidRequestError(f"The server's KV cache keeps {served_kv}, which this machine can't load.")
-        loaded.close()
-        loaded = load_model(LoadRequest(model, precision, "cpu", kv_dtype=option))
-    if loaded.fast is not None:
-        from engine.generation.compiled_step import compile_decoder  # lazy: torch's compiler
+    base = model if isinstance(model, LoadRequest) else LoadRequest(str(model))
+    name = base.model
+    progress(f"predict  loading {name} in {precision} here to time its steps …")
+    loaded = load_model(replace(base, precision=precision, device="cpu"))
+    try:
+        if meta.get("n_params") not in (None, loaded.info.parameters):
+            raise InvalidRequestError(f"The server runs a model of {meta['n_params']:,} parameters and {name} has "
+                                      f"{loaded.info.parameters:,}: name the served model (--predict-model).")
+        served_kv = engine.get("kv_dtype")
+        if served_kv and served_kv != loaded.info.kv_dtype:  # the server keeps its cache in another dtype: so do we
+            option = next((k for k, dtype in KV_DTYPES.items() if dtype == served_kv), None)
+            if option is None:
+                raise InvalidRequestError(f"The server's KV cache keeps {served_kv}, which this machine can't load.")
+            loaded.close()
+            loaded = load_model(replace(base, precision=precision, device="cpu", kv_dtype=option))
+        if loaded.fast is not None:
+            from engine.generation.compiled_step import compile_decoder  # lazy: torch's compiler
 
-        compile_decoder(loaded.fast)  # the server runs its compiled steps once they are ready
-    per_token = loaded.info.kv_bytes_per_token or 1
-    settings = CoreSettings(token_budget=limits.token_budget, max_batch=limits.max_batch,
-                            prefill_chunk=limits.prefill_chunk, chunked_prefill=limits.chunked_prefill,
-                            prefix_caching=limits.prefix_caching, block_tokens=limits.block_tokens,
-                            kv_budget_bytes=None if limits.kv_blocks is None else
-                            limits.kv_blocks * limits.block_tokens * per_token)
-    key = key_for(loaded, settings)
-    cost = remembered(key)
-    if cost is None:
-        progress("predict  timing the engine's steps on this machine (about 30 s, kept for the next time) …")
-        cost = calibrate(loaded, settings, 30.0)
-        remember(key, cost)
+            compile_decoder(loaded.fast)  # the server runs its compiled steps once they are ready
+        per_token = loaded.info.kv_bytes_per_token or 1
+        settings = CoreSettings(token_budget=limits.token_budget, max_batch=limits.max_batch,
+                                prefill_chunk=limits.prefill_chunk, chunked_prefill=limits.chunked_prefill,
+                                prefix_caching=limits.prefix_caching, block_tokens=limits.block_tokens,
+                                kv_budget_bytes=None if limits.kv_blocks is None else
+                                limits.kv_blocks * limits.block_tokens * per_token)
+        key = key_for(loaded, settings)
+        cost = remembered(key)
+        if cost is None and not cancelled():
+            progress("predict  timing the engine's steps on this machine (about 30 s, kept for the next time) …")
+            cost = calibrate(loaded, settings, 30.0)
+            remember(key, cost)
+        mode = "chat" if endpoint == "chat" else "raw"
+        ids = _tokenized(loaded, prompts, mode)
+    finally:
+        loaded.close()  # the steps are timed and the prompts read: the copy goes
+    if cancelled():
+        raise InvalidRequestError("Stopped before the prediction was ready.")
     progress(f"predict  {cost.describe()}")
-    mode = "chat" if endpoint == "chat" else "raw"
-    ids = _tokenized(loaded, prompts, mode)
     simulator = ServingSimulator(limits, cost)
-    if url is not None and cost.front is None:
+    if url is not None:  # (fitted each time: it depends on where the server runs and what runs beside it)
         progress("predict  fitting the server's front end to a short load of 1 and 8 users …")
         cost = fit_front_end(url, api_key, served, prompts, ids, simulator, endpoint)
-        remember(key, cost)
-    if cost.front is not None:
         progress(f"predict  {cost.front.describe()}")
     return Predictor(simulator, ids, cost)
 

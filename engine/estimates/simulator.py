@@ -15,9 +15,10 @@ come the load generator's own figures (engine/load/metrics.py, vLLM's definition
 ITL and end-to-end distributions, throughput and goodput under an SLO, and the KV cache's use and
 preemptions over time.
 
-Left out: the network and HTTP (a few milliseconds a request on a loopback port), tokenizing,
-answers that end early at an end-of-sequence token (each request generates its output length),
-and speculative decoding.
+Left out, unless a step-cost model's front end (engine/estimates/step_cost.py ``FrontEnd``) says
+it: the network and HTTP, tokenizing. Left out always: answers that end early at an
+end-of-sequence token (each request generates its output length), speculative decoding, and the
+limit sliding-window layers put on prefix-cache hits (Gemma 2 and 3, Mistral).
 """
 
 from __future__ import annotations
