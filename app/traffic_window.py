@@ -37,7 +37,7 @@ from app.widgets.traffic_plots import TrafficPlots
 from engine.base.errors import EngineError
 from engine.base.units import format_bytes, format_rate, parse_numbers
 from engine.endpoint import api_key_from_env, parse_endpoint
-from engine.load.generator import LoadPlan, LoadRunner
+from engine.load.generator import LoadPlan, LoadRunner, setting_label
 from engine.load.metrics import not_completed
 from engine.load.prompts import read_prompts
 from engine.load.report import ms, remember, write_csv, write_json
@@ -273,8 +273,7 @@ class LoadBox(QGroupBox):
             self._said.emit(f"No prediction: {exc} Measuring the load…")
             return
         for mode, value in plan.settings():
-            label = f"concurrency {value:g}" if mode == "concurrency" else f"rate {value:g}/s"
-            self._predicted.emit(label, predictor.predict_setting(plan, mode, value).summary)
+            self._predicted.emit(setting_label(mode, value), predictor.predict_setting(plan, mode, value).summary)
         self._said.emit(f"Predicted {len(plan.settings())} settings; measuring them now…")
 
     @Slot(str, object)

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 @dataclass
 class Predictor:
     simulator: ServingSimulator
-    prompt_ids: list[list[int]]
-    cost: "StepCost"
+    """Its step cost (``simulator.cost``) is the server's: the engine's steps and its front end."""
+    prompt_ids: list[list[int] | None]
 
     def predict(self, plan: "LoadPlan", result: "SettingResult") -> Simulated:
         """``result``'s setting simulated: the generator's order and arrivals, each answer as long as
@@ -85,7 +85,7 @@ def fit_front_end(url: str, api_key: str | None, model: str | None, prompts: lis
                         max_tokens=32, ignore_eos=True, endpoint=endpoint, seed=FRONT_END_SEED,
                         max_duration_s=120.0, scrape=False).validated()
         (setting,) = LoadRunner(plan, prompts).run()
-        predicted = Predictor(simulator, ids, simulator.cost).predict(plan, setting)
+        predicted = Predictor(simulator, ids).predict(plan, setting)
         measured, alone = setting.summary, predicted.summary
         if not (measured.tpot and alone.tpot and measured.ttft and alone.ttft):
             raise InvalidRequestError(f"The front end's calibration load got no answers from {url}.")
@@ -181,7 +181,7 @@ def predictor_for(meta: dict, model, prompts: list["Prompt"], endpoint: str, pro
         progress("predict  fitting the server's front end to a short load of 1 and 8 users …")
         cost = fit_front_end(url, api_key, served, prompts, ids, simulator, endpoint)
         progress(f"predict  {cost.front.describe()}")
-    return Predictor(simulator, ids, cost)
+    return Predictor(simulator, ids)
 
 
 def _tokenized(loaded, prompts: list["Prompt"], mode: str) -> list[list[int] | None]:

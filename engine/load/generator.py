@@ -79,7 +79,7 @@ class SettingResult:
 
     @property
     def label(self) -> str:
-        return f"concurrency {self.value:g}" if self.mode == "concurrency" else f"rate {self.value:g}/s"
+        return setting_label(self.mode, self.value)
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "value": self.value, "model": self.model, "summary": self.summary.to_dict(),
@@ -188,6 +188,11 @@ class LoadRunner:
         duration = (max(ended) if ended else time.perf_counter() - start)
         return SettingResult(mode, value, results, summarize(results, duration, plan.slo, cut_by), model, server,
                              dict(self.runs_on))
+
+
+def setting_label(mode: str, value: float) -> str:
+    """How a setting is named wherever it is shown: ``concurrency 4``, ``rate 0.5/s``."""
+    return f"concurrency {value:g}" if mode == "concurrency" else f"rate {value:g}/s"
 
 
 def setting_order(requests: int, rng: random.Random, item: Callable[[int], object]) -> list:
