@@ -468,6 +468,7 @@ class CostWindow(QMainWindow):
     def closeEvent(self, event) -> None:
         self._closing = True
         self._pending.stop()
+        self.serving.close()  # a serving simulation under way ends at its next step
         if self.session is not None:  # a measured run stops, its model goes
             self.session.shutdown()
             self.session = None

@@ -57,6 +57,7 @@ class ServingSection:
         self._wanted = None  # (key, work) of the choice shown
         self._running = None  # the key being simulated
         self._done: tuple | None = None  # (key, cost, curve, batch) of the last simulation
+        self._closed = False
 
     def add_rows(self, form) -> None:
         row = QHBoxLayout()
@@ -64,6 +65,11 @@ class ServingSection:
         row.addWidget(self.answer)
         form.addRow("Serving", row)
         form.addRow("", self.target)
+
+    def close(self) -> None:
+        """The explorer closes: a simulation under way stops at its next step, nothing more starts."""
+        self._closed = True
+        self._wanted = None
 
     def stale(self) -> None:
         """The explorer shows no figures for its current choice (yet): nor does this section."""
@@ -93,7 +99,8 @@ class ServingSection:
         users = tuple(n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= max(4 * e.batch, 4))
 
         def work():
-            return cost, serving_curve(cost, limits, prompt, answer, shared, users), e.batch
+            return cost, serving_curve(cost, limits, prompt, answer, shared, users,
+                                       cancelled=lambda: self._closed), e.batch
         self._wanted = (key, work)
         if self._done is not None and self._done[0] == key:
             self._show()
@@ -103,6 +110,8 @@ class ServingSection:
             self.label.setText("<b>Serving</b>: <i>simulating…</i>")
 
     def _start(self) -> None:
+        if self._closed or self._wanted is None:
+            return
         key, work = self._wanted
         self._running = key
         self.label.setText("<b>Serving</b>: <i>simulating…</i>")

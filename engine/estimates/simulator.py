@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -208,12 +208,13 @@ class ServingSimulator:
         self._next_rid = 0
 
     def run(self, workload: Workload, slo: dict | None = None, max_duration_s: float | None = None,
-            trace: bool = False) -> Simulated:
+            trace: bool = False, cancelled: Callable[[], bool] | None = None) -> Simulated:
         """Run ``workload`` (its clock from 0) through the engine's scheduler, each step taking what
         the step cost says; the load generator's figures for it (``slo`` as ``parse_slo`` gives
         it), cut at ``max_duration_s`` as the generator cuts a setting. ``trace``: each step's
-        shape kept (:attr:`Simulated.shapes`). A request the KV budget can't hold even alone
-        raises ``InvalidRequestError``."""
+        shape kept (:attr:`Simulated.shapes`). ``cancelled``, asked before each step, ends the run
+        there (what is in flight is cut). A request the KV budget can't hold even alone raises
+        ``InvalidRequestError``."""
         kv, scheduler, cost, limits = self.kv, self.scheduler, self.cost, self.limits
         requests = workload.requests
         results = [RequestResult(i, sent=True, counted_by="usage") for i in range(len(requests))]
@@ -239,6 +240,8 @@ class ServingSimulator:
         front = cost.front
         try:
             while left:
+                if cancelled is not None and cancelled():
+                    break
                 while arrivals and arrivals[0][0] <= t and arrivals[0][0] < deadline:
                     when, i = heapq.heappop(arrivals)
                     request = requests[i]
@@ -316,7 +319,9 @@ class ServingSimulator:
             if result.prompt_tokens is None:  # its moment came after the end: not sent
                 result.sent = False
             else:  # in flight at the end
-                result.cut, result.error = True, f"cut by the deadline: in flight at {max_duration_s:g} s"
+                result.cut = True
+                result.error = (f"cut by the deadline: in flight at {max_duration_s:g} s" if max_duration_s is not None
+                                else "cut: the simulation was stopped")
         ended = [r.start_s + r.e2e_s for r in results if r.e2e_s is not None]
         summary = summarize(results, max(ended) if ended else min(t, deadline), slo, "the deadline" if left else None)
         return Simulated(workload, results, summary, steps, scheduler.preemptions - preempted_before,
@@ -373,14 +378,19 @@ class CurvePoint:
 
 
 def serving_curve(cost: "StepCost", limits: EngineLimits, prompt_tokens: int, output_tokens: int,
-                  shared_prefix: int = 0, users: Sequence[int] = USERS, slo: dict | None = None) -> list[CurvePoint]:
+                  shared_prefix: int = 0, users: Sequence[int] = USERS, slo: dict | None = None,
+                  cancelled: Callable[[], bool] | None = None) -> list[CurvePoint]:
     """Latency and throughput against load: for each number of users, a closed loop sending
     requests of ``prompt_tokens`` (the first ``shared_prefix`` the same in all) and
-    ``output_tokens`` through a server that starts empty (four requests a user, at least 32)."""
+    ``output_tokens`` through a server that starts empty (four requests a user, at least 32).
+    ``cancelled``, asked at every simulated step, ends the curve early (what it holds then is
+    not to be shown)."""
     out = []
     for n in users:
+        if cancelled is not None and cancelled():
+            break
         workload = closed_loop(n, [prompt_tokens], [output_tokens], max(32, 4 * n), shared_prefix=shared_prefix)
-        run = simulate(workload, limits, cost, slo)
+        run = ServingSimulator(limits, cost).run(workload, slo, cancelled=cancelled)
         out.append(CurvePoint(n, run.summary, run.preemptions))
     return out
 

@@ -4,7 +4,8 @@ the same requests, the same limits, the same steps."""
 import pytest
 
 from engine.base.errors import InvalidRequestError
-from engine.estimates.simulator import EngineLimits, SimRequest, Workload, closed_loop, open_loop, simulate
+from engine.estimates.simulator import (EngineLimits, ServingSimulator, SimRequest, Workload, closed_loop, open_loop,
+                                        simulate)
 from engine.estimates.step_cost import FEATURES, StepCost, StepSample, fit
 
 SECOND_A_STEP = StepCost(1.0, 0.0, 0.1, 0.0, 0.0, 0.01, 0.0)
@@ -190,3 +191,14 @@ def test_a_prompt_the_server_refuses_ends_at_once_and_its_user_sends_the_next():
     refused = [r for r, request in zip(run.results, workload.requests) if request.refused]
     assert len(refused) == 2 and all(r.outcome == "errored" for r in refused)
     assert run.summary.completed == 2 and run.summary.errored == 2
+
+
+def test_a_cancelled_simulation_ends_at_its_next_step():
+    asked = []
+
+    def cancelled():
+        asked.append(1)
+        return len(asked) > 3
+    run = simulate(Workload((SimRequest(8, 50),)), EngineLimits(), SECOND_A_STEP).steps
+    stopped = ServingSimulator(EngineLimits(), SECOND_A_STEP).run(Workload((SimRequest(8, 50),)), cancelled=cancelled)
+    assert run == 50 and stopped.steps == 3 and stopped.results[0].outcome == "cut"
