@@ -178,7 +178,7 @@ class CostWindow(QMainWindow):
         self.charts.ready.connect(self.schedule_update)
         self.charts.drawn.connect(self.updated)
         self.setCentralWidget(self.charts)
-
+        self.serving.place = self.charts.place
 
         for widget in (self.model, self.hardware, self.precision, self.kv_dtype):
             widget.currentIndexChanged.connect(self.schedule_update)
@@ -439,7 +439,7 @@ class CostWindow(QMainWindow):
         e = self.estimate
         try:
             return plan_tensor_parallel(self._config, profile, e.precision, e.kv_dtype, e.context, e.batch,
-                                        model=self.model_ref())
+                                        model=self.model_ref(), token_budget=self.serving.token_budget.value())
         except EngineError:
             return None
 

@@ -1,5 +1,6 @@
-"""The cost explorer's four charts: the memory a setup needs, the decode speed ceiling against
-batch, $ per 1M tokens against batch, and KV bytes against context, with measured runs on them.
+"""The cost explorer's charts: the memory a setup needs, the decode speed ceiling against batch,
+$ per 1M tokens against batch, and KV bytes against context, with measured runs on them; and two
+cells for the serving section's charts (app/widgets/cost_serving.py).
 
 Built one chart per turn of the event loop (each pyqtgraph plot takes a frame or more to make), so
 opening the window never blocks the GUI for long; ``ready`` says they are all there.
@@ -36,7 +37,7 @@ def _pen(colour: str, style=Qt.SolidLine, width: int = 1):
 
 
 class CostCharts(QWidget):
-    """The four charts in a 2 × 2 grid."""
+    """The four charts in a 2 × 2 grid, and a third column for the serving section's two."""
 
     ready = Signal()  # the four charts are made
     drawn = Signal()  # a draw finished
@@ -47,10 +48,10 @@ class CostCharts(QWidget):
         self._grid = QGridLayout(self)
         # a cell per chart from the start: a chart placed later fills its cell without resizing (and
         # repainting) the others
-        self._cells = [QStackedWidget() for _ in range(4)]
+        self._cells = [QStackedWidget() for _ in range(6)]
         for index, cell in enumerate(self._cells):
             cell.addWidget(QWidget())
-            self._grid.addWidget(cell, index // 2, index % 2)
+            self._grid.addWidget(cell, *((index // 2, index % 2) if index < 4 else (index - 4, 2)))
         self._curves: dict[str, object] = {}
         self._run_labels: list = []
         self._loads: list = []
@@ -69,7 +70,8 @@ class CostCharts(QWidget):
         self.built = True
         self.ready.emit()
 
-    def _place(self, panel: PlotPanel, index: int) -> None:
+    def place(self, panel: PlotPanel, index: int) -> None:
+        """``panel`` in cell ``index``: 0-3 the grid's, 4 and 5 the third column's."""
         panel.item.getAxis("left").enableAutoSIPrefix(False)  # our ticks carry their units; no "(x0.001)"
         self._cells[index].addWidget(panel)
         self._cells[index].setCurrentWidget(panel)
@@ -83,7 +85,7 @@ class CostCharts(QWidget):
                              ("activations", COLOURS["activations"])):
             self.memory_plot.add_legend(name, colour, "■")
         self.memory_plot.add_legend("device memory", COLOURS["device"], "╍╍")
-        self._place(self.memory_plot, 0)
+        self.place(self.memory_plot, 0)
 
     def _build_speed(self) -> None:
         self.speed_plot = PlotPanel(
@@ -102,7 +104,7 @@ class CostCharts(QWidget):
                          pg.LinearRegionItem(movable=False, brush=pg.mkBrush(192, 57, 43, 28), pen=pg.mkPen(None))]
         for region in self._regions:
             self.speed_plot.plot.addItem(region, ignoreBounds=True)
-        self._place(self.speed_plot, 1)
+        self.place(self.speed_plot, 1)
 
     def _build_money(self) -> None:
         self.money_plot = PlotPanel(
@@ -111,13 +113,13 @@ class CostCharts(QWidget):
         self._money_note = pg.TextItem("", color=COLOURS["device"], anchor=(0.5, 0.5))
         self._money_note.textItem.setTextWidth(240)  # wraps inside the plot however narrow
         self.money_plot.plot.addItem(self._money_note, ignoreBounds=True)
-        self._place(self.money_plot, 2)
+        self.place(self.money_plot, 2)
 
     def _build_kv(self) -> None:
         self.kv_plot = PlotPanel(
             "cost-kv", "KV-cache bytes of one sequence against context length; sliding-window layers stop "
             "growing at their window. Red dots: measured runs.", "KV cache", "context (tokens)")
-        self._place(self.kv_plot, 3)
+        self.place(self.kv_plot, 3)
 
     def _curve(self, key: str, panel: PlotPanel, **style):
         if key not in self._curves:

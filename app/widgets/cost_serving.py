@@ -1,18 +1,23 @@
 """The Cost explorer's *Serving* section: latency against load for the model and hardware it shows,
-simulated (engine/estimates/simulator.py) off the GUI thread, and the most users a latency target
-allows."""
+simulated (engine/estimates/simulator.py) off the GUI thread, the most load a latency target
+allows, and two charts: the latency curves, and the KV cache over time at the load where the
+target gives way."""
 
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Callable
 
+import numpy as np
+import pyqtgraph as pg
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QDoubleSpinBox, QHBoxLayout, QLabel, QSpinBox
+from PySide6.QtWidgets import QComboBox, QDoubleSpinBox, QHBoxLayout, QLabel, QSpinBox
 
 from app.background import Background
+from app.widgets.live_plots import PlotPanel
 from engine.base.errors import EngineError
-from engine.estimates.simulator import EngineLimits, most_users, serving_curve
+from engine.estimates.simulator import RATE_SHARES, EngineLimits, capacity, most_load, serving_curve
 from engine.estimates.step_cost import for_gpu
 from engine.load.report import ms
 
@@ -21,32 +26,54 @@ MEMORY_SHARE = 0.9
 default): the KV cache gets what the weights and activations leave of it."""
 LONGEST = 131_072
 """The longest prompt or answer the section simulates (a token limit keeps each simulation short)."""
+USER_LOADS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+COLOURS = {"p50": "#2d7dd2", "p90": "#c0392b", "tpot": "#27ae60", "target": "#7f8c8d", "kv": "#f39c12",
+           "running": "#2d7dd2", "preempted": "#c0392b"}
 
 
 class ServingSection:
-    """Its inputs (rows for the explorer's form) and its result (a label under the figures). One
-    simulation runs at a time; a choice made meanwhile is simulated after it, the ones between
-    skipped, and a change of the latency target alone only reads the last curve again."""
+    """Its inputs (rows for the explorer's form) and its results (a label under the figures, two
+    charts placed by ``place(panel, index)``). One simulation runs at a time; a choice made
+    meanwhile is simulated after it, the ones between skipped, and a change of the latency target
+    alone only reads the last curve again."""
 
     def __init__(self, background: Background, changed: Callable[[], None]) -> None:
         self.background = background
+        self.place: Callable[[PlotPanel, int], None] | None = None
+        """Puts a chart in the explorer's grid (set by the explorer)."""
         self.prompt, self.answer = QSpinBox(), QSpinBox()
         for box, value, what in ((self.prompt, 1024, "prompt"), (self.answer, 256, "answer")):
             box.setObjectName(f"serve{what.capitalize()}")
             box.setRange(1, LONGEST)
             box.setValue(value)
             box.setSuffix(f" tokens ({what})")
-            box.setToolTip(f"Each simulated user's {what} (the shared prefix above is the start of every prompt).")
+            box.setToolTip(f"Each simulated request's {what} (the shared prefix above is the start of every prompt).")
+        self.load = QComboBox()
+        self.load.setObjectName("serveLoad")
+        self.load.addItem("users, each waiting for its answer", "users")
+        self.load.addItem("requests arriving a second", "rate")
+        self.load.setToolTip("Users: each sends its next request when its answer ends (a chat app). Requests a "
+                             "second: they arrive at random at that rate whatever the server's speed (an API), as "
+                             "shares of what the server completes when never idle.")
+        self.token_budget = QSpinBox()
+        self.token_budget.setObjectName("serveTokenBudget")
+        self.token_budget.setRange(16, 1 << 20)
+        self.token_budget.setValue(8192)
+        self.token_budget.setSuffix(" tokens a step")
+        self.token_budget.setToolTip("The prompt and decode tokens one step may take (vLLM's "
+                                     "--max-num-batched-tokens, SGLang's --chunked-prefill-size): a longer prompt "
+                                     "is read in chunks between other requests' decode steps.")
         self.target = QDoubleSpinBox()
         self.target.setObjectName("serveTarget")
         self.target.setRange(0.01, 600)
         self.target.setDecimals(2)
         self.target.setValue(1.0)
         self.target.setSuffix(" s p90 TTFT")
-        self.target.setToolTip("The users a plan serves are those whose time to first token stays within this for "
+        self.target.setToolTip("The load a plan serves is the most whose time to first token stays within this for "
                                "nine requests in ten.")
-        for box in (self.prompt, self.answer):
+        for box in (self.prompt, self.answer, self.token_budget):
             box.valueChanged.connect(changed)
+        self.load.currentIndexChanged.connect(changed)
         self.target.valueChanged.connect(lambda *_: self._show())
         self.label = QLabel()
         self.label.setObjectName("costServing")
@@ -54,16 +81,19 @@ class ServingSection:
         self.label.setTextFormat(Qt.RichText)
         self.label.setTextInteractionFlags(Qt.TextSelectableByMouse)
         self.label.setAlignment(Qt.AlignTop | Qt.AlignLeft)
+        self.latency_plot: PlotPanel | None = None
+        self.usage_plot: PlotPanel | None = None
         self._wanted = None  # (key, work) of the choice shown
         self._running = None  # the key being simulated
-        self._done: tuple | None = None  # (key, cost, curve, batch) of the last simulation
+        self._done: tuple | None = None  # (key, cost, curve, batch, kv blocks, capacity) of the last simulation
         self._closed = False
 
     def add_rows(self, form) -> None:
-        row = QHBoxLayout()
-        row.addWidget(self.prompt)
-        row.addWidget(self.answer)
-        form.addRow("Serving", row)
+        for label, boxes in (("Serving", (self.prompt, self.answer)), ("Load", (self.load, self.token_budget))):
+            row = QHBoxLayout()
+            for box in boxes:
+                row.addWidget(box)
+            form.addRow(label, row)
         form.addRow("", self.target)
 
     def close(self) -> None:
@@ -75,20 +105,25 @@ class ServingSection:
         """The explorer shows no figures for its current choice (yet): nor does this section."""
         self._wanted = None
         self.label.setText("")
+        for panel in (self.latency_plot, self.usage_plot):
+            if panel is not None:
+                panel.plot.clear()
 
     def update(self, estimate, profile, gpus: int, prefix: int) -> None:
         """Simulate ``estimate``'s model on ``profile`` (``gpus`` of it) at its batch."""
         e = estimate
-        prompt, answer = self.prompt.value(), self.answer.value()
-        key = (e.model, e.precision, e.kv_dtype, e.batch, profile.id, gpus, prompt, answer, prefix)
+        prompt, answer, budget, mode = (self.prompt.value(), self.answer.value(), self.token_budget.value(),
+                                        self.load.currentData())
+        key = (e.model, e.precision, e.kv_dtype, e.batch, profile.id, gpus, prompt, answer, prefix, budget, mode)
         memory = e.device_memory_bytes * gpus * MEMORY_SHARE - e.weights_bytes - e.activation_bytes
         per_token = e.kv_bytes_per_token or 0
         if memory <= 0 or not per_token:
             self._wanted = None
             self.label.setText("<b>Serving</b>: the weights leave no room for a KV cache here.")
             return
-        limits = EngineLimits(max_batch=e.batch, token_budget=8192, prefill_chunk=8192,
-                              kv_blocks=int(memory // (16 * per_token)), prefix_caching=prefix > 0)
+        blocks = int(memory // (16 * per_token))
+        limits = EngineLimits(max_batch=e.batch, token_budget=budget, prefill_chunk=budget, kv_blocks=blocks,
+                              prefix_caching=prefix > 0)
         try:
             cost = for_gpu(profile, e.weights_read_bytes, e.parameters, per_token, gpus)
         except EngineError as exc:
@@ -96,11 +131,17 @@ class ServingSection:
             self.label.setText(f"<b>Serving</b>: {html.escape(str(exc))}")
             return
         shared = min(prefix, prompt - 1)
-        users = tuple(n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= max(4 * e.batch, 4))
+        cancelled = lambda: self._closed  # noqa: E731
 
         def work():
-            return cost, serving_curve(cost, limits, prompt, answer, shared, users,
-                                       cancelled=lambda: self._closed), e.batch
+            if mode == "rate":
+                most = capacity(cost, limits, prompt, answer, shared, cancelled)
+                loads = [share * most for share in RATE_SHARES] if most > 0 else []
+            else:
+                most, loads = 0.0, [n for n in USER_LOADS if n <= max(4 * e.batch, 4)]
+            curve = serving_curve(cost, limits, prompt, answer, shared, loads, cancelled=cancelled,
+                                  rate=mode == "rate")
+            return cost, curve, e.batch, blocks, most
         self._wanted = (key, work)
         if self._done is not None and self._done[0] == key:
             self._show()
@@ -135,26 +176,120 @@ class ServingSection:
             self._start()
 
     def _show(self) -> None:
-        if self._wanted is None or self._done is None or self._done[0] != self._wanted[0]:
+        if self._wanted is None or self._done is None or self._done[0] != self._wanted[0] or self._closed:
             return
-        key, cost, curve, batch = self._done
+        key, cost, curve, batch, blocks, most = self._done
+        rate = key[-1] == "rate"
+        if not curve:
+            self.label.setText("<b>Serving</b>: the server completes no request here.")
+            return
         target = self.target.value()
-        best = most_users(curve, target)
-        loads = ", ".join(str(p.users) for p in curve)
-        rows = "".join(f"<tr><td>{p.users}</td><td>{ms(p.summary.ttft, 'median')}</td>"
+        best = most_load(curve, target)
+        unit = "requests/s" if rate else "users"
+        rows = "".join(f"<tr><td>{_load(p.load, rate)}</td><td>{ms(p.summary.ttft, 'median')}</td>"
                        f"<td>{ms(p.summary.ttft, 'p90')}</td><td>{ms(p.summary.tpot, 'median')}</td>"
                        f"<td>{p.summary.output_throughput:,.0f}</td><td>{p.preemptions}</td></tr>" for p in curve)
         if best is None:
-            verdict = f"not even one user gets p90 TTFT ≤ {target:g} s"
-        elif best == curve[-1].users:
-            verdict = f"all the loads simulated, up to <b>{best}</b> users, keep p90 TTFT ≤ {target:g} s"
+            verdict = f"not even {_load(curve[0].load, rate)} {unit} get p90 TTFT ≤ {target:g} s"
+        elif best == curve[-1].load:
+            verdict = (f"all the loads simulated, up to <b>{_load(best, rate)}</b> {unit}, keep p90 TTFT ≤ "
+                       f"{target:g} s")
         else:
-            beyond = next(p.users for p in curve if p.users > best)
-            verdict = f"<b>{best}</b> users keep p90 TTFT ≤ {target:g} s, {beyond} don't"
+            beyond = next(p.load for p in curve if p.load > best)
+            verdict = (f"<b>{_load(best, rate)}</b> {unit} keep p90 TTFT ≤ {target:g} s, {_load(beyond, rate)} "
+                       "don't")
+        if rate:
+            load = (f"requests arriving at random at {', '.join(_load(p.load, rate) for p in curve)} a second "
+                    f"({', '.join(f'{s:.0%}' for s in RATE_SHARES)} of the {most:.3g} a second it completes when "
+                    "never idle)")
+        else:
+            load = (f"loads of {', '.join(str(int(p.load)) for p in curve)} users, each sending the next request "
+                    "as soon as one ends")
         self.label.setText(
-            f"<b>Serving</b>, simulated: loads of {loads} users, each sending a {key[6]:,}-token prompt for a "
-            f"{key[7]:,}-token answer and the next as soon as one ends, at most {batch} at once (the Batch "
-            f"above): {verdict}."
-            "<table cellspacing=3><tr><th>users</th><th>TTFT p50</th><th>p90</th><th>TPOT p50</th><th>tok/s</th>"
+            f"<b>Serving</b>, simulated: {load}, each a {key[6]:,}-token prompt for a {key[7]:,}-token answer, at "
+            f"most {batch} at once (the Batch above) and {key[9]:,} tokens a step: {verdict}."
+            f"<table cellspacing=3><tr><th>{unit}</th><th>TTFT p50</th><th>p90</th><th>TPOT p50</th><th>tok/s</th>"
             f"<th>preempted</th></tr>{rows}</table><small>The engine's scheduler on a simulated clock; "
-            f"{html.escape(cost.source)}. What a server measures: the load generator (View → Traffic).</small>")
+            f"{html.escape(cost.source)}. The copy buttons give this plan's commands (its batch and tokens a step). "
+            "What a server measures: the load generator (View → Traffic).</small>")
+        self._draw(curve, target, best, rate, blocks, batch)
+
+    def _draw(self, curve, target: float, best, rate: bool, blocks: int, batch: int) -> None:
+        """The latency curves with the target across them; the KV cache over time at the first load
+        past the target (the largest, when none is)."""
+        if self.place is None:
+            return
+        if self.latency_plot is None:
+            self.latency_plot = PlotPanel(
+                "cost-serving-latency", "Simulated latency against load: time to first token (p50, p90) and time "
+                "per output token (p50), log scale; the dashed line is the p90 TTFT target.", "seconds (log₁₀)",
+                "load")
+            for name, colour in (("TTFT p50", COLOURS["p50"]), ("TTFT p90", COLOURS["p90"]),
+                                 ("TPOT p50", COLOURS["tpot"]), ("target", COLOURS["target"])):
+                self.latency_plot.add_legend(name, colour, "╍╍" if name == "target" else "━━")
+            self.usage_plot = PlotPanel(
+                "cost-serving-usage", "Simulated KV cache over time at one load: blocks held (% of the pool) and "
+                "requests running (% of the batch); red marks: preemptions (a request's blocks taken back, its "
+                "prompt read again later).", "% of the pool / batch", "seconds")
+            for name, colour in (("KV blocks", COLOURS["kv"]), ("running", COLOURS["running"]),
+                                 ("preempted", COLOURS["preempted"])):
+                self.usage_plot.add_legend(name, colour, "✕" if name == "preempted" else "━━")
+            self.place(self.latency_plot, 4)
+            self.place(self.usage_plot, 5)
+        plot = self.latency_plot
+        plot.plot.clear()
+        xs = np.array([p.load for p in curve], dtype=float)
+        lx = xs if rate else np.log2(xs)
+        top = [np.nan]
+        for key, colour, name in (("median", COLOURS["p50"], "ttft"), ("p90", COLOURS["p90"], "ttft"),
+                                  ("median", COLOURS["tpot"], "tpot")):
+            ys = np.array([math.log10(s[key]) if (s := getattr(p.summary, name)) and s[key] > 0 else np.nan
+                           for p in curve])
+            plot.plot.plot(lx, ys, pen=pg.mkPen(colour, width=2), symbol="o", symbolSize=5, symbolBrush=colour,
+                           connect="finite")
+            top.extend(ys)
+        goal = math.log10(target)
+        plot.plot.plot([lx[0], lx[-1]], [goal, goal], pen=pg.mkPen(COLOURS["target"], width=2, style=Qt.DashLine))
+        finite = np.array([y for y in [*top, goal] if np.isfinite(y)])
+        low, high = float(finite.min()) - 0.2, float(finite.max()) + 0.2
+        plot.item.setXRange(float(lx[0]), float(lx[-1]), padding=0.03)
+        plot.item.setYRange(low, high, padding=0)
+        plot.item.getAxis("left").setTicks([_log_ticks(low, high)])
+        # users: each load labelled on its log₂ axis; rates: pyqtgraph's own ticks (the rates crowd near 100%)
+        plot.item.getAxis("bottom").setTicks(None if rate else [[(float(x), _load(v, rate)) for x, v in zip(lx, xs)]])
+        plot.set_label("bottom", "requests arriving a second" if rate else "users (log₂)")
+        if best is not None:
+            x = float(best if rate else math.log2(best))
+            plot.plot.addItem(pg.InfiniteLine(x, angle=90, pen=pg.mkPen(COLOURS["target"], style=Qt.DotLine)))
+        shown = next((p for p in curve if best is None or p.load > best), curve[-1])
+        usage = self.usage_plot
+        usage.plot.clear()
+        moments = shown.timeline
+        if not moments:
+            return
+        ts = np.array([m.t for m in moments])
+        usage.plot.plot(ts, [100 * m.kv_blocks / blocks for m in moments], pen=pg.mkPen(COLOURS["kv"], width=2))
+        usage.plot.plot(ts, [100 * m.running / batch for m in moments], pen=pg.mkPen(COLOURS["running"]))
+        marks = [m.t for a, m in zip(moments, moments[1:]) if m.preemptions > a.preemptions]
+        usage.plot.plot(marks, [100.0] * len(marks), pen=None, symbol="x", symbolSize=9,
+                        symbolBrush=COLOURS["preempted"], symbolPen=COLOURS["preempted"])
+        usage.item.setXRange(0, float(ts[-1]) or 1.0, padding=0.02)
+        usage.item.setYRange(0, 105, padding=0)
+        usage.set_title(f"at {_load(shown.load, rate)} {'requests/s' if rate else 'users'}: "
+                        f"{shown.preemptions} preempted", "9pt")
+
+
+def _load(value: float, rate: bool) -> str:
+    return f"{value:.3g}" if rate else str(int(value))
+
+
+def _log_ticks(low: float, high: float) -> list[tuple[float, str]]:
+    """Seconds on a log₁₀ axis: 1 ms, 2 ms, 5 ms … 1 s, 2 s …, thinned to at most seven."""
+    ticks = []
+    for k in range(math.floor(low), math.ceil(high) + 1):
+        for m in (1, 2, 5):
+            x = math.log10(m * 10 ** k)
+            if low <= x <= high:
+                seconds = m * 10 ** k
+                ticks.append((x, f"{seconds * 1e3:g} ms" if seconds < 1 else f"{seconds:g} s"))
+    return ticks[::max(1, math.ceil(len(ticks) / 7))]

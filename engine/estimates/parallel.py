@@ -98,7 +98,11 @@ def _sizes(heads: int, largest: int) -> list[int]:
 
 def plan_tensor_parallel(config, hardware: Hardware, precision: str = "bf16", kv_dtype: str = "bf16",
                          context: int = 4096, batch: int = 1, model: str = "",
-                         memory_utilization: float = MEMORY_UTILIZATION, largest: int = 8) -> ParallelPlan:
+                         memory_utilization: float = MEMORY_UTILIZATION, largest: int = 8,
+                         token_budget: int | None = None) -> ParallelPlan:
+    """The tensor-parallel sizes of ``hardware`` for this model and setup, the fewest GPUs that fit
+    chosen, and both servers' commands for it (``token_budget``: the prompt and decode tokens one
+    step may take, where it is set)."""
     if hardware.kind == "cpu":
         raise InvalidRequestError("Tensor parallelism plans GPUs: choose a GPU profile.")
     if not 0 < memory_utilization <= 1:
@@ -137,10 +141,10 @@ def plan_tensor_parallel(config, hardware: Hardware, precision: str = "bf16", kv
     return ParallelPlan(
         model=model, hardware=hardware.id, precision=precision, kv_dtype=kv_dtype, context=context, batch=batch,
         memory_utilization=memory_utilization, options=tuple(options), chosen=chosen,
-        vllm_command=vllm_command(model, chosen.gpus, context, batch, precision, kv_dtype, memory_utilization)
-        if chosen else None,
-        sglang_command=sglang_command(model, chosen.gpus, context, batch, precision, kv_dtype, memory_utilization)
-        if chosen else None,
+        vllm_command=vllm_command(model, chosen.gpus, context, batch, precision, kv_dtype, memory_utilization,
+                                  token_budget) if chosen else None,
+        sglang_command=sglang_command(model, chosen.gpus, context, batch, precision, kv_dtype, memory_utilization,
+                                      token_budget) if chosen else None,
         usd_per_million_tokens=usd)
 
 
@@ -176,18 +180,20 @@ def _command(parts: list[str], note: str) -> str:
 
 
 def vllm_command(model: str, gpus: int, context: int, batch: int, precision: str, kv_dtype: str,
-                 memory_utilization: float) -> str:
+                 memory_utilization: float, token_budget: int | None = None) -> str:
     """``vllm serve`` for this plan."""
     weights, note = _weight_flags(precision, fp8_dtype=True)
     parts = ["vllm", "serve", model or "MODEL", "--tensor-parallel-size", str(gpus), "--max-model-len", str(context),
              "--gpu-memory-utilization", f"{memory_utilization:.2f}", "--max-num-seqs", str(batch), *weights]
     if kv_dtype in ("fp8", "int8"):
         parts += ["--kv-cache-dtype", "fp8"]
+    if token_budget:
+        parts += ["--max-num-batched-tokens", str(token_budget)]
     return _command(parts, note)
 
 
 def sglang_command(model: str, gpus: int, context: int, batch: int, precision: str, kv_dtype: str,
-                   memory_utilization: float) -> str:
+                   memory_utilization: float, token_budget: int | None = None) -> str:
     """``python -m sglang.launch_server`` for this plan."""
     weights, note = _weight_flags(precision, fp8_dtype=False)
     parts = ["python", "-m", "sglang.launch_server", "--model-path", model or "MODEL", "--tp", str(gpus),
@@ -195,6 +201,8 @@ def sglang_command(model: str, gpus: int, context: int, batch: int, precision: s
              "--max-running-requests", str(batch), *weights]
     if kv_dtype in ("fp8", "int8"):
         parts += ["--kv-cache-dtype", "fp8_e5m2"]
+    if token_budget:
+        parts += ["--chunked-prefill-size", str(token_budget)]
     return _command(parts, note)
 
 

@@ -367,41 +367,67 @@ class _Ids:
 
 
 USERS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-"""The loads a serving curve simulates: closed loops of this many users."""
+"""The loads a serving curve simulates by default: closed loops of this many users."""
+RATE_SHARES = (0.1, 0.25, 0.5, 0.7, 0.8, 0.9, 1.0, 1.2)
+"""Open-loop loads as shares of the server's capacity (:func:`capacity`)."""
+MOST_REQUESTS = 1024
+"""The most requests one load of a curve sends (a large batch sends four a row, up to this)."""
 
 
 @dataclass(frozen=True)
 class CurvePoint:
-    users: int
+    load: float
+    """Users (a closed loop) or requests per second arriving (an open loop)."""
     summary: Summary
     preemptions: int
+    timeline: tuple[Moment, ...] = ()
+    """The engine after each step (thinned as :attr:`Simulated.timeline` is)."""
+
+
+def _requests(limits: EngineLimits, users: int = 0) -> int:
+    return min(MOST_REQUESTS, max(32, 4 * users, 4 * limits.max_batch if not users else 0))
 
 
 def serving_curve(cost: "StepCost", limits: EngineLimits, prompt_tokens: int, output_tokens: int,
-                  shared_prefix: int = 0, users: Sequence[int] = USERS, slo: dict | None = None,
-                  cancelled: Callable[[], bool] | None = None) -> list[CurvePoint]:
-    """Latency and throughput against load: for each number of users, a closed loop sending
-    requests of ``prompt_tokens`` (the first ``shared_prefix`` the same in all) and
-    ``output_tokens`` through a server that starts empty (four requests a user, at least 32).
-    ``cancelled``, asked at every simulated step, ends the curve early (what it holds then is
-    not to be shown)."""
+                  shared_prefix: int = 0, loads: Sequence[float] = USERS, slo: dict | None = None,
+                  cancelled: Callable[[], bool] | None = None, rate: bool = False) -> list[CurvePoint]:
+    """Latency and throughput against load: for each load, requests of ``prompt_tokens`` (the
+    first ``shared_prefix`` the same in all) and ``output_tokens`` through a server that starts
+    empty; a load is a closed loop of that many users (four requests a user, at least 32) or,
+    with ``rate``, requests arriving at that many a second as the load generator spaces them
+    (:data:`MOST_REQUESTS`, or four a batch row if fewer, at least 32). ``cancelled``, asked at
+    every simulated step, ends the curve early (what it holds then is not to be shown)."""
     out = []
-    for n in users:
+    for load in loads:
         if cancelled is not None and cancelled():
             break
-        workload = closed_loop(n, [prompt_tokens], [output_tokens], max(32, 4 * n), shared_prefix=shared_prefix)
+        if rate:
+            workload = open_loop(load, [prompt_tokens], [output_tokens], _requests(limits),
+                                 shared_prefix=shared_prefix)
+        else:
+            workload = closed_loop(int(load), [prompt_tokens], [output_tokens], _requests(limits, int(load)),
+                                   shared_prefix=shared_prefix)
         run = ServingSimulator(limits, cost).run(workload, slo, cancelled=cancelled)
-        out.append(CurvePoint(n, run.summary, run.preemptions))
+        out.append(CurvePoint(load, run.summary, run.preemptions, tuple(run.timeline)))
     return out
 
 
-def most_users(curve: list[CurvePoint], ttft_p90_s: float) -> int | None:
-    """The most users of ``curve`` whose p90 TTFT stays within ``ttft_p90_s`` (``None``: not even
-    the fewest), as long as every smaller load does too."""
+def capacity(cost: "StepCost", limits: EngineLimits, prompt_tokens: int, output_tokens: int,
+             shared_prefix: int = 0, cancelled: Callable[[], bool] | None = None) -> float:
+    """The requests a second the server completes when it is never idle: a closed loop of as
+    many users as its batch holds."""
+    curve = serving_curve(cost, limits, prompt_tokens, output_tokens, shared_prefix, [limits.max_batch],
+                          cancelled=cancelled)
+    return curve[0].summary.request_throughput if curve else 0.0
+
+
+def most_load(curve: list[CurvePoint], ttft_p90_s: float) -> float | None:
+    """The largest load of ``curve`` whose p90 TTFT stays within ``ttft_p90_s`` (``None``: not
+    even the smallest), as long as every smaller load's does too."""
     best = None
     for point in curve:
         ttft = point.summary.ttft
         if ttft is None or ttft["p90"] > ttft_p90_s:
             break
-        best = point.users
+        best = point.load
     return best

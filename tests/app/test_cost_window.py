@@ -134,8 +134,9 @@ def test_the_window_shows_before_its_charts_are_made(qtbot, tmp_path, monkeypatc
     assert not window.charts.built and all(cell.count() == 1 for cell in window.charts._cells)  # placeholders
     with qtbot.waitSignal(window.charts.ready, timeout=10_000):
         window.show()
-    assert window.charts.built and all(cell.currentWidget() is not None and cell.count() == 2
-                                       for cell in window.charts._cells)
+    cells = window.charts._cells
+    assert window.charts.built and all(cell.currentWidget() is not None and cell.count() == 2 for cell in cells[:4])
+    assert all(cell.count() == 1 for cell in cells[4:])  # the serving charts come with the first simulation
     window.close()
 
 
@@ -378,7 +379,8 @@ def test_measure_here_runs_what_the_explorer_shows_and_draws_it_beside_the_predi
 def test_serving_is_simulated_for_the_model_and_hardware_shown(qtbot, costs_window):
     """Latency against load for Llama-3.1-8B on an H100, off the GUI thread: a row per load up to
     four times the batch, and the most users a p90 TTFT target allows (more for a looser target,
-    read from the same simulation)."""
+    read from the same simulation); the latency curves and the KV cache over time drawn beside the
+    explorer's charts, and the commands carry the tokens a step simulated."""
     w = costs_window
     w.set_model("meta-llama/Llama-3.1-8B", "bf16")
     w.hardware.setCurrentIndex(w.hardware.findData("h100-sxm"))
@@ -389,7 +391,32 @@ def test_serving_is_simulated_for_the_model_and_hardware_shown(qtbot, costs_wind
     text = label.text()
     assert text.count("<tr>") == 1 + 9 and "H100" in text and "from its specifications" in text
     tight = int(text.split("<b>")[2].split("</b>")[0]) if "users keep" in text else 0
+    latency = [item for item in w.serving.latency_plot.plot.getPlotItem().listDataItems() if item.xData is not None]
+    assert [len(item.xData) for item in latency] == [9, 9, 9, 2]  # TTFT p50, p90, TPOT p50 at 9 loads; the target
+    p50, p90 = latency[0].yData, latency[1].yData
+    assert all(a <= b for a, b in zip(p50, p90)) and p90[-1] > p90[0]  # queueing shows at the largest load
+    kv = w.serving.usage_plot.plot.getPlotItem().listDataItems()[0].yData
+    assert 0 < max(kv) <= 100  # blocks held, a share of the pool
+    assert "--max-num-batched-tokens 8192" in w.plan.vllm_command
+    assert "--chunked-prefill-size 8192" in w.plan.sglang_command
     done = w.serving._done
     w.serving.target.setValue(60.0)
     assert w.serving._done is done and "≤ 60 s" in label.text()  # no new simulation for a new target
     assert "all the loads simulated" in label.text() or int(label.text().split("<b>")[2].split("</b>")[0]) > tight
+
+
+def test_serving_by_request_rate(qtbot, costs_window):
+    """Requests arriving a second instead of users: the rates are shares of what the server
+    completes when never idle, and past it the time to first token grows (the queue never empties)."""
+    w = costs_window
+    w.set_model("meta-llama/Llama-3.1-8B", "bf16")
+    w.hardware.setCurrentIndex(w.hardware.findData("h100-sxm"))
+    w.batch.setValue(BATCHES.index(16))
+    w.serving.load.setCurrentIndex(w.serving.load.findData("rate"))
+    settle(qtbot, w)
+    label = w.serving.label
+    qtbot.waitUntil(lambda: "arriving at random" in label.text(), timeout=120_000)
+    text = label.text()
+    assert text.count("<tr>") == 1 + 8 and "a second it completes when never idle" in text
+    p90 = [item for item in w.serving.latency_plot.plot.getPlotItem().listDataItems()][1].yData
+    assert p90[-1] > p90[0] + 0.3  # 120% of the capacity waits at least twice as long as 10%
