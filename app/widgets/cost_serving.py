@@ -19,7 +19,7 @@ from app.widgets.live_plots import PlotPanel
 from engine.base.errors import EngineError
 from engine.estimates.simulator import RATE_SHARES, EngineLimits, capacity, most_load, serving_curve
 from engine.estimates.step_cost import for_gpu
-from engine.load.report import ms
+from engine.base.units import format_seconds
 
 MEMORY_SHARE = 0.9
 """Of the device's memory, what the server may take in all (vLLM's ``--gpu-memory-utilization``
@@ -115,6 +115,12 @@ class ServingSection:
         prompt, answer, budget, mode = (self.prompt.value(), self.answer.value(), self.token_budget.value(),
                                         self.load.currentData())
         key = (e.model, e.precision, e.kv_dtype, e.batch, profile.id, gpus, prompt, answer, prefix, budget, mode)
+        if prompt + answer > e.context:
+            self._wanted = None
+            self.label.setText(f"<b>Serving</b>: a {prompt:,}-token prompt and a {answer:,}-token answer don't fit "
+                               f"the {e.context:,}-token Context above: a server started with it refuses them. "
+                               "Raise the Context, or shorten them.")
+            return
         memory = e.device_memory_bytes * gpus * MEMORY_SHARE - e.weights_bytes - e.activation_bytes
         per_token = e.kv_bytes_per_token or 0
         if memory <= 0 or not per_token:
@@ -186,11 +192,11 @@ class ServingSection:
         target = self.target.value()
         best = most_load(curve, target)
         unit = "requests/s" if rate else "users"
-        rows = "".join(f"<tr><td>{_load(p.load, rate)}</td><td>{ms(p.summary.ttft, 'median')}</td>"
-                       f"<td>{ms(p.summary.ttft, 'p90')}</td><td>{ms(p.summary.tpot, 'median')}</td>"
+        rows = "".join(f"<tr><td>{_load(p.load, rate)}</td><td>{_seconds(p.summary.ttft, 'median')}</td>"
+                       f"<td>{_seconds(p.summary.ttft, 'p90')}</td><td>{_seconds(p.summary.tpot, 'median')}</td>"
                        f"<td>{p.summary.output_throughput:,.0f}</td><td>{p.preemptions}</td></tr>" for p in curve)
         if best is None:
-            verdict = f"not even {_load(curve[0].load, rate)} {unit} get p90 TTFT ≤ {target:g} s"
+            verdict = f"not even {_amount(curve[0].load, rate)} gets p90 TTFT ≤ {target:g} s"
         elif best == curve[-1].load:
             verdict = (f"all the loads simulated, up to <b>{_load(best, rate)}</b> {unit}, keep p90 TTFT ≤ "
                        f"{target:g} s")
@@ -275,12 +281,22 @@ class ServingSection:
                         symbolBrush=COLOURS["preempted"], symbolPen=COLOURS["preempted"])
         usage.item.setXRange(0, float(ts[-1]) or 1.0, padding=0.02)
         usage.item.setYRange(0, 105, padding=0)
-        usage.set_title(f"at {_load(shown.load, rate)} {'requests/s' if rate else 'users'}: "
-                        f"{shown.preemptions} preempted", "9pt")
+        usage.set_title(f"at {_amount(shown.load, rate)}: {shown.preemptions} preempted", "9pt")
 
 
 def _load(value: float, rate: bool) -> str:
     return f"{value:.3g}" if rate else str(int(value))
+
+
+def _amount(value: float, rate: bool) -> str:
+    """A load with its unit: "1 user", "16 users", "2.5 requests/s"."""
+    if rate:
+        return f"{value:.3g} requests/s"
+    return f"{int(value)} user{'s' if int(value) != 1 else ''}"
+
+
+def _seconds(stats: dict | None, key: str) -> str:
+    return format_seconds(stats[key]) if stats else "n/a"
 
 
 def _log_ticks(low: float, high: float) -> list[tuple[float, str]]:

@@ -420,3 +420,7 @@ def test_serving_by_request_rate(qtbot, costs_window):
     assert text.count("<tr>") == 1 + 8 and "a second it completes when never idle" in text
     p90 = [item for item in w.serving.latency_plot.plot.getPlotItem().listDataItems()][1].yData
     assert p90[-1] > p90[0] + 0.3  # 120% of the capacity waits at least twice as long as 10%
+    w.context.setValue(CONTEXTS.index(1024))  # shorter than a 1,024-token prompt and its answer
+    settle(qtbot, w)
+    assert "don't fit the 1,024-token Context" in label.text()
+    assert not w.serving.latency_plot.plot.getPlotItem().listDataItems()  # no curve for another setup
