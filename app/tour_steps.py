@@ -85,9 +85,11 @@ STEPS = (
          "speed-up is shown beside the one predicted from how often a guess was kept and what a guess and a "
          "check cost: it pays when guesses are mostly kept and cost little."),
     Step("serving", "Many users", "What happens behind an API?",
-         "The Server panel starts an OpenAI-compatible API on this model; the load generator sends it one "
-         "request at a time, then four at once. The Traffic view draws each request as a bar (outlined): "
-         "queued, reading its prompt, decoding. The tour stops the server it started when it moves on."),
+         "The Server panel starts an OpenAI-compatible API on this model. First a prediction: the serving "
+         "simulator runs the engine's scheduler on a simulated clock, each step timed from this machine's "
+         "own (about a minute the first time). Then the measurement: the load generator sends one request "
+         "at a time, then four at once. The Traffic view draws each request as a bar (outlined): queued, "
+         "reading its prompt, decoding. The tour stops the server it started when it moves on."),
     Step("training", "Training vs inference", "Which costs more, training or answering?",
          "Training costs about 6 × parameters FLOPs per training token; answering about 2 × parameters per "
          "token. The Cost explorer (outlined) turns the training bill into tokens served, and this "
@@ -329,6 +331,7 @@ class StepMeasurements:
             box.requests.setValue(LOAD_REQUESTS)
             box.max_tokens.setValue(LOAD_TOKENS)
             box.exact.setChecked(True)
+            box.predict.setChecked(True)  # the prediction first, then the measurement
             box.run()
 
         def ended(results, error) -> None:
@@ -337,12 +340,15 @@ class StepMeasurements:
                 return
             parts = []
             for setting in results:
-                s = setting.summary
+                s, p = setting.summary, box.predictions.get(setting.label)
                 tpot = s.tpot.get("median") if isinstance(s.tpot, dict) else None
-                parts.append(f"{html.escape(setting.label)}: <b>{s.output_throughput:,.1f} tok/s</b> in all, "
-                             f"{s.completed}/{s.requests} done"
+                guess = (f"predicted {p.output_throughput:,.1f}, " if p is not None and p.output_throughput else "")
+                parts.append(f"{html.escape(setting.label)}: {guess}measured <b>{s.output_throughput:,.1f} tok/s</b> "
+                             f"in all, {s.completed}/{s.requests} done"
                              + (f", {format_seconds(tpot)} per token each" if tpot else ""))
-            self._done("serving", "; ".join(parts) + ". Each request's bar is in the Traffic view.")
+            why = "" if box.predictions else f" No prediction: {html.escape(box.prediction_error or 'stopped')}"
+            self._done("serving", "; ".join(parts) + f".{why} Each request's bar is in the Traffic view, the "
+                                  "predictions hollow beside the measured points.")
 
         def state_changed() -> None:
             if panel.started is not None:

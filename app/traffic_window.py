@@ -161,6 +161,7 @@ class LoadBox(QGroupBox):
         self.points = pg.ScatterPlotItem(size=9, brush=pg.mkBrush("#2d7dd2"), pen=None)
         self.chart.plot.addItem(self.points)
         self.predictions: dict[str, object] = {}  # setting label → the simulator's Summary
+        self.prediction_error: str | None = None  # why the last load asked to predict got no prediction
         self.predicted = self.chart.plot.plot([], [], pen=pg.mkPen("#2d7dd2", style=Qt.DashLine), symbol="o",
                                               symbolSize=11, symbolBrush=None, symbolPen=pg.mkPen("#2d7dd2", width=1.5))
         self.ceiling = self.chart.plot.plot([], [], pen=pg.mkPen("#7f8c8d", style=Qt.DashLine), symbol="o",
@@ -229,6 +230,7 @@ class LoadBox(QGroupBox):
             return
         self.results = []
         self.predictions = {}
+        self.prediction_error = None
         self.table.setRowCount(0)
         self._done = 0
         self.runner = LoadRunner(plan, prompts, on_request=lambda label, r: self._request_done.emit(label, r),
@@ -270,6 +272,7 @@ class LoadBox(QGroupBox):
                                       url=plan.url, api_key=plan.api_key, served=served,
                                       cancelled=lambda: runner is None or runner._stopped)
         except EngineError as exc:  # the load is measured all the same
+            self.prediction_error = str(exc)
             self._said.emit(f"No prediction: {exc} Measuring the load…")
             return
         for mode, value in plan.settings():

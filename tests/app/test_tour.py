@@ -131,6 +131,9 @@ def test_every_step_shows_the_figure_it_names(qtbot, toured):
     box = window.tools.traffic.load_box
     assert [r.label for r in box.results] == ["concurrency 1", "concurrency 4"]
     assert f"{box.results[1].summary.output_throughput:,.1f} tok/s" in figure
+    # the prediction came first: each setting's, from the serving simulator, beside its measurement
+    assert sorted(box.predictions) == ["concurrency 1", "concurrency 4"], box.prediction_error
+    assert f"predicted {box.predictions['concurrency 4'].output_throughput:,.1f}, measured" in figure
     assert window.server_panel.started is not None and outlined(tour) is window.tools.traffic.plots.timeline
     # 10 Training vs inference: leaving step 9 stops the server the tour started
     figure = measure(qtbot, tour, 9)
