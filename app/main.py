@@ -11,7 +11,8 @@ import sys
 
 from engine.models.precision import PRECISIONS
 
-CLI_COMMANDS = ("bench", "compare", "sweep", "estimate", "hardware", "models", "serve", "load", "perplexity")
+CLI_COMMANDS = ("bench", "compare", "sweep", "estimate", "hardware", "models", "serve", "load", "simulate",
+                "perplexity")
 
 
 SWITCH_INTERVAL_S = 0.001

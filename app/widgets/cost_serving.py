@@ -300,7 +300,7 @@ def _seconds(stats: dict | None, key: str) -> str:
 
 
 def _log_ticks(low: float, high: float) -> list[tuple[float, str]]:
-    """Seconds on a log₁₀ axis: 1 ms, 2 ms, 5 ms … 1 s, 2 s …, thinned to at most seven."""
+    """Seconds on a log₁₀ axis: each power of ten and its doubles and fives, thinned to at most seven."""
     ticks = []
     for k in range(math.floor(low), math.ceil(high) + 1):
         for m in (1, 2, 5):

@@ -152,6 +152,7 @@ EXAMPLES = {
     "models": "inference-workbench models",
     "serve": "inference-workbench serve --model default --precision int8-fast --port 8000",
     "load": "inference-workbench load --url http://127.0.0.1:8000/v1 --concurrency 1,4 --requests 32",
+    "simulate": "inference-workbench simulate load.json --max-batch 32 --kv-budget 256MiB",
     "perplexity": "inference-workbench perplexity --model default --precision int8-fast --reference fp32-fast",
 }
 """One example of each subcommand, at the end of its --help."""
@@ -483,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
             return cli_serve.serve(args, _LoadPrinter())
         if args.command == "load":
             return cli_serve.load(args)
+        if args.command == "simulate":
+            return cli_serve.simulate(args)
         if args.command == "perplexity":
             return cli_quality.run(args, _LoadPrinter())
         return _models(args)

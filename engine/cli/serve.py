@@ -73,6 +73,17 @@ def add_parsers(sub, precisions) -> None:
     load.add_argument("--json", type=Path, help="write every request's figures and the summaries here")
     load.add_argument("--csv", type=Path, help="write a row per setting here (servers line up in one sheet)")
 
+    simulate = sub.add_parser("simulate", help="replay a recorded load (load --json) through the serving simulator, "
+                                               "with the server's limits or others")
+    simulate.add_argument("trace", type=Path, help="a load generator's report (load --json FILE)")
+    simulate.add_argument("--model", default="default",
+                          help="the served model as this machine loads it (default: %(default)s)")
+    simulate.add_argument("--precision", choices=list(precisions), help="(default: the recorded server's)")
+    simulate.add_argument("--max-batch", type=int, help="requests decoded together (default: the recorded server's)")
+    simulate.add_argument("--token-budget", type=int, help="tokens one step may take (default: the recorded server's)")
+    simulate.add_argument("--kv-budget", help="KV-cache bytes, e.g. 64MiB (default: the recorded server's)")
+    simulate.add_argument("--prefix-caching", choices=["on", "off"], help="(default: the recorded server's)")
+
 
 def serve(args, load_printer) -> int:
     from engine.models.loading import LoadRequest, load_model  # lazy: start-up
@@ -165,3 +176,36 @@ def _predictor(args, plan, prompts):
     meta, served = server_meta(plan.url, plan.api_key, plan.model)
     return predictor_for(meta, args.predict_model, prompts, plan.endpoint, url=plan.url, api_key=plan.api_key,
                          served=served)
+
+
+def simulate(args) -> int:
+    """``simulate TRACE``: each recorded setting, as it was measured and as the simulator predicts it."""
+    import json  # lazy: start-up
+
+    from engine.base.errors import InvalidRequestError  # lazy: start-up
+    from engine.estimates.predict_load import replay  # lazy: the engine (torch)
+    from engine.load.report import predicted_line  # lazy: start-up
+
+    try:
+        report = json.loads(args.trace.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequestError(f"Could not read {args.trace}: {exc}") from None
+    if not isinstance(report, dict):
+        raise InvalidRequestError(f"{args.trace} is not a load generator's report (load --json).")
+    changes = {key: value for key, value in (("max_batch", args.max_batch), ("token_budget", args.token_budget),
+                                             ("prefix_caching", None if args.prefix_caching is None else
+                                              args.prefix_caching == "on")) if value is not None}
+    for key, value in changes.items():
+        if key != "prefix_caching" and value < 1:
+            raise InvalidRequestError(f"--{key.replace('_', '-')} must be at least 1.")
+    budget = parse_size(args.kv_budget) if args.kv_budget else None
+    rows = replay(report, args.model, changes, args.precision, budget)
+    print(f"{'setting':<18} {'done':>6} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'p99':>7} {'TPOT p50':>9} "
+          f"{'p99':>7} {'ITL p99':>8} {'E2E p50':>8}   (ms; recorded, then simulated: the engine's steps alone, "
+          "no front end)")
+    for label, run, measured in rows:
+        print(predicted_line(measured, name=label), flush=True)
+        print(predicted_line(run.summary, measured if not changes and budget is None else None, "  simulated")
+              + f"\n    {run.preemptions} preempted in the simulation", flush=True)
+    return 0
+

@@ -15,10 +15,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from engine.base.errors import EngineError, InvalidRequestError
+from engine.base.memory import default_kv_budget
 from engine.base.request import GenerationRequest
-from engine.estimates.simulator import EngineLimits, ServingSimulator, Simulated, closed_loop, open_loop
+from engine.estimates.simulator import EngineLimits, ServingSimulator, Simulated, closed_loop, open_loop, recorded
 from engine.estimates.step_cost import FrontEnd
-from engine.load.generator import LoadPlan, LoadRunner
+from engine.load.generator import LoadPlan, LoadRunner, setting_label
+from engine.load.metrics import Summary
 
 if TYPE_CHECKING:
     from engine.estimates.step_cost import StepCost
@@ -117,13 +119,13 @@ def engine_of(meta: dict) -> EngineLimits:
 
 def predictor_for(meta: dict, model, prompts: list["Prompt"], endpoint: str, progress=print,
                   url: str | None = None, api_key: str | None = None, served: str | None = None,
-                  cancelled=lambda: False) -> Predictor:
+                  cancelled=lambda: False, kv_budget_bytes: int | None = None) -> Predictor:
     """A predictor for the server ``meta`` describes (its ``/v1/models`` entry's ``meta``), with
     ``model`` (a reference this machine can load, ``default``, a folder…, or the ``LoadRequest``
     the server's model was loaded with) standing for the served one: loaded here at the server's
     precision and KV dtype, its steps timed once (kept for the next time), then let go; with the
     server's ``url``, its front end fitted too (:func:`fit_front_end`). ``cancelled`` is asked
-    between the stages (a stopped load)."""
+    between the stages (a stopped load). ``kv_budget_bytes``: another KV budget than the server's."""
     from engine.estimates.step_cost import calibrate, key_for, remember, remembered  # lazy: the engine (torch)
     from engine.generation.core import CoreSettings  # lazy: the engine (torch)
     from engine.models.loading import LoadRequest, load_model  # lazy: the engine (torch)
@@ -158,6 +160,8 @@ def predictor_for(meta: dict, model, prompts: list["Prompt"], endpoint: str, pro
 
             compile_decoder(loaded.fast)  # the server runs its compiled steps once they are ready
         per_token = loaded.info.kv_bytes_per_token or 1
+        if kv_budget_bytes is not None:
+            limits = replace(limits, kv_blocks=kv_budget_bytes // (per_token * limits.block_tokens))
         settings = CoreSettings(token_budget=limits.token_budget, max_batch=limits.max_batch,
                                 prefill_chunk=limits.prefill_chunk, chunked_prefill=limits.chunked_prefill,
                                 prefix_caching=limits.prefix_caching, block_tokens=limits.block_tokens,
@@ -170,7 +174,7 @@ def predictor_for(meta: dict, model, prompts: list["Prompt"], endpoint: str, pro
             cost = calibrate(loaded, settings, 30.0)
             remember(key, cost)
         mode = "chat" if endpoint == "chat" else "raw"
-        ids = _tokenized(loaded, prompts, mode)
+        ids = _tokenized(loaded, prompts, mode) if prompts else []
     finally:
         loaded.close()  # the steps are timed and the prompts read: the copy goes
     if cancelled():
@@ -196,3 +200,51 @@ def _tokenized(loaded, prompts: list["Prompt"], mode: str) -> list[list[int] | N
     if all(i is None for i in ids):
         raise InvalidRequestError("The model can't take any of these prompts: nothing to predict.")
     return ids
+
+
+def replay(report: dict, model="default", changes: dict | None = None, precision: str | None = None,
+           kv_budget_bytes: int | None = None, progress=print) -> list[tuple[str, "Simulated", Summary]]:
+    """Each setting of a load generator's report (``load --json``) through the serving simulator:
+    its requests as they were sent (:func:`~engine.estimates.simulator.recorded`), the engine's
+    limits those of the server that served them (its ``/v1/models``, kept in the report; this
+    workbench's serve defaults for another server) with ``changes`` made to them (``max_batch``,
+    ``token_budget``, ``prefix_caching``…) and ``kv_budget_bytes`` for its KV budget, each step
+    timed on this machine with ``model`` standing for the served one at ``precision`` (the
+    server's by default). No server runs, so no front end is added: the engine's steps alone.
+    Returns (setting label, simulated, recorded summary) per setting."""
+    from engine.generation.core import CoreSettings  # lazy: the engine (torch)
+    from engine.serve.server import ServeSettings  # lazy: the server's defaults, for another server's report
+
+    try:
+        settings = list(report["settings"])
+        max_tokens = int(report["plan"]["max_tokens"])
+        endpoint = str(report["plan"].get("endpoint") or "chat")
+    except (KeyError, TypeError, ValueError):
+        raise InvalidRequestError("Not a load generator's report: it has no plan and settings (write one with "
+                                  "load --json).") from None
+    if not settings:
+        raise InvalidRequestError("The report holds no setting to replay.")
+    meta = dict(next((s["runs_on"] for s in settings if isinstance(s.get("runs_on"), dict) and s["runs_on"]), {}))
+    if not isinstance(meta.get("engine"), dict):  # another server: this workbench's serve defaults
+        served, core = ServeSettings(), CoreSettings()
+        meta["engine"] = {"max_batch": served.max_batch, "token_budget": served.token_budget,
+                          "prefill_chunk": core.prefill_chunk, "chunked_prefill": core.chunked_prefill,
+                          "kv_blocks": None, "block_tokens": core.block_tokens,
+                          "prefix_caching": served.prefix_caching}
+        if kv_budget_bytes is None:
+            kv_budget_bytes = default_kv_budget("cpu")
+        meta.pop("n_params", None)  # its model stands for another server's: no parameter count to compare
+        meta["device"] = "cpu"
+    meta["engine"] = {**meta["engine"], **(changes or {})}
+    if precision:
+        meta["precision"] = precision
+    meta.setdefault("precision", "fp32")
+    predictor = predictor_for(meta, model, [], endpoint, progress=progress, kv_budget_bytes=kv_budget_bytes)
+    out = []
+    for setting in settings:
+        workload = recorded(setting, max_tokens)
+        run = predictor.simulator.run(workload)
+        label = setting_label(setting["mode"], float(setting["value"]))
+        out.append((label, run, Summary(**setting["summary"])))
+    return out
+

@@ -93,6 +93,32 @@ def closed_loop(users: int, prompts: Sequence, outputs: Sequence[int], requests:
     return Workload(tuple(_request(p, o, 0.0, shared_prefix) for p, o in lengths), users)
 
 
+def recorded(setting: dict, max_tokens: int) -> Workload:
+    """A load generator's recorded setting (one of the ``settings`` of its ``--json`` report) as a
+    workload: each request sent as it was (an open loop at its send time, or a closed loop of as
+    many users), its prompt and answer as many tokens as they were (an answer that didn't
+    complete: the ``max_tokens`` asked for; a request refused with a 4xx, refused). A request the
+    server never counted the prompt of, and never refused, is left out."""
+    try:
+        open_loop_ = setting["mode"] == "rate"
+        users = None if open_loop_ else int(setting["value"])
+        sent = sorted((r for r in setting["requests"] if r.get("sent", True)), key=lambda r: float(r["start_s"]))
+        out = []
+        for r in sent:
+            arrival = float(r["start_s"]) if open_loop_ else 0.0
+            output = int(r["output_tokens"]) if r.get("outcome") == "completed" else max_tokens
+            if r.get("prompt_tokens"):
+                out.append(SimRequest(int(r["prompt_tokens"]), max(1, output), arrival))
+            elif 400 <= int(r.get("status") or 0) < 500:
+                out.append(SimRequest(1, max(1, output), arrival, refused=True))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"Not a setting of the load generator's report: {exc!r} is missing or "
+                                  "malformed.") from None
+    if not out:
+        raise InvalidRequestError("The recorded setting has no request whose prompt the server counted.")
+    return Workload(tuple(out), users)
+
+
 def _request(prompt, output: int, arrival: float, shared: int) -> SimRequest:
     """A length, a prompt's token ids, or ``None``: a prompt the server refuses."""
     if prompt is None:

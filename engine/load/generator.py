@@ -83,7 +83,8 @@ class SettingResult:
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "value": self.value, "model": self.model, "summary": self.summary.to_dict(),
-                "server": self.server.to_dict(), "requests": [r.to_dict() for r in self.results]}
+                "server": self.server.to_dict(), "runs_on": dict(self.runs_on),
+                "requests": [r.to_dict() for r in self.results]}
 
 
 @dataclass

@@ -33,11 +33,11 @@ def summary_line(result: SettingResult) -> str:
     return line
 
 
-def predicted_line(predicted, measured=None) -> str:
+def predicted_line(predicted, measured=None, name: str = "  predicted") -> str:
     """The serving simulator's figures for a setting (engine/estimates/simulator.py), in the
-    summary line's columns, and how far each is from what was measured."""
+    summary line's columns under ``name``, and how far each is from what was measured."""
     p = predicted
-    line = (f"{'  predicted':<18} {p.completed:>3}/{p.requests:<2} {p.request_throughput:>7.2f} "
+    line = (f"{name:<18} {p.completed:>3}/{p.requests:<2} {p.request_throughput:>7.2f} "
             f"{p.output_throughput:>9.1f}  {ms(p.ttft, 'median', ''):>9} {ms(p.ttft, 'p99', ''):>7} "
             f"{ms(p.tpot, 'median', ''):>9} {ms(p.tpot, 'p99', ''):>7} {ms(p.itl, 'p99', ''):>8} "
             f"{ms(p.e2e, 'median', ''):>8}")

@@ -299,8 +299,21 @@ def test_load_predicts_each_setting_beside_what_it_measured(server, tiny_llama, 
     assert sum(line.startswith("  predicted  ") for line in lines) == 2
     assert sum(line.startswith("    predicted against measured: out tok/s") for line in lines) == 2
     assert len(timed) == 1 and timed[0].max_batch == 8 and timed[0].token_budget == server.settings.token_budget
-    assert main(args) == 0  # the timing was kept for this model and these limits
+    assert main(args + ["--json", str(tmp_path / "load.json")]) == 0  # the timing was kept for these limits
     assert len(timed) == 1 and "timing the engine's steps" not in capsys.readouterr().out
+    # the recorded load replayed: with the server's own limits (its steps' timing kept), then others
+    assert main(["simulate", str(tmp_path / "load.json"), "--model", str(tiny_llama)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in lines if line.startswith(("concurrency", "  simulated"))] == [
+        ["concurrency", "1"], ["simulated", "3/3"], ["concurrency", "3"], ["simulated", "3/3"]]
+    assert sum(line.startswith("    predicted against measured: out tok/s") for line in lines) == 2
+    assert len(timed) == 1
+    assert main(["simulate", str(tmp_path / "load.json"), "--model", str(tiny_llama), "--max-batch", "1"]) == 0
+    assert len(timed) == 2 and timed[1].max_batch == 1  # other limits: the steps timed under them
+    assert "predicted against measured" not in capsys.readouterr().out  # another server's figures: no errors shown
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    assert main(["simulate", str(tmp_path / "bad.json")]) != 0
+    assert "not a load generator's report" in capsys.readouterr().err
 
 
 def test_the_prediction_sends_the_prompts_in_the_generators_order_as_the_server_read_them(server, tiny_llama,

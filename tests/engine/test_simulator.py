@@ -202,3 +202,27 @@ def test_a_cancelled_simulation_ends_at_its_next_step():
     run = simulate(Workload((SimRequest(8, 50),)), EngineLimits(), SECOND_A_STEP).steps
     stopped = ServingSimulator(EngineLimits(), SECOND_A_STEP).run(Workload((SimRequest(8, 50),)), cancelled=cancelled)
     assert run == 50 and stopped.steps == 3 and stopped.results[0].outcome == "cut"
+
+
+def test_a_recorded_setting_is_replayed_as_it_was_sent():
+    """A load generator's report: an open loop's requests at their send times, a closed loop's as
+    many users; each prompt and answer as long as they were, an answer cut short as long as asked,
+    a refused request refused, one never counted left out."""
+    from engine.estimates.simulator import recorded
+
+    requests = [{"start_s": 0.5, "prompt_tokens": 12, "output_tokens": 4, "outcome": "completed"},
+                {"start_s": 0.1, "prompt_tokens": 30, "output_tokens": 2, "outcome": "cut"},
+                {"start_s": 0.7, "prompt_tokens": None, "output_tokens": 0, "outcome": "errored", "status": 400},
+                {"start_s": 0.9, "prompt_tokens": None, "output_tokens": 0, "outcome": "errored", "status": 503},
+                {"start_s": 0.0, "prompt_tokens": None, "output_tokens": 0, "outcome": "not sent", "sent": False}]
+    open_ = recorded({"mode": "rate", "value": 2.0, "requests": requests}, max_tokens=8)
+    assert open_.users is None
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens, r.refused) for r in open_.requests] == [
+        (0.1, 30, 8, False), (0.5, 12, 4, False), (0.7, 1, 8, True)]
+    closed = recorded({"mode": "concurrency", "value": 4, "requests": requests}, max_tokens=8)
+    assert closed.users == 4 and [r.arrival_s for r in closed.requests] == [0.0] * 3
+    with pytest.raises(InvalidRequestError, match="Not a setting"):
+        recorded({"mode": "rate", "requests": [{"start_s": "soon"}]}, 8)
+    with pytest.raises(InvalidRequestError, match="no request"):
+        recorded({"mode": "rate", "value": 1.0, "requests": requests[3:]}, 8)
+
