@@ -54,8 +54,8 @@ RESULT_COLUMNS = ("setting", "done", "req/s", "out tok/s", "TTFT p50", "TPOT p50
 PREDICT_TIP = ("Before the load runs, the serving simulator predicts each setting (hollow points, dashed): the "
                "engine's scheduler on a simulated clock, each step timed from this model's steps measured here (the "
                "model loaded again for it, its steps timed for about half a minute the first time), and the "
-               "server's front end fitted to a short load of 1 and 8 users. Then the load measures each setting "
-               "(filled points). This app's server, exact answer lengths.")
+               "server's front end fitted to a short load of 1 user and a full batch. Then the load measures each "
+               "setting (filled points). This app's server, exact answer lengths.")
 
 
 THIS_SERVER = "this app's server"

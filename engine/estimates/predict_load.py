@@ -11,6 +11,7 @@ requests before holds more in its cache than the prediction assumes.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -76,26 +77,35 @@ FRONT_END_SEED = 7919
 def fit_front_end(url: str, api_key: str | None, model: str | None, prompts: list["Prompt"],
                   ids: list[list[int]], simulator: ServingSimulator, endpoint: str = "chat") -> "StepCost":
     """What the server's front end adds around the engine's steps, fitted to a short load of its
-    own against it (closed loops of 1 and 8 users, 32-token answers): the gap between the TPOT
-    and TTFT it measured and those the engine's steps alone predict. One user's TPOT gap is a
-    step's and a token's share, eight users' adds seven tokens'; one user's TTFT gap, less those,
-    is a request's. ``simulator`` runs the same load, so its prefix cache stays the server's.
+    own against it (after a few requests to warm it up: closed loops of 1 user and of as many as
+    its batch holds, up to 32; 32-token answers): the gap between the TPOT and TTFT it measured
+    and those the engine's steps alone predict. One user's TPOT gap is a step's and a token's
+    share, the full batch's adds the other rows' tokens; one user's TTFT gaps, less those, are
+    each request's latency outside the engine (kept one a request: their spread is part of what a
+    client sees). ``simulator`` runs the same loads, so its prefix cache stays the server's.
     Returns the simulator's step cost with the front end in it."""
-    gaps = {}
-    for users in (1, 8):
-        plan = LoadPlan(url=url, model=model, api_key=api_key, concurrency=(users,), requests=4 * users + 8,
-                        max_tokens=32, ignore_eos=True, endpoint=endpoint, seed=FRONT_END_SEED,
+    most = max(1, min(simulator.limits.max_batch, 32))
+    tpot_gaps, first = {}, []
+    for users, requests in ((0, 4), (1, 24), (most, 3 * most)):  # 0: the warm-up, one user, not fitted
+        plan = LoadPlan(url=url, model=model, api_key=api_key, concurrency=(max(users, 1),), requests=requests,
+                        max_tokens=32, ignore_eos=True, endpoint=endpoint, seed=FRONT_END_SEED + users,
                         max_duration_s=120.0, scrape=False).validated()
         (setting,) = LoadRunner(plan, prompts).run()
         predicted = Predictor(simulator, ids).predict(plan, setting)
+        if users == 0 or users in tpot_gaps:
+            continue
         measured, alone = setting.summary, predicted.summary
         if not (measured.tpot and alone.tpot and measured.ttft and alone.ttft):
             raise InvalidRequestError(f"The front end's calibration load got no answers from {url}.")
-        gaps[users] = (measured.tpot["median"] - alone.tpot["median"], measured.ttft["median"] - alone.ttft["median"])
-    token = max(0.0, (gaps[8][0] - gaps[1][0]) / 7)
-    step = max(0.0, gaps[1][0] - token)
-    request = max(0.0, gaps[1][1] - step - token)
-    front = FrontEnd(step, token, request, "fitted to a load of 1 and 8 users against the server")
+        tpot_gaps[users] = measured.tpot["median"] - alone.tpot["median"]
+        if users == 1:  # request by request: the generator's request j is the simulator's j
+            first = [m.ttft_s - p.ttft_s for m, p in zip(setting.results, predicted.results)
+                     if m.ok and p.ok and m.ttft_s is not None and p.ttft_s is not None]
+    token = max(0.0, (tpot_gaps[most] - tpot_gaps[1]) / (most - 1)) if most > 1 else 0.0
+    step = max(0.0, tpot_gaps[1] - token)
+    spread = tuple(gap - step - token for gap in first)
+    request = max(0.0, statistics.median(spread)) if spread else 0.0
+    front = FrontEnd(step, token, request, f"fitted to a load of 1 and {most} users against the server", spread)
     cost = replace(simulator.cost, front=front)
     simulator.cost = cost
     return cost
@@ -182,7 +192,7 @@ def predictor_for(meta: dict, model, prompts: list["Prompt"], endpoint: str, pro
     progress(f"predict  {cost.describe()}")
     simulator = ServingSimulator(limits, cost)
     if url is not None:  # (fitted each time: it depends on where the server runs and what runs beside it)
-        progress("predict  fitting the server's front end to a short load of 1 and 8 users …")
+        progress("predict  fitting the server's front end to a short load of 1 user and a full batch …")
         cost = fit_front_end(url, api_key, served, prompts, ids, simulator, endpoint)
         progress(f"predict  {cost.front.describe()}")
     return Predictor(simulator, ids)

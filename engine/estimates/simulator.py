@@ -264,6 +264,12 @@ class ServingSimulator:
         shapes: list[tuple] = []
         deadline = max_duration_s if max_duration_s is not None else float("inf")
         front = cost.front
+        # each request's latency outside the engine: drawn from the measured ones (the same for the
+        # same workload), else their median, else none
+        spread = front.request_spread_s if front is not None else ()
+        draw = random.Random(len(requests))
+        latency = ([draw.choice(spread) for _ in requests] if spread else
+                   [front.request_s if front is not None else 0.0] * len(requests))
         try:
             while left:
                 if cancelled is not None and cancelled():
@@ -329,10 +335,10 @@ class ServingSimulator:
                         in_cache = min(r.computed, len(r.prompt) + len(r.tokens) - 1)
                         kv.keep(r.rid, r.prompt + r.tokens, in_cache)
                         scheduler.remove(r)
-                        _finished(results[r.rid - base], r, front.request_s if front is not None else 0.0)
+                        _finished(results[r.rid - base], r, latency[r.rid - base])
                         left -= 1
                         if workload.users and sent_next < len(requests):  # the user sends its next request now
-                            heapq.heappush(arrivals, (t + (front.request_s if front is not None else 0.0), sent_next))
+                            heapq.heappush(arrivals, (t + max(0.0, latency[r.rid - base]), sent_next))
                             sent_next += 1
                 timeline.append(Moment(t, len(scheduler.running), len(scheduler.waiting), kv.used_blocks,
                                        scheduler.preemptions - preempted_before))
@@ -359,8 +365,8 @@ def _finished(result: RequestResult, r: _Running, latency: float = 0.0) -> None:
     server's front end: reading the request, sending its answer)."""
     times = r.times
     result.ok = True
-    result.ttft_s = times[0] - r.arrival + latency
-    result.e2e_s = times[-1] - r.arrival + latency
+    result.ttft_s = max(0.0, times[0] - r.arrival + latency)
+    result.e2e_s = max(result.ttft_s, times[-1] - r.arrival + latency)
     result.itl_s = [b - a for a, b in zip(times, times[1:])]
     result.chunk_times_s = [x - r.arrival + latency for x in times]
     result.output_tokens = len(r.tokens)

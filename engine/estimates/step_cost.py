@@ -110,9 +110,11 @@ class StepCost:
         front = data.get("front")
         if front is not None:
             front = FrontEnd(float(front["step_s"]), float(front["token_s"]), float(front["request_s"]),
-                             str(front.get("source", "")))
+                             str(front.get("source", "")),
+                             tuple(float(v) for v in front.get("request_spread_s") or ()))
         figures = [*values.values(), *((front.step_s, front.token_s, front.request_s) if front else ())]
-        if not all(math.isfinite(v) and v >= 0 for v in figures):
+        if not all(math.isfinite(v) and v >= 0 for v in figures) or not all(
+                math.isfinite(v) for v in (front.request_spread_s if front else ())):
             raise InvalidRequestError("A step-cost model's figures must be finite and not below zero.")
         return cls(**values, source=str(data.get("source", "")), samples=int(data.get("samples", 0)),
                    error=data.get("error"), front=front)
@@ -130,10 +132,19 @@ class FrontEnd:
     token_s: float
     request_s: float
     source: str = ""
+    request_spread_s: tuple[float, ...] = ()
+    """Each request's latency outside the engine as measured at one user, one a request (their
+    median is ``request_s``): a simulated request draws one of them, so the prediction keeps
+    their spread (most requests a few ms, a few tens of ms more), not only their middle."""
 
     def describe(self) -> str:
+        spread = ""
+        if self.request_spread_s:
+            ordered = sorted(self.request_spread_s)
+            spread = (f" (p90 {ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] * 1e3:.1f} ms, "
+                      f"{len(ordered)} requests)")
         return (f"front end: {self.step_s * 1e3:.2f} ms a step, {self.token_s * 1e3:.2f} ms a streamed token, "
-                f"{self.request_s * 1e3:.1f} ms a request ({self.source})")
+                f"{self.request_s * 1e3:.1f} ms a request{spread} ({self.source})")
 
 
 def fit(samples: Iterable[StepSample], source: str = "") -> StepCost:

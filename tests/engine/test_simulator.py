@@ -185,6 +185,28 @@ def test_a_servers_front_end_adds_its_share_to_each_step():
     assert kept == served
 
 
+def test_each_request_draws_its_latency_outside_the_engine_from_the_measured_ones():
+    """With the latencies measured one a request, each simulated request takes one of them: the
+    spread a client saw is kept (the same for the same workload), and a closed loop's user sends
+    its next request once its answer has arrived."""
+    from dataclasses import replace
+
+    from engine.estimates.step_cost import FrontEnd
+
+    served = replace(SECOND_A_STEP, front=FrontEnd(0.0, 0.0, 0.5, request_spread_s=(0.0, 0.0, 3.0)))
+    workload = closed_loop(1, [8], [2], requests=30, seed=0)
+    run = simulate(workload, EngineLimits(token_budget=32, prefill_chunk=32), served)
+    extra = [round(r.ttft_s - 1.08, 6) for r in run.results]  # the prompt's step alone takes 1.08 s
+    assert set(extra) == {0.0, 3.0} and 3 <= extra.count(3.0) <= 20
+    assert all(round(r.e2e_s - r.ttft_s, 6) == 1.1 for r in run.results)  # the decode step, as without it
+    waits = [b.start_s - (a.start_s + a.e2e_s) for a, b in zip(run.results, run.results[1:])]
+    assert all(abs(w) < 1e-9 for w in waits)  # the next one leaves as the last one's answer arrives
+    assert _times(simulate(workload, EngineLimits(token_budget=32, prefill_chunk=32), served).results[5]) == \
+        _times(run.results[5])
+    kept = StepCost.from_dict(served.to_dict())
+    assert kept == served and "p90 3000.0 ms" in served.front.describe()
+
+
 def test_a_prompt_the_server_refuses_ends_at_once_and_its_user_sends_the_next():
     workload = closed_loop(1, [None, 20], [4], requests=4, seed=0)
     run = simulate(workload, EngineLimits(token_budget=64, prefill_chunk=64), SECOND_A_STEP)
@@ -225,4 +247,3 @@ def test_a_recorded_setting_is_replayed_as_it_was_sent():
         recorded({"mode": "rate", "requests": [{"start_s": "soon"}]}, 8)
     with pytest.raises(InvalidRequestError, match="no request"):
         recorded({"mode": "rate", "value": 1.0, "requests": requests[3:]}, 8)
-
