@@ -7,21 +7,8 @@ import html
 
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtCore import Qt, QTimer, Signal, Slot
-from PySide6.QtWidgets import (
-    QSpinBox,
-    QComboBox,
-    QDialog,
-    QDockWidget,
-    QFormLayout,
-    QHBoxLayout,
-    QLabel,
-    QLineEdit,
-    QMainWindow,
-    QPushButton,
-    QSlider,
-    QVBoxLayout,
-    QWidget,
-)
+from PySide6.QtWidgets import (QComboBox, QDialog, QDockWidget, QFormLayout, QHBoxLayout, QLabel, QLineEdit,
+                               QMainWindow, QPushButton, QSlider, QSpinBox, QVBoxLayout, QWidget)
 
 from app.background import Background
 from app.hardware_dialog import HardwareDialog
@@ -37,7 +24,7 @@ from engine.estimates.estimate import DEFAULT_HUB_ID, config_for, count_paramete
 from engine.estimates.parallel import plan_tensor_parallel
 from engine.jobs import MeasureJob
 from engine.models.loading import LoadRequest
-from engine.models.precision import PRECISIONS, get_precision
+from engine.models.precision import PRECISIONS, get_precision, kv_cache_dtype
 from engine.storage.history import RunRecord, load_all
 
 __all__ = ["BATCHES", "CONTEXTS", "CostWindow"]
@@ -178,7 +165,7 @@ class CostWindow(QMainWindow):
         self.charts.ready.connect(self.schedule_update)
         self.charts.drawn.connect(self.updated)
         self.setCentralWidget(self.charts)
-        self.serving.place = self.charts.place
+        self.serving.place, self.serving.request_for = self.charts.place, self.measure_request
 
         for widget in (self.model, self.hardware, self.precision, self.kv_dtype):
             widget.currentIndexChanged.connect(self.schedule_update)
@@ -488,6 +475,10 @@ class CostWindow(QMainWindow):
         choice = "auto" if kv == own else kv if kv in MEASURED_KV else None
         if choice is None:
             return None, f"A {kv} KV cache is predicted here, not run."
+        try:  # another KV dtype than the precision's own is the fast path's choice
+            kv_cache_dtype(get_precision(precision), "cpu", choice)
+        except EngineError as exc:
+            return None, str(exc)
         return LoadRequest(self.model_ref(), precision, "cpu", kv_dtype=choice), ""
 
     def measure(self) -> None:

@@ -12,13 +12,13 @@ from collections.abc import Callable
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QComboBox, QDoubleSpinBox, QHBoxLayout, QLabel, QSpinBox
+from PySide6.QtWidgets import QComboBox, QDoubleSpinBox, QHBoxLayout, QLabel, QPushButton, QSpinBox
 
 from app.background import Background
 from app.widgets.live_plots import PlotPanel
 from engine.base.errors import EngineError
 from engine.estimates.simulator import RATE_SHARES, EngineLimits, capacity, most_load, serving_curve
-from engine.estimates.step_cost import for_gpu
+from engine.estimates.step_cost import for_gpu, remember, remembered
 from engine.base.units import format_seconds
 
 MEMORY_SHARE = 0.9
@@ -39,8 +39,17 @@ class ServingSection:
 
     def __init__(self, background: Background, changed: Callable[[], None]) -> None:
         self.background = background
+        self.changed = changed
         self.place: Callable[[PlotPanel, int], None] | None = None
         """Puts a chart in the explorer's grid (set by the explorer)."""
+        self.request_for: Callable[[], tuple] = lambda: (None, "")
+        """What this machine would load for the explorer's choice: (a ``LoadRequest`` or ``None``,
+        why not) (set by the explorer)."""
+        self.time_button = QPushButton("Time its steps here")
+        self.time_button.setObjectName("serveTimeSteps")
+        self.time_button.clicked.connect(self.time_steps)
+        self._timing: str | None = None  # the key of the steps being timed
+        self._batch = 1  # the explorer's batch, which a timing of its steps runs up to
         self.prompt, self.answer = QSpinBox(), QSpinBox()
         for box, value, what in ((self.prompt, 1024, "prompt"), (self.answer, 256, "answer")):
             box.setObjectName(f"serve{what.capitalize()}")
@@ -94,7 +103,10 @@ class ServingSection:
             for box in boxes:
                 row.addWidget(box)
             form.addRow(label, row)
-        form.addRow("", self.target)
+        row = QHBoxLayout()
+        row.addWidget(self.target, 1)
+        row.addWidget(self.time_button)
+        form.addRow("", row)
 
     def close(self) -> None:
         """The explorer closes: a simulation under way stops at its next step, nothing more starts."""
@@ -112,9 +124,12 @@ class ServingSection:
     def update(self, estimate, profile, gpus: int, prefix: int) -> None:
         """Simulate ``estimate``'s model on ``profile`` (``gpus`` of it) at its batch."""
         e = estimate
+        self._batch = e.batch
         prompt, answer, budget, mode = (self.prompt.value(), self.answer.value(), self.token_budget.value(),
                                         self.load.currentData())
-        key = (e.model, e.precision, e.kv_dtype, e.batch, profile.id, gpus, prompt, answer, prefix, budget, mode)
+        timed = self._timed_cost(profile)
+        key = (e.model, e.precision, e.kv_dtype, e.batch, profile.id, gpus, prompt, answer, prefix, budget,
+               timed.source if timed else "", mode)
         if prompt + answer > e.context:
             self._wanted = None
             self.label.setText(f"<b>Serving</b>: a {prompt:,}-token prompt and a {answer:,}-token answer don't fit "
@@ -131,7 +146,7 @@ class ServingSection:
         limits = EngineLimits(max_batch=e.batch, token_budget=budget, prefill_chunk=budget, kv_blocks=blocks,
                               prefix_caching=prefix > 0)
         try:
-            cost = for_gpu(profile, e.weights_read_bytes, e.parameters, per_token, gpus)
+            cost = timed or for_gpu(profile, e.weights_read_bytes, e.parameters, per_token, gpus)
         except EngineError as exc:
             self._wanted = None
             self.label.setText(f"<b>Serving</b>: {html.escape(str(exc))}")
@@ -155,6 +170,69 @@ class ServingSection:
             self._start()
         else:
             self.label.setText("<b>Serving</b>: <i>simulating…</i>")
+
+    def _timing_key(self) -> tuple[str | None, object, str]:
+        """The key this machine's timing of the explorer's choice is kept under, its load request,
+        and why there is none."""
+        request, why = self.request_for()
+        if request is None:
+            return None, None, why
+        return f"cost explorer|{request.model}|{request.precision}|{request.kv_dtype}", request, ""
+
+    def _timed_cost(self, profile):
+        """The explorer's choice as its steps were timed on this machine (``None``: not timed yet,
+        or another machine shown)."""
+        key, _, why = self._timing_key() if profile.kind == "cpu" else (None, None, "")
+        cost = remembered(key) if key else None
+        self.time_button.setEnabled(key is not None and self._timing is None)
+        self.time_button.setText("Time its steps again" if cost is not None else "Time its steps here")
+        if profile.kind != "cpu":
+            why = "Steps are timed on this machine: choose it under Hardware."
+        self.time_button.setToolTip(why or "Load this model here and time its engine's steps (about half a minute, "
+                                           "kept for the next time): the simulation then runs on them, not on this "
+                                           "machine's bandwidth and FLOP/s.")
+        return cost
+
+    def time_steps(self) -> None:
+        """Load the explorer's choice here and time its steps (off the GUI thread); the simulation
+        then uses them."""
+        key, request, why = self._timing_key()
+        if key is None or self._timing is not None:
+            return
+        self._timing = key
+        self.time_button.setEnabled(False)
+        self.label.setText(f"<b>Serving</b>: <i>timing {html.escape(request.model)}'s steps here (loading it, then "
+                           "about half a minute)…</i>")
+        batch, budget = max(1, self._batch), self.token_budget.value()
+
+        def work():
+            from engine.estimates.step_cost import calibrate  # lazy: the engine (torch)
+            from engine.generation.core import CoreSettings  # lazy: the engine (torch)
+            from engine.models.loading import load_model  # lazy: the engine (torch)
+
+            loaded = load_model(request)
+            try:
+                if loaded.fast is not None:
+                    from engine.generation.compiled_step import compile_decoder  # lazy: torch's compiler
+
+                    compile_decoder(loaded.fast)  # a server runs its compiled steps
+                cost = calibrate(loaded, CoreSettings(max_batch=batch, token_budget=budget, prefill_chunk=budget),
+                                 30.0)
+            finally:
+                loaded.close()
+            remember(key, cost)
+
+        def ended(error: BaseException | None = None) -> None:
+            self._timing = None
+            if self._closed:
+                return
+            if error is None:
+                self.changed()  # simulated again, on the timed steps
+                return
+            self.time_button.setEnabled(True)
+            self.label.setText(f"<b>Serving</b>: <span style='color:#c0392b'>its steps couldn't be timed: "
+                               f"{html.escape(str(error))}</span>")
+        self.background.submit(work, lambda _: ended(), ended)
 
     def _start(self) -> None:
         if self._closed or self._wanted is None:

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from app.cost_window import BATCHES, CONTEXTS, CostWindow
@@ -424,3 +426,37 @@ def test_serving_by_request_rate(qtbot, costs_window):
     settle(qtbot, w)
     assert "don't fit the 1,024-token Context" in label.text()
     assert not w.serving.latency_plot.plot.getPlotItem().listDataItems()  # no curve for another setup
+
+
+def test_this_machines_serving_runs_on_the_steps_timed_here(qtbot, costs_window, tiny_llama, monkeypatch):
+    """On this machine, *Time its steps here* loads the model shown and times its engine's steps;
+    the simulation then runs on them, and they are kept for the next time (until then it ran on
+    the machine's measured bandwidth and FLOP/s)."""
+    import engine.estimates.step_cost as step_cost
+
+    calibrate = step_cost.calibrate
+    monkeypatch.setattr(step_cost, "calibrate", lambda loaded, settings, seconds=30.0: calibrate(loaded, settings, 2.0))
+    w = costs_window
+    w.set_model(str(tiny_llama), "fp32", "bf16")
+    w.hardware.setCurrentIndex(w.hardware.findData("this-machine"))
+    w.batch.setValue(BATCHES.index(4))
+    settle(qtbot, w)
+    assert not w.serving.time_button.isEnabled()  # fp32 keeps its cache in fp32: a bf16 one isn't run here
+    assert "Choose a fast precision" in w.serving.time_button.toolTip()
+    w.kv_dtype.setCurrentIndex(w.kv_dtype.findData("fp32"))
+    w.serving.prompt.setValue(48)
+    w.serving.answer.setValue(16)
+    settle(qtbot, w)
+    label, button = w.serving.label, w.serving.time_button
+    qtbot.waitUntil(lambda: "from its specifications" in label.text(), timeout=120_000)
+    assert button.isEnabled()
+    button.click()
+    assert not button.isEnabled() and "timing" in label.text()
+    qtbot.waitUntil(lambda: "fitted to steps timed here" in label.text() or "couldn't" in label.text(), timeout=300_000)
+    assert "fitted to steps timed here" in label.text(), label.text()
+    assert "at most 4 at once" in label.text() and button.isEnabled()  # again: another batch, other steps
+    assert any(key.startswith("cost explorer|") for key in json.loads(step_cost.cost_path().read_text()))
+    w.hardware.setCurrentIndex(w.hardware.findData("h100-sxm"))  # a GPU: predicted, and nothing to time here
+    settle(qtbot, w)
+    qtbot.waitUntil(lambda: "from its specifications" in label.text(), timeout=120_000)
+    assert not button.isEnabled() and "this machine" in button.toolTip()
