@@ -254,7 +254,12 @@ def replay(report: dict, model="default", changes: dict | None = None, precision
     for setting in settings:
         workload = recorded(setting, max_tokens)
         run = predictor.simulator.run(workload)
-        label = setting_label(setting["mode"], float(setting["value"]))
-        out.append((label, run, Summary(**setting["summary"])))
+        try:
+            label = setting_label(setting["mode"], float(setting["value"]))
+            recorded_summary = Summary(**setting["summary"])
+        except (KeyError, TypeError, ValueError):
+            raise InvalidRequestError("A setting of the report has no summary in this version's shape: record the "
+                                      "load again (load --json).") from None
+        out.append((label, run, recorded_summary))
     return out
 

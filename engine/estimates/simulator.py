@@ -368,7 +368,7 @@ def _finished(result: RequestResult, r: _Running, latency: float = 0.0) -> None:
     result.ttft_s = max(0.0, times[0] - r.arrival + latency)
     result.e2e_s = max(result.ttft_s, times[-1] - r.arrival + latency)
     result.itl_s = [b - a for a, b in zip(times, times[1:])]
-    result.chunk_times_s = [x - r.arrival + latency for x in times]
+    result.chunk_times_s = [max(0.0, x - r.arrival + latency) for x in times]
     result.output_tokens = len(r.tokens)
     result.finish_reason = "length"
 
