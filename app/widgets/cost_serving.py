@@ -50,6 +50,7 @@ class ServingSection:
         self.time_button.clicked.connect(self.time_steps)
         self._timing: str | None = None  # the key of the steps being timed
         self._batch = 1  # the explorer's batch, which a timing of its steps runs up to
+        self._note = ""  # why the last timing failed, under the figures until the choice changes
         self.prompt, self.answer = QSpinBox(), QSpinBox()
         for box, value, what in ((self.prompt, 1024, "prompt"), (self.answer, 256, "answer")):
             box.setObjectName(f"serve{what.capitalize()}")
@@ -116,6 +117,8 @@ class ServingSection:
     def stale(self) -> None:
         """The explorer shows no figures for its current choice (yet): nor does this section."""
         self._wanted = None
+        if self._timing is None:
+            self._note = ""
         self.label.setText("")
         for panel in (self.latency_plot, self.usage_plot):
             if panel is not None:
@@ -199,10 +202,10 @@ class ServingSection:
         key, request, why = self._timing_key()
         if key is None or self._timing is not None:
             return
-        self._timing = key
+        self._timing, self._note = key, f"<br><i>Timing {html.escape(request.model)}'s steps here (loading it, " \
+                                        "then about half a minute)…</i>"
         self.time_button.setEnabled(False)
-        self.label.setText(f"<b>Serving</b>: <i>timing {html.escape(request.model)}'s steps here (loading it, then "
-                           "about half a minute)…</i>")
+        self._show()
         batch, budget = max(1, self._batch), self.token_budget.value()
 
         def work():
@@ -223,15 +226,16 @@ class ServingSection:
             remember(key, cost)
 
         def ended(error: BaseException | None = None) -> None:
-            self._timing = None
+            self._timing, self._note = None, ""
             if self._closed:
                 return
             if error is None:
                 self.changed()  # simulated again, on the timed steps
                 return
             self.time_button.setEnabled(True)
-            self.label.setText(f"<b>Serving</b>: <span style='color:#c0392b'>its steps couldn't be timed: "
-                               f"{html.escape(str(error))}</span>")
+            self._note = (f"<br><span style='color:#c0392b'>Its steps couldn't be timed here: "
+                          f"{html.escape(str(error))}</span>")
+            self._show()  # the simulation shown stays, with why it wasn't run on timed steps
         self.background.submit(work, lambda _: ended(), ended)
 
     def _start(self) -> None:
@@ -295,7 +299,7 @@ class ServingSection:
             f"<table cellspacing=3><tr><th>{unit}</th><th>TTFT p50</th><th>p90</th><th>TPOT p50</th><th>tok/s</th>"
             f"<th>preempted</th></tr>{rows}</table><small>The engine's scheduler on a simulated clock; "
             f"{html.escape(cost.source)}. The copy buttons give this plan's commands (its batch and tokens a step). "
-            "What a server measures: the load generator (View → Traffic).</small>")
+            "What a server measures: the load generator (View → Traffic).</small>" + self._note)
         self._draw(curve, target, best, rate, blocks, batch)
 
     def _draw(self, curve, target: float, best, rate: bool, blocks: int, batch: int) -> None:

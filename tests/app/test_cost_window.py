@@ -433,9 +433,9 @@ def test_this_machines_serving_runs_on_the_steps_timed_here(qtbot, costs_window,
     the simulation then runs on them, and they are kept for the next time (until then it ran on
     the machine's measured bandwidth and FLOP/s)."""
     import engine.estimates.step_cost as step_cost
+    from engine.base.errors import InvalidRequestError
 
     calibrate = step_cost.calibrate
-    monkeypatch.setattr(step_cost, "calibrate", lambda loaded, settings, seconds=30.0: calibrate(loaded, settings, 2.0))
     w = costs_window
     w.set_model(str(tiny_llama), "fp32", "bf16")
     w.hardware.setCurrentIndex(w.hardware.findData("this-machine"))
@@ -450,8 +450,17 @@ def test_this_machines_serving_runs_on_the_steps_timed_here(qtbot, costs_window,
     label, button = w.serving.label, w.serving.time_button
     qtbot.waitUntil(lambda: "from its specifications" in label.text(), timeout=120_000)
     assert button.isEnabled()
+
+    def refused(loaded, settings, seconds=30.0):
+        raise InvalidRequestError("no steps today")
+    monkeypatch.setattr(step_cost, "calibrate", refused)
     button.click()
-    assert not button.isEnabled() and "timing" in label.text()
+    assert not button.isEnabled() and "Timing" in label.text() and "<table" in label.text()
+    qtbot.waitUntil(lambda: "couldn't be timed" in label.text(), timeout=120_000)
+    assert "no steps today" in label.text() and "from its specifications" in label.text()  # the figures stay
+    assert button.isEnabled()
+    monkeypatch.setattr(step_cost, "calibrate", lambda loaded, settings, seconds=30.0: calibrate(loaded, settings, 2.0))
+    button.click()
     qtbot.waitUntil(lambda: "fitted to steps timed here" in label.text() or "couldn't" in label.text(), timeout=300_000)
     assert "fitted to steps timed here" in label.text(), label.text()
     assert "at most 4 at once" in label.text() and button.isEnabled()  # again: another batch, other steps
