@@ -17,6 +17,7 @@ from PySide6.QtWidgets import QComboBox, QDoubleSpinBox, QHBoxLayout, QLabel, QP
 from app.background import Background
 from app.widgets.live_plots import PlotPanel
 from engine.base.errors import EngineError
+from engine.base.memory import DEFAULT_KV_BUDGET_CAP
 from engine.estimates.simulator import RATE_SHARES, EngineLimits, capacity, most_load, serving_curve
 from engine.estimates.step_cost import for_gpu, remember, remembered
 from engine.base.units import format_seconds
@@ -145,6 +146,8 @@ class ServingSection:
             self._wanted = None
             self.label.setText("<b>Serving</b>: the weights leave no room for a KV cache here.")
             return
+        if profile.kind == "cpu":  # a desktop's memory is shared: the KV pool `serve` takes here by default
+            memory = min(memory, DEFAULT_KV_BUDGET_CAP)
         blocks = int(memory // (16 * per_token))
         limits = EngineLimits(max_batch=e.batch, token_budget=budget, prefill_chunk=budget, kv_blocks=blocks,
                               prefix_caching=prefix > 0)
@@ -295,7 +298,8 @@ class ServingSection:
                     "as soon as one ends")
         self.label.setText(
             f"<b>Serving</b>, simulated: {load}, each a {key[6]:,}-token prompt for a {key[7]:,}-token answer, at "
-            f"most {batch} at once (the Batch above) and {key[9]:,} tokens a step: {verdict}."
+            f"most {batch} at once (the Batch above), {key[9]:,} tokens a step and a KV cache of "
+            f"{blocks:,} blocks of 16 tokens: {verdict}."
             f"<table cellspacing=3><tr><th>{unit}</th><th>TTFT p50</th><th>p90</th><th>TPOT p50</th><th>tok/s</th>"
             f"<th>preempted</th></tr>{rows}</table><small>The engine's scheduler on a simulated clock; "
             f"{html.escape(cost.source)}. The copy buttons give this plan's commands (its batch and tokens a step). "
