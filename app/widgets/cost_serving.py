@@ -124,6 +124,7 @@ class ServingSection:
         for panel in (self.latency_plot, self.usage_plot):
             if panel is not None:
                 panel.plot.clear()
+                panel.set_title(None)  # the load it named is gone with it
 
     def update(self, estimate, profile, gpus: int, prefix: int) -> None:
         """Simulate ``estimate``'s model on ``profile`` (``gpus`` of it) at its batch."""

@@ -426,6 +426,7 @@ def test_serving_by_request_rate(qtbot, costs_window):
     settle(qtbot, w)
     assert "don't fit the 1,024-token Context" in label.text()
     assert not w.serving.latency_plot.plot.getPlotItem().listDataItems()  # no curve for another setup
+    assert w.serving.usage_plot.full_title is None  # nor the load it was drawn at
 
 
 def test_this_machines_serving_runs_on_the_steps_timed_here(qtbot, costs_window, tiny_llama, monkeypatch):
