@@ -72,16 +72,14 @@ def run_plan(url: str, prompts, plan_args: dict):
 
 
 def predict(plan, ids: list[list[int]], simulator):
-    """The simulator's figures for ``plan``: the same order and arrivals, each prompt's own ids (so
-    what the server found in its prefix cache is found here too: the simulator runs the settings
-    in the server's order and keeps its cache between them)."""
-    from engine.estimates.simulator import closed_loop, open_loop
+    """The simulator's figures for ``plan``'s one setting, as ``load --predict`` gives them: the
+    same order and arrivals, each prompt's own ids (so what the server found in its prefix cache
+    is found here too: the simulator runs the settings in the server's order and keeps its cache
+    between them)."""
+    from engine.estimates.predict_load import Predictor
 
-    if plan.concurrency:
-        workload = closed_loop(int(plan.concurrency[0]), ids, [plan.max_tokens], plan.requests, plan.seed)
-    else:
-        workload = open_loop(plan.rates[0], ids, [plan.max_tokens], plan.requests, plan.seed, plan.burstiness)
-    return simulator.run(workload)
+    (setting,) = plan.settings()
+    return Predictor(simulator, ids).predict_setting(plan, *setting)
 
 
 def speed() -> float:

@@ -18,7 +18,7 @@ from app.background import Background
 from app.widgets.live_plots import PlotPanel
 from engine.base.errors import EngineError
 from engine.base.memory import DEFAULT_KV_BUDGET_CAP
-from engine.estimates.simulator import RATE_SHARES, EngineLimits, capacity, most_load, serving_curve
+from engine.estimates.simulator import RATE_SHARES, USERS, EngineLimits, capacity, most_load, serving_curve
 from engine.estimates.step_cost import for_gpu, remember, remembered
 from engine.base.units import format_seconds
 
@@ -27,7 +27,6 @@ MEMORY_SHARE = 0.9
 default): the KV cache gets what the weights and activations leave of it."""
 LONGEST = 131_072
 """The longest prompt or answer the section simulates (a token limit keeps each simulation short)."""
-USER_LOADS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 COLOURS = {"p50": "#2d7dd2", "p90": "#c0392b", "tpot": "#27ae60", "target": "#7f8c8d", "kv": "#f39c12",
            "running": "#2d7dd2", "preempted": "#c0392b"}
 
@@ -50,6 +49,7 @@ class ServingSection:
         self.time_button.setObjectName("serveTimeSteps")
         self.time_button.clicked.connect(self.time_steps)
         self._timing: str | None = None  # the key of the steps being timed
+        self._timed: dict = {}  # key → the steps timed here for it (None: none yet)
         self._batch = 1  # the explorer's batch, which a timing of its steps runs up to
         self._note = ""  # why the last timing failed, under the figures until the choice changes
         self.prompt, self.answer = QSpinBox(), QSpinBox()
@@ -166,7 +166,7 @@ class ServingSection:
                 most = capacity(cost, limits, prompt, answer, shared, cancelled)
                 loads = [share * most for share in RATE_SHARES] if most > 0 else []
             else:
-                most, loads = 0.0, [n for n in USER_LOADS if n <= max(4 * e.batch, 4)]
+                most, loads = 0.0, [n for n in USERS if n <= max(4 * e.batch, 4)]
             curve = serving_curve(cost, limits, prompt, answer, shared, loads, cancelled=cancelled,
                                   rate=mode == "rate")
             return cost, curve, e.batch, blocks, most
@@ -190,7 +190,9 @@ class ServingSection:
         """The explorer's choice as its steps were timed on this machine (``None``: not timed yet,
         or another machine shown)."""
         key, _, why = self._timing_key() if profile.kind == "cpu" else (None, None, "")
-        cost = remembered(key) if key else None
+        if key is not None and key not in self._timed:  # read from disk once; this section writes it after
+            self._timed[key] = remembered(key)
+        cost = self._timed.get(key) if key else None
         self.time_button.setEnabled(key is not None and self._timing is None)
         self.time_button.setText("Time its steps again" if cost is not None else "Time its steps here")
         if profile.kind != "cpu":
@@ -228,19 +230,21 @@ class ServingSection:
             finally:
                 loaded.close()
             remember(key, cost)
+            return cost
 
-        def ended(error: BaseException | None = None) -> None:
+        def ended(cost=None, error: BaseException | None = None) -> None:
             self._timing, self._note = None, ""
             if self._closed:
                 return
             if error is None:
+                self._timed[key] = cost
                 self.changed()  # simulated again, on the timed steps
                 return
             self.time_button.setEnabled(True)
             self._note = (f"<br><span style='color:#c0392b'>Its steps couldn't be timed here: "
                           f"{html.escape(str(error))}</span>")
             self._show()  # the simulation shown stays, with why it wasn't run on timed steps
-        self.background.submit(work, lambda _: ended(), ended)
+        self.background.submit(work, ended, lambda exc: ended(error=exc))
 
     def _start(self) -> None:
         if self._closed or self._wanted is None:

@@ -184,7 +184,7 @@ def simulate(args) -> int:
 
     from engine.base.errors import InvalidRequestError  # lazy: start-up
     from engine.estimates.predict_load import replay  # lazy: the engine (torch)
-    from engine.load.report import predicted_line  # lazy: start-up
+    from engine.load.report import predicted_line, summary_header  # lazy: start-up
 
     try:
         report = json.loads(args.trace.read_text(encoding="utf-8"))
@@ -200,9 +200,7 @@ def simulate(args) -> int:
             raise InvalidRequestError(f"--{key.replace('_', '-')} must be at least 1.")
     budget = parse_size(args.kv_budget) if args.kv_budget else None
     rows = replay(report, args.model, changes, args.precision, budget)
-    print(f"{'setting':<18} {'done':>6} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'p99':>7} {'TPOT p50':>9} "
-          f"{'p99':>7} {'ITL p99':>8} {'E2E p50':>8}   (ms; recorded, then simulated: the engine's steps alone, "
-          "no front end)")
+    print(summary_header(note="(ms; recorded, then simulated: the engine's steps alone, no front end)"))
     for label, run, measured in rows:
         print(predicted_line(measured, name=label), flush=True)
         print(predicted_line(run.summary, measured if not changes and budget is None else None, "  simulated")

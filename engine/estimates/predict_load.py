@@ -12,7 +12,7 @@ requests before holds more in its cache than the prediction assumes.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from engine.base.errors import EngineError, InvalidRequestError
@@ -20,7 +20,7 @@ from engine.base.memory import default_kv_budget
 from engine.base.request import GenerationRequest
 from engine.estimates.simulator import EngineLimits, ServingSimulator, Simulated, closed_loop, open_loop, recorded
 from engine.estimates.step_cost import FrontEnd
-from engine.load.generator import LoadPlan, LoadRunner, setting_label
+from engine.load.generator import LoadPlan, LoadRunner, listed_model, setting_label
 from engine.load.metrics import Summary
 
 if TYPE_CHECKING:
@@ -66,8 +66,8 @@ def server_meta(url: str, api_key: str | None, model: str | None) -> tuple[dict,
         listed = httpx.get(url.rstrip("/") + "/models", headers=headers, timeout=10).json().get("data") or []
     except (httpx.HTTPError, ValueError) as exc:
         raise InvalidRequestError(f"Can't read {url}/models to predict its load: {exc}") from None
-    entry = next((m for m in listed if isinstance(m, dict) and (model is None or m.get("id") == model)), {})
-    return entry.get("meta") or {}, entry.get("id")
+    served, meta = listed_model(listed, model)
+    return meta, served
 
 
 FRONT_END_SEED = 7919
@@ -85,24 +85,28 @@ def fit_front_end(url: str, api_key: str | None, model: str | None, prompts: lis
     client sees). ``simulator`` runs the same loads, so its prefix cache stays the server's.
     Returns the simulator's step cost with the front end in it."""
     most = max(1, min(simulator.limits.max_batch, 32))
-    tpot_gaps, first = {}, []
-    for users, requests in ((0, 4), (1, 24), (most, 3 * most)):  # 0: the warm-up, one user, not fitted
-        plan = LoadPlan(url=url, model=model, api_key=api_key, concurrency=(max(users, 1),), requests=requests,
-                        max_tokens=32, ignore_eos=True, endpoint=endpoint, seed=FRONT_END_SEED + users,
-                        max_duration_s=120.0, scrape=False).validated()
+
+    def load(users: int, requests: int, seed: int, fitted: bool = True):
+        plan = LoadPlan(url=url, model=model, api_key=api_key, concurrency=(users,), requests=requests,
+                        max_tokens=32, ignore_eos=True, endpoint=endpoint, seed=seed, max_duration_s=120.0,
+                        scrape=False).validated()
         (setting,) = LoadRunner(plan, prompts).run()
         predicted = Predictor(simulator, ids).predict(plan, setting)
-        if users == 0 or users in tpot_gaps:
-            continue
         measured, alone = setting.summary, predicted.summary
-        if not (measured.tpot and alone.tpot and measured.ttft and alone.ttft):
+        if fitted and not (measured.tpot and alone.tpot and measured.ttft and alone.ttft):
             raise InvalidRequestError(f"The front end's calibration load got no answers from {url}.")
-        tpot_gaps[users] = measured.tpot["median"] - alone.tpot["median"]
-        if users == 1:  # request by request: the generator's request j is the simulator's j
-            first = [m.ttft_s - p.ttft_s for m, p in zip(setting.results, predicted.results)
-                     if m.ok and p.ok and m.ttft_s is not None and p.ttft_s is not None]
-    token = max(0.0, (tpot_gaps[most] - tpot_gaps[1]) / (most - 1)) if most > 1 else 0.0
-    step = max(0.0, tpot_gaps[1] - token)
+        return setting, predicted, (measured.tpot or {}).get("median", 0.0) - (alone.tpot or {}).get("median", 0.0)
+
+    load(1, 4, FRONT_END_SEED, fitted=False)  # the warm-up (simulated too: the prefix cache stays the server's)
+    one, one_predicted, one_gap = load(1, 24, FRONT_END_SEED + 1)
+    token = 0.0
+    if most > 1:
+        full_gap = load(most, 3 * most, FRONT_END_SEED + most)[2]
+        token = max(0.0, (full_gap - one_gap) / (most - 1))
+    step = max(0.0, one_gap - token)
+    # request by request: the generator's request j is the simulator's j
+    first = [m.ttft_s - p.ttft_s for m, p in zip(one.results, one_predicted.results)
+             if m.ok and p.ok and m.ttft_s is not None and p.ttft_s is not None]
     spread = tuple(gap - step - token for gap in first)
     request = max(0.0, statistics.median(spread)) if spread else 0.0
     front = FrontEnd(step, token, request, f"fitted to a load of 1 and {most} users against the server", spread)
@@ -236,11 +240,10 @@ def replay(report: dict, model="default", changes: dict | None = None, precision
         raise InvalidRequestError("The report holds no setting to replay.")
     meta = dict(next((s["runs_on"] for s in settings if isinstance(s.get("runs_on"), dict) and s["runs_on"]), {}))
     if not isinstance(meta.get("engine"), dict):  # another server: this workbench's serve defaults
-        served, core = ServeSettings(), CoreSettings()
-        meta["engine"] = {"max_batch": served.max_batch, "token_budget": served.token_budget,
-                          "prefill_chunk": core.prefill_chunk, "chunked_prefill": core.chunked_prefill,
-                          "kv_blocks": None, "block_tokens": core.block_tokens,
-                          "prefix_caching": served.prefix_caching}
+        served = ServeSettings()  # its core as the server makes it (engine/serve/server.py)
+        meta["engine"] = asdict(EngineLimits.of(CoreSettings(token_budget=served.token_budget,
+                                                             max_batch=served.max_batch,
+                                                             prefix_caching=served.prefix_caching), None))
         if kv_budget_bytes is None:
             kv_budget_bytes = default_kv_budget("cpu")
         meta.pop("n_params", None)  # its model stands for another server's: no parameter count to compare

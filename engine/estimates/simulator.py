@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from engine.base.errors import InvalidRequestError
 from engine.generation.kv_manager import BLOCK_TOKENS, KVCacheManager
-from engine.generation.scheduler import Scheduler
+from engine.generation.scheduler import Scheduler, attention_reads
 from engine.load.generator import next_gap, setting_order
 from engine.load.metrics import RequestResult, Summary, summarize
 
@@ -100,12 +100,12 @@ def recorded(setting: dict, max_tokens: int) -> Workload:
     complete: the ``max_tokens`` asked for; a request refused with a 4xx, refused). A request the
     server never counted the prompt of, and never refused, is left out."""
     try:
-        open_loop_ = setting["mode"] == "rate"
-        users = None if open_loop_ else int(setting["value"])
+        arriving = setting["mode"] == "rate"  # an open loop: each request at its own send time
+        users = None if arriving else int(setting["value"])
         sent = sorted((r for r in setting["requests"] if r.get("sent", True)), key=lambda r: float(r["start_s"]))
         out = []
         for r in sent:
-            arrival = float(r["start_s"]) if open_loop_ else 0.0
+            arrival = float(r["start_s"]) if arriving else 0.0
             output = int(r["output_tokens"]) if r.get("outcome") == "completed" else max_tokens
             if r.get("prompt_tokens"):
                 out.append(SimRequest(int(r["prompt_tokens"]), max(1, output), arrival))
@@ -300,8 +300,7 @@ class ServingSimulator:
                         cached += r.cached
                 if not plan.decoding and not plan.chunks:
                     raise InvalidRequestError("The KV budget holds none of the waiting requests: make it larger.")
-                kv_read = sum(r.computed + 1 for r in plan.decoding)
-                attended = sum(size * (r.prefilled + (size + 1) / 2) for r, size in plan.chunks)
+                kv_read, attended = attention_reads(plan.decoding, plan.chunks)
                 prompt_tokens = sum(size for _, size in plan.chunks)
                 t += cost.seconds(len(plan.decoding), len(plan.chunks), prompt_tokens, kv_read, attended)
                 if front is not None:  # the server's front end, on the same cores
@@ -417,7 +416,9 @@ class CurvePoint:
 
 
 def _requests(limits: EngineLimits, users: int = 0) -> int:
-    return min(MOST_REQUESTS, max(32, 4 * users, 4 * limits.max_batch if not users else 0))
+    """Requests one load of a curve sends: four a user (a closed loop) or four a batch row (an
+    open loop), at least 32, at most :data:`MOST_REQUESTS`."""
+    return min(MOST_REQUESTS, max(32, 4 * (users or limits.max_batch)))
 
 
 def serving_curve(cost: "StepCost", limits: EngineLimits, prompt_tokens: int, output_tokens: int,

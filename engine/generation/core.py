@@ -47,7 +47,7 @@ from engine.generation.output import OutputProcessor
 from engine.generation.proposer import NOTHING, Proposal, Proposer
 from engine.generation.runners import batch_runner_for
 from engine.generation.sampling import Choice, make_sampler
-from engine.generation.scheduler import Scheduler
+from engine.generation.scheduler import Scheduler, attention_reads
 from engine.generation.step_output import StepOutputs
 from engine.generation.upkeep import Upkeep
 
@@ -342,9 +342,7 @@ class EngineCore:
         work.decoding = [r for r in plan.decoding if r in self.running]
         work.chunks = [(r, size) for r, size in plan.chunks if r in self.running and r.in_runner]
         work.preempted = len(plan.preempted)
-        # what the step's shape is, before it runs (the serving simulator's step-cost model reads it)
-        work.kv_read = sum(r.computed + 1 for r in work.decoding)
-        work.pairs = sum(size * (r.prefilled + (size + 1) / 2) for r, size in work.chunks)
+        work.kv_read, work.pairs = attention_reads(work.decoding, work.chunks)
 
     def _outputs(self, work: StepWork, choices: list, began: float) -> Iterator[GenerationEvent]:
         """The step's events: failures, prompts scored, then each request's tokens."""

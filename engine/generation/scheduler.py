@@ -58,6 +58,15 @@ class StepPlan:
     """(request, tokens of its ``feed`` to read this step)."""
 
 
+def attention_reads(decoding, chunks) -> tuple[int, float]:
+    """What a step's attention reads, known before it runs: the cache tokens its decode rows attend
+    over (each row's context and its new token), and the token pairs its prompt chunks attend over
+    (each chunk token over the tokens before it). The engine core reports them with each step; the
+    serving simulator's step-cost model reads them."""
+    return (sum(r.computed + 1 for r in decoding),
+            sum(size * (r.prefilled + (size + 1) / 2) for r, size in chunks))
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_batch: int, token_budget: int, prefill_chunk: int,
                  chunked_prefill: bool = True, lookahead: int = 0, reserve_up_front: bool = False) -> None:

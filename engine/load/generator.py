@@ -220,11 +220,20 @@ async def served_model(client, model: str | None) -> tuple[str, dict]:
         listed = response.json().get("data") or [] if response.status_code == 200 else []
     except (httpx.HTTPError, ValueError):
         listed = []
-    entry = next((m for m in listed if isinstance(m, dict) and (model is None or m.get("id") == model)), None)
+    listed_id, meta = listed_model(listed, model)
     if model is None:
-        model = await first_model(client) if entry is None else entry["id"]
-    meta = entry.get("meta") if entry is not None and isinstance(entry.get("meta"), dict) else {}
+        model = await first_model(client) if listed_id is None else listed_id
     return model, meta
+
+
+def listed_model(listed: list, model: str | None) -> tuple[str | None, dict]:
+    """The entry of a ``GET /models`` listing naming ``model`` (the first when ``None``): its id and
+    its ``meta`` (``None`` and ``{}``: none listed)."""
+    entry = next((m for m in listed if isinstance(m, dict) and (model is None or m.get("id") == model)), None)
+    if entry is None:
+        return None, {}
+    meta = entry.get("meta")
+    return entry.get("id"), meta if isinstance(meta, dict) else {}
 
 
 async def first_model(client) -> str:

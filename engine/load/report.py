@@ -13,20 +13,25 @@ def ms(stats: dict | None, key: str, unit: str = " ms") -> str:
     return "—" if not stats else f"{stats[key] * 1000:.0f}{unit}"
 
 
-def summary_header(plan: LoadPlan) -> str:
+def summary_header(plan: LoadPlan | None = None,
+                   note: str = "(ms; tokens from the server's usage unless marked *)") -> str:
+    """The summary lines' column names (``goodput`` where ``plan`` has an SLO), then ``note``."""
     return (f"{'setting':<18} {'done':>6} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'p99':>7} "
-            f"{'TPOT p50':>9} {'p99':>7} {'ITL p99':>8} {'E2E p50':>8}" + ("  goodput" if plan.slo else "")
-            + "   (ms; tokens from the server's usage unless marked *)")
+            f"{'TPOT p50':>9} {'p99':>7} {'ITL p99':>8} {'E2E p50':>8}"
+            + ("  goodput" if plan is not None and plan.slo else "") + f"   {note}")
+
+
+def _row(name: str, s, mark: str = "") -> str:
+    """A summary's figures in the header's columns, under ``name``."""
+    line = (f"{name:<18} {s.completed:>3}/{s.requests:<2} {s.request_throughput:>7.2f} "
+            f"{s.output_throughput:>9.1f}{mark:1} {ms(s.ttft, 'median', ''):>9} {ms(s.ttft, 'p99', ''):>7} "
+            f"{ms(s.tpot, 'median', ''):>9} {ms(s.tpot, 'p99', ''):>7} {ms(s.itl, 'p99', ''):>8} {ms(s.e2e, 'median', ''):>8}")
+    return line + (f"  {s.goodput:.2f} req/s" if s.goodput is not None else "")
 
 
 def summary_line(result: SettingResult) -> str:
     s = result.summary
-    mark = "" if s.counted_by == "usage" else "*"
-    line = (f"{result.label:<18} {s.completed:>3}/{s.requests:<2} {s.request_throughput:>7.2f} "
-            f"{s.output_throughput:>9.1f}{mark:1} {ms(s.ttft, 'median', ''):>9} {ms(s.ttft, 'p99', ''):>7} "
-            f"{ms(s.tpot, 'median', ''):>9} {ms(s.tpot, 'p99', ''):>7} {ms(s.itl, 'p99', ''):>8} {ms(s.e2e, 'median', ''):>8}")
-    if s.goodput is not None:
-        line += f"  {s.goodput:.2f} req/s"
+    line = _row(result.label, s, "" if s.counted_by == "usage" else "*")
     if s.completed < s.requests:  # e.g. "not sent 4789 · failed 1: errored 0, cut by the deadline 1"
         line += "\n    " + s.not_completed() + (f" · errors: {'; '.join(s.errors[:3])}" if s.errors else "")
     line += "\n    " + server_line(result.server)
@@ -37,12 +42,7 @@ def predicted_line(predicted, measured=None, name: str = "  predicted") -> str:
     """The serving simulator's figures for a setting (engine/estimates/simulator.py), in the
     summary line's columns under ``name``, and how far each is from what was measured."""
     p = predicted
-    line = (f"{name:<18} {p.completed:>3}/{p.requests:<2} {p.request_throughput:>7.2f} "
-            f"{p.output_throughput:>9.1f}  {ms(p.ttft, 'median', ''):>9} {ms(p.ttft, 'p99', ''):>7} "
-            f"{ms(p.tpot, 'median', ''):>9} {ms(p.tpot, 'p99', ''):>7} {ms(p.itl, 'p99', ''):>8} "
-            f"{ms(p.e2e, 'median', ''):>8}")
-    if p.goodput is not None:
-        line += f"  {p.goodput:.2f} req/s"
+    line = _row(name, p)
     if measured is not None:
         parts = []
         for name, pair in (("out tok/s", (p.output_throughput, measured.output_throughput)),
