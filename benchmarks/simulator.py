@@ -18,7 +18,12 @@ the prompts' token ids:
 
 Targets: p50 and p90 TTFT and TPOT within 15% of the load generator's, throughput within 10%,
 preemptions within ±20%; simulating 10,000 requests under 5 s. Prints the CPU flags, the
-step-cost model, every row and its errors.
+step-cost model, every row and its errors, and in each row ``steps ×``: the seconds the server's
+own steps took in that setting (as its ``/metrics`` sums them) over what the prediction's step
+cost gives the same steps. Near 1, the step model held there and an error is the schedule's or the
+front end's; above 1 at many users, the load generator's streams took cores from the engine (the
+front end's share per streamed token stands for that); apart from those, the machine itself ran
+faster or slower than when its speed was fitted.
 
     python benchmarks/contention.py   # first, if another program may be running
     python benchmarks/simulator.py [--precisions bf16-fast,int8-fast] [--requests 24] [--shared-prefix] [--small-kv]
@@ -113,7 +118,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-    from engine.estimates.predict_load import fit_front_end
+    from engine.estimates.predict_load import fit_front_end, served_steps
     from engine.estimates.simulator import EngineLimits, ServingSimulator
     from engine.estimates.step_cost import calibrate
     from engine.generation.compiled_step import compile_decoder
@@ -168,11 +173,12 @@ def main() -> None:
                     if extra_args is None:  # the open loops, once the saturation is known
                         extra_args = {"rates": (round(saturation * (0.3, 0.6, 0.9)[i - 3], 3),)}
                     requests = max(args.requests, 3 * extra_args.get("concurrency", (0,))[0])
-                    before = scrape(url)
+                    before, steps_before = scrape(url), served_steps(f"{url}/v1", None)
                     plan, setting = run_plan(f"{url}/v1", prompts, {**extra_args, "requests": requests,
                                                                      "max_tokens": tokens})
                     preempted = scrape(url).get("vllm:num_preemptions_total", 0) - \
                         before.get("vllm:num_preemptions_total", 0)
+                    steps_after = served_steps(f"{url}/v1", None)
                     measured = setting.summary
                     if extra_args.get("concurrency") == (16,):
                         saturation = measured.request_throughput
@@ -180,8 +186,12 @@ def main() -> None:
                     if not counted <= {len(i) for i in ids}:
                         print(f"  (the server counted prompts of {sorted(counted)[:4]}… tokens, not these)")
                     simulated = predict(plan, ids, simulator)
+                    # the server's own steps in this setting, as its /metrics summed them, against
+                    # what the prediction's step cost says of the same steps: the machine's speed
+                    seconds = steps_after[0] - steps_before[0]
+                    parts = [a - b for a, b in zip(steps_after[1], steps_before[1])]
                     rows.append((precision, name, setting.label, measured, simulated.summary, preempted,
-                                 simulated.preemptions))
+                                 simulated.preemptions, seconds / simulator.cost.total(parts)))
                     report(rows[-1])
         finally:
             stop(server)
@@ -190,7 +200,7 @@ def main() -> None:
 
 
 def report(row) -> None:
-    precision, name, label, measured, predicted, preempted, simulated_preemptions = row
+    precision, name, label, measured, predicted, preempted, simulated_preemptions, pace = row
     parts = []
     for key in ("ttft", "tpot"):
         for q in ("median", "p90"):
@@ -203,21 +213,31 @@ def report(row) -> None:
     parts.append(f"tok/s {measured.output_throughput:6.1f} / {predicted.output_throughput:6.1f} ({e:+.0%})")
     if preempted or simulated_preemptions:
         parts.append(f"preemptions {preempted:g} / {simulated_preemptions}")
+    parts.append(f"steps ×{pace:.2f}")
     print(f"  {name[:24]:24} {label:18} " + " · ".join(parts))
 
 
 def summarize_errors(rows) -> None:
     worst = {"ttft": 0.0, "tpot": 0.0, "throughput": 0.0}
-    for _, _, _, measured, predicted, _, _ in rows:
+    latency, throughput = [], []
+    for _, _, _, measured, predicted, _, _, _ in rows:
         for key in ("ttft", "tpot"):
             for q in ("median", "p90"):
                 e = error((getattr(predicted, key) or {}).get(q), (getattr(measured, key) or {}).get(q))
                 if e is not None:
                     worst[key] = max(worst[key], abs(e))
+                    latency.append(abs(e))
         e = error(predicted.output_throughput, measured.output_throughput)
         worst["throughput"] = max(worst["throughput"], abs(e or 0))
-    print(f"\nlargest errors (measured / predicted above): TTFT {worst['ttft']:.0%} (target ≤ 15%), "
-          f"TPOT {worst['tpot']:.0%} (target ≤ 15%), throughput {worst['throughput']:.0%} (target ≤ 10%)")
+        throughput.append(abs(e or 0))
+    print(f"\nlargest errors (measured / predicted above): TTFT {worst['ttft']:.0%} (target ≤ 15%), TPOT {worst['tpot']:.0%} "
+          f"(target ≤ 15%), throughput {worst['throughput']:.0%} (target ≤ 10%); "
+          f"{sum(e <= 0.15 for e in latency)}/{len(latency)} latencies within 15%, "
+          f"{sum(e <= 0.10 for e in throughput)}/{len(throughput)} throughputs within 10%")
+    for precision in dict.fromkeys(row[0] for row in rows):
+        paces = [row[-1] for row in rows if row[0] == precision]
+        print(f"{precision}: the server ran each setting's steps at ×{min(paces):.2f} to ×{max(paces):.2f} "
+              "the time the prediction's step cost gives the same steps")
 
 
 if __name__ == "__main__":

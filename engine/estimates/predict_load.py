@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 from engine.base.errors import EngineError, InvalidRequestError
 from engine.base.memory import default_kv_budget
 from engine.base.request import GenerationRequest
+from engine.endpoint.scrape import metrics_url
 from engine.estimates.simulator import EngineLimits, ServingSimulator, Simulated, closed_loop, open_loop, recorded
-from engine.estimates.step_cost import FrontEnd
+from engine.estimates.step_cost import FrontEnd, served_work
 from engine.load.generator import LoadPlan, LoadRunner, listed_model, setting_label
 from engine.load.metrics import Summary
 
@@ -82,37 +83,80 @@ def fit_front_end(url: str, api_key: str | None, model: str | None, prompts: lis
     and those the engine's steps alone predict. One user's TPOT gap is a step's and a token's
     share, the full batch's adds the other rows' tokens; one user's TTFT gaps, less those, are
     each request's latency outside the engine (kept one a request: their spread is part of what a
-    client sees). ``simulator`` runs the same loads, so its prefix cache stays the server's.
+    client sees). ``simulator`` runs the same loads, so its prefix cache stays the server's. The
+    server's own steps, as its ``/metrics`` sums their seconds, are checked against the timed
+    figures meanwhile (:func:`served_speed`, said in the front end's source).
     Returns the simulator's step cost with the front end in it."""
     most = max(1, min(simulator.limits.max_batch, 32))
+    simulator.cost = replace(simulator.cost, front=None)
 
     def load(users: int, requests: int, seed: int, fitted: bool = True):
         plan = LoadPlan(url=url, model=model, api_key=api_key, concurrency=(users,), requests=requests,
                         max_tokens=32, ignore_eos=True, endpoint=endpoint, seed=seed, max_duration_s=120.0,
                         scrape=False).validated()
+        before = served_steps(url, api_key)
         (setting,) = LoadRunner(plan, prompts).run()
+        after = served_steps(url, api_key)
         predicted = Predictor(simulator, ids).predict(plan, setting)
         measured, alone = setting.summary, predicted.summary
         if fitted and not (measured.tpot and alone.tpot and measured.ttft and alone.ttft):
             raise InvalidRequestError(f"The front end's calibration load got no answers from {url}.")
-        return setting, predicted, (measured.tpot or {}).get("median", 0.0) - (alone.tpot or {}).get("median", 0.0)
+        served = None
+        if before is not None and after is not None:
+            served = (after[0] - before[0], tuple(a - b for a, b in zip(after[1], before[1])))
+        return setting, predicted, served
 
     load(1, 4, FRONT_END_SEED, fitted=False)  # the warm-up (simulated too: the prefix cache stays the server's)
-    one, one_predicted, one_gap = load(1, 24, FRONT_END_SEED + 1)
+    loads = [load(1, 24, FRONT_END_SEED + 1)]
+    if most > 1:
+        loads.append(load(most, 3 * most, FRONT_END_SEED + most))
+
+    def tpot_gap(setting, predicted) -> float:
+        return (setting.summary.tpot or {}).get("median", 0.0) - (predicted.summary.tpot or {}).get("median", 0.0)
+
+    (one, one_predicted, _), one_gap = loads[0], tpot_gap(*loads[0][:2])
     token = 0.0
     if most > 1:
-        full_gap = load(most, 3 * most, FRONT_END_SEED + most)[2]
-        token = max(0.0, (full_gap - one_gap) / (most - 1))
+        token = max(0.0, (tpot_gap(*loads[1][:2]) - one_gap) / (most - 1))
     step = max(0.0, one_gap - token)
     # request by request: the generator's request j is the simulator's j
     first = [m.ttft_s - p.ttft_s for m, p in zip(one.results, one_predicted.results)
              if m.ok and p.ok and m.ttft_s is not None and p.ttft_s is not None]
     spread = tuple(gap - step - token for gap in first)
     request = max(0.0, statistics.median(spread)) if spread else 0.0
-    front = FrontEnd(step, token, request, f"fitted to a load of 1 and {most} users against the server", spread)
+    source = f"fitted to a load of 1 and {most} users against the server"
+    speeds = [served_speed(simulator.cost, served) for _, _, served in loads]
+    if all(speed is not None for speed in speeds):  # checked, not applied: see served_speed
+        source += ", whose own steps took ×" + " and ×".join(f"{speed:.2f}" for speed in speeds) + " the timed figures"
+    front = FrontEnd(step, token, request, source, spread)
     cost = replace(simulator.cost, front=front)
     simulator.cost = cost
     return cost
+
+
+def served_speed(cost: "StepCost", served: tuple[float, tuple[float, ...]] | None) -> float | None:
+    """The seconds the server's own steps took (``served``: their seconds and parts, as its
+    ``/metrics`` summed them over a load) over what ``cost`` gives the same steps: the step model
+    checked on the steps served (``None`` where the server doesn't count them). Said beside a
+    prediction, not applied to it: a load of many users makes the engine's steps slower by the
+    cores its client's streams take, which the front end's share per streamed token stands for,
+    and on a shared machine the figure moves from one load to the next by as much as it is off."""
+    if served is None or served[0] <= 0 or cost.total(served[1]) <= 0:
+        return None
+    return served[0] / cost.total(served[1])
+
+
+def served_steps(url: str, api_key: str | None) -> tuple[float, tuple[float, ...]] | None:
+    """The server's steps so far as its ``/metrics`` counts them (``served_work``); ``None`` where
+    it doesn't."""
+    import httpx  # lazy: only a prediction reads it here
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        answer = httpx.get(metrics_url(url), headers=headers, timeout=10)
+        return served_work(answer.text) if answer.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 def engine_of(meta: dict) -> EngineLimits:

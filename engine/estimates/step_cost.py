@@ -44,6 +44,10 @@ if TYPE_CHECKING:
     from engine.models.model import LoadedModel
 
 FEATURES = ("base_s", "decode_s", "row_s", "kv_token_s", "chunk_s", "prompt_token_s", "pair_s", "one_row_s")
+PARTS = ("steps", "batched_passes", "decode_rows", "kv_tokens_read", "prompt_chunks", "prompt_tokens",
+         "prompt_pairs", "lone_row_passes")
+"""What each figure of :data:`FEATURES` is paid for: the server sums them, its steps' seconds beside
+them, on its ``/metrics`` (``vllm:engine_step_work``, ``vllm:engine_step_seconds``)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,10 @@ class StepCost:
         passes = self.decode_s if rows > 1 else self.one_row_s if rows == 1 else 0.0
         return (self.base_s + passes + self.row_s * rows + self.kv_token_s * kv_tokens
                 + self.chunk_s * chunks + self.prompt_token_s * prompt_tokens + self.pair_s * pairs)
+
+    def total(self, parts: Iterable[float]) -> float:
+        """Seconds of steps whose parts (:data:`PARTS`) sum to ``parts``: the formula is linear in them."""
+        return sum(getattr(self, name) * value for name, value in zip(FEATURES, parts))
 
     def describe(self) -> str:
         return (f"a step {self.base_s * 1e3:.2f} ms; its decode pass {self.decode_s * 1e3:.2f} ms "
@@ -169,6 +177,21 @@ def fit(samples: Iterable[StepSample], source: str = "") -> StepCost:
     errors = np.abs(x @ solution - y) / y
     return StepCost(*(float(v) for v in solution), source=source, samples=len(samples),
                     error=float(np.median(errors)))
+
+
+def served_work(text: str) -> tuple[float, tuple[float, ...]] | None:
+    """A server's steps so far, from its ``/metrics`` text: their seconds and their parts' sums
+    (:data:`PARTS`); ``None`` where it doesn't count them (not this workbench's server)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    seconds, parts = None, dict.fromkeys(PARTS, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:engine_step_seconds_total":
+                seconds = (seconds or 0.0) + sample.value
+            elif sample.name == "vllm:engine_step_work_total" and sample.labels.get("part") in parts:
+                parts[sample.labels["part"]] += sample.value
+    return None if seconds is None else (seconds, tuple(parts.values()))
 
 
 def _nnls(a, b):

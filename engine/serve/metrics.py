@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engine.base.events import Finished, TokenGenerated
+from engine.estimates.step_cost import PARTS, StepSample
 from engine.serve.protocol import FINISH_REASONS
 from engine.generation.service import RequestArrived, RequestEvent, TrafficStep
 
@@ -83,6 +84,13 @@ class ServerMetrics:
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (copied, "
                                    "not computed).")
+        self.step_seconds = counter("vllm:engine_step_seconds", "Seconds the engine core's steps took, on its clock "
+                                    "(workbench; with vllm:engine_step_work, what the serving simulator's step "
+                                    "cost is checked against).")
+        work = counter("vllm:engine_step_work", "What the engine core's steps held, summed by part: steps, batched "
+                       "decode passes, decode rows, cached tokens the rows read, prompt chunks, prompt tokens, "
+                       "prompt token pairs attended, lone-row passes (workbench).", ("part",))
+        self._work = [work.labels(**labels, part=part) for part in PARTS]
         self._success = counter("vllm:request_success", "Requests finished, by reason.", ("finished_reason",))
         self._labels = labels
         self._times: dict[int, list[float]] = {}
@@ -96,6 +104,11 @@ class ServerMetrics:
             self.preemptions.inc(step.preempted)
             self.prefix_queries.inc(step.prefix_query_tokens)
             self.prefix_hits.inc(step.cached_tokens)
+            sample = StepSample.of(step)
+            if sample.rows or sample.chunks:
+                self.step_seconds.inc(sample.seconds)
+                for child, value in zip(self._work, sample.features()):
+                    child.inc(value)
         elif isinstance(event, RequestArrived):
             self.prompt_tokens.inc(event.prompt_tokens)
         elif isinstance(event, RequestEvent):

@@ -298,6 +298,7 @@ def test_load_predicts_each_setting_beside_what_it_measured(server, tiny_llama, 
     lines = printed.splitlines()
     assert sum(line.startswith("  predicted  ") for line in lines) == 2
     assert sum(line.startswith("    predicted against measured: out tok/s") for line in lines) == 2
+    assert "whose own steps took ×" in printed  # the served steps, summed on its /metrics, checked against the timed
     assert len(timed) == 1 and timed[0].max_batch == 8 and timed[0].token_budget == server.settings.token_budget
     assert main(args + ["--json", str(tmp_path / "load.json")]) == 0  # the timing was kept for these limits
     assert len(timed) == 1 and "timing the engine's steps" not in capsys.readouterr().out

@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.base.events import Preempted, TokenGenerated
 from engine.base.request import GenerationRequest
+from engine.estimates.step_cost import PARTS, served_work
 from engine.generation.service import RequestEvent, TrafficStep
 from engine.serve.traffic import TrafficLog
 from tests.serving import serve
@@ -39,6 +41,7 @@ def ask_all(loaded, **settings):
     try:
         with httpx.Client(base_url=server.url, timeout=60) as http:
             answers = [http.post("/chat/completions", json=body(server, q)).json() for q in QUESTIONS]
+        ask_all.text = httpx.get(server.url.removesuffix("/v1") + "/metrics", timeout=30).text
         return answers, metrics(server)
     finally:
         server.stop(drain=False, timeout=30)
@@ -58,6 +61,12 @@ def test_a_shared_system_prompt_is_read_once_and_the_answers_are_the_same(loaded
     assert "from the prefix cache" in tracks[1].describe() and "from the prefix cache" not in tracks[0].describe()
     steps = ask_all.traffic.steps()
     assert steps["cached_tokens"].sum() == sum(cached)
+    # the steps' seconds and parts, summed on /metrics, are the steps the traffic saw
+    seconds, parts = served_work(ask_all.text)
+    assert seconds == pytest.approx(steps["step_s"].sum(), rel=1e-9) and seconds > 0
+    counted = dict(zip(PARTS, parts))
+    assert counted["steps"] == len(steps["step_s"]) and counted["decode_rows"] == steps["decode_tokens"].sum()
+    assert counted["prompt_tokens"] == steps["prefill_tokens"].sum() > 0 and counted["prompt_chunks"] >= 4
     assert steps["kept_bytes"][-1] == steps["kv_blocks_kept"][-1] * 16 * loaded_llama.info.kv_bytes_per_token > 0
 
     plain, figures = ask_all(loaded_llama, prefix_caching=False)

@@ -6,7 +6,8 @@ import pytest
 from engine.base.errors import InvalidRequestError
 from engine.estimates.simulator import (EngineLimits, ServingSimulator, SimRequest, Workload, closed_loop, open_loop,
                                         simulate)
-from engine.estimates.step_cost import FEATURES, StepCost, StepSample, fit
+from engine.estimates.predict_load import served_speed
+from engine.estimates.step_cost import FEATURES, PARTS, StepCost, StepSample, fit
 
 SECOND_A_STEP = StepCost(1.0, 0.0, 0.1, 0.0, 0.0, 0.01, 0.0)
 """1 s a step, 0.1 s a decode row, 0.01 s a prompt token: times that add up by hand."""
@@ -122,6 +123,20 @@ def test_the_step_cost_fit_finds_the_figures_it_was_made_from():
     for name in FEATURES:
         assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-6)
     assert got.error == pytest.approx(0.0, abs=1e-9) and got.samples == len(shapes)
+    # a server sums its steps' parts: the formula gives their seconds from the sums alone
+    sums = [sum(column) for column in zip(*(sample.features() for sample in samples))]
+    assert truth.total(sums) == pytest.approx(sum(sample.seconds for sample in samples), rel=1e-12)
+
+
+def test_the_servers_own_steps_are_checked_against_the_timed_figures():
+    """A server whose steps ran 1.25 times as long as the timed figures say: the factor found
+    again from what its /metrics summed over them; none where the server doesn't count them."""
+    timed = StepCost(0.0005, 0.004, 0.0006, 2e-7, 0.002, 0.00015, 1e-9, 0.006)
+    one_user = [(1, 0, 0, 40 + i, 0) for i in range(30)] + [(0, 1, 40, 0, 820), (1, 1, 12, 70, 80)]
+    samples = [StepSample(*shape, 1.25 * timed.seconds(*shape)) for shape in one_user]
+    counted = (sum(s.seconds for s in samples), tuple(map(sum, zip(*(s.features() for s in samples)))))
+    assert len(counted[1]) == len(PARTS) and served_speed(timed, counted) == pytest.approx(1.25)
+    assert served_speed(timed, None) is None and served_speed(timed, (0.0, counted[1])) is None
 
 
 def test_the_simulator_steps_as_the_engine_core_does(loaded_llama):
