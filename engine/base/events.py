@@ -373,6 +373,24 @@ class StepCompleted:
     prompt_chunks: int = 0
     """Prompt chunks read in this step (one forward pass each)."""
 
+    def parts(self) -> tuple[float, ...]:
+        """What the step held, by :data:`STEP_PARTS`."""
+        return step_parts(self.decode_tokens, self.prompt_chunks, self.prefill_tokens, self.kv_tokens_read,
+                          self.prompt_pairs)
+
+
+STEP_PARTS = ("steps", "batched_passes", "decode_rows", "kv_tokens_read", "prompt_chunks", "prompt_tokens",
+              "prompt_pairs", "lone_row_passes")
+"""What a step is paid for, in the serving simulator's step cost (engine/estimates/step_cost.py:
+a figure for each, in this order); a server sums them on its ``/metrics``."""
+
+
+def step_parts(rows: int, chunks: int, prompt_tokens: int, kv_tokens: int, pairs: float) -> tuple[float, ...]:
+    """A step's :data:`STEP_PARTS`: itself, a batched decode pass (several rows), its decode rows,
+    the cached tokens they read, its prompt chunks, their tokens and pairs, a lone row's pass."""
+    return (1.0, float(rows > 1), float(rows), float(kv_tokens), float(chunks), float(prompt_tokens), float(pairs),
+            float(rows == 1))
+
 
 @dataclass(frozen=True, slots=True)
 class ServerSampled:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.base.errors import InvalidRequestError
+from engine.base.events import STEP_PARTS, step_parts
 from engine.base.request import GenerationRequest
 from engine.estimates.hardware import profile_path
 
@@ -44,8 +45,7 @@ if TYPE_CHECKING:
     from engine.models.model import LoadedModel
 
 FEATURES = ("base_s", "decode_s", "row_s", "kv_token_s", "chunk_s", "prompt_token_s", "pair_s", "one_row_s")
-PARTS = ("steps", "batched_passes", "decode_rows", "kv_tokens_read", "prompt_chunks", "prompt_tokens",
-         "prompt_pairs", "lone_row_passes")
+PARTS = STEP_PARTS
 """What each figure of :data:`FEATURES` is paid for: the server sums them, its steps' seconds beside
 them, on its ``/metrics`` (``vllm:engine_step_work``, ``vllm:engine_step_seconds``)."""
 
@@ -67,8 +67,7 @@ class StepSample:
                    step.prompt_pairs, step.step_s)
 
     def features(self) -> tuple[float, ...]:
-        return (1.0, float(self.rows > 1), float(self.rows), float(self.kv_tokens), float(self.chunks),
-                float(self.prompt_tokens), float(self.pairs), float(self.rows == 1))
+        return step_parts(self.rows, self.chunks, self.prompt_tokens, self.kv_tokens, self.pairs)
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine.base.events import Finished, TokenGenerated
-from engine.estimates.step_cost import PARTS, StepSample
+from engine.base.events import STEP_PARTS, Finished, TokenGenerated
 from engine.serve.protocol import FINISH_REASONS
 from engine.generation.service import RequestArrived, RequestEvent, TrafficStep
 
@@ -90,7 +89,7 @@ class ServerMetrics:
         work = counter("vllm:engine_step_work", "What the engine core's steps held, summed by part: steps, batched "
                        "decode passes, decode rows, cached tokens the rows read, prompt chunks, prompt tokens, "
                        "prompt token pairs attended, lone-row passes (workbench).", ("part",))
-        self._work = [work.labels(**labels, part=part) for part in PARTS]
+        self._work = [work.labels(**labels, part=part) for part in STEP_PARTS]
         self._success = counter("vllm:request_success", "Requests finished, by reason.", ("finished_reason",))
         self._labels = labels
         self._times: dict[int, list[float]] = {}
@@ -104,10 +103,9 @@ class ServerMetrics:
             self.preemptions.inc(step.preempted)
             self.prefix_queries.inc(step.prefix_query_tokens)
             self.prefix_hits.inc(step.cached_tokens)
-            sample = StepSample.of(step)
-            if sample.rows or sample.chunks:
-                self.step_seconds.inc(sample.seconds)
-                for child, value in zip(self._work, sample.features()):
+            if step.decode_tokens or step.prompt_chunks:  # the steps the step cost is fitted to
+                self.step_seconds.inc(step.step_s)
+                for child, value in zip(self._work, step.parts()):
                     child.inc(value)
         elif isinstance(event, RequestArrived):
             self.prompt_tokens.inc(event.prompt_tokens)
