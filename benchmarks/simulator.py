@@ -230,8 +230,8 @@ def summarize_errors(rows) -> None:
         e = error(predicted.output_throughput, measured.output_throughput)
         worst["throughput"] = max(worst["throughput"], abs(e or 0))
         throughput.append(abs(e or 0))
-    print(f"\nlargest errors (measured / predicted above): TTFT {worst['ttft']:.0%} (target ≤ 15%), TPOT {worst['tpot']:.0%} "
-          f"(target ≤ 15%), throughput {worst['throughput']:.0%} (target ≤ 10%); "
+    print(f"\nlargest errors (measured / predicted above): TTFT {worst['ttft']:.0%} (target ≤ 15%), "
+          f"TPOT {worst['tpot']:.0%} (target ≤ 15%), throughput {worst['throughput']:.0%} (target ≤ 10%); "
           f"{sum(e <= 0.15 for e in latency)}/{len(latency)} latencies within 15%, "
           f"{sum(e <= 0.10 for e in throughput)}/{len(throughput)} throughputs within 10%")
     for precision in dict.fromkeys(row[0] for row in rows):

@@ -127,7 +127,8 @@ def fit_front_end(url: str, api_key: str | None, model: str | None, prompts: lis
     source = f"fitted to a load of 1 and {most} users against the server"
     speeds = [served_speed(simulator.cost, served) for _, _, served in loads]
     if all(speed is not None for speed in speeds):  # checked, not applied: see served_speed
-        source += ", whose own steps took ×" + " and ×".join(f"{speed:.2f}" for speed in speeds) + " the timed figures"
+        took = " and ×".join(f"{speed:.2f}" for speed in speeds)
+        source += f", whose own steps took ×{took} the timed figures"
     front = FrontEnd(step, token, request, source, spread)
     cost = replace(simulator.cost, front=front)
     simulator.cost = cost

@@ -45,9 +45,7 @@ if TYPE_CHECKING:
     from engine.models.model import LoadedModel
 
 FEATURES = ("base_s", "decode_s", "row_s", "kv_token_s", "chunk_s", "prompt_token_s", "pair_s", "one_row_s")
-PARTS = STEP_PARTS
-"""What each figure of :data:`FEATURES` is paid for: the server sums them, its steps' seconds beside
-them, on its ``/metrics`` (``vllm:engine_step_work``, ``vllm:engine_step_seconds``)."""
+"""A figure for each of a step's parts (engine/base/events.py ``STEP_PARTS``, in that order)."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +96,7 @@ class StepCost:
                 + self.chunk_s * chunks + self.prompt_token_s * prompt_tokens + self.pair_s * pairs)
 
     def total(self, parts: Iterable[float]) -> float:
-        """Seconds of steps whose parts (:data:`PARTS`) sum to ``parts``: the formula is linear in them."""
+        """Seconds of steps whose parts (``STEP_PARTS``) sum to ``parts``: the formula is linear in them."""
         return sum(getattr(self, name) * value for name, value in zip(FEATURES, parts))
 
     def describe(self) -> str:
@@ -180,10 +178,10 @@ def fit(samples: Iterable[StepSample], source: str = "") -> StepCost:
 
 def served_work(text: str) -> tuple[float, tuple[float, ...]] | None:
     """A server's steps so far, from its ``/metrics`` text: their seconds and their parts' sums
-    (:data:`PARTS`); ``None`` where it doesn't count them (not this workbench's server)."""
+    (``STEP_PARTS``); ``None`` where it doesn't count them (not this workbench's server)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    seconds, parts = None, dict.fromkeys(PARTS, 0.0)
+    seconds, parts = None, dict.fromkeys(STEP_PARTS, 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "vllm:engine_step_seconds_total":

@@ -10,9 +10,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.base.events import Preempted, TokenGenerated
+from engine.base.events import STEP_PARTS, Preempted, TokenGenerated
 from engine.base.request import GenerationRequest
-from engine.estimates.step_cost import PARTS, served_work
+from engine.estimates.step_cost import served_work
 from engine.generation.service import RequestEvent, TrafficStep
 from engine.serve.traffic import TrafficLog
 from tests.serving import serve
@@ -64,7 +64,7 @@ def test_a_shared_system_prompt_is_read_once_and_the_answers_are_the_same(loaded
     # the steps' seconds and parts, summed on /metrics, are the steps the traffic saw
     seconds, parts = served_work(ask_all.text)
     assert seconds == pytest.approx(steps["step_s"].sum(), rel=1e-9) and seconds > 0
-    counted = dict(zip(PARTS, parts))
+    counted = dict(zip(STEP_PARTS, parts))
     assert counted["steps"] == len(steps["step_s"]) and counted["decode_rows"] == steps["decode_tokens"].sum()
     assert counted["prompt_tokens"] == steps["prefill_tokens"].sum() > 0 and counted["prompt_chunks"] >= 4
     assert steps["kept_bytes"][-1] == steps["kv_blocks_kept"][-1] * 16 * loaded_llama.info.kv_bytes_per_token > 0

@@ -7,7 +7,8 @@ from engine.base.errors import InvalidRequestError
 from engine.estimates.simulator import (EngineLimits, ServingSimulator, SimRequest, Workload, closed_loop, open_loop,
                                         simulate)
 from engine.estimates.predict_load import served_speed
-from engine.estimates.step_cost import FEATURES, PARTS, StepCost, StepSample, fit
+from engine.base.events import STEP_PARTS
+from engine.estimates.step_cost import FEATURES, StepCost, StepSample, fit
 
 SECOND_A_STEP = StepCost(1.0, 0.0, 0.1, 0.0, 0.0, 0.01, 0.0)
 """1 s a step, 0.1 s a decode row, 0.01 s a prompt token: times that add up by hand."""
@@ -135,7 +136,7 @@ def test_the_servers_own_steps_are_checked_against_the_timed_figures():
     one_user = [(1, 0, 0, 40 + i, 0) for i in range(30)] + [(0, 1, 40, 0, 820), (1, 1, 12, 70, 80)]
     samples = [StepSample(*shape, 1.25 * timed.seconds(*shape)) for shape in one_user]
     counted = (sum(s.seconds for s in samples), tuple(map(sum, zip(*(s.features() for s in samples)))))
-    assert len(counted[1]) == len(PARTS) and served_speed(timed, counted) == pytest.approx(1.25)
+    assert len(counted[1]) == len(STEP_PARTS) and served_speed(timed, counted) == pytest.approx(1.25)
     assert served_speed(timed, None) is None and served_speed(timed, (0.0, counted[1])) is None
 
 
