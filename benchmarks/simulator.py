@@ -118,7 +118,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-    from engine.estimates.predict_load import fit_front_end, served_steps
+    from engine.estimates.predict_load import fit_front_end, served_speed, served_steps, steps_between
     from engine.estimates.simulator import EngineLimits, ServingSimulator
     from engine.estimates.step_cost import calibrate
     from engine.generation.compiled_step import compile_decoder
@@ -188,10 +188,9 @@ def main() -> None:
                     simulated = predict(plan, ids, simulator)
                     # the server's own steps in this setting, as its /metrics summed them, against
                     # what the prediction's step cost says of the same steps: the machine's speed
-                    seconds = steps_after[0] - steps_before[0]
-                    parts = [a - b for a, b in zip(steps_after[1], steps_before[1])]
+                    pace = served_speed(simulator.cost, steps_between(steps_before, steps_after))
                     rows.append((precision, name, setting.label, measured, simulated.summary, preempted,
-                                 simulated.preemptions, seconds / simulator.cost.total(parts)))
+                                 simulated.preemptions, pace))
                     report(rows[-1])
         finally:
             stop(server)
@@ -213,7 +212,8 @@ def report(row) -> None:
     parts.append(f"tok/s {measured.output_throughput:6.1f} / {predicted.output_throughput:6.1f} ({e:+.0%})")
     if preempted or simulated_preemptions:
         parts.append(f"preemptions {preempted:g} / {simulated_preemptions}")
-    parts.append(f"steps ×{pace:.2f}")
+    if pace is not None:
+        parts.append(f"steps ×{pace:.2f}")
     print(f"  {name[:24]:24} {label:18} " + " · ".join(parts))
 
 
@@ -235,9 +235,10 @@ def summarize_errors(rows) -> None:
           f"{sum(e <= 0.15 for e in latency)}/{len(latency)} latencies within 15%, "
           f"{sum(e <= 0.10 for e in throughput)}/{len(throughput)} throughputs within 10%")
     for precision in dict.fromkeys(row[0] for row in rows):
-        paces = [row[-1] for row in rows if row[0] == precision]
-        print(f"{precision}: the server ran each setting's steps at ×{min(paces):.2f} to ×{max(paces):.2f} "
-              "the time the prediction's step cost gives the same steps")
+        paces = [row[-1] for row in rows if row[0] == precision and row[-1] is not None]
+        if paces:
+            print(f"{precision}: the server ran each setting's steps at ×{min(paces):.2f} to ×{max(paces):.2f} "
+                  "the time the prediction's step cost gives the same steps")
 
 
 if __name__ == "__main__":

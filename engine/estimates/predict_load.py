@@ -101,23 +101,17 @@ def fit_front_end(url: str, api_key: str | None, model: str | None, prompts: lis
         measured, alone = setting.summary, predicted.summary
         if fitted and not (measured.tpot and alone.tpot and measured.ttft and alone.ttft):
             raise InvalidRequestError(f"The front end's calibration load got no answers from {url}.")
-        served = None
-        if before is not None and after is not None:
-            served = (after[0] - before[0], tuple(a - b for a, b in zip(after[1], before[1])))
-        return setting, predicted, served
+        gap = (measured.tpot or {}).get("median", 0.0) - (alone.tpot or {}).get("median", 0.0)
+        return setting, predicted, gap, steps_between(before, after)
 
     load(1, 4, FRONT_END_SEED, fitted=False)  # the warm-up (simulated too: the prefix cache stays the server's)
-    loads = [load(1, 24, FRONT_END_SEED + 1)]
-    if most > 1:
-        loads.append(load(most, 3 * most, FRONT_END_SEED + most))
-
-    def tpot_gap(setting, predicted) -> float:
-        return (setting.summary.tpot or {}).get("median", 0.0) - (predicted.summary.tpot or {}).get("median", 0.0)
-
-    (one, one_predicted, _), one_gap = loads[0], tpot_gap(*loads[0][:2])
+    one, one_predicted, one_gap, one_served = load(1, 24, FRONT_END_SEED + 1)
+    served = [one_served]
     token = 0.0
     if most > 1:
-        token = max(0.0, (tpot_gap(*loads[1][:2]) - one_gap) / (most - 1))
+        _, _, full_gap, full_served = load(most, 3 * most, FRONT_END_SEED + most)
+        served.append(full_served)
+        token = max(0.0, (full_gap - one_gap) / (most - 1))
     step = max(0.0, one_gap - token)
     # request by request: the generator's request j is the simulator's j
     first = [m.ttft_s - p.ttft_s for m, p in zip(one.results, one_predicted.results)
@@ -125,7 +119,7 @@ def fit_front_end(url: str, api_key: str | None, model: str | None, prompts: lis
     spread = tuple(gap - step - token for gap in first)
     request = max(0.0, statistics.median(spread)) if spread else 0.0
     source = f"fitted to a load of 1 and {most} users against the server"
-    speeds = [served_speed(simulator.cost, served) for _, _, served in loads]
+    speeds = [served_speed(simulator.cost, counted) for counted in served]
     if all(speed is not None for speed in speeds):  # checked, not applied: see served_speed
         took = " and ×".join(f"{speed:.2f}" for speed in speeds)
         source += f", whose own steps took ×{took} the timed figures"
@@ -145,6 +139,13 @@ def served_speed(cost: "StepCost", served: tuple[float, tuple[float, ...]] | Non
     if served is None or served[0] <= 0 or cost.total(served[1]) <= 0:
         return None
     return served[0] / cost.total(served[1])
+
+
+def steps_between(before, after) -> tuple[float, tuple[float, ...]] | None:
+    """The steps a server ran between two readings of :func:`served_steps` (``None``: uncounted)."""
+    if before is None or after is None:
+        return None
+    return after[0] - before[0], tuple(a - b for a, b in zip(after[1], before[1]))
 
 
 def served_steps(url: str, api_key: str | None) -> tuple[float, tuple[float, ...]] | None:
