@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import html
 import math
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -98,6 +99,8 @@ class ServingSection:
         self._running = None  # the key being simulated
         self._done: tuple | None = None  # (key, cost, curve, batch, kv blocks, capacity) of the last simulation
         self._closed = False
+        self._idle = threading.Event()  # no simulation running on the background thread
+        self._idle.set()
 
     def add_rows(self, form) -> None:
         for label, boxes in (("Serving", (self.prompt, self.answer)), ("Load", (self.load, self.token_budget))):
@@ -111,9 +114,11 @@ class ServingSection:
         form.addRow("", row)
 
     def close(self) -> None:
-        """The explorer closes: a simulation under way stops at its next step, nothing more starts."""
+        """The explorer closes: a simulation under way stops at its next step, and is waited for
+        (no thread of it outlives the window's widgets), and nothing more starts."""
         self._closed = True
         self._wanted = None
+        self._idle.wait(10.0)
 
     def stale(self) -> None:
         """The explorer shows no figures for its current choice (yet): nor does this section."""
@@ -252,7 +257,16 @@ class ServingSection:
         key, work = self._wanted
         self._running = key
         self.label.setText("<b>Serving</b>: <i>simulating…</i>")
-        self.background.submit(work, lambda result: self._finished(key, result), lambda exc: self._failed(key, exc))
+        idle = self._idle
+
+        def simulate():
+            idle.clear()
+            try:
+                return work()
+            finally:
+                idle.set()
+        self.background.submit(simulate, lambda result: self._finished(key, result),
+                               lambda exc: self._failed(key, exc))
 
     def _finished(self, key, result) -> None:
         self._running = None

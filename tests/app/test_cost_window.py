@@ -470,3 +470,31 @@ def test_this_machines_serving_runs_on_the_steps_timed_here(qtbot, costs_window,
     settle(qtbot, w)
     qtbot.waitUntil(lambda: "from its specifications" in label.text(), timeout=120_000)
     assert not button.isEnabled() and "this machine" in button.toolTip()
+
+
+def test_closing_the_explorer_ends_a_serving_simulation_under_way(qtbot, costs_window, monkeypatch):
+    """A simulation still running when the window closes is stopped at its next step and waited
+    for: no thread of it outlives the window (one that did crashed a test worker as the window
+    was collected)."""
+    import threading
+
+    import app.widgets.cost_serving as cost_serving
+
+    started, ended = threading.Event(), threading.Event()
+
+    def until_cancelled(*args, cancelled, **kwargs):
+        started.set()
+        try:
+            while not cancelled():  # a simulation's steps, each asking whether to go on
+                ended.wait(0.001)
+            return []
+        finally:
+            ended.set()
+    monkeypatch.setattr(cost_serving, "serving_curve", until_cancelled)
+    w = costs_window
+    w.set_model("meta-llama/Llama-3.1-8B", "bf16")
+    w.hardware.setCurrentIndex(w.hardware.findData("h100-sxm"))
+    settle(qtbot, w)
+    assert started.wait(60) and not ended.is_set()
+    w.close()
+    assert ended.is_set()
