@@ -54,12 +54,15 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300) -> N
     raise SystemExit(f"{url} not healthy after {timeout:.0f} s")
 
 
-def start_server(port: int, precision: str, threads: int = 0, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+def start_server(port: int, precision: str, threads: int = 0, extra: tuple[str, ...] = (),
+                 cpus: list[int] | None = None) -> subprocess.Popen:
     """``inference-workbench serve`` on the default model in a subprocess (batch 16, no history);
-    ``threads``: its matmul threads fixed (0: it adapts); ``extra``: more of its options."""
+    ``threads``: its matmul threads fixed (0: it adapts); ``extra``: more of its options; ``cpus``:
+    the CPUs it may run on (``None``: this process's)."""
     return subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--precision",
                              precision, "--max-batch", "16", "--no-history", *extra], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
                             env={**os.environ, **({"INFERENCE_WORKBENCH_THREADS": str(threads)} if threads else {})})
 
 

@@ -1,7 +1,8 @@
 """The serving simulator's predictions against the server itself, side by side in one run.
 
 For each precision: ``inference-workbench serve`` on the default model in a subprocess (its
-defaults: batch 16, token budget 128, prefix caching on), its compiled steps ready; the step-cost
+defaults: batch 16, token budget 128, prefix caching on) on all CPUs but one, the load generator
+on that one (``--shared-cores``: both on all), its compiled steps ready; the step-cost
 model calibrated in this process on the same model and limits (engine/estimates/step_cost.py
 ``calibrate``, a short sweep of its own, never the runs it is checked against); then the load
 generator (engine/load) sends each setting and the simulator (engine/estimates/simulator.py)
@@ -16,17 +17,20 @@ the prompts' token ids:
 - ``--small-kv``: a KV budget that holds a few requests' worst case, so the server preempts;
   preemptions counted from its ``/metrics`` against the simulator's.
 
-Targets: p50 and p90 TTFT and TPOT within 15% of the load generator's, throughput within 10%,
-preemptions within ±20%; simulating 10,000 requests under 5 s. Prints the CPU flags, the
-step-cost model, every row and its errors, and in each row ``steps ×``: the seconds the server's
-own steps took in that setting (as its ``/metrics`` sums them) over what the prediction's step
-cost gives the same steps. Near 1, the step model held there and an error is the schedule's or the
-front end's; above 1 at many users, the load generator's streams took cores from the engine (the
-front end's share per streamed token stands for that); apart from those, the machine itself ran
-faster or slower than when its speed was fitted.
+Each setting is measured twice in a row (``--repeat``), each time predicted anew; the errors are
+the predictions' mean against the measurements' mean, and how far the two measurements are apart
+says how closely the server repeats itself. Targets: p50 and p90 TTFT and TPOT within 15% of the
+load generator's, throughput within 10%, preemptions within ±20%; simulating 10,000 requests under
+5 s. Prints the CPU flags, the step-cost model, every row and its errors, and in each row
+``steps ×``: the seconds the server's own steps took in that setting (as its ``/metrics`` sums
+them) over what the prediction's step cost gives the same steps. Near 1, the step model held there
+and an error is the schedule's or the front end's; above 1 at many users, the server's streaming
+took time from its engine's cores (the front end's share per streamed token stands for that);
+apart from those, the machine itself ran faster or slower than when its speed was fitted.
 
     python benchmarks/contention.py   # first, if another program may be running
-    python benchmarks/simulator.py [--precisions bf16-fast,int8-fast] [--requests 24] [--shared-prefix] [--small-kv]
+    python benchmarks/simulator.py [--precisions bf16-fast,int8-fast] [--requests 24] [--repeat 2]
+                                   [--shared-prefix] [--small-kv] [--shared-cores]
 """
 
 from __future__ import annotations
@@ -102,6 +106,18 @@ def speed() -> float:
     return time.perf_counter() - started
 
 
+def split_cpus(shared: bool) -> tuple[list[int], list[int]]:
+    """The server's CPUs and the load generator's. On a few cores, a load generator that shares
+    them takes turns with the server's matmul threads: each barrier of a step then waits for a
+    thread the generator displaced, and both what is measured and what is predicted hang on the
+    operating system's scheduler. So by default the generator (and this process, which also times
+    the steps and simulates) keeps one core of its own."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if shared or len(cpus) < 2:
+        return cpus, cpus
+    return cpus[:-1], cpus[-1:]
+
+
 def error(predicted: float | None, measured: float | None) -> float | None:
     if predicted is None or not measured:
         return None
@@ -115,10 +131,19 @@ def main() -> None:
     parser.add_argument("--calibrate-seconds", type=float, default=30.0)
     parser.add_argument("--shared-prefix", action="store_true", help="every prompt behind one shared preamble")
     parser.add_argument("--small-kv", action="store_true", help="a KV budget small enough to preempt")
+    parser.add_argument("--repeat", type=int, default=2,
+                        help="measure each setting this many times in a row: the errors are against their mean, "
+                             "and how far apart they are is the server's own noise")
+    parser.add_argument("--shared-cores", action="store_true",
+                        help="the server and the load generator on every core (default: the load generator on one "
+                             "core of its own, the server on the others, with as many threads)")
     args = parser.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    server_cpus, client_cpus = split_cpus(args.shared_cores)
+    os.environ["INFERENCE_WORKBENCH_THREADS"] = str(len(server_cpus))
+    os.sched_setaffinity(0, server_cpus)  # before PyTorch starts: its threads on the server's CPUs
 
-    from engine.estimates.predict_load import fit_front_end, served_speed, served_steps, steps_between
+    from engine.estimates.predict_load import fit_front_end
     from engine.estimates.simulator import EngineLimits, ServingSimulator
     from engine.estimates.step_cost import calibrate
     from engine.generation.compiled_step import compile_decoder
@@ -133,12 +158,17 @@ def main() -> None:
         workloads = [(f"{name}, behind a shared preamble", [Prompt(PREAMBLE + p.text, p.kind) for p in prompts],
                       tokens) for name, prompts, tokens in workloads[:1]]
     print(f"CPU flags: {cpu_flags()}")
+    print(f"the server on CPUs {server_cpus} with {len(server_cpus)} matmul threads, the load generator on "
+          f"{client_cpus}")
     print(f"simulating 10,000 requests took {speed():.2f} s (target < 5 s)")
     rows = []
     for precision in args.precisions.split(","):
+        os.sched_setaffinity(0, server_cpus)  # its steps timed where the server will run them
         loaded = load_model(LoadRequest("default", precision))
         if loaded.fast is not None:
-            compile_decoder(loaded.fast)  # built into the cache once: the server then loads it
+            # built into the cache once (the server then loads it), for the server's thread count:
+            # steps compiled for another count never run, and the eager steps' figures differ
+            compile_decoder(loaded.fast, threads=len(server_cpus))
         per_token = loaded.info.kv_bytes_per_token
         kv_budget = None
         if args.small_kv:  # four requests' worst case: 16 at once must preempt
@@ -154,8 +184,9 @@ def main() -> None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         extra = ("--kv-budget", str(kv_budget)) if kv_budget else ()
-        # its threads fixed: the load generator beside it on this machine would make it give one up
-        server = start_server(port, precision, threads=os.cpu_count() or 1, extra=extra)
+        # its threads fixed, one a CPU of its own: never given up to the load generator's work
+        server = start_server(port, precision, threads=len(server_cpus), extra=extra, cpus=server_cpus)
+        os.sched_setaffinity(0, client_cpus)
         try:
             wait_healthy(f"{url}/health", server)
             if loaded.fast is not None:
@@ -173,33 +204,85 @@ def main() -> None:
                     if extra_args is None:  # the open loops, once the saturation is known
                         extra_args = {"rates": (round(saturation * (0.3, 0.6, 0.9)[i - 3], 3),)}
                     requests = max(args.requests, 3 * extra_args.get("concurrency", (0,))[0])
-                    before, steps_before = scrape(url), served_steps(f"{url}/v1", None)
-                    plan, setting = run_plan(f"{url}/v1", prompts, {**extra_args, "requests": requests,
-                                                                     "max_tokens": tokens})
-                    preempted = scrape(url).get("vllm:num_preemptions_total", 0) - \
-                        before.get("vllm:num_preemptions_total", 0)
-                    steps_after = served_steps(f"{url}/v1", None)
-                    measured = setting.summary
+                    again = []
+                    for _ in range(args.repeat):
+                        row = measure(url, prompts, ids, simulator, precision, name,
+                                      {**extra_args, "requests": requests, "max_tokens": tokens})
+                        report(row, len(again))
+                        again.append(row)
                     if extra_args.get("concurrency") == (16,):
-                        saturation = measured.request_throughput
-                    counted = {r.prompt_tokens for r in setting.results if r.prompt_tokens is not None}
-                    if not counted <= {len(i) for i in ids}:
-                        print(f"  (the server counted prompts of {sorted(counted)[:4]}… tokens, not these)")
-                    simulated = predict(plan, ids, simulator)
-                    # the server's own steps in this setting, as its /metrics summed them, against
-                    # what the prediction's step cost says of the same steps: the machine's speed
-                    pace = served_speed(simulator.cost, steps_between(steps_before, steps_after))
-                    rows.append((precision, name, setting.label, measured, simulated.summary, preempted,
-                                 simulated.preemptions, pace))
-                    report(rows[-1])
+                        saturation = again[0][3].request_throughput
+                    rows.append(again)
+                    if len(again) > 1:
+                        report_repeats(again)
         finally:
             stop(server)
         del loaded
     summarize_errors(rows)
 
 
-def report(row) -> None:
+def measure(url: str, prompts, ids: list[list[int]], simulator, precision: str, name: str, plan_args: dict) -> tuple:
+    """One setting sent to the server and simulated: (precision, workload, setting, measured,
+    predicted, preemptions measured and simulated, steps ×)."""
+    from engine.estimates.predict_load import served_speed, served_steps, steps_between
+
+    before, steps_before = scrape(url), served_steps(f"{url}/v1", None)
+    plan, setting = run_plan(f"{url}/v1", prompts, plan_args)
+    preempted = scrape(url).get("vllm:num_preemptions_total", 0) - before.get("vllm:num_preemptions_total", 0)
+    steps_after = served_steps(f"{url}/v1", None)
+    counted = {r.prompt_tokens for r in setting.results if r.prompt_tokens is not None}
+    if not counted <= {len(i) for i in ids}:
+        print(f"  (the server counted prompts of {sorted(counted)[:4]}… tokens, not these)")
+    simulated = predict(plan, ids, simulator)
+    # the server's own steps in this setting, as its /metrics summed them, against what the
+    # prediction's step cost says of the same steps: the machine's speed
+    pace = served_speed(simulator.cost, steps_between(steps_before, steps_after))
+    return (precision, name, setting.label, setting.summary, simulated.summary, preempted, simulated.preemptions,
+            pace)
+
+
+FIGURES = ("ttft median", "ttft p90", "tpot median", "tpot p90", "tok/s")
+
+
+def figures(summary) -> dict[str, float | None]:
+    """A summary's figures the targets are set on (latencies in seconds)."""
+    out = {f"{key} {q}": (getattr(summary, key) or {}).get(q) for key in ("ttft", "tpot") for q in ("median", "p90")}
+    out["tok/s"] = summary.output_throughput
+    return out
+
+
+def combined(repeats: list[tuple]) -> dict[str, tuple[float, float, float] | None]:
+    """Each figure over a setting's repeats: the measurements' mean, the predictions' mean, and
+    how far apart the measurements are (their range over their mean): the server's own noise."""
+    out = {}
+    for figure in FIGURES:
+        measured = [figures(row[3])[figure] for row in repeats]
+        predicted = [figures(row[4])[figure] for row in repeats]
+        if any(not m for m in measured) or any(p is None for p in predicted):
+            out[figure] = None
+            continue
+        mean = sum(measured) / len(measured)
+        out[figure] = (mean, sum(predicted) / len(predicted), (max(measured) - min(measured)) / mean)
+    return out
+
+
+def report_repeats(repeats: list[tuple]) -> None:
+    parts = []
+    for figure, value in combined(repeats).items():
+        if value is None:
+            parts.append(f"{figure} —")
+            continue
+        measured, predicted, spread = value
+        scale, unit = (1.0, "") if figure == "tok/s" else (1e3, " ms")
+        parts.append(f"{figure} {measured * scale:.1f} / {predicted * scale:.1f}{unit} "
+                     f"({error(predicted, measured):+.0%}, repeats ±{spread / 2:.0%})")
+    print(f"  {'':24} {'mean of ' + str(len(repeats)):18} " + " · ".join(parts))
+
+
+def report(row, again: int = 0) -> None:
     precision, name, label, measured, predicted, preempted, simulated_preemptions, pace = row
+    if again:
+        name, label = "", f"again ({again + 1})"
     parts = []
     for key in ("ttft", "tpot"):
         for q in ("median", "p90"):
@@ -217,25 +300,34 @@ def report(row) -> None:
     print(f"  {name[:24]:24} {label:18} " + " · ".join(parts))
 
 
-def summarize_errors(rows) -> None:
-    worst = {"ttft": 0.0, "tpot": 0.0, "throughput": 0.0}
-    latency, throughput = [], []
-    for _, _, _, measured, predicted, _, _, _ in rows:
-        for key in ("ttft", "tpot"):
-            for q in ("median", "p90"):
-                e = error((getattr(predicted, key) or {}).get(q), (getattr(measured, key) or {}).get(q))
-                if e is not None:
-                    worst[key] = max(worst[key], abs(e))
-                    latency.append(abs(e))
-        e = error(predicted.output_throughput, measured.output_throughput)
-        worst["throughput"] = max(worst["throughput"], abs(e or 0))
-        throughput.append(abs(e or 0))
+def summarize_errors(rows: list[list[tuple]]) -> None:
+    """The targets over every setting: each figure's mean over its repeats against its prediction,
+    and beside them how far the server's own repeats were apart."""
+    worst = {"ttft": 0.0, "tpot": 0.0, "tok/s": 0.0}
+    latency, throughput, noise = [], [], {"latency": [], "tok/s": []}
+    for repeats in rows:
+        for figure, value in combined(repeats).items():
+            if value is None:
+                continue
+            measured, predicted, spread = value
+            e = abs(error(predicted, measured))
+            kind = figure.split()[0]
+            worst[kind] = max(worst[kind], e)
+            (throughput if kind == "tok/s" else latency).append(e)
+            noise["tok/s" if kind == "tok/s" else "latency"].append(spread / 2)
     print(f"\nlargest errors (measured / predicted above): TTFT {worst['ttft']:.0%} (target ≤ 15%), "
-          f"TPOT {worst['tpot']:.0%} (target ≤ 15%), throughput {worst['throughput']:.0%} (target ≤ 10%); "
+          f"TPOT {worst['tpot']:.0%} (target ≤ 15%), throughput {worst['tok/s']:.0%} (target ≤ 10%); "
           f"{sum(e <= 0.15 for e in latency)}/{len(latency)} latencies within 15%, "
           f"{sum(e <= 0.10 for e in throughput)}/{len(throughput)} throughputs within 10%")
-    for precision in dict.fromkeys(row[0] for row in rows):
-        paces = [row[-1] for row in rows if row[0] == precision and row[-1] is not None]
+    if any(len(repeats) > 1 for repeats in rows):
+        lat, tput = noise["latency"], noise["tok/s"]
+        print(f"the server's repeats of a setting: latencies ±{sorted(lat)[len(lat) // 2]:.0%} (median), "
+              f"{sum(n > 0.15 for n in lat)}/{len(lat)} more than ±15% apart, the most ±{max(lat):.0%}; "
+              f"throughputs ±{sorted(tput)[len(tput) // 2]:.0%}, {sum(n > 0.10 for n in tput)}/{len(tput)} more "
+              f"than ±10%, the most ±{max(tput):.0%}")
+    every = [row for repeats in rows for row in repeats]
+    for precision in dict.fromkeys(row[0] for row in every):
+        paces = [row[-1] for row in every if row[0] == precision and row[-1] is not None]
         if paces:
             print(f"{precision}: the server ran each setting's steps at ×{min(paces):.2f} to ×{max(paces):.2f} "
                   "the time the prediction's step cost gives the same steps")
