@@ -192,11 +192,11 @@ def main() -> None:
             if loaded.fast is not None:
                 ready_when_compiled(server)
             simulator = ServingSimulator(limits, cost)  # the server's twin: its prefix cache kept as the server's
-            short = workloads[0][1]
-            cost = fit_front_end(f"{url}/v1", None, None, short, token_ids(loaded, short), simulator)
-            print(f"  {cost.front.describe()}")
             for name, prompts, tokens in workloads:
                 ids = token_ids(loaded, prompts)
+                # fitted to the workload's own prompts, as `load --predict` fits it to the load's
+                front = fit_front_end(f"{url}/v1", None, None, prompts, ids, simulator).front
+                print(f"  {name}: {front.describe()}")
                 warm_up, _ = run_plan(f"{url}/v1", prompts, {"concurrency": (1,), "requests": 2, "max_tokens": 8})
                 predict(warm_up, ids, simulator)
                 saturation = None
