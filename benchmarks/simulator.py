@@ -107,7 +107,7 @@ def speed() -> float:
 
 
 def split_cpus(shared: bool) -> tuple[list[int], list[int]]:
-    """The server's CPUs and the load generator's. On a few cores, a load generator that shares
+    """The server's CPUs and the load generator's. On few cores, a load generator that shares
     them takes turns with the server's matmul threads: each barrier of a step then waits for a
     thread the generator displaced, and both what is measured and what is predicted hang on the
     operating system's scheduler. So by default the generator (and this process, which also times
@@ -138,6 +138,8 @@ def main() -> None:
                         help="the server and the load generator on every core (default: the load generator on one "
                              "core of its own, the server on the others, with as many threads)")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     server_cpus, client_cpus = split_cpus(args.shared_cores)
     os.environ["INFERENCE_WORKBENCH_THREADS"] = str(len(server_cpus))
@@ -224,7 +226,7 @@ def main() -> None:
 def measure(url: str, prompts, ids: list[list[int]], simulator, precision: str, name: str, plan_args: dict) -> tuple:
     """One setting sent to the server and simulated: (precision, workload, setting, measured,
     predicted, preemptions measured and simulated, steps ×)."""
-    from engine.estimates.predict_load import served_speed, served_steps, steps_between
+    from engine.estimates.predict_load import served_speed, served_steps, steps_between  # lazy: after main() pins
 
     before, steps_before = scrape(url), served_steps(f"{url}/v1", None)
     plan, setting = run_plan(f"{url}/v1", prompts, plan_args)
@@ -261,9 +263,9 @@ def report_repeats(repeats: list[tuple]) -> None:
     """How far each figure's error moved from one run of the setting to the next: the server's
     own noise (the runs needn't measure the same: the first may find fewer prompts cached, and
     each run is predicted as it was)."""
-    parts = []
+    parts, runs = [], [errors(row) for row in repeats]
     for figure in FIGURES:
-        values = [errors(row)[figure] for row in repeats]
+        values = [run[figure] for run in runs]
         if any(v is None for v in values):
             continue
         parts.append(f"{figure} ±{(max(values) - min(values)) / 2:.0%}")
@@ -297,8 +299,9 @@ def summarize_errors(rows: list[list[tuple]]) -> None:
     worst = {"ttft": 0.0, "tpot": 0.0, "tok/s": 0.0}
     latency, throughput, apart = [], [], {"latency": [], "tok/s": []}
     for repeats in rows:
+        runs = [errors(row) for row in repeats]
         for figure in FIGURES:
-            values = [errors(row)[figure] for row in repeats]
+            values = [run[figure] for run in runs]
             if any(v is None for v in values):
                 continue
             kind = figure.split()[0]
