@@ -258,9 +258,9 @@ class ServingSection:
         self._running = key
         self.label.setText("<b>Serving</b>: <i>simulating…</i>")
         idle = self._idle
+        idle.clear()  # from now, not from when a pool thread takes it: a close meanwhile waits for it too
 
         def simulate():
-            idle.clear()
             try:
                 return work()
             finally:

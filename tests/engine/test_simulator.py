@@ -4,10 +4,10 @@ the same requests, the same limits, the same steps."""
 import pytest
 
 from engine.base.errors import InvalidRequestError
+from engine.base.events import STEP_PARTS
+from engine.estimates.predict_load import served_speed
 from engine.estimates.simulator import (EngineLimits, ServingSimulator, SimRequest, Workload, closed_loop, open_loop,
                                         simulate)
-from engine.estimates.predict_load import served_speed
-from engine.base.events import STEP_PARTS
 from engine.estimates.step_cost import FEATURES, StepCost, StepSample, fit
 
 SECOND_A_STEP = StepCost(1.0, 0.0, 0.1, 0.0, 0.0, 0.01, 0.0)
