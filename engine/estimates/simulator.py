@@ -190,6 +190,9 @@ class Simulated:
     shapes: list[tuple] = field(default_factory=list)
     """With ``trace``: each step's decode rows, prompt tokens, cache tokens read, prompt token
     pairs, preemptions and prompt chunks, as ``StepCompleted`` counts them."""
+    prompt_steps: list[int] = field(default_factory=list)
+    """Each request's steps before its first token (its prompt's chunks, what the prefix cache left
+    of it; again after a preemption); 0: it never ran."""
 
 
 @dataclass(eq=False)
@@ -212,6 +215,7 @@ class _Running:
     blocks_freed: int = 0
     times: list[float] = field(default_factory=list)
     cached: int | None = None
+    prompt_steps: int = 0
 
 
 def simulate(workload: Workload, limits: EngineLimits, cost: "StepCost", slo: dict | None = None,
@@ -262,13 +266,13 @@ class ServingSimulator:
         t, steps, left, cached = 0.0, 0, len(requests), 0
         timeline: list[Moment] = []
         shapes: list[tuple] = []
+        prompt_steps = [0] * len(requests)
         deadline = max_duration_s if max_duration_s is not None else float("inf")
         front = cost.front
-        # each request's latency outside the engine: drawn from the measured ones (the same for the
+        # each request's latency outside the engine: dealt from the measured ones (the same for the
         # same workload), else their median, else none
         spread = front.request_spread_s if front is not None else ()
-        draw = random.Random(len(requests))
-        latency = ([draw.choice(spread) for _ in requests] if spread else
+        latency = (_dealt(spread, len(requests), random.Random(len(requests))) if spread else
                    [front.request_s if front is not None else 0.0] * len(requests))
         try:
             while left:
@@ -317,6 +321,7 @@ class ServingSimulator:
                                    len(plan.chunks)))
                 made = set()
                 for r, size in plan.chunks:
+                    r.prompt_steps += not r.tokens
                     r.prefilled += size
                     r.computed += size
                     kv.keep(r.rid, r.feed, r.prefilled)
@@ -335,6 +340,7 @@ class ServingSimulator:
                         kv.keep(r.rid, r.prompt + r.tokens, in_cache)
                         scheduler.remove(r)
                         _finished(results[r.rid - base], r, latency[r.rid - base])
+                        prompt_steps[r.rid - base] = r.prompt_steps
                         left -= 1
                         if workload.users and sent_next < len(requests):  # the user sends its next request now
                             heapq.heappush(arrivals, (t + max(0.0, latency[r.rid - base]), sent_next))
@@ -356,7 +362,20 @@ class ServingSimulator:
         ended = [r.start_s + r.e2e_s for r in results if r.e2e_s is not None]
         summary = summarize(results, max(ended) if ended else min(t, deadline), slo, "the deadline" if left else None)
         return Simulated(workload, results, summary, steps, scheduler.preemptions - preempted_before,
-                         _thinned(timeline), cached, shapes)
+                         _thinned(timeline), cached, shapes, prompt_steps)
+
+
+def _dealt(values: Sequence[float], n: int, draw: random.Random) -> list[float]:
+    """``n`` of ``values``, each as often as the others (give or take one), in a shuffled order:
+    the simulated requests' latencies spread as the measured ones did. Drawn with replacement
+    instead, how many of the few slow ones came up would move a percentile by itself (a p90 of
+    24 requests hangs on its three slowest)."""
+    dealt: list[float] = []
+    while len(dealt) < n:
+        deck = list(values)
+        draw.shuffle(deck)
+        dealt += deck
+    return dealt[:n]
 
 
 def _finished(result: RequestResult, r: _Running, latency: float = 0.0) -> None:

@@ -139,8 +139,9 @@ class FrontEnd:
     source: str = ""
     request_spread_s: tuple[float, ...] = ()
     """Each request's latency outside the engine as measured at one user, one a request (their
-    median is ``request_s``): a simulated request draws one of them, so the prediction keeps
-    their spread (most requests a few ms, a few tens of ms more), not only their middle."""
+    median is ``request_s``): the simulated requests take them in turn (shuffled), so the
+    prediction keeps their spread (most requests a few ms, a few tens of ms more), not only their
+    middle."""
 
     def describe(self) -> str:
         spread = ""
