@@ -73,6 +73,9 @@ def server_meta(url: str, api_key: str | None, model: str | None) -> tuple[dict,
 
 FRONT_END_SEED = 7919
 """The front end's calibration load draws its order apart from the loads it predicts."""
+ONE_STEP_FEWEST = 4
+"""The fewest requests whose prompt took one step that the front end's latencies are read from
+(fewer: every request's)."""
 
 
 def fit_front_end(url: str, api_key: str | None, model: str | None, prompts: list["Prompt"],
@@ -83,7 +86,9 @@ def fit_front_end(url: str, api_key: str | None, model: str | None, prompts: lis
     and those the engine's steps alone predict. One user's TPOT gap is a step's and a token's
     share, the full batch's adds the other rows' tokens; one user's TTFT gaps, less those, are
     each request's latency outside the engine (kept one a request: their spread is part of what a
-    client sees). ``simulator`` runs the same loads, so its prefix cache stays the server's. The
+    client sees), read from the requests whose prompt took one step (what the prefix cache left
+    of it fits one chunk): over a prompt read in several steps the gap is mostly the step model's
+    error on them, which dealt to another request would move its TTFT by as much. ``simulator`` runs the same loads, so its prefix cache stays the server's. The
     server's own steps, as its ``/metrics`` sums their seconds, are checked against the timed
     figures meanwhile (:func:`served_speed`, said in the front end's source).
     Returns the simulator's step cost with the front end in it."""
@@ -114,8 +119,12 @@ def fit_front_end(url: str, api_key: str | None, model: str | None, prompts: lis
         token = max(0.0, (full_gap - one_gap) / (most - 1))
     step = max(0.0, one_gap - token)
     # request by request: the generator's request j is the simulator's j
-    first = [m.ttft_s - p.ttft_s for m, p in zip(one.results, one_predicted.results)
+    first = [(m.ttft_s - p.ttft_s, steps) for m, p, steps in
+             zip(one.results, one_predicted.results, one_predicted.prompt_steps)
              if m.ok and p.ok and m.ttft_s is not None and p.ttft_s is not None]
+    if sum(steps == 1 for _, steps in first) >= ONE_STEP_FEWEST:
+        first = [(gap, steps) for gap, steps in first if steps == 1]
+    first = [gap for gap, _ in first]
     spread = tuple(gap - step - token for gap in first)
     request = max(0.0, statistics.median(spread)) if spread else 0.0
     source = f"fitted to a load of 1 and {most} users against the server"
