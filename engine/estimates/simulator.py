@@ -216,6 +216,8 @@ class _Running:
     times: list[float] = field(default_factory=list)
     cached: int | None = None
     prompt_steps: int = 0
+    answer: int = 0
+    """Its answer's first token id (:meth:`_Ids.answer`); the next ones follow it."""
 
 
 def simulate(workload: Workload, limits: EngineLimits, cost: "StepCost", slo: dict | None = None,
@@ -290,7 +292,8 @@ class ServingSimulator:
                         continue
                     prompt = list(request.prompt_ids) if request.prompt_ids else self._ids.prompt(request)
                     scheduler.add(_Running(base + i, prompt, len(prompt) + request.output_tokens,
-                                           request.output_tokens, when, feed=prompt))
+                                           request.output_tokens, when, feed=prompt,
+                                           answer=self._ids.answer(prompt)))
                     results[i].start_s, results[i].prompt_tokens = when, len(prompt)
                 if not scheduler.running and not scheduler.waiting:
                     if not arrivals or arrivals[0][0] >= deadline:
@@ -331,7 +334,7 @@ class ServingSimulator:
                     r.computed += 1
                     made.add(r)
                 for r in [r for r in scheduler.running if r in made]:  # the core's order: its running list
-                    token = self._ids.next()
+                    token = r.answer + len(r.tokens)
                     r.tokens.append(token)
                     r.next_token = token
                     r.times.append(t)
@@ -400,14 +403,22 @@ def _thinned(timeline: list[Moment], most: int = 4000) -> list[Moment]:
 
 class _Ids:
     """Token ids for simulated prompts and answers: a shared prefix gets the same ids in every
-    request, everything else ids no other request has (so nothing else is found in the cache)."""
+    request, everything else ids no other request has (so nothing else is found in the cache);
+    except that the same prompt gets the same answer, as a greedy server gives it (the load
+    generator asks for temperature 0): sent again, its answer's blocks are found cached already,
+    as the server finds them, rather than cached anew, pushing other prompts' blocks out."""
+
+    ANSWERS = 1 << 40
+    """Answers' ids start here, ``1 << 20`` apart: above any vocabulary's and any made-up prompt's."""
 
     def __init__(self) -> None:
         self._next = 1 << 20
+        self._answers: dict[int, int] = {}
 
-    def next(self) -> int:
-        self._next += 1
-        return self._next
+    def answer(self, prompt: list[int]) -> int:
+        """The first token id of ``prompt``'s answer (the same for the same prompt)."""
+        slot = self._answers.setdefault(hash(tuple(prompt)), len(self._answers))
+        return self.ANSWERS + (slot << 20)
 
     def prompt(self, request: SimRequest) -> list[int]:
         shared = min(request.shared_prefix, request.prompt_tokens - 1)

@@ -174,17 +174,22 @@ def test_the_simulator_steps_as_the_engine_core_does(loaded_llama):
 
 def test_a_prompt_sent_again_is_found_in_the_cache_the_server_kept():
     """One simulator for two settings, as one server for two: the second finds the first's prompt
-    in the prefix cache (its full blocks, leaving the last token to compute)."""
+    in the prefix cache (its full blocks, leaving the last token to compute), and answers it as
+    a greedy server does, the same way: its answer's blocks are cached already, not cached anew."""
     from engine.estimates.simulator import ServingSimulator
 
     ids = list(range(100, 140))  # 40 tokens: two full blocks and 8
     simulator = ServingSimulator(EngineLimits(max_batch=4, token_budget=64, prefill_chunk=64, kv_blocks=32),
                                  SECOND_A_STEP)
-    first = simulator.run(closed_loop(1, [ids], [3], requests=1), trace=True)
-    again = simulator.run(closed_loop(1, [ids], [3], requests=1), trace=True)
+    first = simulator.run(closed_loop(1, [ids], [30], requests=1), trace=True)
+    kept = simulator.kv.kept_blocks
+    again = simulator.run(closed_loop(1, [ids], [30], requests=1), trace=True)
     assert first.cached_tokens == 0 and again.cached_tokens == 32
     assert first.shapes[0][1] == 40 and again.shapes[0][1] == 8
     assert again.results[0].ttft_s < first.results[0].ttft_s
+    assert kept == 4 and simulator.kv.kept_blocks == 4  # 70 tokens: four full blocks, the same ones
+    other = simulator.run(closed_loop(1, [list(range(200, 240))], [30], requests=1))
+    assert other.cached_tokens == 0 and simulator.kv.kept_blocks == 8  # another prompt: another answer
 
 
 def test_a_servers_front_end_adds_its_share_to_each_step():
