@@ -18,7 +18,9 @@ preemptions over time.
 Left out, unless a step-cost model's front end (engine/estimates/step_cost.py ``FrontEnd``) says
 it: the network and HTTP, tokenizing. Left out always: answers that end early at an
 end-of-sequence token (each request generates its output length), speculative decoding, and the
-limit sliding-window layers put on prefix-cache hits (Gemma 2 and 3, Mistral).
+limit sliding-window layers put on prefix-cache hits (Gemma 2 and 3, Mistral). Assumed: the same
+prompt gets the same answer (greedy, as the load generator asks), which decides what the prefix
+cache keeps.
 """
 
 from __future__ import annotations
