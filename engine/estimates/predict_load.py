@@ -88,9 +88,10 @@ def fit_front_end(url: str, api_key: str | None, model: str | None, prompts: lis
     each request's latency outside the engine (kept one a request: their spread is part of what a
     client sees), read from the requests whose prompt took one step (what the prefix cache left
     of it fits one chunk): over a prompt read in several steps the gap is mostly the step model's
-    error on them, which dealt to another request would move its TTFT by as much. ``simulator`` runs the same loads, so its prefix cache stays the server's. The
-    server's own steps, as its ``/metrics`` sums their seconds, are checked against the timed
-    figures meanwhile (:func:`served_speed`, said in the front end's source).
+    error on them, which dealt to another request would move its TTFT by as much. ``simulator``
+    runs the same loads, so its prefix cache stays the server's. The server's own steps, as its
+    ``/metrics`` sums their seconds, are checked against the timed figures meanwhile
+    (:func:`served_speed`, said in the front end's source).
     Returns the simulator's step cost with the front end in it."""
     most = max(1, min(simulator.limits.max_batch, 32))
     simulator.cost = replace(simulator.cost, front=None)
