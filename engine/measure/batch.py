@@ -91,6 +91,7 @@ def _batch(service: EngineService, request: GenerationRequest, prompts: list[lis
     finals: dict[int, Finished] = {}
     latencies: list[float] = []
     fullest = watched = None
+    watched_tokens: dict[int, float] = {}  # each row's own time for its token of the watched step
     while not all(t.ended for t in tickets):
         # the first decode step, every row in it: its activations read from the allocator (and
         # its time left out of the decode figures, as the watch slows it on the CPU)
@@ -102,12 +103,14 @@ def _batch(service: EngineService, request: GenerationRequest, prompts: list[lis
             raise EngineError("The engine service lost requests of this batch.")
         ids: list[int | None] = [None] * batch
         texts = [""] * batch
+        step_tokens: dict[int, float] = {}
         for row, event in arrived:
             error = failure(event)
             if error is not None:
                 raise error
             if isinstance(event, TokenGenerated):
                 ids[row], texts[row] = event.token_id, event.text
+                step_tokens[row] = event.latency_s
             elif isinstance(event, Finished):
                 finals[row] = event
         arrived.clear()
@@ -115,16 +118,15 @@ def _batch(service: EngineService, request: GenerationRequest, prompts: list[lis
             continue
         latencies.append(step.step_s)
         if step.activation_bytes is not None:
-            watched = step
+            watched, watched_tokens = step, step_tokens
         if fullest is None or step.kv_cache_bytes >= fullest.kv_cache_bytes:
             fullest = step
         yield BatchStep(step=step.step, token_ids=tuple(ids), texts=tuple(texts), latency_s=step.step_s,
                         elapsed_s=time.perf_counter() - start, active=step.batch, kv_cache_bytes=step.kv_cache_bytes,
                         kv_cache_bytes_predicted=step.kv_cache_bytes_predicted, memory=step.memory)
-    left_out = watched.step_s if watched else 0.0
     results = tuple(SequenceResult(
         index=i, reason=f.reason, tokens=f.tokens, prompt_tokens=f.prompt_tokens, ttft_s=f.ttft_s,
-        mean_token_latency_s=_per_token(f, left_out), token_ids=f.token_ids,
+        mean_token_latency_s=_per_token(f, watched_tokens.get(i)), token_ids=f.token_ids,
         text=f.text) for i, f in sorted(finals.items()))
     yield _batch_finished(results, latencies[0] if latencies else 0.0, latencies, start, service.core.probe,
                           fullest.kv_cache_bytes if fullest else 0,
@@ -132,11 +134,12 @@ def _batch(service: EngineService, request: GenerationRequest, prompts: list[lis
                           any(r.reason == "cancelled" for r in results), watched)
 
 
-def _per_token(finished: Finished, left_out: float) -> float | None:
-    """A sequence's mean decode-step time, the watched step left out (every sequence with a
-    second token was in it)."""
-    steps = finished.tokens - 1 - (1 if left_out else 0)
-    return (finished.decode_s - left_out) / steps if steps > 0 else None
+def _per_token(finished: Finished, left_out: float | None) -> float | None:
+    """A sequence's mean decode-step time, its token of the watched step left out (``left_out``:
+    that token's own time, as the sequence counted it; the step's wall time also holds the
+    watch's own reading of the allocator, which the sequence never counted)."""
+    steps = finished.tokens - 1 - (1 if left_out is not None else 0)
+    return (finished.decode_s - (left_out or 0.0)) / steps if steps > 0 else None
 
 
 def _batch_finished(results: tuple[SequenceResult, ...], prefill_s: float, step_latencies: list[float],

@@ -110,6 +110,30 @@ def test_cancel_mid_batch_ends_every_sequence(loaded_llama):
     assert final.cancelled and all(s.reason == "cancelled" and s.tokens == 5 for s in final.sequences)
 
 
+def test_each_sequence_leaves_out_its_own_time_in_the_watched_step(loaded_llama, monkeypatch):
+    """The first decode step is watched (its activations read from the allocator) and left out
+    of the decode figures. Each sequence leaves out its own token's time in that step, not the
+    step's: on a busy machine the step can end well after its tokens were timed, and a tiny
+    model's other steps together take less than that."""
+    import time
+
+    from engine.generation.core import EngineCore
+
+    completed = EngineCore._step_completed
+
+    def late(self, work, began, queried, watch):
+        if watch is not None:
+            time.sleep(0.5)  # the machine busy elsewhere: far longer than the batch's decode steps
+        return completed(self, work, began, queried, watch)
+    monkeypatch.setattr(EngineCore, "_step_completed", late)
+    request = GenerationRequest("fox", mode="raw", max_new_tokens=6, ignore_eos=True)
+    events = list(stream_batch(loaded_llama, request, [loaded_llama.encode(request)] * 2))
+    done = events[-1]
+    assert isinstance(done, BatchFinished) and done.activation_bytes is not None  # the step was watched
+    assert all(0 < s.mean_token_latency_s < 0.5 for s in done.sequences)
+    assert 0 < done.mean_per_token_latency_s < 0.5
+
+
 def test_bad_batches_are_refused(loaded_llama):
     request = GenerationRequest("fox", mode="raw")
     with pytest.raises(InvalidRequestError):
