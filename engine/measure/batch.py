@@ -136,8 +136,8 @@ def _batch(service: EngineService, request: GenerationRequest, prompts: list[lis
 
 def _per_token(finished: Finished, left_out: float | None) -> float | None:
     """A sequence's mean decode-step time, its token of the watched step left out (``left_out``:
-    that token's own time, as the sequence counted it; the step's wall time also holds the
-    watch's own reading of the allocator, which the sequence never counted)."""
+    that token's own time, as the sequence counted it; the step's wall time runs on after its
+    tokens are timed, and on a busy machine that tail can outweigh a small model's other steps)."""
     steps = finished.tokens - 1 - (1 if left_out is not None else 0)
     return (finished.decode_s - (left_out or 0.0)) / steps if steps > 0 else None
 
