@@ -260,16 +260,22 @@ def errors(row) -> dict[str, float | None]:
     return {figure: error(predicted[figure], measured[figure]) for figure in FIGURES}
 
 
+def run_errors(repeats: list[tuple]) -> dict[str, list[float]]:
+    """Each figure's error in every run of a setting (a figure some run lacks is left out)."""
+    runs = [errors(row) for row in repeats]
+    every = {figure: [run[figure] for run in runs] for figure in FIGURES}
+    return {figure: values for figure, values in every.items() if None not in values}
+
+
+def half_range(values: list[float]) -> float:
+    return (max(values) - min(values)) / 2
+
+
 def report_repeats(repeats: list[tuple]) -> None:
     """How far each figure's error moved from one run of the setting to the next: the server's
     own noise (the runs needn't measure the same: the first may find fewer prompts cached, and
     each run is predicted as it was)."""
-    parts, runs = [], [errors(row) for row in repeats]
-    for figure in FIGURES:
-        values = [run[figure] for run in runs]
-        if any(v is None for v in values):
-            continue
-        parts.append(f"{figure} ±{(max(values) - min(values)) / 2:.0%}")
+    parts = [f"{figure} ±{half_range(values):.0%}" for figure, values in run_errors(repeats).items()]
     print(f"  {'':24} {'errors apart':18} " + " · ".join(parts))
 
 
@@ -300,15 +306,11 @@ def summarize_errors(rows: list[list[tuple]]) -> None:
     worst = {"ttft": 0.0, "tpot": 0.0, "tok/s": 0.0}
     latency, throughput, apart = [], [], {"latency": [], "tok/s": []}
     for repeats in rows:
-        runs = [errors(row) for row in repeats]
-        for figure in FIGURES:
-            values = [run[figure] for run in runs]
-            if any(v is None for v in values):
-                continue
+        for figure, values in run_errors(repeats).items():
             kind = figure.split()[0]
             worst[kind] = max(worst[kind], *(abs(v) for v in values))
             (throughput if kind == "tok/s" else latency).extend(abs(v) for v in values)
-            apart["tok/s" if kind == "tok/s" else "latency"].append((max(values) - min(values)) / 2)
+            apart["tok/s" if kind == "tok/s" else "latency"].append(half_range(values))
     print(f"\nlargest errors (measured / predicted above): TTFT {worst['ttft']:.0%} (target ≤ 15%), "
           f"TPOT {worst['tpot']:.0%} (target ≤ 15%), throughput {worst['tok/s']:.0%} (target ≤ 10%); "
           f"{sum(e <= 0.15 for e in latency)}/{len(latency)} latencies within 15%, "

@@ -120,12 +120,11 @@ def fit_front_end(url: str, api_key: str | None, model: str | None, prompts: lis
         token = max(0.0, (full_gap - one_gap) / (most - 1))
     step = max(0.0, one_gap - token)
     # request by request: the generator's request j is the simulator's j
-    first = [(m.ttft_s - p.ttft_s, steps) for m, p, steps in
-             zip(one.results, one_predicted.results, one_predicted.prompt_steps)
-             if m.ok and p.ok and m.ttft_s is not None and p.ttft_s is not None]
-    if sum(steps == 1 for _, steps in first) >= ONE_STEP_FEWEST:
-        first = [(gap, steps) for gap, steps in first if steps == 1]
-    first = [gap for gap, _ in first]
+    gaps = [(m.ttft_s - p.ttft_s, steps) for m, p, steps in
+            zip(one.results, one_predicted.results, one_predicted.prompt_steps)
+            if m.ok and p.ok and m.ttft_s is not None and p.ttft_s is not None]
+    one_step = [gap for gap, steps in gaps if steps == 1]
+    first = one_step if len(one_step) >= ONE_STEP_FEWEST else [gap for gap, _ in gaps]
     spread = tuple(gap - step - token for gap in first)
     request = max(0.0, statistics.median(spread)) if spread else 0.0
     source = f"fitted to a load of 1 and {most} users against the server"
