@@ -40,7 +40,7 @@ from engine.endpoint import api_key_from_env, parse_endpoint
 from engine.load.generator import LoadPlan, LoadRunner, setting_label
 from engine.load.metrics import not_completed
 from engine.load.prompts import read_prompts
-from engine.load.report import ms, remember, write_csv, write_json
+from engine.load.report import ms, remember, ttft_split, write_csv, write_json
 from engine.models.precision import dtype_bytes
 from engine.storage.history import load_all
 
@@ -50,12 +50,18 @@ FRAME_BUDGET = 0.1
 """Share of a core the view's redraws may take while the server runs."""
 """The plots redraw a group per tick, in turn (each group about 5 times a second)."""
 RESULT_COLUMNS = ("setting", "done", "req/s", "out tok/s", "TTFT p50", "TPOT p50", "TPOT p99", "E2E p50",
-                  "not done", "predicted out tok/s", "predicted TTFT p50", "predicted TPOT p50")
+                  "not done", "predicted out tok/s", "predicted TTFT p50", "predicted TPOT p50",
+                  "server's own TTFT", "predicted server's own TTFT")
+OWN_TTFT_TIP = ("The server's own mean time to first token, read from its /metrics (vLLM's and SGLang's histogram, "
+                "and this app's): from the request's arrival at the server. The client's mean TTFT less it is "
+                "what lies between them (the network, the HTTP side waiting for a core). Beside it, the "
+                "prediction's: where a predicted TTFT is off, this says whether the engine's steps or the "
+                "front end are.")
 PREDICT_TIP = ("Before the load runs, the serving simulator predicts each setting (hollow points, dashed): the "
                "engine's scheduler on a simulated clock, each step timed from this model's steps measured here (the "
                "model loaded again for it, its steps timed for about half a minute the first time), and the "
-               "server's front end fitted to a short load of 1 user and a full batch. Then the load measures each "
-               "setting (filled points). This app's server, exact answer lengths.")
+               "server's front end fitted to short loads of 1 user, a full batch and an open loop. Then the load "
+               "measures each setting (filled points). This app's server, exact answer lengths.")
 
 
 THIS_SERVER = "this app's server"
@@ -72,7 +78,7 @@ class LoadBox(QGroupBox):
     _request_done = Signal(str, object)  # setting label, RequestResult (from the load's thread)
     _setting_done = Signal(object)  # SettingResult
     _ended = Signal(object, object)  # results, error
-    _predicted = Signal(str, object)  # setting label, Summary the serving simulator predicts for it
+    _predicted = Signal(str, object)  # setting label, what the serving simulator predicts for it (Simulated)
     _said = Signal(str)  # a line for the status, from the load's thread
     load_ended = Signal(object, object)  # results, error: after the box shows them
 
@@ -145,6 +151,8 @@ class LoadBox(QGroupBox):
         self.table.setHorizontalHeaderLabels(RESULT_COLUMNS)
         link_headers(self.table, {"out tok/s": "throughput", "TTFT p50": "ttft", "TPOT p50": "tpot",
                                   "TPOT p99": "tpot", "E2E p50": "latency"})
+        for column in (RESULT_COLUMNS.index("server's own TTFT"), RESULT_COLUMNS.index("predicted server's own TTFT")):
+            self.table.horizontalHeaderItem(column).setToolTip(OWN_TTFT_TIP)
         self.table.verticalHeader().hide()
         self.table.setEditTriggers(QTableWidget.NoEditTriggers)
         self.chart = PlotPanel("Throughput vs latency", "One point per setting: output tok/s of all requests "
@@ -161,6 +169,7 @@ class LoadBox(QGroupBox):
         self.points = pg.ScatterPlotItem(size=9, brush=pg.mkBrush("#2d7dd2"), pen=None)
         self.chart.plot.addItem(self.points)
         self.predictions: dict[str, object] = {}  # setting label → the simulator's Summary
+        self.simulations: dict[str, object] = {}  # setting label → the simulator's run (its requests)
         self.prediction_error: str | None = None  # why the last load asked to predict got no prediction
         self.predicted = self.chart.plot.plot([], [], pen=pg.mkPen("#2d7dd2", style=Qt.DashLine), symbol="o",
                                               symbolSize=11, symbolBrush=None, symbolPen=pg.mkPen("#2d7dd2", width=1.5))
@@ -229,7 +238,7 @@ class LoadBox(QGroupBox):
             self.status.setText(str(exc))
             return
         self.results = []
-        self.predictions = {}
+        self.predictions, self.simulations = {}, {}
         self.prediction_error = None
         self.table.setRowCount(0)
         self._done = 0
@@ -276,12 +285,12 @@ class LoadBox(QGroupBox):
             self._said.emit(f"No prediction: {exc} Measuring the load…")
             return
         for mode, value in plan.settings():
-            self._predicted.emit(setting_label(mode, value), predictor.predict_setting(plan, mode, value).summary)
+            self._predicted.emit(setting_label(mode, value), predictor.predict_setting(plan, mode, value))
         self._said.emit(f"Predicted {len(plan.settings())} settings; measuring them now…")
 
     @Slot(str, object)
-    def _on_predicted(self, label: str, summary) -> None:
-        self.predictions[label] = summary
+    def _on_predicted(self, label: str, simulated) -> None:
+        self.predictions[label], self.simulations[label] = simulated.summary, simulated
         self._draw_points()
 
     @Slot()
@@ -304,11 +313,16 @@ class LoadBox(QGroupBox):
         row = self.table.rowCount()
         self.table.insertRow(row)
         p = self.predictions.get(setting.label)
+        own = setting.server.own_ttft_s() if setting.server is not None else None
+        simulated = self.simulations.get(setting.label)
+        split = ttft_split(setting, simulated) if simulated is not None else None
         cells = (setting.label, f"{s.completed}/{s.requests}", f"{s.request_throughput:.2f}",
                  f"{s.output_throughput:.1f}" + ("" if s.counted_by == "usage" else "*"), ms(s.ttft, "median"),
                  ms(s.tpot, "median"), ms(s.tpot, "p99"), ms(s.e2e, "median"), s.not_completed(),
                  *((f"{p.output_throughput:.1f}", ms(p.ttft, "median"), ms(p.tpot, "median")) if p is not None
-                   else ("", "", "")))
+                   else ("", "", "")),
+                 f"{own * 1e3:.0f} ms" if own is not None else "—",
+                 f"{split.predicted_server_s * 1e3:.0f} ms" if split is not None else "")
         for column, text in enumerate(cells):
             self.table.setItem(row, column, QTableWidgetItem(text))
         self.table.resizeColumnsToContents()
@@ -400,10 +414,11 @@ class LoadBox(QGroupBox):
         self._fit()
 
     def _fit(self) -> None:
-        """The view around what is drawn: the measured points and the ceiling."""
+        """The view around what is drawn: the measured points, the predicted and the ceiling (all
+        of each: ``getData`` gives only what the view shows now)."""
         xs, ys = [], []
         for item in (self.points, self.ceiling, self.predicted, *self.history_points):
-            x, y = item.getData()
+            x, y = (item.xData, item.yData) if isinstance(item, pg.PlotDataItem) else item.getData()
             if x is not None:
                 xs += list(x)
                 ys += list(y)

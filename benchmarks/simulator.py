@@ -26,7 +26,11 @@ load generator's, throughput within 10%, preemptions within ±20%; simulating 10
 them) over what the prediction's step cost gives the same steps. Near 1, the step model held there
 and an error is the schedule's or the front end's; above 1 at many users, the server's streaming
 took time from its engine's cores (the front end's share per streamed token stands for that);
-apart from those, the machine itself ran faster or slower than when its speed was fitted.
+apart from those, the machine itself ran faster or slower than when its speed was fitted. And
+``TTFT mean``: the mean TTFT split where the server's clock starts, each part measured / predicted:
+the server's own (its ``/metrics`` histogram, from each request's arrival at it) and the client's
+part (the rest: the HTTP side's wait for a core, the network). A step model off shows in the first,
+a front end off in the second.
 
     python benchmarks/contention.py   # first, if another program may be running
     python benchmarks/simulator.py [--precisions bf16-fast,int8-fast] [--requests 48] [--repeat 2]
@@ -226,8 +230,9 @@ def main() -> None:
 
 def measure(url: str, prompts, ids: list[list[int]], simulator, precision: str, name: str, plan_args: dict) -> tuple:
     """One setting sent to the server and simulated: (precision, workload, setting, measured,
-    predicted, preemptions measured and simulated, steps ×)."""
+    predicted, preemptions measured and simulated, steps ×, the TTFT split)."""
     from engine.estimates.predict_load import served_speed, served_steps, steps_between  # lazy: after main() pins
+    from engine.load.report import ttft_split
 
     before, steps_before = scrape(url), served_steps(f"{url}/v1", None)
     plan, setting = run_plan(f"{url}/v1", prompts, plan_args)
@@ -241,7 +246,7 @@ def measure(url: str, prompts, ids: list[list[int]], simulator, precision: str, 
     # prediction's step cost says of the same steps: the machine's speed
     pace = served_speed(simulator.cost, steps_between(steps_before, steps_after))
     return (precision, name, setting.label, setting.summary, simulated.summary, preempted, simulated.preemptions,
-            pace)
+            pace, ttft_split(setting, simulated))
 
 
 FIGURES = ("ttft median", "ttft p90", "tpot median", "tpot p90", "tok/s")
@@ -280,7 +285,7 @@ def report_repeats(repeats: list[tuple]) -> None:
 
 
 def report(row, again: int = 0) -> None:
-    precision, name, label, measured, predicted, preempted, simulated_preemptions, pace = row
+    precision, name, label, measured, predicted, preempted, simulated_preemptions, pace, split = row
     if again:
         name, label = "", f"again ({again + 1})"
     parts = []
@@ -295,6 +300,11 @@ def report(row, again: int = 0) -> None:
     parts.append(f"tok/s {measured.output_throughput:6.1f} / {predicted.output_throughput:6.1f} ({e:+.0%})")
     if preempted or simulated_preemptions:
         parts.append(f"preemptions {preempted:g} / {simulated_preemptions}")
+    if split is not None:  # where the TTFT's error lies: the server's own part, or its client's
+        e = error(split.predicted_server_s, split.server_s)
+        parts.append(f"TTFT mean: server {split.server_s * 1e3:.1f} / {split.predicted_server_s * 1e3:.1f} ms"
+                     + (f" ({e:+.0%})" if e is not None else "")
+                     + f", client {split.client_s * 1e3:.1f} / {split.predicted_client_s * 1e3:.1f} ms")
     if pace is not None:
         parts.append(f"steps ×{pace:.2f}")
     print(f"  {name[:24]:24} {label:18} " + " · ".join(parts))
@@ -322,7 +332,7 @@ def summarize_errors(rows: list[list[tuple]]) -> None:
               f"throughputs ±{tput[len(tput) // 2]:.0%}, the most ±{tput[-1]:.0%}")
     every = [row for repeats in rows for row in repeats]
     for precision in dict.fromkeys(row[0] for row in every):
-        paces = [row[-1] for row in every if row[0] == precision and row[-1] is not None]
+        paces = [row[7] for row in every if row[0] == precision and row[7] is not None]
         if paces:
             print(f"{precision}: the server ran each setting's steps at ×{min(paces):.2f} to ×{max(paces):.2f} "
                   "the time the prediction's step cost gives the same steps")

@@ -150,7 +150,13 @@ def load(args) -> int:
     def said(result) -> None:
         print(summary_line(result), flush=True)
         if predictor is not None:
-            print(predicted_line(predictor.predict(plan, result).summary, result.summary), flush=True)
+            from engine.load.report import split_line, ttft_split  # lazy: start-up
+
+            predicted = predictor.predict(plan, result)
+            print(predicted_line(predicted.summary, result.summary), flush=True)
+            split = ttft_split(result, predicted)
+            if split is not None:
+                print(split_line(split), flush=True)
 
     print(summary_header(plan), flush=True)
     results = LoadRunner(plan, prompts, on_result=said).run()

@@ -19,12 +19,16 @@ from dataclasses import asdict, dataclass, field
 KINDS = {
     "vllm": {"running": ("vllm:num_requests_running",), "waiting": ("vllm:num_requests_waiting",),
              "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-             "preemptions": ("vllm:num_preemptions_total", "vllm:num_preemptions")},
+             "preemptions": ("vllm:num_preemptions_total", "vllm:num_preemptions"),
+             "ttft": ("vllm:time_to_first_token_seconds",)},
     "sglang": {"running": ("sglang:num_running_reqs",), "waiting": ("sglang:num_queue_reqs",),
-               "kv_usage": ("sglang:token_usage",), "preemptions": ()},
+               "kv_usage": ("sglang:token_usage",), "preemptions": (),
+               "ttft": ("sglang:time_to_first_token_seconds",)},
     "llama.cpp": {"running": ("llamacpp:requests_processing",), "waiting": ("llamacpp:requests_deferred",),
-                  "kv_usage": ("llamacpp:kv_cache_usage_ratio",), "preemptions": ()},
+                  "kv_usage": ("llamacpp:kv_cache_usage_ratio",), "preemptions": (), "ttft": ()},
 }
+"""``ttft``: the server's own time-to-first-token histogram, from each request's arrival at it
+(its ``_sum`` and ``_count`` are read)."""
 INTERVAL_S = 0.5
 
 
@@ -37,6 +41,9 @@ class ServerSample:
     kv_usage: float | None
     """Fraction of the server's KV cache in use (0-1)."""
     preemptions: float | None
+    ttft_sum_s: float | None = None
+    """The server's own times to first token so far, summed (its histogram's ``_sum``)."""
+    ttft_count: float | None = None
 
 
 @dataclass
@@ -50,6 +57,15 @@ class ServerState:
     def peak(self, name: str) -> float | None:
         values = [getattr(s, name) for s in self.samples if getattr(s, name) is not None]
         return max(values) if values else None
+
+    def own_ttft_s(self) -> float | None:
+        """The server's own mean time to first token over the readings, from each request's arrival
+        at it (a client's TTFT less this is what lies between them: the network, the HTTP front
+        end's wait); ``None`` where its /metrics has no such histogram or no request was answered."""
+        read = [s for s in self.samples if s.ttft_sum_s is not None and s.ttft_count is not None]
+        if len(read) < 2 or read[-1].ttft_count <= read[0].ttft_count:
+            return None
+        return (read[-1].ttft_sum_s - read[0].ttft_sum_s) / (read[-1].ttft_count - read[0].ttft_count)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,7 +92,9 @@ def detect(values: dict[str, float]) -> str | None:
 def sample(values: dict[str, float], kind: str, at_s: float) -> ServerSample:
     def first(key: str) -> float | None:
         return next((values[n] for n in KINDS[kind][key] if n in values), None)
-    return ServerSample(at_s, first("running"), first("waiting"), first("kv_usage"), first("preemptions"))
+    ttft = next((n for n in KINDS[kind]["ttft"] if f"{n}_count" in values), None)
+    return ServerSample(at_s, first("running"), first("waiting"), first("kv_usage"), first("preemptions"),
+                        values.get(f"{ttft}_sum"), values.get(f"{ttft}_count"))
 
 
 def read_into(state: ServerState, url: str, status: int, text: str, at_s: float) -> bool:

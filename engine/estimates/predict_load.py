@@ -19,10 +19,12 @@ from engine.base.errors import EngineError, InvalidRequestError
 from engine.base.memory import default_kv_budget
 from engine.base.request import GenerationRequest
 from engine.endpoint.scrape import metrics_url
-from engine.estimates.simulator import EngineLimits, ServingSimulator, Simulated, closed_loop, open_loop, recorded
+from engine.estimates.simulator import (EngineLimits, ServingSimulator, Simulated, Workload, closed_loop, open_loop,
+                                       recorded)
 from engine.estimates.step_cost import FrontEnd, served_work
 from engine.load.generator import LoadPlan, LoadRunner, listed_model, setting_label
 from engine.load.metrics import Summary
+from engine.load.report import ttft_split
 
 if TYPE_CHECKING:
     from engine.estimates.step_cost import StepCost
@@ -39,14 +41,23 @@ class Predictor:
     def predict(self, plan: "LoadPlan", result: "SettingResult") -> Simulated:
         """``result``'s setting simulated: the generator's order and arrivals, each answer as long as
         ``max_tokens`` (``ignore_eos``) or as the server's answer to that request was."""
+        return self.simulator.run(self.workload(plan, result), plan.slo, plan.max_duration_s)
+
+    def workload(self, plan: "LoadPlan", result: "SettingResult") -> Workload:
+        """``result``'s setting as the simulator's workload: request j is the generator's j (the
+        same shuffle)."""
         lengths = None
-        if not plan.ignore_eos:  # the generator's request j is the simulator's request j: the same shuffle
+        if not plan.ignore_eos:
             lengths = [r.output_tokens if r.ok and r.output_tokens else plan.max_tokens for r in result.results]
-        return self.predict_setting(plan, result.mode, result.value, lengths)
+        return self.setting_workload(plan, result.mode, result.value, lengths)
 
     def predict_setting(self, plan: "LoadPlan", mode: str, value: float, lengths: list[int] | None = None) -> Simulated:
         """A setting of ``plan`` (``concurrency`` or ``rate``) simulated before it runs, each answer
         ``max_tokens`` long (``lengths``: each request's own)."""
+        return self.simulator.run(self.setting_workload(plan, mode, value, lengths), plan.slo, plan.max_duration_s)
+
+    def setting_workload(self, plan: "LoadPlan", mode: str, value: float,
+                         lengths: list[int] | None = None) -> Workload:
         if mode == "concurrency":
             workload = closed_loop(int(value), self.prompt_ids, [plan.max_tokens], plan.requests, plan.seed)
         else:
@@ -54,7 +65,7 @@ class Predictor:
         if lengths is not None:
             workload = replace(workload, requests=tuple(replace(r, output_tokens=n)
                                                         for r, n in zip(workload.requests, lengths)))
-        return self.simulator.run(workload, plan.slo, plan.max_duration_s)
+        return workload
 
 
 def server_meta(url: str, api_key: str | None, model: str | None) -> tuple[dict, str | None]:
@@ -80,44 +91,61 @@ ONE_STEP_FEWEST = 4
 
 def fit_front_end(url: str, api_key: str | None, model: str | None, prompts: list["Prompt"],
                   ids: list[list[int]], simulator: ServingSimulator, endpoint: str = "chat") -> "StepCost":
-    """What the server's front end adds around the engine's steps, fitted to a short load of its
-    own against it (after a few requests to warm it up: closed loops of 1 user and of as many as
-    its batch holds, up to 32; 32-token answers): the gap between the TPOT and TTFT it measured
-    and those the engine's steps alone predict. One user's TPOT gap is a step's and a token's
-    share, the full batch's adds the other rows' tokens; one user's TTFT gaps, less those, are
-    each request's latency outside the engine (kept one a request: their spread is part of what a
-    client sees), read from the requests whose prompt took one step (what the prefix cache left
-    of it fits one chunk): over a prompt read in several steps the gap is mostly the step model's
-    error on them, which dealt to another request would move its TTFT by as much. ``simulator``
-    runs the same loads, so its prefix cache stays the server's. The server's own steps, as its
-    ``/metrics`` sums their seconds, are checked against the timed figures meanwhile
-    (:func:`served_speed`, said in the front end's source).
-    Returns the simulator's step cost with the front end in it."""
+    """What the server's front end adds around the engine's steps, fitted to short loads of its own
+    against it (after a few requests to warm it up: closed loops of 1 user and of as many as its
+    batch holds, up to 32, then an open loop at half the full batch's request rate; 32-token
+    answers). Each part is read where it holds steadiest:
+
+    - the engine's clock: one user's TPOT gap to what the engine's steps alone predict is a step's
+      and a token's share, the full batch's adds the other rows' tokens;
+    - each request's latency outside the engine at one user: its TTFT gap, less those shares,
+      kept one a request (their spread is part of what a client sees), read from the requests
+      whose prompt took one step (what the prefix cache left of it fits one chunk): over a prompt
+      read in several steps the gap is mostly the step model's error, which dealt to another
+      request would move its TTFT by as much;
+    - how many tokens each prompt's first text comes with (the server's running usage says;
+      :meth:`ServingSimulator.learn_first_text`), learned before each load is simulated;
+    - the client's part of the TTFT (``FrontEnd.client_s``): the clients' mean TTFT less the
+      server's own from arrival (its ``/metrics`` histogram) and less the steps the first texts
+      were held back for, at each of the three loads: measured on both sides, so free of the step
+      model's error, and it grows with what is in flight.
+
+    ``simulator`` runs the same loads, so its prefix cache stays the server's. The server's own
+    steps, as its ``/metrics`` sums their seconds, are checked against the timed figures meanwhile
+    (:func:`served_speed`, said in the front end's source). Returns the simulator's step cost with
+    the front end in it."""
     most = max(1, min(simulator.limits.max_batch, 32))
     simulator.cost = replace(simulator.cost, front=None)
 
-    def load(users: int, requests: int, seed: int, fitted: bool = True):
-        plan = LoadPlan(url=url, model=model, api_key=api_key, concurrency=(users,), requests=requests,
-                        max_tokens=32, ignore_eos=True, endpoint=endpoint, seed=seed, max_duration_s=120.0,
-                        scrape=False).validated()
+    def load(requests: int, seed: int, users: int = 0, rate: float = 0.0, fitted: bool = True):
+        plan = LoadPlan(url=url, model=model, api_key=api_key, concurrency=(users,) if users else (),
+                        rates=(rate,) if rate else (), requests=requests, max_tokens=32, ignore_eos=True,
+                        endpoint=endpoint, seed=seed, max_duration_s=120.0).validated()
         before = served_steps(url, api_key)
-        (setting,) = LoadRunner(plan, prompts).run()
+        (setting,) = LoadRunner(plan, prompts).run()  # (its /metrics read meanwhile, as a measured load's is)
         after = served_steps(url, api_key)
-        predicted = Predictor(simulator, ids).predict(plan, setting)
+        predictor = Predictor(simulator, ids)
+        simulator.learn_first_text(predictor.workload(plan, setting), setting.results)  # each prompt's first text
+        predicted = predictor.predict(plan, setting)
         measured, alone = setting.summary, predicted.summary
         if fitted and not (measured.tpot and alone.tpot and measured.ttft and alone.ttft):
             raise InvalidRequestError(f"The front end's calibration load got no answers from {url}.")
         gap = (measured.tpot or {}).get("median", 0.0) - (alone.tpot or {}).get("median", 0.0)
-        return setting, predicted, gap, steps_between(before, after)
+        return setting, predicted, gap, steps_between(before, after), client_part(setting, predicted)
 
-    load(1, 4, FRONT_END_SEED, fitted=False)  # the warm-up (simulated too: the prefix cache stays the server's)
-    one, one_predicted, one_gap, one_served = load(1, 24, FRONT_END_SEED + 1)
-    served = [one_served]
-    token = 0.0
+    load(4, FRONT_END_SEED, users=1, fitted=False)  # the warm-up (simulated too: the prefix cache stays the server's)
+    one, one_predicted, one_gap, one_served, one_client = load(24, FRONT_END_SEED + 1, users=1)
+    served, clients = [one_served], [one_client]
+    token, loads = 0.0, "1 user"
     if most > 1:
-        _, _, full_gap, full_served = load(most, 3 * most, FRONT_END_SEED + most)
+        loads = f"1 and {most} users"
+        full, _, full_gap, full_served, full_client = load(3 * most, FRONT_END_SEED + most, users=most)
         served.append(full_served)
         token = max(0.0, (full_gap - one_gap) / (most - 1))
+        rate = full.summary.request_throughput / 2
+        if rate > 0:
+            clients += [full_client, load(24, FRONT_END_SEED + 2 * most, rate=rate)[4]]
+            loads = f"1 and {most} users and {rate:.3g} requests/s"
     step = max(0.0, one_gap - token)
     # request by request: the generator's request j is the simulator's j
     gaps = [(m.ttft_s - p.ttft_s, steps) for m, p, steps in
@@ -127,15 +155,26 @@ def fit_front_end(url: str, api_key: str | None, model: str | None, prompts: lis
     first = one_step if len(one_step) >= ONE_STEP_FEWEST else [gap for gap, _ in gaps]
     spread = tuple(gap - step - token for gap in first)
     request = max(0.0, statistics.median(spread)) if spread else 0.0
-    source = f"fitted to a load of 1 and {most} users against the server"
+    source = f"fitted to loads of {loads} against the server"
     speeds = [served_speed(simulator.cost, counted) for counted in served]
     if all(speed is not None for speed in speeds):  # checked, not applied: see served_speed
         took = " and ×".join(f"{speed:.2f}" for speed in speeds)
         source += f", whose own steps took ×{took} the timed figures"
-    front = FrontEnd(step, token, request, source, spread)
+    client = tuple(sorted(point for point in clients if point is not None)) if None not in clients else ()
+    front = FrontEnd(step, token, request, source, spread, client)
     cost = replace(simulator.cost, front=front)
     simulator.cost = cost
     return cost
+
+
+def client_part(setting: "SettingResult", predicted: Simulated) -> tuple[float, float] | None:
+    """A load's (requests in flight when one arrived, on average in its simulation; the clients'
+    mean TTFT less the server's own, from its /metrics, less the steps the first texts were held
+    back for as ``predicted`` has them), ``None`` without the server's figure."""
+    split = ttft_split(setting, predicted)
+    if split is None or not predicted.in_flight:
+        return None
+    return statistics.fmean(predicted.in_flight), max(0.0, split.client_s - split.predicted_client_s)
 
 
 def served_speed(cost: "StepCost", served: tuple[float, tuple[float, ...]] | None) -> float | None:
@@ -160,12 +199,16 @@ def steps_between(before, after) -> tuple[float, tuple[float, ...]] | None:
 def served_steps(url: str, api_key: str | None) -> tuple[float, tuple[float, ...]] | None:
     """The server's steps so far as its ``/metrics`` counts them (``served_work``); ``None`` where
     it doesn't."""
+    return _served(url, api_key, served_work)
+
+
+def _served(url: str, api_key: str | None, read):
     import httpx  # lazy: only a prediction reads it here
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         answer = httpx.get(metrics_url(url), headers=headers, timeout=10)
-        return served_work(answer.text) if answer.status_code == 200 else None
+        return read(answer.text) if answer.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
 

@@ -54,6 +54,9 @@ class SimRequest:
     cache as the server finds it); ``None``: ids made up from the lengths."""
     refused: bool = False
     """The server refuses it at once (its prompt is one the model can't take)."""
+    first_tokens: int = 1
+    """The tokens its client's first text comes with, as measured for its prompt (more than one:
+    the first tokens' text is held back, part of one character): its TTFT is the last of them."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,8 @@ def recorded(setting: dict, max_tokens: int) -> Workload:
             arrival = float(r["start_s"]) if arriving else 0.0
             output = int(r["output_tokens"]) if r.get("outcome") == "completed" else max_tokens
             if r.get("prompt_tokens"):
-                out.append(SimRequest(int(r["prompt_tokens"]), max(1, output), arrival))
+                out.append(SimRequest(int(r["prompt_tokens"]), max(1, output), arrival,
+                                      first_tokens=max(1, int(r.get("first_tokens") or 1))))
             elif 400 <= int(r.get("status") or 0) < 500:
                 out.append(SimRequest(1, max(1, output), arrival, refused=True))
     except (KeyError, TypeError, ValueError) as exc:
@@ -195,6 +199,13 @@ class Simulated:
     prompt_steps: list[int] = field(default_factory=list)
     """Each request's steps before its first token (its prompt's chunks, what the prefix cache left
     of it; again after a preemption); 0: it never ran."""
+    in_flight: list[int] = field(default_factory=list)
+    """Each request's count of others in the engine (running or waiting) when it arrived."""
+    client_s: list[float] = field(default_factory=list)
+    """Each request's client's part of its TTFT: what the front end gives for its count in flight
+    (``FrontEnd.client_at``; 0 without one), and the steps its first text waited for after its
+    first token (``SimRequest.first_tokens``). Its TTFT less this is the server's own, from
+    arrival to the first token, as a server's /metrics counts it."""
 
 
 @dataclass(eq=False)
@@ -240,6 +251,17 @@ class ServingSimulator:
                                    limits.chunked_prefill)
         self._ids = _Ids()
         self._next_rid = 0
+        self.first_text: dict[tuple[int, ...], int] = {}
+        """Each prompt's tokens its first text came with, as a server's answers to it showed
+        (:meth:`learn_first_text`); a prompt not in it takes its request's ``first_tokens``."""
+
+    def learn_first_text(self, workload: Workload, measured: Sequence[RequestResult]) -> None:
+        """What a load generator measured of ``workload`` (request ``j`` its result ``j``): how
+        many tokens each prompt's first text came with. The same prompt gets the same answer (the
+        generator asks for greedy answers), so its first text comes as late again."""
+        for request, result in zip(workload.requests, measured):
+            if request.prompt_ids and result.ok and result.counted_by == "usage":
+                self.first_text[request.prompt_ids] = max(1, result.first_tokens)
 
     def run(self, workload: Workload, slo: dict | None = None, max_duration_s: float | None = None,
             trace: bool = False, cancelled: Callable[[], bool] | None = None) -> Simulated:
@@ -271,6 +293,7 @@ class ServingSimulator:
         timeline: list[Moment] = []
         shapes: list[tuple] = []
         prompt_steps = [0] * len(requests)
+        in_flight, client = [0] * len(requests), [0.0] * len(requests)
         deadline = max_duration_s if max_duration_s is not None else float("inf")
         front = cost.front
         # each request's latency outside the engine: dealt from the measured ones (the same for the
@@ -292,6 +315,10 @@ class ServingSimulator:
                             heapq.heappush(arrivals, (when, sent_next))
                             sent_next += 1
                         continue
+                    in_flight[i] = len(scheduler.running) + len(scheduler.waiting)
+                    if front is not None and front.client_s:  # its client's part, with as many in flight
+                        client[i] = front.client_at(in_flight[i])
+                        latency[i] += client[i] - front.client_at(0)  # the measured latencies' own: at none
                     prompt = list(request.prompt_ids) if request.prompt_ids else self._ids.prompt(request)
                     scheduler.add(_Running(base + i, prompt, len(prompt) + request.output_tokens,
                                            request.output_tokens, when, feed=prompt,
@@ -344,11 +371,15 @@ class ServingSimulator:
                         in_cache = min(r.computed, len(r.prompt) + len(r.tokens) - 1)
                         kv.keep(r.rid, r.prompt + r.tokens, in_cache)
                         scheduler.remove(r)
-                        _finished(results[r.rid - base], r, latency[r.rid - base])
-                        prompt_steps[r.rid - base] = r.prompt_steps
+                        j = r.rid - base
+                        first = min(self.first_text.get(requests[j].prompt_ids, requests[j].first_tokens)
+                                    if requests[j].prompt_ids else requests[j].first_tokens, len(r.times))
+                        _finished(results[j], r, latency[j], first)
+                        client[j] += r.times[first - 1] - r.times[0]
+                        prompt_steps[j] = r.prompt_steps
                         left -= 1
                         if workload.users and sent_next < len(requests):  # the user sends its next request now
-                            heapq.heappush(arrivals, (t + max(0.0, latency[r.rid - base]), sent_next))
+                            heapq.heappush(arrivals, (t + max(0.0, latency[j]), sent_next))
                             sent_next += 1
                 timeline.append(Moment(t, len(scheduler.running), len(scheduler.waiting), kv.used_blocks,
                                        scheduler.preemptions - preempted_before))
@@ -367,7 +398,7 @@ class ServingSimulator:
         ended = [r.start_s + r.e2e_s for r in results if r.e2e_s is not None]
         summary = summarize(results, max(ended) if ended else min(t, deadline), slo, "the deadline" if left else None)
         return Simulated(workload, results, summary, steps, scheduler.preemptions - preempted_before,
-                         _thinned(timeline), cached, shapes, prompt_steps)
+                         _thinned(timeline), cached, shapes, prompt_steps, in_flight, client)
 
 
 def _dealt(values: Sequence[float], n: int, draw: random.Random) -> list[float]:
@@ -383,15 +414,17 @@ def _dealt(values: Sequence[float], n: int, draw: random.Random) -> list[float]:
     return dealt[:n]
 
 
-def _finished(result: RequestResult, r: _Running, latency: float = 0.0) -> None:
+def _finished(result: RequestResult, r: _Running, latency: float = 0.0, first: int = 1) -> None:
     """``r``'s figures as its client sees them, ``latency`` later than the engine made them (a
-    server's front end: reading the request, sending its answer)."""
+    server's front end: reading the request, sending its answer), its first ``first`` tokens in
+    one chunk (their text held back until the last of them), as the load generator reads them."""
     times = r.times
     result.ok = True
-    result.ttft_s = max(0.0, times[0] - r.arrival + latency)
+    result.first_tokens = first
+    result.ttft_s = max(0.0, times[first - 1] - r.arrival + latency)
     result.e2e_s = max(result.ttft_s, times[-1] - r.arrival + latency)
-    result.itl_s = [b - a for a, b in zip(times, times[1:])]
-    result.chunk_times_s = [max(0.0, x - r.arrival + latency) for x in times]
+    result.itl_s = [0.0] * (first - 1) + [b - a for a, b in zip(times[first - 1:], times[first:])]
+    result.chunk_times_s = [max(0.0, x - r.arrival + latency) for x in times[first - 1:]]
     result.output_tokens = len(r.tokens)
     result.finish_reason = "length"
 

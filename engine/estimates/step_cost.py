@@ -116,10 +116,11 @@ class StepCost:
         if front is not None:
             front = FrontEnd(float(front["step_s"]), float(front["token_s"]), float(front["request_s"]),
                              str(front.get("source", "")),
-                             tuple(float(v) for v in front.get("request_spread_s") or ()))
+                             tuple(float(v) for v in front.get("request_spread_s") or ()),
+                             tuple((float(x), float(y)) for x, y in front.get("client_s") or ()))
         figures = [*values.values(), *((front.step_s, front.token_s, front.request_s) if front else ())]
-        if not all(math.isfinite(v) and v >= 0 for v in figures) or not all(
-                math.isfinite(v) for v in (front.request_spread_s if front else ())):
+        spread = [*front.request_spread_s, *(v for point in front.client_s for v in point)] if front else []
+        if not all(math.isfinite(v) and v >= 0 for v in figures) or not all(math.isfinite(v) for v in spread):
             raise InvalidRequestError("A step-cost model's figures must be finite and not below zero.")
         return cls(**values, source=str(data.get("source", "")), samples=int(data.get("samples", 0)),
                    error=data.get("error"), front=front)
@@ -142,6 +143,26 @@ class FrontEnd:
     median is ``request_s``): the simulated requests take them in turn (shuffled), so the
     prediction keeps their spread (most requests a few ms, a few tens of ms more), not only their
     middle."""
+    client_s: tuple[tuple[float, float], ...] = ()
+    """The client's part of a request's time to first token (the client's TTFT less the server's
+    own, from the request's arrival at its handler, as its ``/metrics`` histogram sums them) at
+    each calibration load: (requests in flight when one arrived, on average; seconds), by the
+    first. Both sides measured, so no step model's error is in it. A request that arrives with
+    more in flight waits longer outside the server (its HTTP side shares the engine's cores): the
+    simulator adds what this gives for its own count over what it gives for none."""
+
+    def client_at(self, in_flight: float) -> float:
+        """The client's part for a request arriving with ``in_flight`` others (straight lines
+        between the loads it was measured at, level past them; none measured: 0)."""
+        points = self.client_s
+        if not points:
+            return 0.0
+        if in_flight <= points[0][0]:
+            return points[0][1]
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if in_flight <= x1:
+                return y0 + (y1 - y0) * (in_flight - x0) / (x1 - x0) if x1 > x0 else y1
+        return points[-1][1]
 
     def describe(self) -> str:
         spread = ""
@@ -149,8 +170,12 @@ class FrontEnd:
             ordered = sorted(self.request_spread_s)
             spread = (f" (p90 {ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] * 1e3:.1f} ms, "
                       f"{len(ordered)} requests)")
+        client = ""
+        if self.client_s:
+            client = "; the client's part " + ", ".join(f"{y * 1e3:.1f} ms at {x:.1f} in flight"
+                                                        for x, y in self.client_s)
         return (f"front end: {self.step_s * 1e3:.2f} ms a step, {self.token_s * 1e3:.2f} ms a streamed token, "
-                f"{self.request_s * 1e3:.1f} ms a request{spread} ({self.source})")
+                f"{self.request_s * 1e3:.1f} ms a request{spread}{client} ({self.source})")
 
 
 def fit(samples: Iterable[StepSample], source: str = "") -> StepCost:

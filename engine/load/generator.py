@@ -174,6 +174,10 @@ class LoadRunner:
             left = max(0.0, plan.max_duration_s - (time.perf_counter() - start))
             _, pending = await asyncio.wait(work, timeout=left)
             cut_by = "the deadline" if pending else None
+            if not pending and watcher is not None and not watcher.done():  # a last reading: the last answers too
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
+                await scrape_once(client, metrics_url(plan.url), server, start)
         except asyncio.CancelledError:  # stop(): what ran is kept, the rest marked
             cut_by = "Stop"
         finally:
@@ -319,6 +323,7 @@ async def send(client, model: str, prompt: Prompt, plan: LoadPlan, result: Reque
                 result.chunk_times_s.append(now - sent)
                 if last is None:
                     result.ttft_s = now - sent
+                    result.first_tokens = len(pieces)
                     result.itl_s += [0.0] * (len(pieces) - 1)  # came with the first token
                 else:
                     result.itl_s += [(now - last) / len(pieces)] * len(pieces)

@@ -40,6 +40,10 @@ class RequestResult:
     (where the server says how many: its running usage; else a chunk counts as one token)."""
     chunk_times_s: list[float] = field(default_factory=list)
     """Arrival of every content chunk, seconds after sending."""
+    first_tokens: int = 1
+    """The tokens its first content chunk carried, where the server says (its running usage): more
+    than one when the first tokens' text was held back (part of one character, a special token),
+    so its TTFT is the last of their steps."""
     prompt_tokens: int | None = None
     output_tokens: int = 0
     counted_by: str = "chunks"

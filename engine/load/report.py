@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import json
+import statistics
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.load.generator import LoadPlan, SettingResult
+
+if TYPE_CHECKING:
+    from engine.estimates.simulator import Simulated
 
 
 def ms(stats: dict | None, key: str, unit: str = " ms") -> str:
@@ -34,7 +40,7 @@ def summary_line(result: SettingResult) -> str:
     line = _row(result.label, s, "" if s.counted_by == "usage" else "*")
     if s.completed < s.requests:  # e.g. "not sent 4789 · failed 1: errored 0, cut by the deadline 1"
         line += "\n    " + s.not_completed() + (f" · errors: {'; '.join(s.errors[:3])}" if s.errors else "")
-    line += "\n    " + server_line(result.server)
+    line += "\n    " + server_line(result.server, (s.ttft or {}).get("mean"))
     return line
 
 
@@ -58,8 +64,46 @@ def _median(predicted: dict | None, measured: dict | None) -> tuple[float | None
     return (predicted or {}).get("median"), (measured or {}).get("median")
 
 
-def server_line(server) -> str:
-    """What the server's /metrics said during the setting."""
+@dataclass(frozen=True)
+class TTFTSplit:
+    """A setting's mean TTFT split where the server's clock starts (the request's arrival at its
+    handler): the server's own part and the client's (the network, the HTTP side's wait), each
+    measured and predicted. Where a TTFT's error lies: a step model off shows in the server's
+    part, a front end off in the client's."""
+
+    server_s: float
+    """Measured by the server itself (its /metrics histogram's mean over the setting)."""
+    predicted_server_s: float
+    client_s: float
+    """The client's mean TTFT less ``server_s``."""
+    predicted_client_s: float
+
+
+def ttft_split(setting: "SettingResult", predicted: "Simulated") -> TTFTSplit | None:
+    """``setting``'s TTFT split (:class:`TTFTSplit`) against its prediction; ``None`` where the
+    server's /metrics has no TTFT of its own or nothing was answered, measured or predicted."""
+    server = setting.server.own_ttft_s() if setting.server is not None else None
+    client = (setting.summary.ttft or {}).get("mean")
+    simulated = [(r.ttft_s, part) for r, part in zip(predicted.results, predicted.client_s)
+                 if r.ok and r.ttft_s is not None]
+    if server is None or client is None or not simulated:
+        return None
+    return TTFTSplit(server, statistics.fmean(t - part for t, part in simulated), client - server,
+                     statistics.fmean(part for _, part in simulated))
+
+
+def split_line(split) -> str:
+    """A prediction's mean TTFT split at the server's handler (``TTFTSplit``), each part measured
+    against predicted: where its error lies."""
+    server = f"{(split.predicted_server_s - split.server_s) / split.server_s:+.0%}" if split.server_s > 0 else "—"
+    return (f"    TTFT on average, measured / predicted: the server's own {split.server_s * 1e3:.1f} / "
+            f"{split.predicted_server_s * 1e3:.1f} ms ({server}), the client's part {split.client_s * 1e3:.1f} / "
+            f"{split.predicted_client_s * 1e3:.1f} ms")
+
+
+def server_line(server, client_ttft_s: float | None = None) -> str:
+    """What the server's /metrics said during the setting (``client_ttft_s``: the client's mean
+    TTFT, said beside the server's own)."""
     if server.kind is None:
         return f"server: no state ({server.reason or 'not scraped'})"
     parts = []
@@ -73,6 +117,10 @@ def server_line(server) -> str:
     preempted = server.peak("preemptions")
     if preempted:
         parts.append(f"{preempted:.0f} preemptions")
+    own = server.own_ttft_s()
+    if own is not None:
+        parts.append(f"its own TTFT {own * 1e3:.1f} ms on average from arrival" + (
+            f" ({client_ttft_s * 1e3:.1f} ms here)" if client_ttft_s is not None else ""))
     return f"server ({server.kind}, {len(server.samples)} scrapes): " + ", ".join(parts)
 
 
@@ -96,7 +144,7 @@ CSV_COLUMNS = ("setting", "mode", "value", "model", "requests", "completed", "fa
                "not_sent", "duration_s",
                "request_throughput", "output_throughput", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
                "itl_p99_s", "e2e_p50_s", "goodput", "counted_by", "server_kind", "server_running_peak",
-               "server_waiting_peak", "server_kv_usage_peak")
+               "server_waiting_peak", "server_kv_usage_peak", "ttft_mean_s", "server_own_ttft_mean_s")
 
 
 def csv_row(result: SettingResult) -> dict:
@@ -118,7 +166,9 @@ def csv_row(result: SettingResult) -> dict:
             "tpot_p50_s": stat(s.tpot, "median"), "tpot_p99_s": stat(s.tpot, "p99"), "itl_p99_s": stat(s.itl, "p99"),
             "e2e_p50_s": stat(s.e2e, "median"), "goodput": "" if s.goodput is None else s.goodput,
             "counted_by": s.counted_by, "server_kind": server.kind or "", "server_running_peak": peak("running"),
-            "server_waiting_peak": peak("waiting"), "server_kv_usage_peak": peak("kv_usage")}
+            "server_waiting_peak": peak("waiting"), "server_kv_usage_peak": peak("kv_usage"),
+            "ttft_mean_s": stat(s.ttft, "mean"),
+            "server_own_ttft_mean_s": "" if server.own_ttft_s() is None else server.own_ttft_s()}
 
 
 def write_csv(path: Path, results: list[SettingResult]) -> None:

@@ -120,11 +120,17 @@ def test_the_traffic_view_predicts_each_setting_before_measuring_it(qtbot, windo
     assert ended.args[1] is None, ended.args[1]
     assert order == [("predicted", "concurrency 1"), ("predicted", "concurrency 2"),
                      ("measured", "concurrency 1"), ("measured", "concurrency 2")]
-    xs, ys = box.predicted.getData()
+    xs, ys = box.predicted.xData, box.predicted.yData  # (getData: what the view shows, thinned to its pixels)
     assert len(xs) == 2 and all(x > 0 for x in xs) and all(y > 0 for y in ys)
     headers = [box.table.horizontalHeaderItem(i).text() for i in range(box.table.columnCount())]
     predicted = headers.index("predicted out tok/s")
     assert all(float(box.table.item(row, predicted).text()) > 0 for row in range(2))
+    # the server's own TTFT (its /metrics, from arrival) beside the prediction's: below the client's
+    own, own_predicted = headers.index("server's own TTFT"), headers.index("predicted server's own TTFT")
+    for row, setting in enumerate(box.results):
+        assert box.table.item(row, own).text() == f"{setting.server.own_ttft_s() * 1e3:.0f} ms"
+        assert setting.server.own_ttft_s() < setting.summary.ttft["mean"]
+        assert box.table.item(row, own_predicted).text().endswith(" ms")
     box.exact.setChecked(False)  # answers of unknown length: no prediction first
     assert not box.predict.isEnabled()
 

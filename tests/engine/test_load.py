@@ -257,7 +257,46 @@ def test_the_servers_own_metrics_are_read_while_a_setting_runs(server):
     assert 1 <= state.peak("running") <= 4  # (a request sits "waiting" until the next step admits it)
     assert 0 <= state.peak("waiting") <= 4
     assert 0 <= state.peak("kv_usage") < 1
-    assert "server (vllm" in __import__("engine.load.report", fromlist=["x"]).summary_line(setting)
+    # the server's own TTFT histogram, read before the first request and after the last answer: every
+    # request counted once, each from its arrival at the server, so on average below the client's
+    counted = [s.ttft_count for s in state.samples]
+    assert counted[-1] - counted[0] == 8 and counted == sorted(counted)
+    assert 0 < state.own_ttft_s() < setting.summary.ttft["mean"]
+    line = __import__("engine.load.report", fromlist=["x"]).summary_line(setting)
+    assert "server (vllm" in line and "its own TTFT" in line
+
+
+def test_a_first_text_held_back_is_seen_and_the_simulator_times_it_as_late(loaded_llama):
+    """A server that streams 3 tokens a chunk (``--stream-interval 3``): each request's first text
+    comes with 3 tokens, as its running usage says, and the server's own TTFT (at the first token)
+    is below the client's. The simulator, told what each prompt's first text came with, puts the
+    TTFT at its third token and counts the two steps between in the client's part."""
+    from engine.estimates.simulator import EngineLimits, ServingSimulator, Workload, closed_loop
+    from engine.estimates.step_cost import StepCost
+
+    server = Server(loaded_llama, ServeSettings(port=0, max_batch=8, history=False, kv_budget_bytes=1 << 30,
+                                                stream_interval=3)).start()
+    try:
+        plan = LoadPlan(url=server.url, concurrency=(1,), requests=4, max_tokens=7, ignore_eos=True).validated()
+        (setting,) = LoadRunner(plan, PROMPTS).run()
+    finally:
+        server.stop(drain=False, timeout=30)
+    assert [r.first_tokens for r in setting.results] == [3] * 4 and all(r.output_tokens == 7 for r in setting.results)
+    assert all(r.itl_s[:2] == [0.0, 0.0] for r in setting.results)  # they came with the first
+    assert setting.server.own_ttft_s() < setting.summary.ttft["mean"]
+    simulator = ServingSimulator(EngineLimits(token_budget=64, prefill_chunk=64), StepCost(1.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+                                                                                          0.0))
+    workload = closed_loop(1, [[5, 6, 7], [8, 9]], [7], requests=4, seed=0)
+    simulator.learn_first_text(workload, setting.results)
+    assert simulator.first_text == {(5, 6, 7): 3, (8, 9): 3}
+    run = simulator.run(workload)
+    # a second a step: the prompt's step gives the first token, two decode steps the third
+    assert [r.ttft_s for r in run.results] == [3.0] * 4 and run.client_s == [2.0] * 4
+    # TPOT as the generator reads it: (E2E - TTFT) / (n - 1), over the 4 steps after the first text
+    assert all(r.first_tokens == 3 and r.tpot_s == pytest.approx(4 / 6) for r in run.results)
+    assert simulator.run(Workload(tuple(r for r in workload.requests))).results[0].ttft_s == 3.0
+    fresh = ServingSimulator(EngineLimits(token_budget=64, prefill_chunk=64), simulator.cost)
+    assert fresh.run(workload).results[0].ttft_s == 1.0  # not told: the first token's text is its first
 
 
 def test_a_server_without_metrics_is_said_to_have_none():
@@ -270,6 +309,11 @@ def test_a_server_without_metrics_is_said_to_have_none():
     assert (got.running, got.waiting, got.kv_usage) == (3, 1, None)  # no KV figure: absent, not 0
     sglang = _values("sglang:num_running_reqs{tp_rank=\"0\"} 2\nsglang:num_queue_reqs 5\nsglang:token_usage 0.25\n")
     assert detect(sglang) == "sglang" and sample(sglang, "sglang", 0).kv_usage == 0.25
+    assert (got.ttft_sum_s, got.ttft_count) == (None, None)  # llama.cpp keeps no TTFT histogram
+    sglang.update(_values("sglang:time_to_first_token_seconds_sum 1.5\nsglang:time_to_first_token_seconds_count 6\n"))
+    later = _values("sglang:time_to_first_token_seconds_sum 2.1\nsglang:time_to_first_token_seconds_count 8\n")
+    state = ServerState("sglang", samples=[sample(sglang, "sglang", 0), sample({**sglang, **later}, "sglang", 1)])
+    assert state.own_ttft_s() == pytest.approx(0.3)  # 0.6 s over the 2 requests answered between the readings
     assert detect(_values("process_cpu_seconds_total 1\n")) is None and set(KINDS) == {"vllm", "sglang", "llama.cpp"}
     assert ServerState().peak("running") is None
 
@@ -299,6 +343,10 @@ def test_load_predicts_each_setting_beside_what_it_measured(server, tiny_llama, 
     assert sum(line.startswith("  predicted  ") for line in lines) == 2
     assert sum(line.startswith("    predicted against measured: out tok/s") for line in lines) == 2
     assert "whose own steps took ×" in printed  # the served steps, summed on its /metrics, checked against the timed
+    # each TTFT split where the server's clock starts, measured against predicted; the client's part
+    # fitted at three loads, by how many were in flight
+    assert sum(line.startswith("    TTFT on average, measured / predicted: the server's own") for line in lines) == 2
+    assert printed.count(" in flight") >= 3 and "the client's part" in printed
     assert len(timed) == 1 and timed[0].max_batch == 8 and timed[0].token_budget == server.settings.token_budget
     assert main(args + ["--json", str(tmp_path / "load.json")]) == 0  # the timing was kept for these limits
     assert len(timed) == 1 and "timing the engine's steps" not in capsys.readouterr().out

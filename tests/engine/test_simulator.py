@@ -231,6 +231,31 @@ def test_each_request_draws_its_latency_outside_the_engine_from_the_measured_one
     assert kept == served and "p90 3000.0 ms" in served.front.describe()
 
 
+def test_a_request_arriving_with_others_in_flight_waits_longer_outside_the_server():
+    """The client's part of a TTFT, measured at loads with different counts in flight, is drawn
+    between them: a request that arrives while another runs gets what the line gives for one in
+    flight over what it gives for none, on top of the latency measured at one user."""
+    from dataclasses import replace
+
+    from engine.estimates.step_cost import FrontEnd
+
+    front = FrontEnd(0.0, 0.0, 0.25, client_s=((0.0, 0.5), (2.0, 1.5), (6.0, 3.5)))
+    assert [front.client_at(x) for x in (-1, 0, 1, 2, 4, 6, 9)] == [0.5, 0.5, 1.0, 1.5, 2.5, 3.5, 3.5]
+    served = replace(SECOND_A_STEP, front=front)
+    workload = Workload((SimRequest(8, 2, arrival_s=0.0), SimRequest(8, 2, arrival_s=0.5)))
+    run = simulate(workload, EngineLimits(token_budget=32, prefill_chunk=32), served)
+    assert run.in_flight == [0, 1] and run.client_s == [0.5, 1.0]
+    # the first: its prompt's step 1.08 s; the second waits for it, then its prompt beside the first's
+    # decode row (1 + 0.1 + 0.08 s): at 2.26 s, 1.76 s after it was sent
+    assert _times(run.results[0])[0] == pytest.approx(1.08 + 0.25)
+    assert _times(run.results[1])[0] == pytest.approx(1.76 + 0.25 + (1.0 - 0.5))
+    # the server's own TTFT, from arrival, is the client's less its part
+    assert run.results[1].ttft_s - run.client_s[1] == pytest.approx(1.76 + 0.25 - 0.5)
+    kept = StepCost.from_dict(served.to_dict())
+    assert kept == served and "1.5 ms" not in served.front.describe()
+    assert "the client's part 500.0 ms at 0.0 in flight, 1500.0 ms at 2.0" in served.front.describe()
+
+
 def test_a_prompt_the_server_refuses_ends_at_once_and_its_user_sends_the_next():
     workload = closed_loop(1, [None, 20], [4], requests=4, seed=0)
     run = simulate(workload, EngineLimits(token_budget=64, prefill_chunk=64), SECOND_A_STEP)
