@@ -20,7 +20,8 @@ it: the network and HTTP, tokenizing. Left out always: answers that end early at
 end-of-sequence token (each request generates its output length), speculative decoding, and the
 limit sliding-window layers put on prefix-cache hits (Gemma 2 and 3, Mistral). Assumed: the same
 prompt gets the same answer (greedy, as the load generator asks), which decides what the prefix
-cache keeps.
+cache keeps, and how many tokens its first text comes with where a server's answers showed it
+(:meth:`ServingSimulator.learn_first_text`).
 """
 
 from __future__ import annotations
@@ -294,6 +295,7 @@ class ServingSimulator:
         shapes: list[tuple] = []
         prompt_steps = [0] * len(requests)
         in_flight, client = [0] * len(requests), [0.0] * len(requests)
+        prompts: dict[int, list[int]] = {}  # each request's prompt, from when it is sent
         deadline = max_duration_s if max_duration_s is not None else float("inf")
         front = cost.front
         # each request's latency outside the engine: dealt from the measured ones (the same for the
@@ -315,15 +317,24 @@ class ServingSimulator:
                             heapq.heappush(arrivals, (when, sent_next))
                             sent_next += 1
                         continue
-                    in_flight[i] = len(scheduler.running) + len(scheduler.waiting)
-                    if front is not None and front.client_s:  # its client's part, with as many in flight
-                        client[i] = front.client_at(in_flight[i])
-                        latency[i] += client[i] - front.client_at(0)  # the measured latencies' own: at none
-                    prompt = list(request.prompt_ids) if request.prompt_ids else self._ids.prompt(request)
+                    if i not in prompts:  # sent now
+                        prompts[i] = list(request.prompt_ids) if request.prompt_ids else self._ids.prompt(request)
+                        results[i].start_s, results[i].prompt_tokens = when, len(prompts[i])
+                        in_flight[i] = len(scheduler.running) + len(scheduler.waiting)
+                        if front is not None and front.client_s:  # its client's part, with as many in flight
+                            client[i] = front.client_at(in_flight[i])
+                            latency[i] += client[i] - front.client_at(0)  # the measured latencies': at none
+                        # its latency outside the engine is spent before the engine sees it (the request
+                        # read, its prompt tokenized), so it overlaps the step under way; less than none
+                        # (the step model over the measured), it is taken off its times after
+                        if latency[i] > 0:
+                            heapq.heappush(arrivals, (when + latency[i], i))
+                            latency[i] = 0.0
+                            continue
+                    prompt = prompts[i]
                     scheduler.add(_Running(base + i, prompt, len(prompt) + request.output_tokens,
-                                           request.output_tokens, when, feed=prompt,
+                                           request.output_tokens, results[i].start_s, feed=prompt,
                                            answer=self._ids.answer(prompt)))
-                    results[i].start_s, results[i].prompt_tokens = when, len(prompt)
                 if not scheduler.running and not scheduler.waiting:
                     if not arrivals or arrivals[0][0] >= deadline:
                         break
@@ -344,7 +355,7 @@ class ServingSimulator:
                     t += front.step_s + front.token_s * (len(plan.decoding) + ending)
                 if t > deadline:  # the setting ends during this step: what it would give is never sent
                     for when, i in arrivals:  # sent before the end, waiting for the server: cut
-                        if when < deadline:
+                        if when < deadline and i not in prompts:
                             results[i].start_s, results[i].prompt_tokens = when, requests[i].prompt_tokens
                     break
                 steps += 1
@@ -415,9 +426,10 @@ def _dealt(values: Sequence[float], n: int, draw: random.Random) -> list[float]:
 
 
 def _finished(result: RequestResult, r: _Running, latency: float = 0.0, first: int = 1) -> None:
-    """``r``'s figures as its client sees them, ``latency`` later than the engine made them (a
-    server's front end: reading the request, sending its answer), its first ``first`` tokens in
-    one chunk (their text held back until the last of them), as the load generator reads them."""
+    """``r``'s figures as its client sees them, ``latency`` later than the engine made them (what
+    a fitted latency outside the engine leaves after it: none, or less than none where the step
+    model gives more than the server took), its first ``first`` tokens in one chunk (their text
+    held back until the last of them), as the load generator reads them."""
     times = r.times
     result.ok = True
     result.first_tokens = first

@@ -131,8 +131,9 @@ class FrontEnd:
     """A server's front end around the engine's steps: the service's loop between steps and each
     token streamed to its client (formatted and sent, and on a machine the load generator shares,
     read there too), on the engine's clock; and each request's latency outside it (its HTTP
-    request read and its prompt tokenized before the engine takes it, its answer's last bytes
-    sent). Fitted to a short load against the server (``engine/estimates/predict_load.py``)."""
+    request read and its prompt tokenized), spent before the engine sees the request, so it
+    overlaps the step under way. Fitted to short loads against the server
+    (``engine/estimates/predict_load.py``)."""
 
     step_s: float
     token_s: float
@@ -148,8 +149,9 @@ class FrontEnd:
     own, from the request's arrival at its handler, as its ``/metrics`` histogram sums them) at
     each calibration load: (requests in flight when one arrived, on average; seconds), by the
     first. Both sides measured, so no step model's error is in it. A request that arrives with
-    more in flight waits longer outside the server (its HTTP side shares the engine's cores): the
-    simulator adds what this gives for its own count over what it gives for none."""
+    more in flight waits longer before the server reads it (its HTTP side shares the engine's
+    cores): the simulator has it reach the engine what this gives for its own count over what it
+    gives for none later."""
 
     def client_at(self, in_flight: float) -> float:
         """The client's part for a request arriving with ``in_flight`` others (straight lines

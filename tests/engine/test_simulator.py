@@ -194,16 +194,17 @@ def test_a_prompt_sent_again_is_found_in_the_cache_the_server_kept():
 
 def test_a_servers_front_end_adds_its_share_to_each_step():
     """A step's front-end share (its own, each token streamed in it) on the engine's clock, and
-    each request's latency outside it."""
+    each request's latency outside it, spent before the engine sees the request."""
     from dataclasses import replace
 
     from engine.estimates.step_cost import FrontEnd
 
     served = replace(SECOND_A_STEP, front=FrontEnd(step_s=0.5, token_s=0.1, request_s=1.0))
     run = simulate(Workload((SimRequest(8, 2),)), EngineLimits(token_budget=32, prefill_chunk=32), served)
-    # its prompt: 1.08 s and the front end's 0.5 + 0.1 (its first token); then 1.1 + 0.5 + 0.1; each seen 1 s later
+    # seen by the engine 1 s after it was sent; its prompt: 1.08 s and the front end's 0.5 + 0.1 (its
+    # first token); then 1.1 + 0.5 + 0.1
     assert _times(run.results[0]) == [2.68, 4.38]
-    assert run.steps == 2 and run.timeline[-1].t == pytest.approx(3.38)
+    assert run.steps == 2 and run.timeline[-1].t == pytest.approx(4.38)
     kept = StepCost.from_dict(served.to_dict())
     assert kept == served
 
@@ -233,8 +234,9 @@ def test_each_request_draws_its_latency_outside_the_engine_from_the_measured_one
 
 def test_a_request_arriving_with_others_in_flight_waits_longer_outside_the_server():
     """The client's part of a TTFT, measured at loads with different counts in flight, is drawn
-    between them: a request that arrives while another runs gets what the line gives for one in
-    flight over what it gives for none, on top of the latency measured at one user."""
+    between them: a request sent while another runs reaches the engine what the line gives for
+    one in flight over what it gives for none later (its HTTP side waits for a core), so that
+    wait overlaps the step under way, and it takes the latency measured at one user on top."""
     from dataclasses import replace
 
     from engine.estimates.step_cost import FrontEnd
@@ -242,17 +244,23 @@ def test_a_request_arriving_with_others_in_flight_waits_longer_outside_the_serve
     front = FrontEnd(0.0, 0.0, 0.25, client_s=((0.0, 0.5), (2.0, 1.5), (6.0, 3.5)))
     assert [front.client_at(x) for x in (-1, 0, 1, 2, 4, 6, 9)] == [0.5, 0.5, 1.0, 1.5, 2.5, 3.5, 3.5]
     served = replace(SECOND_A_STEP, front=front)
-    workload = Workload((SimRequest(8, 2, arrival_s=0.0), SimRequest(8, 2, arrival_s=0.5)))
-    run = simulate(workload, EngineLimits(token_budget=32, prefill_chunk=32), served)
-    assert run.in_flight == [0, 1] and run.client_s == [0.5, 1.0]
-    # the first: its prompt's step 1.08 s; the second waits for it, then its prompt beside the first's
-    # decode row (1 + 0.1 + 0.08 s): at 2.26 s, 1.76 s after it was sent
-    assert _times(run.results[0])[0] == pytest.approx(1.08 + 0.25)
-    assert _times(run.results[1])[0] == pytest.approx(1.76 + 0.25 + (1.0 - 0.5))
+    limits = EngineLimits(token_budget=32, prefill_chunk=32)
+    # the first: its prompt's step ends at 1.08 s, its second token's at 2.18 s
+    early = simulate(Workload((SimRequest(8, 2, arrival_s=0.0), SimRequest(8, 2, arrival_s=0.5))), limits, served)
+    assert early.in_flight == [0, 1] and early.client_s == [0.5, 1.0]
+    assert _times(early.results[0])[0] == pytest.approx(1.08 + 0.25)
+    # the second reaches the engine at 1.0 s, within the first's prompt step: read beside its decode
+    # row in the next step (1 + 0.1 + 0.08 s), at 2.26 s, 1.76 s after it was sent: its wait outside hid
+    assert _times(early.results[1])[0] == pytest.approx(1.76 + 0.25)
     # the server's own TTFT, from arrival, is the client's less its part
-    assert run.results[1].ttft_s - run.client_s[1] == pytest.approx(1.76 + 0.25 - 0.5)
+    assert early.results[1].ttft_s - early.client_s[1] == pytest.approx(1.76 + 0.25 - 1.0)
+    # sent at 0.9 s it reaches the engine at 1.4 s, after the next step began (the first's decode
+    # row alone, to 2.18 s): its prompt is read after it, alone (1.08 s), 2.36 s after it was sent
+    late = simulate(Workload((SimRequest(8, 2, arrival_s=0.0), SimRequest(8, 2, arrival_s=0.9))), limits, served)
+    assert _times(late.results[1])[0] == pytest.approx(2.36 + 0.25)
+    assert late.results[1].start_s == 0.9  # timed from when it was sent
     kept = StepCost.from_dict(served.to_dict())
-    assert kept == served and "1.5 ms" not in served.front.describe()
+    assert kept == served
     assert "the client's part 500.0 ms at 0.0 in flight, 1500.0 ms at 2.0" in served.front.describe()
 
 
