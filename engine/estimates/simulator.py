@@ -201,7 +201,7 @@ class Simulated:
     """Each request's steps before its first token (its prompt's chunks, what the prefix cache left
     of it; again after a preemption); 0: it never ran."""
     in_flight: list[int] = field(default_factory=list)
-    """Each request's count of others in the engine (running or waiting) when it arrived."""
+    """Each request's count of others in the engine (running or waiting) when it was sent."""
     client_s: list[float] = field(default_factory=list)
     """Each request's client's part of its TTFT: what the front end gives for its count in flight
     (``FrontEnd.client_at``; 0 without one), and the steps its first text waited for after its
