@@ -232,7 +232,7 @@ def measure(url: str, prompts, ids: list[list[int]], simulator, precision: str, 
     """One setting sent to the server and simulated: (precision, workload, setting, measured,
     predicted, preemptions measured and simulated, steps ×, the TTFT split)."""
     from engine.estimates.predict_load import served_speed, served_steps, steps_between  # lazy: after main() pins
-    from engine.load.report import ttft_split
+    from engine.load.report import ttft_split  # lazy: after main() pins
 
     before, steps_before = scrape(url), served_steps(f"{url}/v1", None)
     plan, setting = run_plan(f"{url}/v1", prompts, plan_args)

@@ -160,7 +160,7 @@ def fit_front_end(url: str, api_key: str | None, model: str | None, prompts: lis
     if all(speed is not None for speed in speeds):  # checked, not applied: see served_speed
         took = " and ×".join(f"{speed:.2f}" for speed in speeds)
         source += f", whose own steps took ×{took} the timed figures"
-    client = tuple(sorted(point for point in clients if point is not None)) if None not in clients else ()
+    client = tuple(sorted(clients)) if None not in clients else ()
     front = FrontEnd(step, token, request, source, spread, client)
     cost = replace(simulator.cost, front=front)
     simulator.cost = cost
@@ -199,16 +199,12 @@ def steps_between(before, after) -> tuple[float, tuple[float, ...]] | None:
 def served_steps(url: str, api_key: str | None) -> tuple[float, tuple[float, ...]] | None:
     """The server's steps so far as its ``/metrics`` counts them (``served_work``); ``None`` where
     it doesn't."""
-    return _served(url, api_key, served_work)
-
-
-def _served(url: str, api_key: str | None, read):
     import httpx  # lazy: only a prediction reads it here
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         answer = httpx.get(metrics_url(url), headers=headers, timeout=10)
-        return read(answer.text) if answer.status_code == 200 else None
+        return served_work(answer.text) if answer.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
 

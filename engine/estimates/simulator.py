@@ -383,8 +383,8 @@ class ServingSimulator:
                         kv.keep(r.rid, r.prompt + r.tokens, in_cache)
                         scheduler.remove(r)
                         j = r.rid - base
-                        first = min(self.first_text.get(requests[j].prompt_ids, requests[j].first_tokens)
-                                    if requests[j].prompt_ids else requests[j].first_tokens, len(r.times))
+                        first = min(self.first_text.get(requests[j].prompt_ids, requests[j].first_tokens),
+                                    len(r.times))
                         _finished(results[j], r, latency[j], first)
                         client[j] += r.times[first - 1] - r.times[0]
                         prompt_steps[j] = r.prompt_steps

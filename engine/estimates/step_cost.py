@@ -156,15 +156,12 @@ class FrontEnd:
     def client_at(self, in_flight: float) -> float:
         """The client's part for a request arriving with ``in_flight`` others (straight lines
         between the loads it was measured at, level past them; none measured: 0)."""
-        points = self.client_s
-        if not points:
+        import numpy as np
+
+        if not self.client_s:
             return 0.0
-        if in_flight <= points[0][0]:
-            return points[0][1]
-        for (x0, y0), (x1, y1) in zip(points, points[1:]):
-            if in_flight <= x1:
-                return y0 + (y1 - y0) * (in_flight - x0) / (x1 - x0) if x1 > x0 else y1
-        return points[-1][1]
+        xs, ys = zip(*self.client_s)
+        return float(np.interp(in_flight, xs, ys))
 
     def describe(self) -> str:
         spread = ""
